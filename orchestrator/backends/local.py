@@ -1,0 +1,228 @@
+"""Local backend: N emulated nodes on this machine, each running the recipe's `run:` as SkyPilot would.
+
+Every node gets SkyPilot's environment (NODE_IPS = N lines of 127.0.0.1, ranks 0..N-1), so `orch node`
+computes the same multi-node `accelerate launch` as on a cluster and all ranks rendezvous over loopback
+into ONE process group. Gang semantics: the first node to fail stops the others. CPU cores are split
+between the processes (OMP_NUM_THREADS), since oversubscribed threads make a tiny run 10x slower.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+STOP_GRACE_SECONDS = 10.0
+
+
+@dataclass
+class LocalResult:
+    returncode: int
+    failed_node: int | None
+    """Rank of the first node that exited non-zero, if any."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def threads_per_process(total_processes: int, cores: int | None = None) -> int:
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores // max(1, total_processes))
+
+
+def node_envs(
+    task_envs: Mapping[str, str], nodes: int, procs_per_node: int, task_id: str, port: int
+) -> list[dict[str, str]]:
+    """The environment of each emulated node (pure: the caller adds os.environ)."""
+    threads = threads_per_process(nodes * procs_per_node)
+    envs = []
+    for rank in range(nodes):
+        env = dict(task_envs)
+        env.update(
+            SKYPILOT_NODE_RANK=str(rank),
+            SKYPILOT_NODE_IPS="127.0.0.1\n" * nodes,
+            SKYPILOT_NUM_NODES=str(nodes),
+            SKYPILOT_NUM_GPUS_PER_NODE=str(procs_per_node),
+            SKYPILOT_TASK_ID=task_id,
+            MAIN_PROCESS_PORT=str(port),
+            ORCH_DEVICE="cpu",
+            OMP_NUM_THREADS=str(threads),
+            MKL_NUM_THREADS=str(threads),
+            TOKENIZERS_PARALLELISM="false",
+            HF_HUB_DISABLE_PROGRESS_BARS="1",
+            HF_DATASETS_DISABLE_PROGRESS_BARS="1",
+            PYTHONWARNINGS="ignore::FutureWarning",
+            PYTHONUNBUFFERED="1",
+        )
+        envs.append(env)
+    return envs
+
+
+def _pump(stream, prefix: str, lock: threading.Lock, sink) -> None:
+    for line in iter(stream.readline, ""):
+        with lock:
+            sink.write(prefix + line)
+            sink.flush()
+    stream.close()
+
+
+def _stop(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_nodes(
+    run_script: str,
+    envs: list[dict[str, str]],
+    workdir: Path,
+    sink=None,
+) -> LocalResult:
+    """Start one `bash -c run_script` per node env; return when all finish or the first one fails."""
+    sink = sink or sys.stdout
+    lock = threading.Lock()
+    base = dict(os.environ)
+    # The node must find `orch` and `accelerate` of this Python's environment, as `setup:` would install them.
+    base["PATH"] = str(Path(sys.executable).parent) + os.pathsep + base.get("PATH", "")
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    try:
+        for rank, env in enumerate(envs):
+            proc = subprocess.Popen(
+                ["bash", "-c", run_script],
+                cwd=workdir,
+                env={**base, **env},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                errors="replace",
+                start_new_session=True,  # its own process group, so the gang stop reaches torchrun's children
+            )
+            procs.append(proc)
+            pump = threading.Thread(target=_pump, args=(proc.stdout, f"(node{rank}) ", lock, sink), daemon=True)
+            pump.start()
+            pumps.append(pump)
+        failed = None
+        while failed is None and any(p.poll() is None for p in procs):
+            for rank, proc in enumerate(procs):
+                if proc.poll() not in (None, 0):
+                    failed = rank
+                    break
+            time.sleep(0.05)
+        if failed is None:
+            failed = next((rank for rank, p in enumerate(procs) if p.returncode != 0), None)
+        if failed is not None:
+            code = procs[failed].returncode
+            with lock:
+                sink.write(f"[orch] node {failed} exited with code {code}: stopping the other nodes\n")
+                sink.flush()
+            _stop_all(procs)
+    except BaseException:
+        _stop_all(procs)
+        raise
+    finally:
+        for pump in pumps:
+            pump.join(timeout=5)
+    if failed is None:
+        return LocalResult(0, None)
+    return LocalResult(procs[failed].returncode or 1, failed)
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            _stop(proc, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _stop(proc, signal.SIGKILL)
+            proc.wait()
+    for proc in procs:  # children that outlived their bash
+        _stop(proc, signal.SIGKILL)
+
+
+def _summary(output_dir: Path) -> list[str]:
+    """What really ran, from the per-rank reports the training processes wrote (orchestrator/train.py)."""
+    import json
+
+    reports = sorted((output_dir / "orch").glob("rank*.json"))
+    if not reports:
+        return [f"[orch] no training report in {output_dir / 'orch'}: the training did not finish"]
+    ranks = [json.loads(p.read_text()) for p in reports]
+    head = ranks[0]
+    world = head["world_size"]
+    lines = [
+        f"[orch] ran: {head['distributed_type']} over {head['backend'] or 'no process group'}, world size {world} "
+        f"(ranks reporting: {', '.join(str(r['rank']) for r in ranks)})"
+    ]
+    steps = head["optimizer_steps_this_run"]
+    if steps:
+        per_step = head["total_samples"] / steps
+        lines.append(
+            f"[orch] {steps} optimizer steps x {per_step:g} samples "
+            f"(= {head['per_device_train_batch_size']} per device x {world} ranks x "
+            f"{head['gradient_accumulation_steps']} accumulation)"
+        )
+    log = output_dir / "orch" / "log.jsonl"
+    losses = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+    losses = [r for r in losses if "loss" in r]
+    if losses:
+        lines.append(
+            f"[orch] loss: step {losses[0]['step']} {losses[0]['loss']:.4f} -> step {losses[-1]['step']} "
+            f"{losses[-1]['loss']:.4f}"
+        )
+    checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    if checkpoints:
+        lines.append(f"[orch] checkpoint: {checkpoints[-1]}; final model: {output_dir}")
+    return lines
+
+
+def launch(recipe, task: dict, run_id: str, *, nodes: int, procs_per_node: int) -> int:
+    """Run a resolved task on emulated nodes and print what ran. Returns the exit code for the CLI."""
+    import shutil
+
+    from orchestrator import overrides
+
+    workdir = Path(str(task.get("workdir") or "."))
+    envs = {k: "" if v is None else str(v) for k, v in (task.get("envs") or {}).items()}
+    output_dir = workdir / overrides.loads(envs.get("TRL_OVERRIDES", "")).get("output_dir", f"outputs/{run_id}")
+    total = nodes * procs_per_node
+    print(
+        f"[orch] run {run_id}: recipe {recipe.name} ({envs['TRL_TRAINER']}) on {nodes} emulated node(s) x "
+        f"{procs_per_node} CPU process(es) = world size {total}, {threads_per_process(total)} thread(s) each",
+        flush=True,
+    )
+    print(f"[orch] output: {output_dir}", flush=True)
+    if task.get("setup"):
+        print("[orch] local: skipping the recipe's `setup:` (this environment is already installed)", flush=True)
+    if (output_dir / "orch").is_dir():
+        shutil.rmtree(output_dir / "orch")  # reports describe one run; checkpoints stay for resuming
+    started = time.monotonic()
+    node_env = node_envs(envs, nodes, procs_per_node, task_id=run_id, port=free_port())
+    result = run_nodes(str(task["run"]), node_env, workdir)
+    elapsed = time.monotonic() - started
+    if result.returncode != 0:
+        print(
+            f"[orch] failed after {elapsed:.1f} s: node {result.failed_node} exited with code "
+            f"{result.returncode} (its log lines are prefixed (node{result.failed_node}))",
+            flush=True,
+        )
+        return result.returncode
+    print(f"[orch] finished in {elapsed:.1f} s", flush=True)
+    for line in _summary(output_dir):
+        print(line, flush=True)
+    return 0

@@ -1,0 +1,64 @@
+"""Global batch invariance: the GPU count changes the speed of a run, never its math.
+
+samples per optimizer step = per_device_train_batch_size x data_parallel_size x gradient_accumulation_steps
+A recipe fixes the left side (GLOBAL_BATCH_SIZE); orch solves for gradient_accumulation_steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from orchestrator.errors import OrchError
+
+TRAINING_ARGS_DEFAULT_PER_DEVICE = 8  # transformers.TrainingArguments.per_device_train_batch_size
+
+
+def _positive_int(value: object, name: str) -> int:
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise OrchError(f"{name}={value!r} is not a whole number") from None
+    if number < 1:
+        raise OrchError(f"{name}={number} must be at least 1")
+    return number
+
+
+def per_device_batch(trl_config: Mapping, user: Mapping[str, str]) -> int:
+    raw = user.get("per_device_train_batch_size", trl_config.get("per_device_train_batch_size"))
+    return _positive_int(raw if raw is not None else TRAINING_ARGS_DEFAULT_PER_DEVICE, "per_device_train_batch_size")
+
+
+def solve(global_batch: int, per_device: int, data_parallel_size: int) -> int:
+    """gradient_accumulation_steps that keeps `global_batch`, or an error naming the nearest valid choices."""
+    per_step = per_device * data_parallel_size
+    if global_batch % per_step == 0:
+        return global_batch // per_step
+    fixes = []
+    devices = [d for d in range(per_device - 1, 0, -1) if global_batch % (d * data_parallel_size) == 0]
+    if devices:
+        fixes.append(f"per_device_train_batch_size={devices[0]}")
+    lower, upper = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
+    fixes.append(" or ".join(f"GLOBAL_BATCH_SIZE={g}" for g in (lower, upper) if g >= per_step))
+    ranks = [r for r in range(data_parallel_size - 1, 0, -1) if global_batch % (per_device * r) == 0]
+    if ranks:
+        fixes.append(f"{ranks[0]} data-parallel ranks")
+    raise OrchError(
+        f"GLOBAL_BATCH_SIZE={global_batch} is not a multiple of per_device_train_batch_size x data-parallel ranks "
+        f"= {per_device} x {data_parallel_size} = {per_step}; use " + ", or ".join(fixes)
+    )
+
+
+def accumulation_steps(
+    env: Mapping[str, str], trl_config: Mapping, user: Mapping[str, str], data_parallel_size: int
+) -> int | None:
+    """None when the recipe declares no GLOBAL_BATCH_SIZE (then the TRL config's own value stands)."""
+    raw = env.get("GLOBAL_BATCH_SIZE", "").strip()
+    if not raw:
+        return None
+    if "gradient_accumulation_steps" in user:
+        raise OrchError(
+            "gradient_accumulation_steps is derived from GLOBAL_BATCH_SIZE; "
+            "override GLOBAL_BATCH_SIZE (--env GLOBAL_BATCH_SIZE=N) instead"
+        )
+    global_batch = _positive_int(raw, "GLOBAL_BATCH_SIZE")
+    return solve(global_batch, per_device_batch(trl_config, user), data_parallel_size)

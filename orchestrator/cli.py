@@ -1,0 +1,66 @@
+"""The `orch` command. Each subcommand is a small module in orchestrator/commands/ with real examples.
+
+Imports stay light: nothing here pulls torch, transformers, trl or sky; a subcommand imports what it needs
+when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from orchestrator import __version__
+from orchestrator.errors import OrchError
+
+COMMANDS = ("run", "node")
+
+EPILOG = """\
+examples:
+  orch run phi3_dpo_fsdp --local --nodes 2 --smoke   # 2 emulated nodes on this machine, CPU, tiny Phi-3
+  orch node --print                                 # on a SkyPilot node: the accelerate command it would run
+
+The two sides: `orch run` (laptop/CI) resolves a recipe and launches it; `orch node` (on every node,
+from the recipe's `run:`) turns SkyPilot's environment into the exact `accelerate launch` command.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit code 2, usage hint
+        raise OrchError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = _Parser(
+        prog="orch",
+        description="Run TRL fine-tuning recipes on multi-node GPU clusters through SkyPilot, or locally.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"orch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMANDS:
+        importlib.import_module(f"orchestrator.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        return int(args.func(args) or 0)
+    except OrchError as exc:
+        print(f"orch: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("orch: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""`orch node`: on a node, turn SkyPilot's environment into the `accelerate launch` command and exec it."""
+
+from __future__ import annotations
+
+import argparse
+
+EPILOG = """\
+examples:
+  orch node            # in a recipe's `run:`: exec accelerate with this node's rank, IPs and GPU count
+  orch node --print    # print that command and exit (identical env -> identical argv)
+
+  # try it by hand: rank 1 of 2 nodes x 8 GPUs
+  SKYPILOT_NODE_RANK=1 SKYPILOT_NUM_NODES=2 SKYPILOT_NUM_GPUS_PER_NODE=8 \\
+  SKYPILOT_NODE_IPS=$'10.0.0.1\\n10.0.0.2' TRL_TRAINER=dpo TRL_CONFIG=recipes/trl/phi3_dpo.yaml \\
+  ACCELERATE_CONFIG=recipes/accelerate/fsdp2_phi3.yaml GLOBAL_BATCH_SIZE=64 orch node --print
+
+Reads SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE (set by SkyPilot)
+and the recipe's envs TRL_TRAINER, TRL_CONFIG, ACCELERATE_CONFIG, GLOBAL_BATCH_SIZE, TRL_OVERRIDES,
+MAIN_PROCESS_PORT; ORCH_DEVICE=cpu runs CPU processes (the local backend sets it).
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "node",
+        help="on a node: exec the accelerate launch command for this node",
+        description="Build this node's `accelerate launch` command from SkyPilot's environment and exec it.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--print", action="store_true", help="print the command and exit instead of running it")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from orchestrator import node
+
+    return node.run(print_only=args.print)

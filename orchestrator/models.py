@@ -1,0 +1,41 @@
+"""Facts about the model families orch's recipes use, as plain data (no transformers import).
+
+Used by smoke mode (which tiny architecture to build) and by checks on the launch side (which decoder layer
+FSDP must wrap). Matching is by the Hugging Face id's family name, case-insensitive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.errors import OrchError
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    """transformers' model_type (AutoConfig.for_model key)."""
+    decoder_layer: str
+    """Class FSDP wraps as one unit (fsdp_transformer_layer_cls_to_wrap)."""
+    markers: tuple[str, ...]
+    """Lower-case substrings of Hugging Face ids of this family."""
+
+
+FAMILIES = (
+    Family("phi3", "Phi3DecoderLayer", ("phi-3", "phi3", "phi-4", "phi4")),
+    Family("qwen3", "Qwen3DecoderLayer", ("qwen3",)),
+    Family("qwen2", "Qwen2DecoderLayer", ("qwen2",)),
+    Family("llama", "LlamaDecoderLayer", ("llama",)),
+)
+
+
+def family_of(model_id: str) -> Family:
+    lowered = model_id.lower()
+    for family in FAMILIES:
+        if any(marker in lowered for marker in family.markers):
+            return family
+    known = ", ".join(f.model_type for f in FAMILIES)
+    raise OrchError(
+        f"model {model_id!r} is not of a family orch knows ({known}); "
+        "smoke mode and the FSDP wrap check need one: pick a recipe of a known family"
+    )

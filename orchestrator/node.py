@@ -1,0 +1,197 @@
+"""Node side: SkyPilot's environment -> the exact `accelerate launch` argv for the recipe's TRL trainer.
+
+`plan()` is pure (an env mapping and two parsed configs in, an argv list out); `main()` reads the files,
+prints or execs. Nothing heavy is imported here: the node must start training with no delay of its own.
+
+Variables read (all set by SkyPilot or by the recipe's `envs:`):
+  SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE  (SkyPilot)
+  TRL_TRAINER        sft | dpo | grpo | kto | reward
+  TRL_CONFIG         path of the TRL config (YAML of the trainer's arguments)
+  ACCELERATE_CONFIG  path of the Accelerate config, or a TRL profile name (zero1..3, fsdp1, fsdp2, multi_gpu)
+  GLOBAL_BATCH_SIZE  optional: samples per optimizer step over all ranks; sets gradient_accumulation_steps
+  TRL_OVERRIDES      optional: `key=value` words appended to the TRL script's arguments
+  MAIN_PROCESS_PORT  optional: rendezvous port on the head node (default 29500; SkyPilot's Ray uses 6380)
+  ORCH_DEVICE        optional: `cpu` makes every process a CPU process (the local backend sets it)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator import batch, overrides
+from orchestrator.errors import OrchError
+from orchestrator.topology import Topology, from_env
+
+TRAINERS = ("sft", "dpo", "grpo", "kto", "reward")
+PROFILES = ("zero1", "zero2", "zero3", "fsdp1", "fsdp2", "multi_gpu", "single_gpu")
+DEFAULT_PORT = 29500
+CPU_CONFIG = Path(__file__).parent / "configs" / "cpu.yaml"
+TRAIN_MODULE = "orchestrator.train"
+
+
+@dataclass
+class NodePlan:
+    """What one node will run."""
+
+    argv: list[str]
+    """The full `accelerate launch ...` command, as an argv list (never a shell string)."""
+    topology: Topology
+    distributed_type: str
+    """What the Accelerate config asks for: FSDP, DEEPSPEED, MULTI_GPU or NO."""
+    runs_as: str
+    """What will really run: the config's type on GPUs, `DDP over gloo` on CPU."""
+    gradient_accumulation_steps: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _required(env: Mapping[str, str], name: str, example: str) -> str:
+    value = env.get(name, "").strip()
+    if not value:
+        raise OrchError(f"{name} is not set; the recipe's `envs:` must give it (for example {name}: {example})")
+    return value
+
+
+def resolve_accelerate_config(value: str) -> Path:
+    """A path, or one of TRL's profile names (looked up in the installed trl package, as `trl --accelerate_config`)."""
+    if value in PROFILES:
+        import importlib.util
+
+        spec = importlib.util.find_spec("trl")
+        if spec is None or spec.origin is None:
+            raise OrchError(
+                f"ACCELERATE_CONFIG={value} names a TRL profile but trl is not installed: pip install '.[train]'"
+            )
+        return Path(spec.origin).parent / "accelerate_configs" / f"{value}.yaml"
+    return Path(value)
+
+
+def plan(env: Mapping[str, str], accelerate_config: Mapping, trl_config: Mapping) -> NodePlan:
+    """Pure: decide the argv of this node from its env and the two parsed config files."""
+    topo = from_env(env)
+    trainer = _required(env, "TRL_TRAINER", "dpo")
+    if trainer not in TRAINERS:
+        raise OrchError(f"TRL_TRAINER={trainer!r} is not a trainer orch runs; use one of {', '.join(TRAINERS)}")
+    trl_path = _required(env, "TRL_CONFIG", "recipes/trl/phi3_dpo.yaml")
+    accel_path = _required(env, "ACCELERATE_CONFIG", "recipes/accelerate/fsdp2_phi3.yaml")
+    port_raw = env.get("MAIN_PROCESS_PORT", "").strip() or str(DEFAULT_PORT)
+    if not port_raw.isdigit() or not 0 < int(port_raw) < 65536:
+        raise OrchError(f"MAIN_PROCESS_PORT={port_raw!r} is not a TCP port (1-65535)")
+    device = env.get("ORCH_DEVICE", "gpu").strip().lower() or "gpu"
+    if device not in ("gpu", "cpu"):
+        raise OrchError(f"ORCH_DEVICE={device!r}: use gpu or cpu")
+
+    user = overrides.loads(env.get("TRL_OVERRIDES", ""))
+    asked = str(accelerate_config.get("distributed_type", "NO")).upper()
+    notes: list[str] = []
+
+    launch = ["accelerate", "launch"]
+    if device == "cpu":
+        # accelerate's --cpu path with several machines starts independent trainings (no process group):
+        # use torchrun's path (--multi_gpu) with a CPU config, and tell the TRL script use_cpu.
+        launch += ["--config_file", str(CPU_CONFIG)]
+        if topo.total_gpus > 1:
+            launch += ["--multi_gpu"]
+        runs_as = "DDP over gloo" if topo.total_gpus > 1 else "single process"
+        if asked in ("FSDP", "DEEPSPEED"):
+            notes.append(
+                f"the recipe asks for {asked} ({accel_path}); on CPU orch runs {runs_as} instead "
+                "(same data, batch and optimizer steps; no sharding)"
+            )
+    else:
+        launch += ["--config_file", accel_path]
+        runs_as = asked
+    launch += [
+        "--num_processes",
+        str(topo.total_gpus),
+        "--num_machines",
+        str(topo.nodes),
+        "--machine_rank",
+        str(topo.node_rank),
+        "--main_process_ip",
+        topo.head_ip,
+        "--main_process_port",
+        port_raw,
+        # Config-file values are ignored when accelerate has a CLI default: pass them as flags.
+        "--rdzv_backend",
+        "static",
+        "--same_network",
+    ]
+    if device == "gpu" and asked == "DEEPSPEED":
+        launch += ["--deepspeed_multinode_launcher", "standard"]  # else pdsh + hostfile
+
+    ga = batch.accumulation_steps(env, trl_config, user, data_parallel_size=topo.total_gpus)
+    script = ["--module", TRAIN_MODULE, trainer, "--config", trl_path, *overrides.to_argv(user)]
+    if ga is not None:
+        script += ["--gradient_accumulation_steps", str(ga)]
+    if device == "cpu":
+        script += ["--use_cpu", "true"]
+    return NodePlan(
+        argv=launch + script,
+        topology=topo,
+        distributed_type=asked,
+        runs_as=runs_as,
+        gradient_accumulation_steps=ga,
+        notes=notes,
+    )
+
+
+def _load_yaml(path: Path, what: str) -> dict:
+    import yaml
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise OrchError(f"{what} {path} cannot be read ({exc.strerror}); check the path in the recipe's envs") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        where = f" line {line + 1}" if line is not None else ""
+        raise OrchError(f"{what} {path} is not valid YAML{where}; fix the file") from None
+    if not isinstance(data, dict):
+        raise OrchError(f"{what} {path} must be a YAML mapping of settings")
+    return data
+
+
+def plan_from_env(env: Mapping[str, str]) -> NodePlan:
+    """Read the two config files named by the env, then `plan()`."""
+    from_env(env)  # report SkyPilot variable problems before file problems
+    accel = resolve_accelerate_config(_required(env, "ACCELERATE_CONFIG", "recipes/accelerate/fsdp2_phi3.yaml"))
+    trl_path = Path(_required(env, "TRL_CONFIG", "recipes/trl/phi3_dpo.yaml"))
+    return plan(env, _load_yaml(accel, "Accelerate config"), _load_yaml(trl_path, "TRL config"))
+
+
+def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
+    """`orch node`: print the plan, then exec accelerate (replacing this process) unless print_only."""
+    env = os.environ if env is None else env
+    node_plan = plan_from_env(env)
+    if print_only:
+        print(" ".join(_quote(a) for a in node_plan.argv))
+        return 0
+    topo = node_plan.topology
+    print(
+        f"[orch] node {topo.node_rank}/{topo.nodes}: {topo.gpus_per_node} process(es) here, "
+        f"{topo.total_gpus} in all, head {topo.head_ip}, running {node_plan.runs_as}",
+        flush=True,
+    )
+    for note in node_plan.notes:
+        print(f"[orch] note: {note}", flush=True)
+    print("[orch] exec: " + " ".join(_quote(a) for a in node_plan.argv), flush=True)
+    sys.stdout.flush()
+    try:
+        os.execvp(node_plan.argv[0], node_plan.argv)
+    except FileNotFoundError:
+        raise OrchError(
+            "`accelerate` is not on PATH on this node; the recipe's setup must pip install '.[train]'"
+        ) from None
+    return 0  # not reached
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)

@@ -1,0 +1,54 @@
+"""`key=value` overrides of TRL arguments: parsed on the launch side, carried to the nodes in TRL_OVERRIDES.
+
+TRL_OVERRIDES is a plain task env (visible in the resolved task YAML, so `sky launch sky_jobs/X.yaml`
+replays it) holding space-separated `key=value` words, each shell-quoted. The node launcher turns them into
+`--key value` arguments of the TRL script, after `--config`, so they win over the TRL config file.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterable
+
+from orchestrator.errors import OrchError
+
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+
+
+def parse(words: Iterable[str]) -> dict[str, str]:
+    """`["lr=1e-5", "max_steps=10"]` -> `{"lr": "1e-5", "max_steps": "10"}`; later words win."""
+    out: dict[str, str] = {}
+    for word in words:
+        key, sep, value = word.partition("=")
+        key = key.strip().removeprefix("--")
+        if not sep or not _KEY.match(key):
+            raise OrchError(f"override {word!r} is not key=value (for example learning_rate=1e-5)")
+        if "\n" in value or "\r" in value:
+            raise OrchError(f"override {key}= holds a newline; give a single-line value")
+        out[key] = value
+    return out
+
+
+def dumps(overrides: dict[str, str]) -> str:
+    """Serialize for the TRL_OVERRIDES env: `k=v k2='v 2'`."""
+    return " ".join(shlex.quote(f"{k}={v}") for k, v in overrides.items())
+
+
+def loads(text: str) -> dict[str, str]:
+    """Inverse of `dumps`, used on the node."""
+    try:
+        words = shlex.split(text or "")
+    except ValueError as exc:
+        raise OrchError(
+            f"TRL_OVERRIDES={text!r} cannot be split into words ({exc}); quote values with spaces"
+        ) from None
+    return parse(words)
+
+
+def to_argv(overrides: dict[str, str]) -> list[str]:
+    """`{"max_steps": "10"}` -> `["--max_steps", "10"]` (TRL's HfArgumentParser syntax)."""
+    argv: list[str] = []
+    for key, value in overrides.items():
+        argv += [f"--{key}", value]
+    return argv

@@ -1,0 +1,56 @@
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+
+os.environ["SKYPILOT_DISABLE_LOCAL_API_SERVER"] = "1"
+# A cache of tiny smoke models private to this test session: CI builds them from scratch.
+os.environ.setdefault("ORCH_CACHE_DIR", tempfile.mkdtemp(prefix="orch-test-cache-"))
+
+
+def orch(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess (exit codes, stdout/stderr, no shared state)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def check_snapshot(name: str, text: str) -> None:
+    """Compare with tests/snapshots/<name>; UPDATE_SNAPSHOT=1 rewrites it."""
+    path = SNAPSHOTS / name
+    if os.environ.get("UPDATE_SNAPSHOT") == "1" or not path.exists():
+        if os.environ.get("CI") and not path.exists():
+            pytest.fail(f"snapshot {name} is missing; run UPDATE_SNAPSHOT=1 pytest and commit it")
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed; if intended, refresh with UPDATE_SNAPSHOT=1"
+
+
+@pytest.fixture
+def node_env():
+    def make(nodes: int, gpus: int, rank: int, **extra: str) -> dict[str, str]:
+        env = {
+            "SKYPILOT_NODE_RANK": str(rank),
+            "SKYPILOT_NODE_IPS": "".join(f"10.0.0.{i + 1}\n" for i in range(nodes)),
+            "SKYPILOT_NUM_NODES": str(nodes),
+            "SKYPILOT_NUM_GPUS_PER_NODE": str(gpus),
+            "TRL_TRAINER": "dpo",
+            "TRL_CONFIG": "recipes/trl/phi3_dpo.yaml",
+            "ACCELERATE_CONFIG": "recipes/accelerate/fsdp2_phi3.yaml",
+            "GLOBAL_BATCH_SIZE": "64",
+        }
+        env.update(extra)
+        return env
+
+    return make

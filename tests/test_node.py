@@ -1,0 +1,140 @@
+"""The node launcher: SkyPilot env -> accelerate argv (pure, snapshot-tested) and its CLI."""
+
+import pytest
+from conftest import ROOT, check_snapshot, orch
+
+from orchestrator import node
+from orchestrator.errors import OrchError
+
+FSDP = {"distributed_type": "FSDP"}
+DPO = {"per_device_train_batch_size": 4}
+
+
+def test_rank1_of_2x8_exact_argv(node_env):
+    argv = node.plan(node_env(2, 8, 1), FSDP, DPO).argv
+    assert argv == [
+        "accelerate",
+        "launch",
+        "--config_file",
+        "recipes/accelerate/fsdp2_phi3.yaml",
+        "--num_processes",
+        "16",
+        "--num_machines",
+        "2",
+        "--machine_rank",
+        "1",
+        "--main_process_ip",
+        "10.0.0.1",
+        "--main_process_port",
+        "29500",
+        "--rdzv_backend",
+        "static",
+        "--same_network",
+        "--module",
+        "orchestrator.train",
+        "dpo",
+        "--config",
+        "recipes/trl/phi3_dpo.yaml",
+        "--gradient_accumulation_steps",
+        "1",
+    ]
+
+
+@pytest.mark.parametrize("nodes, gpus", [(1, 1), (1, 8), (2, 8), (4, 8)])
+def test_argv_snapshots(node_env, nodes, gpus):
+    lines = []
+    trl = {"per_device_train_batch_size": 2}  # 64 samples over up to 32 ranks
+    for rank in range(nodes):
+        plan = node.plan(node_env(nodes, gpus, rank), FSDP, trl)
+        lines.append(" ".join(plan.argv))
+        assert plan.argv == node.plan(node_env(nodes, gpus, rank), FSDP, trl).argv  # same env, same argv
+    check_snapshot(f"node_{nodes}x{gpus}.txt", "\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("nodes, gpus, ga", [(1, 1, 16), (1, 8, 2), (2, 8, 1)])
+def test_accumulation_keeps_global_batch(node_env, nodes, gpus, ga):
+    plan = node.plan(node_env(nodes, gpus, 0), FSDP, DPO)
+    assert plan.gradient_accumulation_steps == ga
+    assert 4 * nodes * gpus * ga == 64
+
+
+def test_deepspeed_gets_standard_multinode_launcher(node_env):
+    argv = node.plan(node_env(2, 8, 0), {"distributed_type": "DEEPSPEED"}, DPO).argv
+    i = argv.index("--deepspeed_multinode_launcher")
+    assert argv[i + 1] == "standard"
+
+
+def test_cpu_runs_ddp_over_torchrun_path(node_env):
+    plan = node.plan(node_env(2, 1, 0, ORCH_DEVICE="cpu"), FSDP, DPO)
+    assert "--multi_gpu" in plan.argv and "--cpu" not in plan.argv
+    assert plan.argv[plan.argv.index("--config_file") + 1] == str(node.CPU_CONFIG)
+    assert plan.argv[-2:] == ["--use_cpu", "true"]
+    assert plan.runs_as == "DDP over gloo"
+    assert any("asks for FSDP" in n and "DDP over gloo" in n for n in plan.notes)
+
+
+def test_overrides_reach_the_trl_script_after_config(node_env):
+    env = node_env(1, 8, 0, TRL_OVERRIDES="learning_rate=1e-5 'run_name=a b'")
+    argv = node.plan(env, FSDP, DPO).argv
+    tail = argv[argv.index("--config") :]
+    assert tail[:6] == ["--config", "recipes/trl/phi3_dpo.yaml", "--learning_rate", "1e-5", "--run_name", "a b"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"TRL_TRAINER": "ppo"}, r"TRL_TRAINER='ppo' is not a trainer orch runs"),
+        ({"TRL_TRAINER": ""}, r"TRL_TRAINER is not set"),
+        ({"MAIN_PROCESS_PORT": "70000"}, r"MAIN_PROCESS_PORT='70000' is not a TCP port"),
+        (
+            {"GLOBAL_BATCH_SIZE": "60"},
+            r"GLOBAL_BATCH_SIZE=60 is not a multiple of .* = 4 x 16 = 64; use "
+            r"GLOBAL_BATCH_SIZE=64, or 15 data-parallel ranks$",
+        ),
+        (
+            {"GLOBAL_BATCH_SIZE": "32"},
+            r"= 4 x 16 = 64; use per_device_train_batch_size=2, or GLOBAL_BATCH_SIZE=64, "
+            r"or 8 data-parallel ranks$",
+        ),
+        ({"TRL_OVERRIDES": "gradient_accumulation_steps=4"}, r"derived from GLOBAL_BATCH_SIZE"),
+        ({"ORCH_DEVICE": "tpu"}, r"ORCH_DEVICE='tpu': use gpu or cpu"),
+    ],
+)
+def test_bad_node_env(node_env, extra, message):
+    with pytest.raises(OrchError, match=message):
+        node.plan(node_env(2, 8, 0, **extra), FSDP, DPO)
+
+
+def test_cli_print_reads_real_config_files(node_env):
+    result = orch("node", "--print", env=node_env(2, 8, 1))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("accelerate launch --config_file recipes/accelerate/fsdp2_phi3.yaml")
+    assert "--num_processes 16 --num_machines 2 --machine_rank 1 --main_process_ip 10.0.0.1" in result.stdout
+    # 64 global / (4 per device x 16 ranks)
+    assert result.stdout.rstrip().endswith("--gradient_accumulation_steps 1")
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"SKYPILOT_NODE_RANK": "5"}, "SKYPILOT_NODE_RANK=5 is outside 0..1"),
+        ({"SKYPILOT_NODE_IPS": "10.0.0.1"}, "lists 1 address(es)"),
+        ({"SKYPILOT_NUM_GPUS_PER_NODE": "0"}, "the task has no GPUs"),
+        ({"SKYPILOT_NUM_NODES": ""}, "SKYPILOT_NUM_NODES is not set"),
+        ({"TRL_CONFIG": "recipes/trl/nope.yaml"}, "TRL config recipes/trl/nope.yaml cannot be read"),
+    ],
+)
+def test_cli_bad_env_exits_2_with_one_line(node_env, changes, message):
+    result = orch("node", "--print", env=node_env(2, 8, 0, **changes))
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_profile_name_resolves_to_trl_file():
+    path = node.resolve_accelerate_config("zero3")
+    assert path.name == "zero3.yaml" and path.is_file()
+    assert node.resolve_accelerate_config("recipes/x.yaml").as_posix() == "recipes/x.yaml"
+    assert ROOT.is_dir()
