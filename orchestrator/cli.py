@@ -12,12 +12,15 @@ import sys
 from orchestrator import __version__
 from orchestrator.errors import OrchError
 
-COMMANDS = ("run", "node")
+COMMANDS = ("run", "node", "jobs")
 
 EPILOG = """\
 examples:
-  orch run phi3_dpo_fsdp --local --nodes 2 --smoke   # 2 emulated nodes on this machine, CPU, tiny Phi-3
-  orch node --print                                 # on a SkyPilot node: the accelerate command it would run
+  orch run phi3_dpo_fsdp --local --nodes 2 --smoke            # 2 emulated nodes on this machine, CPU, tiny Phi-3
+  orch run phi3_dpo_fsdp --gpus A100:8 --nodes 2 --dry-run    # every rank's command and SkyPilot's plan
+  orch run phi3_dpo_fsdp --gpus A100:8 --nodes 2              # launch through the SkyPilot SDK
+  orch status                                                 # recorded runs and their state
+  orch node --print                                           # on a node: the accelerate command it would run
 
 The two sides: `orch run` (laptop/CI) resolves a recipe and launches it; `orch node` (on every node,
 from the recipe's `run:`) turns SkyPilot's environment into the exact `accelerate launch` command.
@@ -49,7 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        # key=value words may come after options (`orch run R --nodes 2 lr=1e-5`): argparse leaves those over.
+        args, extra = parser.parse_known_args(argv)
+        if hasattr(args, "overrides"):
+            args.overrides += [w for w in extra if "=" in w and not w.startswith("-")]
+            extra = [w for w in extra if not ("=" in w and not w.startswith("-"))]
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.argv = list(argv)
         if not getattr(args, "func", None):
             parser.print_help()
             return 2

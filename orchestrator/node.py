@@ -27,7 +27,17 @@ from orchestrator.errors import OrchError
 from orchestrator.topology import Topology, from_env
 
 TRAINERS = ("sft", "dpo", "grpo", "kto", "reward")
-PROFILES = ("zero1", "zero2", "zero3", "fsdp1", "fsdp2", "multi_gpu", "single_gpu")
+# TRL's Accelerate profile names (trl/accelerate_configs/<name>.yaml) and what each asks for.
+PROFILE_TYPES = {
+    "zero1": "DEEPSPEED",
+    "zero2": "DEEPSPEED",
+    "zero3": "DEEPSPEED",
+    "fsdp1": "FSDP",
+    "fsdp2": "FSDP",
+    "multi_gpu": "MULTI_GPU",
+    "single_gpu": "NO",
+}
+PROFILES = tuple(PROFILE_TYPES)
 DEFAULT_PORT = 29500
 CPU_CONFIG = Path(__file__).parent / "configs" / "cpu.yaml"
 TRAIN_MODULE = "orchestrator.train"
@@ -45,6 +55,7 @@ class NodePlan:
     runs_as: str
     """What will really run: the config's type on GPUs, `DDP over gloo` on CPU."""
     gradient_accumulation_steps: int | None = None
+    per_device_batch: int | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -55,13 +66,18 @@ def _required(env: Mapping[str, str], name: str, example: str) -> str:
     return value
 
 
-def resolve_accelerate_config(value: str) -> Path:
-    """A path, or one of TRL's profile names (looked up in the installed trl package, as `trl --accelerate_config`)."""
+def resolve_accelerate_config(value: str, strict: bool = True) -> Path:
+    """A path, or one of TRL's profile names (looked up in the installed trl package, as `trl --accelerate_config`).
+
+    With strict=False (previews on a laptop without trl) a profile resolves to `trl/accelerate_configs/<name>.yaml`.
+    """
     if value in PROFILES:
         import importlib.util
 
         spec = importlib.util.find_spec("trl")
         if spec is None or spec.origin is None:
+            if not strict:
+                return Path("trl") / "accelerate_configs" / f"{value}.yaml"
             raise OrchError(
                 f"ACCELERATE_CONFIG={value} names a TRL profile but trl is not installed: pip install '.[train]'"
             )
@@ -69,8 +85,13 @@ def resolve_accelerate_config(value: str) -> Path:
     return Path(value)
 
 
-def plan(env: Mapping[str, str], accelerate_config: Mapping, trl_config: Mapping) -> NodePlan:
-    """Pure: decide the argv of this node from its env and the two parsed config files."""
+def plan(
+    env: Mapping[str, str], accelerate_config: Mapping, trl_config: Mapping, accel_file: Path | None = None
+) -> NodePlan:
+    """Pure: decide the argv of this node from its env and the two parsed config files.
+
+    accel_file: where a TRL profile name resolved to (the argv names that file); None for a plain path.
+    """
     topo = from_env(env)
     trainer = _required(env, "TRL_TRAINER", "dpo")
     if trainer not in TRAINERS:
@@ -102,7 +123,7 @@ def plan(env: Mapping[str, str], accelerate_config: Mapping, trl_config: Mapping
                 "(same data, batch and optimizer steps; no sharding)"
             )
     else:
-        launch += ["--config_file", accel_path]
+        launch += ["--config_file", str(accel_file) if accel_file else accel_path]
         runs_as = asked
     launch += [
         "--num_processes",
@@ -135,6 +156,7 @@ def plan(env: Mapping[str, str], accelerate_config: Mapping, trl_config: Mapping
         distributed_type=asked,
         runs_as=runs_as,
         gradient_accumulation_steps=ga,
+        per_device_batch=batch.per_device_batch(trl_config, user),
         notes=notes,
     )
 
@@ -157,12 +179,45 @@ def _load_yaml(path: Path, what: str) -> dict:
     return data
 
 
+def load_configs(env: Mapping[str, str], strict: bool = True) -> tuple[dict, dict, Path | None]:
+    """The Accelerate config (parsed), the TRL config (parsed) and the resolved profile file, if any."""
+    value = _required(env, "ACCELERATE_CONFIG", "recipes/accelerate/fsdp2_phi3.yaml")
+    trl = _load_yaml(Path(_required(env, "TRL_CONFIG", "recipes/trl/phi3_dpo.yaml")), "TRL config")
+    if value in PROFILES:
+        path = resolve_accelerate_config(value, strict=strict)
+        accel = _load_yaml(path, "Accelerate config") if path.is_file() else {"distributed_type": PROFILE_TYPES[value]}
+        return accel, trl, path
+    return _load_yaml(Path(value), "Accelerate config"), trl, None
+
+
 def plan_from_env(env: Mapping[str, str]) -> NodePlan:
     """Read the two config files named by the env, then `plan()`."""
     from_env(env)  # report SkyPilot variable problems before file problems
-    accel = resolve_accelerate_config(_required(env, "ACCELERATE_CONFIG", "recipes/accelerate/fsdp2_phi3.yaml"))
-    trl_path = Path(_required(env, "TRL_CONFIG", "recipes/trl/phi3_dpo.yaml"))
-    return plan(env, _load_yaml(accel, "Accelerate config"), _load_yaml(trl_path, "TRL config"))
+    accel, trl, profile_file = load_configs(env)
+    return plan(env, accel, trl, profile_file)
+
+
+def preview(task_envs: Mapping[str, str], nodes: int, gpus_per_node: int, device: str = "gpu") -> list[NodePlan]:
+    """The plan of every node rank of a task, computed on the launch side from the env SkyPilot will set.
+
+    Node IPs are placeholders (10.0.0.1, ...): SkyPilot assigns the real ones.
+    """
+    base = dict(task_envs)
+    if device == "cpu":
+        base["ORCH_DEVICE"] = "cpu"
+    base.update(
+        SKYPILOT_NODE_IPS="".join(f"10.0.0.{i + 1}\n" for i in range(nodes)),
+        SKYPILOT_NUM_NODES=str(nodes),
+        SKYPILOT_NUM_GPUS_PER_NODE=str(gpus_per_node),
+    )
+    accel, trl, profile_file = load_configs(base, strict=False)
+    return [plan({**base, "SKYPILOT_NODE_RANK": str(rank)}, accel, trl, profile_file) for rank in range(nodes)]
+
+
+def render(argv: list[str]) -> str:
+    import shlex
+
+    return " ".join(shlex.quote(a) for a in argv)
 
 
 def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
@@ -170,7 +225,7 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     node_plan = plan_from_env(env)
     if print_only:
-        print(" ".join(_quote(a) for a in node_plan.argv))
+        print(render(node_plan.argv))
         return 0
     topo = node_plan.topology
     print(
@@ -180,7 +235,7 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     )
     for note in node_plan.notes:
         print(f"[orch] note: {note}", flush=True)
-    print("[orch] exec: " + " ".join(_quote(a) for a in node_plan.argv), flush=True)
+    print("[orch] exec: " + render(node_plan.argv), flush=True)
     sys.stdout.flush()
     try:
         os.execvp(node_plan.argv[0], node_plan.argv)
@@ -189,9 +244,3 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
             "`accelerate` is not on PATH on this node; the recipe's setup must pip install '.[train]'"
         ) from None
     return 0  # not reached
-
-
-def _quote(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(arg)

@@ -2,38 +2,46 @@
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, orch
 
 pytestmark = pytest.mark.slow
+SECRET = "tok_0123456789abcdef"
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A scratch project: a copy of recipes/ (outputs/ and sky_jobs/ are written there)."""
+    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
+    return tmp_path
 
 
 def reports(output_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((output_dir / "orch").glob("rank*.json"))]
 
 
-def output_dir_of(stdout: str) -> Path:
+def output_dir_of(stdout: str, project: Path) -> Path:
     match = re.search(r"^\[orch\] output: (\S+)$", stdout, re.M)
     assert match, stdout
-    return ROOT / match.group(1)
+    return project / match.group(1)
 
 
-def test_two_node_smoke_is_one_process_group():
-    result = orch("run", "phi3_dpo_fsdp", "--local", "--nodes", "2", "--smoke")
+def test_two_node_smoke_is_one_process_group(project):
+    result = orch("run", "phi3_dpo_fsdp", "--local", "--nodes", "2", "--smoke", cwd=project)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     # each node printed its own accelerate command, with the TOTAL process count
     for rank in (0, 1):
-        line = next(
-            line for line in out.splitlines() if line.startswith(f"(node{rank}) [orch] exec: accelerate launch")
-        )
+        line = next(x for x in out.splitlines() if x.startswith(f"(node{rank}) [orch] exec: accelerate launch"))
         assert "--num_processes 2 --num_machines 2" in line and f"--machine_rank {rank}" in line
         assert "--multi_gpu" in line
     assert "on CPU orch runs DDP over gloo instead" in out
     # from inside the training processes: one group of world size 2, each rank its own
-    ranks = reports(output_dir_of(out))
+    output_dir = output_dir_of(out, project)
+    ranks = reports(output_dir)
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for r in ranks:
         assert r["world_size"] == 2
@@ -46,22 +54,52 @@ def test_two_node_smoke_is_one_process_group():
     # orch says what ran, and the run left a loss log and a checkpoint
     assert "[orch] ran: MULTI_CPU over gloo, world size 2" in out
     assert re.search(r"\[orch\] step 8/8 loss=\d", out)
-    logged = [json.loads(line) for line in (output_dir_of(out) / "orch" / "log.jsonl").read_text().splitlines()]
+    logged = [json.loads(x) for x in (output_dir / "orch" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "loss" in r] == list(range(1, 9))
-    assert (output_dir_of(out) / "checkpoint-8" / "orch_complete").is_file()
+    assert (output_dir / "checkpoint-8" / "orch_complete").is_file()
+    # the run is recorded as a SkyPilot task, and `orch logs` replays its output
+    (record,) = (project / "sky_jobs").glob("*.yaml")
+    assert "# state: succeeded" in record.read_text() and "# backend: local (2 emulated node(s)" in record.read_text()
+    sky = pytest.importorskip("sky")
+    assert sky.Task.from_yaml(str(record)).num_nodes == 2
+    logs = orch("logs", record.stem, cwd=project)
+    assert logs.returncode == 0 and "(node1) [orch] exec: accelerate launch" in logs.stdout
 
 
-def test_failing_node_stops_the_gang(tmp_path):
-    recipe = tmp_path / "gang.yaml"
-    recipe.write_text(
-        (ROOT / "recipes" / "phi3_dpo_fsdp.yaml")
-        .read_text()
-        .replace(
-            "run: |\n  orch node",
-            'run: |\n  if [ "$SKYPILOT_NODE_RANK" = 1 ]; then echo dying; exit 7; fi\n  sleep 300',
-        )
-    )
-    result = orch("run", str(recipe), "--local", "--nodes", "2", timeout=60)
+def _recipe_with_run(project: Path, run: str) -> Path:
+    recipe = project / "recipes" / "custom.yaml"
+    text = (ROOT / "recipes" / "phi3_dpo_fsdp.yaml").read_text()
+    recipe.write_text(text.replace("run: |\n  orch node", "run: |\n" + "".join(f"  {x}\n" for x in run.splitlines())))
+    return recipe
+
+
+def test_failing_node_stops_the_gang(project):
+    _recipe_with_run(project, 'if [ "$SKYPILOT_NODE_RANK" = 1 ]; then echo dying; exit 7; fi\nsleep 300')
+    result = orch("run", "custom", "--local", "--nodes", "2", cwd=project, timeout=60)
     assert result.returncode == 7, result.stdout + result.stderr
     assert "(node1) dying" in result.stdout
     assert "[orch] node 1 exited with code 7: stopping the other nodes" in result.stdout
+    (record,) = (project / "sky_jobs").glob("*.yaml")
+    assert "# state: failed (exit 7)" in record.read_text()
+
+
+def test_secret_reaches_nodes_only_through_their_environment(project):
+    _recipe_with_run(project, 'echo "node $SKYPILOT_NODE_RANK sees a ${#MY_TOKEN}-character token"')
+    result = orch(
+        "run",
+        "custom",
+        "--local",
+        "--nodes",
+        "2",
+        "--secret",
+        "MY_TOKEN",
+        cwd=project,
+        env={"MY_TOKEN": SECRET},
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"(node1) node 1 sees a {len(SECRET)}-character token" in result.stdout
+    written = [p.read_text() for p in project.rglob("*") if p.is_file() and "recipes" not in p.parts]
+    assert written and not any(SECRET in text for text in written)
+    assert SECRET not in result.stdout + result.stderr
+    assert "MY_TOKEN: null" in next((project / "sky_jobs").glob("*.yaml")).read_text()

@@ -155,6 +155,21 @@ def _stop_all(procs: list[subprocess.Popen]) -> None:
         _stop(proc, signal.SIGKILL)
 
 
+class _Tee:
+    """Node output to the terminal and to <output_dir>/orch/run.log (read by `orch logs`)."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> None:
+        for stream in self.streams:
+            stream.write(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
 def _summary(output_dir: Path) -> list[str]:
     """What really ran, from the per-rank reports the training processes wrote (orchestrator/train.py)."""
     import json
@@ -191,7 +206,7 @@ def _summary(output_dir: Path) -> list[str]:
     return lines
 
 
-def launch(recipe, task: dict, run_id: str, *, nodes: int, procs_per_node: int) -> int:
+def launch(recipe, task: dict, run_id: str, *, nodes: int, procs_per_node: int, secrets: dict | None = None) -> int:
     """Run a resolved task on emulated nodes and print what ran. Returns the exit code for the CLI."""
     import shutil
 
@@ -212,8 +227,11 @@ def launch(recipe, task: dict, run_id: str, *, nodes: int, procs_per_node: int) 
     if (output_dir / "orch").is_dir():
         shutil.rmtree(output_dir / "orch")  # reports describe one run; checkpoints stay for resuming
     started = time.monotonic()
-    node_env = node_envs(envs, nodes, procs_per_node, task_id=run_id, port=free_port())
-    result = run_nodes(str(task["run"]), node_env, workdir)
+    # Secrets travel in the node processes' environment only (as SkyPilot secrets do), never in files or argv.
+    node_env = node_envs({**envs, **(secrets or {})}, nodes, procs_per_node, task_id=run_id, port=free_port())
+    (output_dir / "orch").mkdir(parents=True, exist_ok=True)
+    with open(output_dir / "orch" / "run.log", "w") as log:
+        result = run_nodes(str(task["run"]), node_env, workdir, sink=_Tee(sys.stdout, log))
     elapsed = time.monotonic() - started
     if result.returncode != 0:
         print(

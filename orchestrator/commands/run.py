@@ -1,39 +1,49 @@
-"""`orch run RECIPE`: resolve a recipe with the user's flags and launch it (locally with --local)."""
+"""`orch run RECIPE`: resolve a recipe with the user's flags, check it, record it in sky_jobs/, launch it."""
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
+import re
+import time
 
 from orchestrator import accelerators, overrides
 from orchestrator.errors import OrchError
-from orchestrator.recipe import check_paired_files, load, parse_env_assignments, resolve
+from orchestrator.recipe import Recipe, check_paired_files, load, parse_env_assignments, resolve
 
 EPILOG = """\
 examples:
-  orch run phi3_dpo_fsdp --local --nodes 2 --smoke          # 2 emulated nodes, CPU, tiny Phi-3, ~30 s
-  orch run phi3_dpo_fsdp --local --nodes 1 --gpus CPU:2 --smoke   # 1 node x 2 processes
-  orch run recipes/phi3_dpo_fsdp.yaml --local --smoke max_steps=4  # a path works too; key=value overrides TRL
+  orch run phi3_dpo_fsdp --gpus A100:8 --nodes 2              # cluster launch through the SkyPilot SDK
+  orch run phi3_dpo_fsdp --gpus A100:8 --nodes 2 --dry-run    # resolved task, every rank's command, plan, $/h
+  orch run phi3_dpo_fsdp --managed --spot --secret HF_TOKEN   # managed job: SkyPilot recovers preemptions
+  orch run phi3_dpo_fsdp --local --nodes 2 --smoke            # 2 emulated nodes, CPU, tiny Phi-3
+  orch run phi3_dpo_fsdp --local --nodes 1 --gpus CPU:2 --smoke max_steps=4   # key=value overrides TRL
 
-Flags you give override the recipe (for example --nodes beats the recipe's num_nodes); key=value words
-override the TRL config. `orch ls` lists the recipes.
+Which side wins: flags you give override the recipe (--gpus beats resources.accelerators, --nodes beats
+num_nodes, --env beats envs); key=value words override the TRL config. Every run is recorded as
+sky_jobs/<run>.yaml, which `sky launch sky_jobs/<run>.yaml` relaunches. `orch ls` lists the recipes.
 """
 
 SMOKE_GLOBAL_BATCH = 16
+_CLUSTER = re.compile(r"^[a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?$")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
+    p = sub.add_parser(
         "run",
-        help="resolve a recipe and launch it",
-        description="Resolve a recipe (task YAML + Accelerate + TRL configs) with your flags and launch it.",
+        help="resolve a recipe and launch it (SkyPilot, or --local)",
+        description="Resolve a recipe (task YAML + Accelerate + TRL configs) with your flags, check it and launch it.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("recipe", help="recipe name (see `orch ls`) or path to a recipe YAML")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="TRL arguments; override the TRL config")
-    parser.add_argument(
+    p.add_argument("recipe", help="recipe name (see `orch ls`) or path to a recipe YAML")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="TRL arguments; override the TRL config")
+    p.add_argument(
+        "--gpus",
+        metavar="ACC:N",
+        help="accelerators per node, e.g. A100:8 or 4 (keeps the type); "
+        "overrides the recipe's. With --local: CPU:N processes per node",
+    )
+    p.add_argument(
         "--nodes",
         "--num-nodes",
         dest="nodes",
@@ -41,74 +51,247 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="number of nodes; overrides the recipe's num_nodes",
     )
-    parser.add_argument(
-        "--gpus",
-        metavar="ACC:N",
-        help="accelerators per node, e.g. A100:8; overrides the recipe's. With --local: CPU:N, processes per node",
-    )
-    parser.add_argument(
+    p.add_argument(
         "--env",
         action="append",
         default=[],
         metavar="K=V",
-        help="set a task env (repeatable); overrides the recipe's envs. `--env K` takes K from your environment",
+        help="set a task env (repeatable), over the recipe's envs; `--env K` takes K from your environment",
     )
-    parser.add_argument("--local", action="store_true", help="emulate the nodes on this machine (CPU processes)")
-    parser.add_argument(
+    p.add_argument(
+        "--secret",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="pass a secret (repeatable); without =VALUE it is read from your environment. "
+        "Secrets travel as SkyPilot secrets and are never written to sky_jobs/ or logs",
+    )
+    cloud = p.add_argument_group("SkyPilot launch (without --local)")
+    cloud.add_argument(
+        "--managed", action="store_true", help="launch as a managed job (sky jobs launch): relaunched after preemption"
+    )
+    cloud.add_argument("--spot", action="store_true", help="use spot instances (resources.use_spot)")
+    cloud.add_argument("--cluster", metavar="NAME", help="cluster name (default: the run name)")
+    cloud.add_argument("--idle-minutes", type=int, metavar="M", help="autostop the cluster after M idle minutes")
+    cloud.add_argument("--down", action="store_true", help="tear the cluster down when the job finishes")
+    cloud.add_argument("--detach", action="store_true", help="return once submitted; `orch logs RUN` follows later")
+    cloud.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved task, every rank's command and SkyPilot's plan; launch nothing",
+    )
+    cloud.add_argument("--skip-optimizer", action="store_true", help="with --dry-run: do not run the optimizer")
+    local = p.add_argument_group("local emulation")
+    local.add_argument("--local", action="store_true", help="emulate the nodes on this machine (CPU processes)")
+    local.add_argument(
         "--smoke",
         action="store_true",
-        help="tiny model of the recipe's architecture + synthetic data, built here with no network; few steps",
+        help="tiny model of the recipe's architecture + synthetic data, built here offline; 8 steps",
     )
-    parser.set_defaults(func=main)
+    p.set_defaults(func=main)
 
 
-def run_id(recipe_name: str, task: dict) -> str:
-    """Stable for the same resolved task, so rerunning a local command finds (and resumes) its checkpoints."""
-    digest = hashlib.sha256(json.dumps(task, sort_keys=True, default=str).encode()).hexdigest()
-    return f"{recipe_name}-{digest[:8]}"
+def parse_secrets(words: list[str]) -> dict[str, str]:
+    import os
+
+    out = {}
+    for word in words:
+        name, sep, value = word.partition("=")
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+            raise OrchError(f"--secret: {name!r} is not an environment variable name (for example HF_TOKEN)")
+        if not sep:
+            if not os.environ.get(name):
+                raise OrchError(
+                    f"--secret {name}: {name} is not set in your environment; export it or use {name}=VALUE"
+                )
+            value = os.environ[name]
+        out[name] = value
+    return out
+
+
+def redacted_command(argv: list[str]) -> str:
+    """The command as typed, with secret values removed (names kept)."""
+    import shlex
+
+    out, after_secret = [], False
+    for word in argv:
+        if after_secret:
+            word = word.partition("=")[0]
+        elif word.startswith("--secret="):
+            word = "--secret=" + word[len("--secret=") :].partition("=")[0]
+        after_secret = word == "--secret"
+        out.append(word)
+    return "orch " + " ".join(shlex.quote(w) for w in out)
+
+
+def _secrets_for(recipe: Recipe, given: dict[str, str]) -> dict[str, str]:
+    declared = recipe.task.get("secrets") or {}
+    values = {k: str(v) for k, v in declared.items() if v is not None}
+    values.update(given)
+    missing = [k for k in declared if k not in values]
+    if missing:
+        raise OrchError(f"recipe needs secret {missing[0]}: pass --secret {missing[0]} (read from your environment)")
+    return values
 
 
 def main(args: argparse.Namespace) -> int:
-    import yaml
-
     recipe = load(args.recipe)
     if args.nodes is not None and args.nodes < 1:
         raise OrchError(f"--nodes {args.nodes}: a run needs at least 1 node")
+    if args.idle_minutes is not None and args.idle_minutes < 0:
+        raise OrchError(f"--idle-minutes {args.idle_minutes}: give 0 or more minutes")
+    if args.cluster and not _CLUSTER.match(args.cluster):
+        raise OrchError(f"--cluster {args.cluster!r}: use letters, digits, '-', '_' or '.', starting with a letter")
     gpus = accelerators.parse(args.gpus) if args.gpus else None
     user_envs = parse_env_assignments(args.env)
     user_overrides = overrides.parse(args.overrides)
+    secrets = _secrets_for(recipe, parse_secrets(args.secret))
     check_paired_files(recipe)
-    if not args.local:
-        raise OrchError("launching on a cloud is not built yet; use --local (see `orch run --help`)")
-    if args.smoke is False and "model_name_or_path" not in user_overrides:
-        print("[orch] note: --local without --smoke trains the recipe's real model on this machine's CPU")
+    if args.local:
+        if args.managed or args.spot or args.cluster or args.dry_run or args.detach:
+            raise OrchError(
+                "--managed, --spot, --cluster, --detach and --dry-run are for SkyPilot launches, not --local"
+            )
+        return _local(args, recipe, gpus, user_envs, user_overrides, secrets)
+    if args.smoke:
+        raise OrchError("--smoke runs on this machine: add --local")
+    return _cloud(args, recipe, gpus, user_envs, user_overrides, secrets)
 
+
+def _record_secrets(task: dict, secrets: dict[str, str]) -> dict:
+    """The task as written to sky_jobs/: secret names only, never values."""
+    if secrets:
+        task["secrets"] = {name: None for name in secrets}
+    return task
+
+
+def _cloud(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
+    from orchestrator import node, records
+
+    if gpus and gpus.name == accelerators.CPU:
+        raise OrchError(f"--gpus {args.gpus}: CPU processes are for --local; on a cloud give a GPU, e.g. A100:8")
+    spec = recipe.accelerators
+    if gpus:
+        spec = gpus.spec(accelerators.parse_spec(spec).name if spec else None)
+        if spec.startswith("None:"):
+            raise OrchError(
+                f"--gpus {args.gpus}: the recipe names no accelerator; give one, e.g. --gpus A100:{gpus.count}"
+            )
+    elif spec:
+        accelerators.parse_spec(spec)  # an unknown name in the recipe is caught before anything is sent
+    if not spec:
+        raise OrchError("the recipe has no resources.accelerators; pass --gpus, e.g. --gpus A100:8")
+    task = resolve(recipe, nodes=args.nodes, accelerators=spec, envs=user_envs, trl_overrides=user_overrides)
+    if args.spot:
+        task["resources"]["use_spot"] = True
+    nodes = int(task.get("num_nodes") or 1)
+    per_node = accelerators.parse_spec(spec).count
+    plans = node.preview(task["envs"], nodes, per_node)  # batch math and env errors, before anything is sent
+    task = _record_secrets(task, secrets)
+    run = f"{recipe.name.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cluster = args.cluster or run
+    if args.dry_run:
+        from orchestrator.commands import dryrun
+
+        return dryrun.show(recipe, task, plans, skip_optimizer=args.skip_optimizer)
+
+    from orchestrator.backends import sky as sky_backend
+
+    sky_backend.to_task(task, secrets)  # SkyPilot's own validation, before the record is written
+    record = records.Record(
+        run,
+        task,
+        {
+            "run": run,
+            "recipe": str(recipe.path),
+            "command": redacted_command(args.argv),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "git": records.git_commit(),
+            "backend": sky_backend.BACKEND_MANAGED if args.managed else sky_backend.BACKEND_CLUSTER,
+            "cluster": "" if args.managed else cluster,
+            "state": "launching",
+        },
+    )
+    path = records.write(record)
+    print(
+        f"[orch] run {run}: {recipe.name} on {nodes} x {spec}{' (spot)' if args.spot else ''}, "
+        f"{'managed job' if args.managed else f'cluster {cluster}'}; recorded in {path}",
+        flush=True,
+    )
+
+    def submitted(meta: dict) -> None:
+        record.meta.update(meta)
+        records.write(record)
+        print(f"[orch] submitted: {', '.join(f'{k}={v}' for k, v in meta.items() if v)}", flush=True)
+
+    return sky_backend.launch(
+        task,
+        secrets,
+        run=run,
+        managed=args.managed,
+        cluster=cluster,
+        idle_minutes=args.idle_minutes,
+        down=args.down,
+        detach=args.detach,
+        on_submitted=submitted,
+    )
+
+
+def _local(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
+    import hashlib
+    import json
+
+    import yaml
+
+    from orchestrator import records
+
+    if gpus and gpus.name not in (None, accelerators.CPU):
+        raise OrchError(f"--gpus {args.gpus}: --local runs CPU processes; use --gpus CPU:{gpus.count}")
     nodes = args.nodes or recipe.num_nodes
     procs = gpus.count if gpus else 1
-    if gpus and gpus.name not in (None, accelerators.CPU):
-        raise OrchError(
-            f"--gpus {args.gpus}: --local runs CPU processes; use --gpus CPU:{gpus.count} or --gpus {gpus.count}"
-        )
-    trl_cfg = yaml.safe_load(recipe.paired("TRL_CONFIG").read_text()) or {}
-    envs = dict(user_envs)
-    trl = {}
+    envs, trl = dict(user_envs), {}
     if args.smoke:
         from orchestrator import smoke
 
+        trl_cfg = yaml.safe_load(recipe.paired("TRL_CONFIG").read_text()) or {}
         model_id = user_overrides.get("model_name_or_path") or str(trl_cfg.get("model_name_or_path", ""))
-        plan = smoke.plan(model_id, recipe.trainer)
-        smoke.ensure(plan)
-        trl = smoke.trl_overrides(plan)
+        artifacts = smoke.plan(model_id, recipe.trainer)
+        smoke.ensure(artifacts)
+        trl = smoke.trl_overrides(artifacts)
         envs.setdefault("GLOBAL_BATCH_SIZE", str(SMOKE_GLOBAL_BATCH))
         envs.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")  # smoke never touches a hub
+    elif "model_name_or_path" not in user_overrides:
+        print("[orch] note: --local without --smoke trains the recipe's real model on this machine's CPU")
     trl.update(user_overrides)
-    accel = f"{accelerators.CPU}:{procs}"
-    task = resolve(recipe, nodes=nodes, accelerators=accel, envs=envs, trl_overrides=trl)
-    rid = run_id(recipe.name, task)
-    if "output_dir" not in user_overrides:  # local checkpoints are keyed by the run id
-        trl["output_dir"] = f"outputs/{rid}"
-        task = resolve(recipe, nodes=nodes, accelerators=accel, envs=envs, trl_overrides=trl)
+    # The record keeps the recipe's accelerators (it stays a cloud task); the header says what ran locally.
+    task = resolve(recipe, nodes=nodes, envs=envs, trl_overrides=trl)
+    # Stable for the same resolved task: rerunning a command finds (and resumes from) its checkpoints.
+    run = f"{recipe.name}-{hashlib.sha256(json.dumps(task, sort_keys=True).encode()).hexdigest()[:8]}"
+    if "output_dir" not in user_overrides:
+        trl["output_dir"] = f"outputs/{run}"
+        task = resolve(recipe, nodes=nodes, envs=envs, trl_overrides=trl)
+    from orchestrator import node
 
+    node.preview(task["envs"], nodes, procs, device="cpu")  # batch math and env errors, before anything starts
+    task = _record_secrets(task, secrets)
+    record = records.Record(
+        run,
+        task,
+        {
+            "run": run,
+            "recipe": str(recipe.path),
+            "command": redacted_command(args.argv),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "git": records.git_commit(),
+            "backend": f"local ({nodes} emulated node(s) x {procs} CPU process(es))",
+            "state": "running",
+            "output_dir": f"outputs/{run}",
+        },
+    )
+    records.write(record)
     from orchestrator.backends import local
 
-    return local.launch(recipe, task, rid, nodes=nodes, procs_per_node=procs)
+    code = local.launch(recipe, task, run, nodes=nodes, procs_per_node=procs, secrets=secrets)
+    record.meta["state"] = "succeeded" if code == 0 else f"failed (exit {code})"
+    records.write(record)
+    return code

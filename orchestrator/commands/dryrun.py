@@ -1,0 +1,60 @@
+"""`orch run --dry-run`: what would be launched, computed by the same code that launches it."""
+
+from __future__ import annotations
+
+from orchestrator.errors import OrchError
+from orchestrator.node import NodePlan, render
+from orchestrator.records import dump_task
+
+
+def _section(title: str) -> None:
+    print(f"\n--- {title} ---")
+
+
+def show(recipe, task: dict, plans: list[NodePlan], skip_optimizer: bool) -> int:
+    print(f"[orch] dry run of {recipe.name}: nothing is launched, nothing is written")
+    _section("resolved task (what sky_jobs/<run>.yaml will hold)")
+    print(dump_task(task).rstrip())
+    _section("node commands (node IPs are placeholders: SkyPilot sets the real ones)")
+    for rank, node_plan in enumerate(plans):
+        print(f"rank {rank}: {render(node_plan.argv)}")
+    for note in plans[0].notes:
+        print(f"note: {note}")
+    head = plans[0]
+    if head.gradient_accumulation_steps:
+        topo = head.topology
+        print(
+            f"batch: GLOBAL_BATCH_SIZE {task['envs']['GLOBAL_BATCH_SIZE']} = {head.per_device_batch} per device x "
+            f"{topo.total_gpus} data-parallel ranks x {head.gradient_accumulation_steps} accumulation steps"
+        )
+    _section("SkyPilot plan")
+    if skip_optimizer:
+        print("not computed: --skip-optimizer")
+        return 0
+    from orchestrator.backends import sky as sky_backend
+
+    try:
+        plan = sky_backend.optimize(task)
+    except OrchError as exc:
+        print(f"not computed: {exc}")
+        print("(the optimizer needs SkyPilot's catalogs and an enabled cloud: run `sky check`)")
+        return 0
+    kind = "spot" if plan.use_spot else "on-demand"
+    print(
+        f"{plan.cloud} {plan.region} {plan.instance_type} x {plan.nodes} node(s), {kind}: "
+        f"${plan.node_dollars_per_hour:.2f}/h per node, ${plan.dollars_per_hour:.2f}/h in all"
+    )
+    gpu_hours = str(task["envs"].get("EXPECTED_GPU_HOURS", "")).strip()
+    if gpu_hours:
+        try:
+            hours = float(gpu_hours) / head.topology.total_gpus
+        except ValueError:
+            print(f"estimated cost: not computed: EXPECTED_GPU_HOURS={gpu_hours!r} is not a number")
+            return 0
+        print(
+            f"estimated cost: EXPECTED_GPU_HOURS {gpu_hours} / {head.topology.total_gpus} GPUs = {hours:.2f} h "
+            f"(ideal scaling) x ${plan.dollars_per_hour:.2f}/h = ${hours * plan.dollars_per_hour:.2f}"
+        )
+    else:
+        print("estimated cost: not computed: the recipe declares no EXPECTED_GPU_HOURS")
+    return 0

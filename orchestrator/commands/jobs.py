@@ -1,0 +1,117 @@
+"""`orch status`, `orch logs`, `orch cancel`, `orch down`: act on the runs recorded in sky_jobs/.
+
+Each maps to the SkyPilot SDK call for what the record says was launched (a cluster job or a managed job);
+local runs answer from their record and log file.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from orchestrator import records
+from orchestrator.errors import OrchError
+
+EXAMPLES = {
+    "status": "  orch status                       # every recorded run with its live state",
+    "logs": "  orch logs phi3-dpo-fsdp-20261122-101500 --follow   # stream a run's logs\n"
+    "  orch logs phi3_dpo_fsdp-8a463d72                   # a local run's log",
+    "cancel": "  orch cancel phi3-dpo-fsdp-20261122-101500   # cancel the job (the cluster stays up)",
+    "down": "  orch down phi3-dpo-fsdp-20261122-101500     # tear the cluster down (a managed job: cancel it)",
+}
+HELP = {
+    "status": "list recorded runs and their state",
+    "logs": "print (or --follow) a run's logs",
+    "cancel": "cancel a run's job",
+    "down": "tear down a run's cluster",
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    for name, func in (("status", status), ("logs", logs), ("cancel", cancel), ("down", down)):
+        parser = sub.add_parser(
+            name,
+            help=HELP[name],
+            description=HELP[name].capitalize() + ".",
+            epilog="examples:\n" + EXAMPLES[name],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        if name != "status":
+            parser.add_argument("run", help="run name (or a unique prefix), as `orch status` lists it")
+        if name == "logs":
+            parser.add_argument("--follow", "-f", action="store_true", help="keep streaming until the job ends")
+        parser.set_defaults(func=func)
+
+
+def _is_local(record: records.Record) -> bool:
+    return record.get("backend").startswith("local")
+
+
+def status(args: argparse.Namespace) -> int:
+    rows = records.all_records()
+    if not rows:
+        print("no runs recorded in sky_jobs/ yet; start one with `orch run`")
+        return 0
+    table = [("RUN", "BACKEND", "STATE", "STARTED", "RECIPE")]
+    for record in rows:
+        state = record.get("state", "?")
+        if not _is_local(record):
+            from orchestrator.backends import sky as sky_backend
+
+            try:
+                state = sky_backend.state(record)
+            except OrchError:
+                raise
+            except Exception as exc:  # SkyPilot API unreachable, no credentials, ...
+                state = f"{state} (live state unavailable: {type(exc).__name__})"
+        table.append((record.run, record.get("backend"), state, record.get("time"), record.get("recipe")))
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def logs(args: argparse.Namespace) -> int:
+    record = records.find(args.run)
+    if _is_local(record):
+        from pathlib import Path
+
+        log = Path(record.get("output_dir")) / "orch" / "run.log"
+        if not log.is_file():
+            raise OrchError(f"run {record.run} has no log at {log}; rerun it with `{record.get('command')}`")
+        print(log.read_text(), end="")
+        return 0
+    from orchestrator.backends import sky as sky_backend
+
+    return sky_backend.logs(record, follow=args.follow)
+
+
+def _cloud_only(record: records.Record, verb: str) -> None:
+    if _is_local(record):
+        raise OrchError(f"run {record.run} ran locally: there is nothing to {verb}; a local run stops with Ctrl-C")
+
+
+def cancel(args: argparse.Namespace) -> int:
+    record = records.find(args.run)
+    _cloud_only(record, "cancel")
+    from orchestrator.backends import sky as sky_backend
+
+    sky_backend.cancel(record)
+    record.meta["state"] = "cancelled"
+    records.write(record)
+    print(f"[orch] cancelled {record.run}")
+    return 0
+
+
+def down(args: argparse.Namespace) -> int:
+    record = records.find(args.run)
+    _cloud_only(record, "tear down")
+    from orchestrator.backends import sky as sky_backend
+
+    sky_backend.down(record)
+    record.meta["state"] = "down" if record.get("cluster") else "cancelled"
+    records.write(record)
+    print(
+        f"[orch] {'tore down cluster ' + record.get('cluster') if record.get('cluster') else 'cancelled'} "
+        f"({record.run})"
+    )
+    return 0

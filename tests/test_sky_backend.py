@@ -1,0 +1,220 @@
+"""The SkyPilot side, with no network: SkyPilot's own parser, a fake SDK, the real optimizer in-process."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from fake_sky import FakeSky
+
+from orchestrator import cli
+
+sky = pytest.importorskip("sky")
+SECRET = "hf_s3cr3t_VALUE_never_written"
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A copy of the recipes in a scratch directory (sky_jobs/ is written there), cwd set to it."""
+    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fake = FakeSky(sky)
+    monkeypatch.setitem(sys.modules, "sky", fake)
+    return fake
+
+
+def run_files(project: Path) -> list[Path]:
+    return sorted((project / "sky_jobs").glob("*.yaml"))
+
+
+def test_cluster_launch_sends_secrets_as_secrets(project, fake, capsys):
+    code = cli.main(
+        [
+            "run",
+            "phi3_dpo_fsdp",
+            "--gpus",
+            "A100:8",
+            "--nodes",
+            "2",
+            "--secret",
+            f"HF_TOKEN={SECRET}",
+            "--idle-minutes",
+            "30",
+            "--down",
+        ]
+    )
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert fake.names() == ["launch", "tail_logs"]
+    _, task, kw = fake.calls[0]
+    (record,) = run_files(project)
+    assert kw["cluster_name"] == record.stem and kw["idle_minutes_to_autostop"] == 30 and kw["down"] is True
+    assert task.num_nodes == 2
+    assert {str(k): v for k, v in list(task.resources)[0].accelerators.items()} == {"A100": 8}
+    assert "HF_TOKEN" in task.secrets and "HF_TOKEN" not in task.envs
+    assert task.secrets["HF_TOKEN"].get_secret_value() == SECRET
+    assert fake.calls[1][2] == {"cluster_name": record.stem, "job_id": 7, "follow": True}
+    # the record: a valid SkyPilot task with the secret's name and never its value
+    text = record.read_text()
+    assert SECRET not in text and SECRET not in out.out + out.err
+    assert "HF_TOKEN: null" in text and "# backend: sky-cluster" in text and "# job_id: 7" in text
+    assert "--secret HF_TOKEN" in text  # the header's relaunch command and the recorded orch command
+    relaunched = sky.Task.from_yaml(str(record))
+    assert relaunched.num_nodes == 2 and relaunched.envs["GLOBAL_BATCH_SIZE"] == "64"
+
+
+def test_managed_job_and_its_commands(project, fake, capsys, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    code = cli.main(
+        [
+            "run",
+            "phi3_dpo_fsdp",
+            "--managed",
+            "--spot",
+            "--secret",
+            "HF_TOKEN",
+            "--detach",
+            "--num-nodes",
+            "2",
+            "learning_rate=1e-6",
+        ]
+    )
+    assert code == 0
+    assert fake.names() == ["jobs.launch"]
+    _, task, kw = fake.calls[0]
+    (record,) = run_files(project)
+    assert kw == {"name": record.stem}
+    assert list(task.resources)[0].use_spot
+    assert task.envs["TRL_OVERRIDES"] == "learning_rate=1e-6"
+    assert "# job_id: 42" in record.read_text() and "# backend: sky-managed" in record.read_text()
+
+    run = record.stem
+    assert cli.main(["status"]) == 0
+    assert "RECOVERING" in capsys.readouterr().out
+    assert cli.main(["logs", run, "--follow"]) == 0
+    assert cli.main(["cancel", run]) == 0
+    assert fake.names()[-3:] == ["jobs.queue", "jobs.tail_logs", "jobs.cancel"]
+    assert fake.calls[-1][2] == {"job_ids": [42]}
+    assert "# state: cancelled" in record.read_text()
+    assert SECRET not in capsys.readouterr().out + record.read_text()
+
+
+def test_cluster_commands_map_to_cluster_calls(project, fake, capsys):
+    assert cli.main(["run", "phi3_dpo_fsdp", "--cluster", "my-dpo", "--detach"]) == 0
+    (record,) = run_files(project)
+    assert cli.main(["status"]) == 0
+    assert "cluster UP" in capsys.readouterr().out
+    for verb in ("logs", "cancel", "down"):
+        assert cli.main([verb, record.stem[:12]]) == 0  # a unique prefix is enough
+    assert fake.names() == ["launch", "status", "tail_logs", "cancel", "down"]
+    assert fake.calls[-2][2] == {"cluster_name": "my-dpo", "job_ids": [7]}
+    assert fake.calls[-1][2] == {"cluster_name": "my-dpo"}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpus", "Z999:8"], "unknown accelerator 'Z999'"),
+        (["--gpus", "H1000:8"], "did you mean H100?"),
+        (["--gpus", "A100:0"], "must be a positive integer"),
+        (["--gpus", "A100:x"], "is not a whole number"),
+        (["--nodes", "0"], "at least 1 node"),
+        (["--gpus", "CPU:2"], "CPU processes are for --local"),
+        (["--cluster", "bad name!"], "--cluster 'bad name!'"),
+        (["--nodes", "3"], "GLOBAL_BATCH_SIZE=64 is not a multiple"),
+    ],
+)
+def test_bad_launch_input_sends_nothing_and_writes_nothing(project, fake, capsys, argv, message):
+    assert cli.main(["run", "phi3_dpo_fsdp", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert fake.calls == [] and run_files(project) == []
+
+
+def test_dry_run_prints_every_rank_and_sends_nothing(project, fake, capsys):
+    assert cli.main(["run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "--dry-run", "--skip-optimizer"]) == 0
+    out = capsys.readouterr().out
+    for rank in (0, 1):
+        line = next(x for x in out.splitlines() if x.startswith(f"rank {rank}: accelerate launch"))
+        assert "--num_processes 16" in line and f"--machine_rank {rank}" in line
+    assert "batch: GLOBAL_BATCH_SIZE 64 = 4 per device x 16 data-parallel ranks x 1 accumulation steps" in out
+    assert "not computed: --skip-optimizer" in out
+    assert fake.calls == [] and run_files(project) == []
+
+
+# Public on-demand list prices (USD/h, us-east-1) of the instances in this small catalog.
+VMS_CSV = """\
+InstanceType,AcceleratorName,AcceleratorCount,vCPUs,MemoryGiB,GpuInfo,Price,SpotPrice,Region,AvailabilityZone,Arch
+p4d.24xlarge,A100,8.0,96.0,1152.0,"{'Gpus': [{'Name': 'A100', 'Manufacturer': 'NVIDIA', 'Count': 8, 'MemoryInfo': {'SizeInMiB': 40960}}], 'TotalGpuMemoryInMiB': 327680}",32.7726,9.8318,us-east-1,us-east-1a,x86_64
+p4de.24xlarge,A100-80GB,8.0,96.0,1152.0,"{'Gpus': [{'Name': 'A100-80GB', 'Manufacturer': 'NVIDIA', 'Count': 8, 'MemoryInfo': {'SizeInMiB': 81920}}], 'TotalGpuMemoryInMiB': 655360}",40.9657,12.2897,us-east-1,us-east-1a,x86_64
+g5.48xlarge,A10G,8.0,192.0,768.0,"{'Gpus': [{'Name': 'A10G', 'Manufacturer': 'NVIDIA', 'Count': 8, 'MemoryInfo': {'SizeInMiB': 24576}}], 'TotalGpuMemoryInMiB': 196608}",16.288,4.8864,us-east-1,us-east-1a,x86_64
+m6i.2xlarge,,,8.0,32.0,,0.384,0.1152,us-east-1,us-east-1a,x86_64
+"""
+ACCELERATORS_CSV = 'AcceleratorName,Clouds\nA100,"AWS, GCP, Azure"\nA100-80GB,"AWS, GCP, Azure"\nA10G,AWS\n'
+METADATA_CSV = "GPU,MemoryGB,Manufacturer\nA100,40,NVIDIA\nA100-80GB,80,NVIDIA\nA10G,24,NVIDIA\n"
+
+DRY_RUN = """
+import sys
+import sky.check, sky.clouds
+sky.check.get_cached_enabled_clouds_or_refresh = lambda *a, **k: [sky.clouds.AWS()]
+from orchestrator.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_dry_run_runs_skypilots_optimizer_on_a_local_catalog(tmp_path):
+    catalogs = tmp_path / "runtime" / ".sky" / "catalogs" / "v8"
+    (catalogs / "aws").mkdir(parents=True)
+    (catalogs / "common").mkdir(parents=True)
+    (catalogs / "aws" / "vms.csv").write_text(VMS_CSV)
+    (catalogs / "common" / "accelerators.csv").write_text(ACCELERATORS_CSV)
+    (catalogs / "common" / "metadata.csv").write_text(METADATA_CSV)
+    env = {**os.environ, "SKY_RUNTIME_DIR": str(tmp_path / "runtime"), "SKYPILOT_DISABLE_LOCAL_API_SERVER": "1"}
+    argv = ["run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "--dry-run"]
+    result = subprocess.run(
+        [sys.executable, "-c", DRY_RUN, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "AWS us-east-1 p4d.24xlarge x 2 node(s), on-demand: $32.77/h per node, $65.55/h in all" in out
+    assert "estimated cost: EXPECTED_GPU_HOURS 40 / 16 GPUs = 2.50 h (ideal scaling) x $65.55/h = $163.86" in out
+    assert "sky-payload" not in out
+    spot = subprocess.run(
+        [sys.executable, "-c", DRY_RUN, *argv, "--spot"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert "p4d.24xlarge x 2 node(s), spot: $9.83/h per node" in spot.stdout, spot.stderr
+
+
+def test_dry_run_without_cloud_access_says_why_and_prints_the_rest(tmp_path):
+    env = {**os.environ, "SKY_RUNTIME_DIR": str(tmp_path), "SKYPILOT_DISABLE_LOCAL_API_SERVER": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "rank 1: accelerate launch" in result.stdout
+    assert "--- SkyPilot plan ---\nnot computed: " in result.stdout
+
+
+def test_launch_side_never_imports_the_training_stack():
+    code = (
+        "import sys\n"
+        "from orchestrator.cli import main\n"
+        "main(['run', 'phi3_dpo_fsdp', '--gpus', 'A100:8', '--nodes', '2', '--dry-run', '--skip-optimizer'])\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'trl', 'sky', 'accelerate') if m in sys.modules)\n"
+        "print('HEAVY', heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in result.stdout, result.stdout + result.stderr
