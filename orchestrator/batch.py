@@ -62,3 +62,24 @@ def accumulation_steps(
         )
     global_batch = _positive_int(raw, "GLOBAL_BATCH_SIZE")
     return solve(global_batch, per_device_batch(trl_config, user), data_parallel_size)
+
+
+GRPO_DEFAULT_GENERATIONS = 8  # trl.GRPOConfig.num_generations
+
+
+def check_generations(env: Mapping[str, str], trl_config: Mapping, user: Mapping[str, str]) -> None:
+    """GRPO: every optimizer step must hold whole groups of num_generations completions of one prompt."""
+    raw = env.get("GLOBAL_BATCH_SIZE", "").strip()
+    if not raw:
+        return
+    global_batch = _positive_int(raw, "GLOBAL_BATCH_SIZE")
+    generations = _positive_int(
+        user.get("num_generations", trl_config.get("num_generations", GRPO_DEFAULT_GENERATIONS)), "num_generations"
+    )
+    if global_batch % generations:
+        lower = global_batch // generations * generations
+        choices = " or ".join(str(g) for g in (lower, lower + generations) if g > 0)
+        raise OrchError(
+            f"GRPO: GLOBAL_BATCH_SIZE={global_batch} completions is not a multiple of num_generations="
+            f"{generations}; use GLOBAL_BATCH_SIZE={choices}"
+        )

@@ -12,13 +12,15 @@ import sys
 from orchestrator import __version__
 from orchestrator.errors import OrchError
 
-COMMANDS = ("run", "node", "jobs")
+COMMANDS = ("run", "ls", "show", "cp", "jobs", "node")
 
 EPILOG = """\
 examples:
   orch run phi3_dpo_fsdp --local --nodes 2 --smoke            # 2 emulated nodes on this machine, CPU, tiny Phi-3
   orch run phi3_dpo_fsdp --gpus A100:8 --nodes 2 --dry-run    # every rank's command and SkyPilot's plan
   orch run phi3_dpo_fsdp --gpus A100:8 --nodes 2              # launch through the SkyPilot SDK
+  orch ls                                                     # the recipes: trainer, strategy, model, GPUs
+  orch cp phi3_dpo_fsdp my_dpo                                # an editable copy with its configs
   orch status                                                 # recorded runs and their state
   orch node --print                                           # on a node: the accelerate command it would run
 

@@ -11,6 +11,8 @@ Variables read (all set by SkyPilot or by the recipe's `envs:`):
   GLOBAL_BATCH_SIZE  optional: samples per optimizer step over all ranks; sets gradient_accumulation_steps
   TRL_OVERRIDES      optional: `key=value` words appended to the TRL script's arguments
   MAIN_PROCESS_PORT  optional: rendezvous port on the head node (default 29500; SkyPilot's Ray uses 6380)
+  VLLM_SERVER_NODES  optional: 1 makes the last node run `trl vllm-serve` (GRPO); the others train
+  VLLM_SERVER_PORT   optional: that server's port (default 8000)
   ORCH_DEVICE        optional: `cpu` makes every process a CPU process (the local backend sets it)
 """
 
@@ -22,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import batch, overrides
+from orchestrator import batch, overrides, parallel
 from orchestrator.errors import OrchError
 from orchestrator.topology import Topology, from_env
 
@@ -56,6 +58,12 @@ class NodePlan:
     """What will really run: the config's type on GPUs, `DDP over gloo` on CPU."""
     gradient_accumulation_steps: int | None = None
     per_device_batch: int | None = None
+    data_parallel_size: int | None = None
+    """Ranks that see different samples: total processes / (cp x sp x tp)."""
+    parallel_sizes: parallel.Sizes | None = None
+    """The refit parallelism_config sizes, when the Accelerate config has one (GPU only)."""
+    role: str = "trainer"
+    """`trainer`, or `vllm-server` for the node that runs TRL's vLLM server."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -85,6 +93,47 @@ def resolve_accelerate_config(value: str, strict: bool = True) -> Path:
     return Path(value)
 
 
+def _vllm_server_nodes(env: Mapping[str, str], topo: Topology) -> int:
+    raw = env.get("VLLM_SERVER_NODES", "").strip() or "0"
+    if raw not in ("0", "1"):
+        raise OrchError(f"VLLM_SERVER_NODES={raw!r}: orch runs TRL's vLLM server on 0 or 1 node (the last one)")
+    if raw == "1" and topo.nodes < 2:
+        raise OrchError("VLLM_SERVER_NODES=1 needs at least 2 nodes (one trains, the last serves): pass --nodes 2")
+    return int(raw)
+
+
+def _vllm_server_argv(env: Mapping[str, str], trl_config: Mapping, user: Mapping[str, str], gpus: int) -> list[str]:
+    """`trl vllm-serve` on the last node: data-parallel over its GPUs unless VLLM_TENSOR_PARALLEL_SIZE says."""
+    model = user.get("model_name_or_path", trl_config.get("model_name_or_path"))
+    if not model:
+        raise OrchError("the TRL config names no model_name_or_path for the vLLM server")
+    tp_raw = env.get("VLLM_TENSOR_PARALLEL_SIZE", "").strip() or "1"
+    if not tp_raw.isdigit() or int(tp_raw) < 1 or gpus % int(tp_raw):
+        raise OrchError(f"VLLM_TENSOR_PARALLEL_SIZE={tp_raw!r} must divide the {gpus} GPUs of the vLLM node")
+    tp = int(tp_raw)
+    return [
+        "trl",
+        "vllm-serve",
+        "--model",
+        str(model),
+        "--tensor_parallel_size",
+        str(tp),
+        "--data_parallel_size",
+        str(gpus // tp),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        _port(env, "VLLM_SERVER_PORT", 8000),
+    ]
+
+
+def _port(env: Mapping[str, str], name: str, default: int) -> str:
+    raw = env.get(name, "").strip() or str(default)
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise OrchError(f"{name}={raw!r} is not a TCP port (1-65535)")
+    return raw
+
+
 def plan(
     env: Mapping[str, str], accelerate_config: Mapping, trl_config: Mapping, accel_file: Path | None = None
 ) -> NodePlan:
@@ -98,44 +147,63 @@ def plan(
         raise OrchError(f"TRL_TRAINER={trainer!r} is not a trainer orch runs; use one of {', '.join(TRAINERS)}")
     trl_path = _required(env, "TRL_CONFIG", "recipes/trl/phi3_dpo.yaml")
     accel_path = _required(env, "ACCELERATE_CONFIG", "recipes/accelerate/fsdp2_phi3.yaml")
-    port_raw = env.get("MAIN_PROCESS_PORT", "").strip() or str(DEFAULT_PORT)
-    if not port_raw.isdigit() or not 0 < int(port_raw) < 65536:
-        raise OrchError(f"MAIN_PROCESS_PORT={port_raw!r} is not a TCP port (1-65535)")
+    port = _port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT)
     device = env.get("ORCH_DEVICE", "gpu").strip().lower() or "gpu"
     if device not in ("gpu", "cpu"):
         raise OrchError(f"ORCH_DEVICE={device!r}: use gpu or cpu")
-
     user = overrides.loads(env.get("TRL_OVERRIDES", ""))
     asked = str(accelerate_config.get("distributed_type", "NO")).upper()
     notes: list[str] = []
 
+    # A vLLM server node (GRPO, VLLM_SERVER_NODES=1) does not train: the others form the training job.
+    serving = _vllm_server_nodes(env, topo)
+    trainers = Topology(topo.nodes - serving, topo.gpus_per_node, topo.node_rank, topo.node_ips[: topo.nodes - serving])
+    script_extra: list[str] = []
+    if serving:
+        if trainer != "grpo":
+            raise OrchError(f"VLLM_SERVER_NODES=1 is for GRPO; TRL_TRAINER is {trainer}: set VLLM_SERVER_NODES: 0")
+        if topo.node_rank >= trainers.nodes:
+            argv = _vllm_server_argv(env, trl_config, user, topo.gpus_per_node)
+            return NodePlan(
+                argv=argv, topology=topo, distributed_type="vLLM server", runs_as="vLLM server", role="vllm-server"
+            )
+        script_extra += [
+            "--vllm_server_host",
+            topo.node_ips[-1],
+            "--vllm_server_port",
+            _port(env, "VLLM_SERVER_PORT", 8000),
+        ]
+    total = trainers.total_gpus
+
     launch = ["accelerate", "launch"]
+    sizes = None
     if device == "cpu":
         # accelerate's --cpu path with several machines starts independent trainings (no process group):
         # use torchrun's path (--multi_gpu) with a CPU config, and tell the TRL script use_cpu.
         launch += ["--config_file", str(CPU_CONFIG)]
-        if topo.total_gpus > 1:
+        if total > 1:
             launch += ["--multi_gpu"]
-        runs_as = "DDP over gloo" if topo.total_gpus > 1 else "single process"
-        if asked in ("FSDP", "DEEPSPEED"):
+        runs_as = "DDP over gloo" if total > 1 else "single process"
+        if asked in ("FSDP", "DEEPSPEED") or parallel.declared(accelerate_config):
             notes.append(
                 f"the recipe asks for {asked} ({accel_path}); on CPU orch runs {runs_as} instead "
-                "(same data, batch and optimizer steps; no sharding)"
+                "(same data, batch and optimizer steps; no sharding, no context/sequence parallelism)"
             )
     else:
         launch += ["--config_file", str(accel_file) if accel_file else accel_path]
         runs_as = asked
+        sizes = parallel.declared(accelerate_config)
     launch += [
         "--num_processes",
-        str(topo.total_gpus),
+        str(total),
         "--num_machines",
-        str(topo.nodes),
+        str(trainers.nodes),
         "--machine_rank",
-        str(topo.node_rank),
+        str(trainers.node_rank),
         "--main_process_ip",
-        topo.head_ip,
+        trainers.head_ip,
         "--main_process_port",
-        port_raw,
+        port,
         # Config-file values are ignored when accelerate has a CLI default: pass them as flags.
         "--rdzv_backend",
         "static",
@@ -143,20 +211,37 @@ def plan(
     ]
     if device == "gpu" and asked == "DEEPSPEED":
         launch += ["--deepspeed_multinode_launcher", "standard"]  # else pdsh + hostfile
+    data_parallel = total
+    if sizes is not None:
+        parallel.check_backend(sizes, accelerate_config)
+        sizes = parallel.refit(sizes, total)
+        launch += sizes.flags()
+        data_parallel = sizes.data_parallel(total)
+        pad = parallel.pad_to_multiple_of(sizes, trl_config, user)
+        if pad is not None:
+            script_extra += ["--pad_to_multiple_of", pad]
 
-    ga = batch.accumulation_steps(env, trl_config, user, data_parallel_size=topo.total_gpus)
-    script = ["--module", TRAIN_MODULE, trainer, "--config", trl_path, *overrides.to_argv(user)]
+    ga = batch.accumulation_steps(env, trl_config, user, data_parallel_size=data_parallel)
+    if trainer == "grpo":
+        batch.check_generations(env, trl_config, user)
+    if trainer == "kto" and batch.per_device_batch(trl_config, user) < 2:
+        raise OrchError(
+            "KTO needs per_device_train_batch_size >= 2: its KL baseline pairs mismatched samples of one micro-batch"
+        )
+    script = ["--module", TRAIN_MODULE, trainer, "--config", trl_path, *overrides.to_argv(user, trainer), *script_extra]
     if ga is not None:
         script += ["--gradient_accumulation_steps", str(ga)]
     if device == "cpu":
         script += ["--use_cpu", "true"]
     return NodePlan(
         argv=launch + script,
-        topology=topo,
+        topology=trainers,
         distributed_type=asked,
         runs_as=runs_as,
         gradient_accumulation_steps=ga,
         per_device_batch=batch.per_device_batch(trl_config, user),
+        data_parallel_size=data_parallel,
+        parallel_sizes=sizes,
         notes=notes,
     )
 
@@ -228,6 +313,15 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
         print(render(node_plan.argv))
         return 0
     topo = node_plan.topology
+    if node_plan.role == "vllm-server":
+        print(
+            f"[orch] node {env.get('SKYPILOT_NODE_RANK')}: vLLM server for the trainers on {topo.nodes} node(s)",
+            flush=True,
+        )
+        print("[orch] run: " + render(node_plan.argv), flush=True)
+        return serve_until_training_ends(
+            node_plan.argv, topo.head_ip, int(env.get("MAIN_PROCESS_PORT") or DEFAULT_PORT)
+        )
     print(
         f"[orch] node {topo.node_rank}/{topo.nodes}: {topo.gpus_per_node} process(es) here, "
         f"{topo.total_gpus} in all, head {topo.head_ip}, running {node_plan.runs_as}",
@@ -244,3 +338,57 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
             "`accelerate` is not on PATH on this node; the recipe's setup must pip install '.[train]'"
         ) from None
     return 0  # not reached
+
+
+def _port_open(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=3):
+            return True
+    except OSError:
+        return False
+
+
+def serve_until_training_ends(
+    argv: list[str], head_ip: str, head_port: int, env: Mapping[str, str] | None = None
+) -> int:
+    """Run the vLLM server until the trainers' rendezvous on the head node has opened and then closed.
+
+    The trainers' job ends when their torchrun exits, which closes its store on head_ip:head_port; the server
+    node then stops its server and exits 0 so that the SkyPilot job completes. If the server dies on its
+    own, its exit code is returned (and the whole job fails, as it should: the trainers cannot generate).
+    """
+    import subprocess
+    import time
+
+    env = os.environ if env is None else env
+    poll = float(env.get("ORCH_VLLM_POLL_SECONDS", "10"))
+    grace = int(env.get("ORCH_VLLM_CLOSED_POLLS", "3"))
+    try:
+        server = subprocess.Popen(argv)
+    except FileNotFoundError:
+        raise OrchError(
+            f"`{argv[0]}` is not on PATH on the vLLM node; the recipe's setup must install '.[vllm]'"
+        ) from None
+    seen_open, closed = False, 0
+    try:
+        while server.poll() is None:
+            time.sleep(poll)
+            if _port_open(head_ip, head_port):
+                seen_open, closed = True, 0
+            elif seen_open:
+                closed += 1
+                if closed >= grace:
+                    print("[orch] the trainers finished: stopping the vLLM server", flush=True)
+                    server.terminate()
+                    try:
+                        server.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        server.kill()
+                    return 0
+        print(f"[orch] the vLLM server exited with code {server.returncode}", flush=True)
+        return server.returncode or 1
+    finally:
+        if server.poll() is None:
+            server.kill()

@@ -46,9 +46,17 @@ def loads(text: str) -> dict[str, str]:
     return parse(words)
 
 
-def to_argv(overrides: dict[str, str]) -> list[str]:
-    """`{"max_steps": "10"}` -> `["--max_steps", "10"]` (TRL's HfArgumentParser syntax)."""
+def to_argv(overrides: dict[str, str], trainer: str | None = None) -> list[str]:
+    """`{"max_steps": "10"}` -> `["--max_steps", "10"]` (TRL's HfArgumentParser syntax).
+
+    List arguments (e.g. `reward_funcs=accuracy_reward think_format_reward`) become one word per item.
+    """
+    from orchestrator import trl_schema
+
     argv: list[str] = []
     for key, value in overrides.items():
-        argv += [f"--{key}", value]
+        if trainer and trl_schema.is_list(trainer, key):
+            argv += [f"--{key}", *value.split()]
+        else:
+            argv += [f"--{key}", value]
     return argv

@@ -27,6 +27,7 @@ TINY = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
+    head_dim=16,  # hidden_size / num_attention_heads (Qwen3's default of 128 would not match)
     max_position_embeddings=256,
     tie_word_embeddings=False,
 )
@@ -68,8 +69,10 @@ def trl_overrides(smoke: SmokePlan) -> dict[str, str]:
     out = {
         "model_name_or_path": str(smoke.dir / "model"),
         "dataset_name": str(smoke.dir / "data"),
+        "dataset_train_split": "train",
         "dtype": "float32",
         "attn_implementation": "sdpa",
+        "use_liger_kernel": "false",
         "max_steps": str(STEPS),
         "per_device_train_batch_size": "1",
         "learning_rate": "2e-3",
@@ -81,7 +84,6 @@ def trl_overrides(smoke: SmokePlan) -> dict[str, str]:
         "save_total_limit": "2",
         "bf16": "false",
         "gradient_checkpointing": "false",
-        "max_length": "64",
         "report_to": "none",
         "disable_tqdm": "true",
         "dataloader_num_workers": "0",
@@ -89,7 +91,18 @@ def trl_overrides(smoke: SmokePlan) -> dict[str, str]:
         "seed": "42",
     }
     if smoke.trainer == "grpo":
-        out.update(num_generations="2", max_completion_length="8", reward_funcs="orchestrator.smoke.digit_reward")
+        out.update(
+            num_generations="2",
+            max_completion_length="8",
+            use_vllm="false",
+            reward_funcs="orchestrator.smoke.digit_reward",
+        )
+    else:
+        out["max_length"] = "64"
+    if smoke.trainer == "kto":
+        out["per_device_train_batch_size"] = "2"  # KTO's KL term needs two samples in a micro-batch
+    if smoke.trainer == "sft":
+        out.update(packing="false", padding_free="false")
     return out
 
 

@@ -46,12 +46,12 @@ ROWS_PER_SAMPLE = {"dpo": 2, "reward": 2}
 
 
 def _rows_in(inputs, trainer_name: str) -> int:
-    """Samples in one micro-batch, from the leading dimension of its input_ids."""
+    """Samples in one micro-batch, from the leading dimension of its input_ids (GRPO: one per completion)."""
     for key in ("input_ids", "prompt_ids", "completion_ids"):
         value = inputs.get(key) if hasattr(inputs, "get") else None
         if value is not None and hasattr(value, "shape"):
             return int(value.shape[0]) // ROWS_PER_SAMPLE.get(trainer_name, 1)
-    raise RuntimeError(f"orch cannot count samples in a {trainer_name} batch with keys {sorted(inputs)}")
+    raise RuntimeError(f"orch cannot count samples in a {trainer_name} batch of {type(inputs).__name__}")
 
 
 def _reward_funcs(names):
@@ -132,9 +132,11 @@ def main(argv: list[str] | None = None) -> None:
     class Trainer(base):
         orch_samples = 0
 
-        def training_step(self, model, inputs, *args, **kwargs):
-            self.orch_samples += _rows_in(inputs, trainer_name)
-            return super().training_step(model, inputs, *args, **kwargs)
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            # Counted here, after the trainer prepared the micro-batch (GRPO generates inside training_step).
+            if model.training:
+                self.orch_samples += _rows_in(inputs, trainer_name)
+            return super().compute_loss(model, inputs, *args, **kwargs)
 
     kwargs = {}
     if trainer_name == "grpo":

@@ -1,16 +1,36 @@
-"""Every recipe is a valid SkyPilot task and names paired files that exist."""
+"""Every file under recipes/ is checked by its own tool: SkyPilot's task schema, accelerate's config loader,
+the trainer's TRL argument parser. Walks recipes/ recursively; a YAML that none of them claims fails."""
+
+import importlib
+from pathlib import Path
 
 import pytest
+import yaml
 from conftest import ROOT
 
+from orchestrator import overrides
 from orchestrator import recipe as recipes
+from orchestrator.node import PROFILES, resolve_accelerate_config
 
-TASKS = sorted((ROOT / "recipes").rglob("*.yaml"))
-TASKS = [p for p in TASKS if p.parent == ROOT / "recipes"]  # task YAMLs; their configs sit in subfolders
+RECIPES_DIR = ROOT / "recipes"
+ALL_YAML = sorted(RECIPES_DIR.rglob("*.yaml"))
+TASKS = [p for p in ALL_YAML if p.parent == RECIPES_DIR]
+ACCELERATE = [p for p in ALL_YAML if p.parent.name == "accelerate"]
+TRL = [p for p in ALL_YAML if p.parent.name == "trl"]
 
 
-def test_there_are_recipes():
-    assert TASKS, "recipes/ holds no task YAML"
+def load_task(path: Path) -> recipes.Recipe:
+    return recipes.load(str(path))
+
+
+def users_of(config: Path, key: str) -> list[recipes.Recipe]:
+    rel = config.relative_to(ROOT).as_posix()
+    return [r for r in map(load_task, TASKS) if r.envs[key] == rel]
+
+
+def test_every_yaml_is_claimed():
+    assert TASKS and ACCELERATE and TRL
+    assert set(ALL_YAML) == set(TASKS) | set(ACCELERATE) | set(TRL)
 
 
 @pytest.mark.parametrize("path", TASKS, ids=lambda p: p.stem)
@@ -23,14 +43,80 @@ def test_skypilot_accepts_recipe(path):
 
 @pytest.mark.parametrize("path", TASKS, ids=lambda p: p.stem)
 def test_recipe_header_shows_its_commands(path):
-    head = path.read_text().split("\n\n")[0]
+    head = path.read_text().split("\nname:")[0]
     assert "sky launch" in head and f"recipes/{path.name}" in head
-    assert f"orch run {path.stem}" in head
+    assert f"orch run {path.stem}" in head and "--smoke" in head
 
 
 @pytest.mark.parametrize("path", TASKS, ids=lambda p: p.stem)
 def test_paired_files_exist(path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    recipe = recipes.load(str(path.relative_to(ROOT)))
+    recipe = load_task(path)
     recipes.check_paired_files(recipe)
     assert recipe.trainer in ("sft", "dpo", "grpo", "kto", "reward")
+
+
+@pytest.mark.parametrize("path", ACCELERATE, ids=lambda p: p.stem)
+def test_accelerate_loads_config(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(path))
+    assert config.distributed_type in ("FSDP", "DEEPSPEED", "MULTI_GPU")
+    assert users_of(path, "ACCELERATE_CONFIG"), f"{path} is used by no recipe"
+
+
+@pytest.mark.parametrize(
+    "profile", sorted({r.envs["ACCELERATE_CONFIG"] for r in map(load_task, TASKS)} & set(PROFILES))
+)
+def test_accelerate_loads_profiles_recipes_name(profile):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    assert load_config_from_file(str(resolve_accelerate_config(profile))).num_processes >= 1
+
+
+def _parse(trainer: str, config: Path, recipe_overrides: str):
+    parser = importlib.import_module(f"trl.scripts.{trainer}").make_parser()
+    argv = ["--config", str(config), *overrides.to_argv(overrides.loads(recipe_overrides), trainer)]
+    # TrainingArguments refuses bf16 without a GPU unless told it runs on CPU: that flag is all we add.
+    return parser.parse_args_and_config(args=[*argv, "--use_cpu", "true"])
+
+
+@pytest.mark.parametrize("path", TRL, ids=lambda p: p.stem)
+def test_trl_parser_accepts_config_with_each_recipes_overrides(path):
+    users = users_of(path, "TRL_CONFIG")
+    assert users, f"{path} is used by no recipe"
+    for recipe in users:
+        script_args, training_args, model_args, _ = _parse(recipe.trainer, path, recipe.envs.get("TRL_OVERRIDES", ""))
+        assert model_args.model_name_or_path and script_args.dataset_name
+        assert training_args.output_dir.startswith("outputs/")
+
+
+def test_trl_argument_list_matches_installed_trl():
+    pytest.importorskip("trl")
+    from orchestrator import trl_schema
+
+    assert trl_schema.SCHEMA.read_text() == trl_schema.render(trl_schema.generate()), (
+        "orchestrator/trl_args.json is stale: run `python -m orchestrator.trl_schema` and commit it"
+    )
+
+
+def test_recipe_set_covers_trl_distributed_docs():
+    from orchestrator.recipe_info import summarize
+
+    rows = [summarize(load_task(p)) for p in TASKS]
+    assert {r.trainer for r in rows} == {"sft", "dpo", "grpo", "kto", "reward"}
+    strategies = {r.strategy for r in rows}
+    for needed in ("ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3-offload", "fsdp2+cp2", "zero3+sp2"):
+        assert needed in strategies, needed
+    families = {r.model.split("/")[1].split("-")[0].rstrip("0123456789.") for r in rows}
+    assert {"Phi", "Llama", "Qwen"} <= families
+    assert any(r.strategy.endswith("+vllm-server") for r in rows)
+
+
+def test_long_context_configs_follow_trl_rules():
+    cp = yaml.safe_load((RECIPES_DIR / "accelerate" / "fsdp2_cp_qwen3.yaml").read_text())
+    assert cp["fsdp_config"]["fsdp_version"] == 2 and cp["fsdp_config"]["fsdp_activation_checkpointing"] is True
+    long = yaml.safe_load((RECIPES_DIR / "trl" / "qwen3_sft_long.yaml").read_text())
+    assert long["attn_implementation"] == "sdpa" and long["gradient_checkpointing"] is False
+    alst = yaml.safe_load((RECIPES_DIR / "accelerate" / "alst_ulysses_sp2.yaml").read_text())
+    assert alst["distributed_type"] == "DEEPSPEED" and alst["deepspeed_config"]["zero_stage"] == 3

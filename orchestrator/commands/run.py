@@ -124,11 +124,13 @@ def redacted_command(argv: list[str]) -> str:
     return "orch " + " ".join(shlex.quote(w) for w in out)
 
 
-def _secrets_for(recipe: Recipe, given: dict[str, str]) -> dict[str, str]:
+def _secrets_for(recipe: Recipe, given: dict[str, str], smoke: bool) -> dict[str, str]:
+    """Secret values: the recipe's non-null ones, then --secret. A null one must be given, except in smoke
+    mode, which never reaches a hub."""
     declared = recipe.task.get("secrets") or {}
     values = {k: str(v) for k, v in declared.items() if v is not None}
     values.update(given)
-    missing = [k for k in declared if k not in values]
+    missing = [k for k in declared if k not in values and not smoke]
     if missing:
         raise OrchError(f"recipe needs secret {missing[0]}: pass --secret {missing[0]} (read from your environment)")
     return values
@@ -145,7 +147,7 @@ def main(args: argparse.Namespace) -> int:
     gpus = accelerators.parse(args.gpus) if args.gpus else None
     user_envs = parse_env_assignments(args.env)
     user_overrides = overrides.parse(args.overrides)
-    secrets = _secrets_for(recipe, parse_secrets(args.secret))
+    secrets = _secrets_for(recipe, parse_secrets(args.secret), smoke=args.smoke)
     check_paired_files(recipe)
     if args.local:
         if args.managed or args.spot or args.cluster or args.dry_run or args.detach:
@@ -156,6 +158,23 @@ def main(args: argparse.Namespace) -> int:
     if args.smoke:
         raise OrchError("--smoke runs on this machine: add --local")
     return _cloud(args, recipe, gpus, user_envs, user_overrides, secrets)
+
+
+def check_trl(recipe: Recipe, task: dict) -> None:
+    """TRL config keys and every key=value override exist for the trainer and have the right type."""
+    import yaml
+
+    from orchestrator import trl_schema
+
+    path = recipe.paired("TRL_CONFIG")
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        raise OrchError(f"TRL config {path} is not valid YAML; fix the file") from None
+    if not isinstance(config, dict):
+        raise OrchError(f"TRL config {path} must be a YAML mapping of the trainer's arguments")
+    trl_schema.check_config_keys(recipe.trainer, config, str(path))
+    trl_schema.check(recipe.trainer, overrides.loads(task["envs"].get("TRL_OVERRIDES", "")))
 
 
 def _record_secrets(task: dict, secrets: dict[str, str]) -> dict:
@@ -184,6 +203,7 @@ def _cloud(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
     task = resolve(recipe, nodes=args.nodes, accelerators=spec, envs=user_envs, trl_overrides=user_overrides)
     if args.spot:
         task["resources"]["use_spot"] = True
+    check_trl(recipe, task)
     nodes = int(task.get("num_nodes") or 1)
     per_node = accelerators.parse_spec(spec).count
     plans = node.preview(task["envs"], nodes, per_node)  # batch math and env errors, before anything is sent
@@ -260,6 +280,9 @@ def _local(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
         trl = smoke.trl_overrides(artifacts)
         envs.setdefault("GLOBAL_BATCH_SIZE", str(SMOKE_GLOBAL_BATCH))
         envs.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")  # smoke never touches a hub
+        if recipe.envs.get("VLLM_SERVER_NODES", "0") not in ("", "0"):
+            envs["VLLM_SERVER_NODES"] = "0"
+            print("[orch] smoke: no vLLM on CPU: every node trains and generates with the tiny model itself")
     elif "model_name_or_path" not in user_overrides:
         print("[orch] note: --local without --smoke trains the recipe's real model on this machine's CPU")
     trl.update(user_overrides)
@@ -272,6 +295,7 @@ def _local(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
         task = resolve(recipe, nodes=nodes, envs=envs, trl_overrides=trl)
     from orchestrator import node
 
+    check_trl(recipe, task)
     node.preview(task["envs"], nodes, procs, device="cpu")  # batch math and env errors, before anything starts
     task = _record_secrets(task, secrets)
     record = records.Record(

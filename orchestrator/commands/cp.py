@@ -1,0 +1,128 @@
+"""`orch cp NAME DEST`: copy a recipe and its paired configs into an editable template.
+
+The copy is still a plain SkyPilot task: `sky launch recipes/DEST.yaml` and `orch run DEST` both run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from orchestrator.errors import OrchError
+
+EPILOG = """\
+examples:
+  orch cp phi3_dpo_fsdp my_dpo          # recipes/my_dpo.yaml + recipes/trl/my_dpo.yaml + recipes/accelerate/my_dpo.yaml
+  orch cp phi3_dpo_fsdp exp/dpo_a.yaml  # a path: configs go to exp/trl/ and exp/accelerate/
+  orch cp phi3_dpo_fsdp my_dpo --force  # overwrite an earlier copy
+then edit the copies and run: orch run my_dpo --local --nodes 2 --smoke
+"""
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "cp",
+        help="copy a recipe and its configs into an editable template",
+        description="Copy a recipe and its paired TRL and Accelerate configs.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("recipe", help="recipe to copy (see `orch ls`)")
+    parser.add_argument("dest", help="new recipe name (goes to recipes/) or path ending in .yaml")
+    parser.add_argument("--force", action="store_true", help="overwrite existing files of that name")
+    parser.set_defaults(func=main)
+
+
+def destinations(dest: str) -> tuple[Path, Path, Path]:
+    """(task, TRL config, Accelerate config) paths for a DEST name or path."""
+    if dest.endswith((".yaml", ".yml")):
+        task = Path(dest)
+    elif _NAME.match(dest) and "/" not in dest:
+        task = Path("recipes") / f"{dest}.yaml"
+    else:
+        raise OrchError(f"DEST {dest!r} must be a name like my_dpo (letters, digits, _ . -) or a path ending in .yaml")
+    if not _NAME.match(task.stem):
+        raise OrchError(f"DEST file name {task.name!r} must start with a letter (letters, digits, _ . -)")
+    return task, task.parent / "trl" / f"{task.stem}.yaml", task.parent / "accelerate" / f"{task.stem}.yaml"
+
+
+def _relative(path: Path) -> str:
+    """How the recipe's envs name a file: relative to the workdir (the current directory) when inside it."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return path.resolve().as_posix()
+
+
+def _write_all(files: dict[Path, str]) -> None:
+    """Write every file or none: temp files first, then renames."""
+    staged = []
+    try:
+        for path, text in files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+            staged.append((tmp, path))
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in staged:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    from orchestrator.node import PROFILES, resolve_accelerate_config
+    from orchestrator.recipe import check_paired_files, load
+
+    source = load(args.recipe)
+    check_paired_files(source)
+    task_dst, trl_dst, accel_dst = destinations(args.dest)
+    new = task_dst.stem
+    accel_value = source.envs["ACCELERATE_CONFIG"]
+    accel_src = source.paired("ACCELERATE_CONFIG")
+    if accel_value in PROFILES:
+        accel_src = resolve_accelerate_config(accel_value, strict=False)
+        if not accel_src.is_file():
+            accel_src = None  # keep the profile name: trl is not installed here to copy it from
+    wanted = [task_dst, trl_dst] + ([accel_dst] if accel_src else [])
+    taken = [p for p in wanted if p.exists()]
+    if taken and not args.force:
+        raise OrchError(
+            f"{taken[0]} already exists; pass --force to overwrite it, or pick another name "
+            "(`orch ls` shows the names in use)"
+        )
+    if task_dst.resolve() == source.path.resolve():
+        raise OrchError(f"{args.dest} is the recipe itself; pick another name")
+
+    old, old_sky, new_sky = source.name, source.name.replace("_", "-"), new.replace("_", "-")
+    text = source.path.read_text()
+    text = text.replace(f"recipes/{old}.yaml", _relative(task_dst))
+    text = re.sub(rf"\borch run {re.escape(old)}\b", f"orch run {new}", text)
+    text = re.sub(rf"(^# ){re.escape(old)}:", rf"\g<1>{new}:", text, count=1, flags=re.M)
+    text = re.sub(rf"\b{re.escape(old_sky)}\b", new_sky, text)
+    text = re.sub(r"^(  TRL_CONFIG:).*$", rf"\1 {_relative(trl_dst)}", text, count=1, flags=re.M)
+    if accel_src:
+        text = re.sub(r"^(  ACCELERATE_CONFIG:).*$", rf"\1 {_relative(accel_dst)}", text, count=1, flags=re.M)
+    text = re.sub(r"output_dir=outputs/[^\s\"']+", f"output_dir=outputs/{new}", text)
+    text = f"# Copied from {old} by `orch cp`: edit freely.\n" + text
+    trl_text = re.sub(
+        r"^output_dir:.*$", f"output_dir: outputs/{new}", source.paired("TRL_CONFIG").read_text(), count=1, flags=re.M
+    )
+    files = {task_dst: text, trl_dst: trl_text}
+    if accel_src:
+        files[accel_dst] = accel_src.read_text()
+    _write_all(files)
+    copied = load(str(task_dst))  # the copy must load, name its own files, and be what we think
+    check_paired_files(copied)
+    for path in files:
+        print(f"wrote {path}")
+    print(
+        f"next: edit them, then `orch run {new if task_dst.parent == Path('recipes') else task_dst} "
+        "--local --nodes 2 --smoke` or `sky launch " + _relative(task_dst) + "`"
+    )
+    return 0

@@ -1,0 +1,41 @@
+"""`orch ls`: the recipes, with trainer, strategy, model and default GPUs."""
+
+from __future__ import annotations
+
+import argparse
+
+EPILOG = """\
+examples:
+  orch ls                                  # every recipe in ./recipes and orch's own
+  orch cp qwen25_sft_ddp my_sft            # start your own from the closest one
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "ls",
+        help="list the recipes",
+        description="List the recipes.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from orchestrator import recipe as recipes
+    from orchestrator.errors import OrchError
+    from orchestrator.recipe_info import summarize
+
+    rows = [("RECIPE", "TRAINER", "STRATEGY", "MODEL", "GPUS/NODE", "NODES")]
+    for path in recipes.all_recipe_paths():
+        try:
+            s = summarize(recipes.load(str(path)))
+        except OrchError as exc:
+            rows.append((path.stem, "?", "?", f"(broken: {exc})", "", ""))
+            continue
+        rows.append((s.name, s.trainer, s.strategy, s.model, s.gpus, str(s.nodes)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    return 0
