@@ -29,6 +29,29 @@ FAMILIES = (
 )
 
 
+# Parameter counts (billions, embeddings included) of the models the recipes use, from their model cards.
+KNOWN_PARAMS_B = {
+    "microsoft/phi-3-mini-4k-instruct": 3.82,
+    "meta-llama/llama-3.1-8b-instruct": 8.03,
+    "meta-llama/llama-3.1-8b": 8.03,
+    "qwen/qwen2.5-0.5b-instruct": 0.494,
+    "qwen/qwen2.5-1.5b-instruct": 1.54,
+    "qwen/qwen3-1.7b": 2.03,
+    "qwen/qwen3-8b": 8.19,
+}
+
+
+def params_billions(model_id: str) -> float | None:
+    """Parameter count of a model id: the table above, else the size its name states (`...-70B`), else None."""
+    import re
+
+    known = KNOWN_PARAMS_B.get(model_id.lower())
+    if known is not None:
+        return known
+    match = re.search(r"(?<![\d.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z])", model_id.split("/")[-1])
+    return float(match.group(1)) if match else None
+
+
 def family_of(model_id: str) -> Family:
     lowered = model_id.lower()
     for family in FAMILIES:

@@ -264,13 +264,23 @@ def _load_yaml(path: Path, what: str) -> dict:
     return data
 
 
+def _profile_stub(profile: str) -> dict:
+    """What a TRL profile asks for, when trl (and so the profile file) is not installed here."""
+    stub: dict = {"distributed_type": PROFILE_TYPES[profile]}
+    if profile.startswith("zero"):
+        stub["deepspeed_config"] = {"zero_stage": int(profile[-1])}
+    if profile.startswith("fsdp"):
+        stub["fsdp_config"] = {"fsdp_version": int(profile[-1])}
+    return stub
+
+
 def load_configs(env: Mapping[str, str], strict: bool = True) -> tuple[dict, dict, Path | None]:
     """The Accelerate config (parsed), the TRL config (parsed) and the resolved profile file, if any."""
     value = _required(env, "ACCELERATE_CONFIG", "recipes/accelerate/fsdp2_phi3.yaml")
     trl = _load_yaml(Path(_required(env, "TRL_CONFIG", "recipes/trl/phi3_dpo.yaml")), "TRL config")
     if value in PROFILES:
         path = resolve_accelerate_config(value, strict=strict)
-        accel = _load_yaml(path, "Accelerate config") if path.is_file() else {"distributed_type": PROFILE_TYPES[value]}
+        accel = _load_yaml(path, "Accelerate config") if path.is_file() else _profile_stub(value)
         return accel, trl, path
     return _load_yaml(Path(value), "Accelerate config"), trl, None
 

@@ -185,6 +185,11 @@ def _summary(output_dir: Path) -> list[str]:
         f"(ranks reporting: {', '.join(str(r['rank']) for r in ranks)})"
     ]
     steps = head["optimizer_steps_this_run"]
+    if not steps and head.get("resumed_from"):
+        lines.append(
+            f"[orch] resumed from {head['resumed_from']} at step {head['optimizer_steps']}, already the last step: "
+            f"nothing left to train (delete {output_dir} or pass output_dir=... to train again)"
+        )
     if steps:
         per_step = head["total_samples"] / steps
         lines.append(

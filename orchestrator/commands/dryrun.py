@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from orchestrator import accelerators
 from orchestrator.errors import OrchError
 from orchestrator.node import NodePlan, render
 from orchestrator.records import dump_task
@@ -11,7 +12,7 @@ def _section(title: str) -> None:
     print(f"\n--- {title} ---")
 
 
-def show(recipe, task: dict, plans: list[NodePlan], skip_optimizer: bool) -> int:
+def show(recipe, task: dict, plans: list[NodePlan], memory, skip_optimizer: bool) -> int:
     print(f"[orch] dry run of {recipe.name}: nothing is launched, nothing is written")
     _section("resolved task (what sky_jobs/<run>.yaml will hold)")
     print(dump_task(task).rstrip())
@@ -27,6 +28,14 @@ def show(recipe, task: dict, plans: list[NodePlan], skip_optimizer: bool) -> int
             f"batch: GLOBAL_BATCH_SIZE {task['envs']['GLOBAL_BATCH_SIZE']} = {head.per_device_batch} per device x "
             f"{topo.total_gpus} data-parallel ranks x {head.gradient_accumulation_steps} accumulation steps"
         )
+    if memory is not None:
+        spec = task["resources"]["accelerators"]
+        print(
+            f"memory: {memory.describe()} for weights, gradients and Adam states (activations extra); "
+            f"each {spec.split(':')[0]} has {accelerators.memory_gib(spec.split(':')[0])} GiB"
+        )
+    else:
+        print("memory: not estimated (model size unknown to orch)")
     _section("SkyPilot plan")
     if skip_optimizer:
         print("not computed: --skip-optimizer")

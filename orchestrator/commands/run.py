@@ -177,6 +177,14 @@ def check_trl(recipe: Recipe, task: dict) -> None:
     trl_schema.check(recipe.trainer, overrides.loads(task["envs"].get("TRL_OVERRIDES", "")))
 
 
+def _preflight(recipe: Recipe, task: dict, spec: str | None, nodes: int):
+    from orchestrator import node, preflight
+
+    accel, trl_cfg, _ = node.load_configs(task["envs"], strict=False)
+    user = overrides.loads(task["envs"].get("TRL_OVERRIDES", ""))
+    return preflight.run(accel, trl_cfg, user, recipe.trainer, spec, nodes)
+
+
 def _record_secrets(task: dict, secrets: dict[str, str]) -> dict:
     """The task as written to sky_jobs/: secret names only, never values."""
     if secrets:
@@ -207,13 +215,14 @@ def _cloud(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
     nodes = int(task.get("num_nodes") or 1)
     per_node = accelerators.parse_spec(spec).count
     plans = node.preview(task["envs"], nodes, per_node)  # batch math and env errors, before anything is sent
+    memory = _preflight(recipe, task, spec, nodes - (1 if plans[-1].role == "vllm-server" else 0))
     task = _record_secrets(task, secrets)
     run = f"{recipe.name.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
     cluster = args.cluster or run
     if args.dry_run:
         from orchestrator.commands import dryrun
 
-        return dryrun.show(recipe, task, plans, skip_optimizer=args.skip_optimizer)
+        return dryrun.show(recipe, task, plans, memory, skip_optimizer=args.skip_optimizer)
 
     from orchestrator.backends import sky as sky_backend
 
@@ -289,13 +298,15 @@ def _local(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
     # The record keeps the recipe's accelerators (it stays a cloud task); the header says what ran locally.
     task = resolve(recipe, nodes=nodes, envs=envs, trl_overrides=trl)
     # Stable for the same resolved task: rerunning a command finds (and resumes from) its checkpoints.
-    run = f"{recipe.name}-{hashlib.sha256(json.dumps(task, sort_keys=True).encode()).hexdigest()[:8]}"
+    shape = json.dumps([task, nodes, procs], sort_keys=True)
+    run = f"{recipe.name}-{hashlib.sha256(shape.encode()).hexdigest()[:8]}"
     if "output_dir" not in user_overrides:
         trl["output_dir"] = f"outputs/{run}"
         task = resolve(recipe, nodes=nodes, envs=envs, trl_overrides=trl)
     from orchestrator import node
 
     check_trl(recipe, task)
+    _preflight(recipe, task, None, nodes)  # the recipe's own consistency; memory is a GPU matter
     node.preview(task["envs"], nodes, procs, device="cpu")  # batch math and env errors, before anything starts
     task = _record_secrets(task, secrets)
     record = records.Record(

@@ -1,0 +1,316 @@
+"""Scale without changing the math: batch invariance, parallelism refit, preflight checks (issue 5)."""
+
+import itertools
+import json
+import re
+import shutil
+import socket
+import sys
+import threading
+import time
+
+import pytest
+from conftest import ROOT, orch
+
+from orchestrator import batch, node, parallel, preflight
+from orchestrator.errors import OrchError
+
+CP = {
+    "distributed_type": "FSDP",
+    "fsdp_config": {"fsdp_version": 2},
+    "parallelism_config": {"parallelism_config_cp_size": 2, "parallelism_config_dp_shard_size": 4},
+}
+SP = {
+    "distributed_type": "DEEPSPEED",
+    "deepspeed_config": {"zero_stage": 3},
+    "parallelism_config": {"parallelism_config_sp_size": 2, "parallelism_config_dp_shard_size": 4},
+}
+NODES = range(1, 65)
+GPUS = (1, 2, 4, 8)
+
+
+# ---------------------------------------------------------------- refit and batch math, 1..64 nodes x 1/2/4/8
+
+
+@pytest.mark.parametrize("config, keep", [(CP, "cp"), (SP, "sp")])
+def test_refit_for_every_cluster_shape(config, keep):
+    declared = parallel.declared(config)
+    for nodes, gpus in itertools.product(NODES, GPUS):
+        total = nodes * gpus
+        if total % 2:
+            with pytest.raises(OrchError, match=rf"^{total} processes cannot be split into .* = 2; use a total GPU"):
+                parallel.refit(declared, total)
+            continue
+        sizes = parallel.refit(declared, total)
+        assert sizes.dp_replicate * sizes.dp_shard * sizes.cp * sizes.sp * sizes.tp == total
+        assert getattr(sizes, keep) == 2 and sizes.dp_shard == total // 2
+        assert sizes.data_parallel(total) == total // 2
+        assert sizes.pad_multiple == (4 if keep == "cp" else 2)
+
+
+def test_refit_keeps_tp_and_dp_replicate():
+    sizes = parallel.Sizes(dp_replicate=2, tp=2, cp=2)
+    assert parallel.refit(sizes, 64) == parallel.Sizes(dp_replicate=2, dp_shard=8, tp=2, cp=2)
+    assert parallel.refit(sizes, 64).data_parallel(64) == 16
+    with pytest.raises(OrchError, match=r"^12 processes cannot be split into dp_replicate 2 x cp 2 x sp 1 x tp 2 = 8"):
+        parallel.refit(sizes, 12)
+
+
+def test_batch_math_for_every_cluster_shape():
+    for nodes, gpus in itertools.product(NODES, GPUS):
+        total = nodes * gpus
+        for per_device in (1, 2, 4):
+            if 512 % (per_device * total):
+                with pytest.raises(OrchError, match=r"^GLOBAL_BATCH_SIZE=512 is not a multiple of"):
+                    batch.solve(512, per_device, total)
+            else:
+                assert per_device * total * batch.solve(512, per_device, total) == 512
+
+
+def env(nodes, gpus, rank=0, **extra):
+    base = {
+        "SKYPILOT_NODE_RANK": str(rank),
+        "SKYPILOT_NUM_NODES": str(nodes),
+        "SKYPILOT_NUM_GPUS_PER_NODE": str(gpus),
+        "SKYPILOT_NODE_IPS": "".join(f"10.1.0.{i + 1}\n" for i in range(nodes)),
+        "TRL_TRAINER": "sft",
+        "TRL_CONFIG": "t.yaml",
+        "ACCELERATE_CONFIG": "a.yaml",
+        "GLOBAL_BATCH_SIZE": "32",
+    }
+    return {**base, **extra}
+
+
+def test_node_plan_passes_refit_sizes_and_padding_and_uses_dp_for_batch():
+    plan = node.plan(env(2, 8), CP, {"per_device_train_batch_size": 1})
+    argv = " ".join(plan.argv)
+    assert (
+        "--parallelism_config_dp_replicate_size 1 --parallelism_config_dp_shard_size 8 "
+        "--parallelism_config_tp_size 1 --parallelism_config_cp_size 2 --parallelism_config_sp_size 1"
+    ) in argv
+    assert "--pad_to_multiple_of 4" in argv
+    assert plan.data_parallel_size == 8 and plan.gradient_accumulation_steps == 4  # 32 = 1 x 8 x 4, not 1 x 16 x 2
+    sp = node.plan(env(1, 8), SP, {"per_device_train_batch_size": 1})
+    assert "--pad_to_multiple_of 2" in " ".join(sp.argv) and sp.gradient_accumulation_steps == 8
+
+
+@pytest.mark.parametrize(
+    "accel, trl, message",
+    [
+        ({**CP, "distributed_type": "DEEPSPEED"}, {}, r"context parallelism \(cp_size=2\) needs FSDP2"),
+        ({**CP, "fsdp_config": {"fsdp_version": 1}}, {}, r"needs FSDP2: set distributed_type: FSDP and fsdp_config"),
+        ({**SP, "deepspeed_config": {"zero_stage": 2}}, {}, r"\(sp_size=2\) needs DeepSpeed ZeRO-3"),
+        ({**SP, "distributed_type": "FSDP"}, {}, r"needs DeepSpeed ZeRO-3"),
+        (
+            {**CP, "parallelism_config": {"parallelism_config_cp_size": 2, "parallelism_config_sp_size": 2}},
+            {},
+            r"sets both cp_size and sp_size",
+        ),
+        ({**CP, "parallelism_config": {"parallelism_config_cp_size": 3}}, {}, r"16 processes cannot be split .* = 3"),
+        ({**CP, "parallelism_config": {"parallelism_config_cp_size": "x"}}, {}, r"cp_size='x' .* not a whole number"),
+        ({**CP, "parallelism_config": {"parallelism_config_cp_size": 0}}, {}, r"cp_size=0 .* must be at least 1"),
+        (CP, {"pad_to_multiple_of": 6}, r"pad_to_multiple_of=6 must be a multiple of 2 x cp_size = 4"),
+        (SP, {"pad_to_multiple_of": 3}, r"pad_to_multiple_of=3 must be a multiple of sp_size = 2"),
+    ],
+)
+def test_impossible_parallel_combinations_name_the_fix(accel, trl, message):
+    with pytest.raises(OrchError, match=message):
+        node.plan(env(2, 8), accel, {"per_device_train_batch_size": 1, **trl})
+
+
+def test_a_fitting_pad_is_kept():
+    plan = node.plan(env(1, 8), CP, {"per_device_train_batch_size": 1, "pad_to_multiple_of": 8})
+    assert "--pad_to_multiple_of" not in plan.argv
+
+
+def test_cpu_runs_without_parallelism_and_says_so():
+    plan = node.plan(env(2, 1, ORCH_DEVICE="cpu"), CP, {"per_device_train_batch_size": 1})
+    assert not any(a.startswith("--parallelism_config") for a in plan.argv)
+    assert plan.data_parallel_size == 2 and "no context/sequence parallelism" in plan.notes[0]
+
+
+@pytest.mark.parametrize(
+    "extra, trl, message",
+    [
+        (
+            {"GLOBAL_BATCH_SIZE": "32", "TRL_TRAINER": "grpo"},
+            {"num_generations": 3, "per_device_train_batch_size": 1},
+            r"^GRPO: GLOBAL_BATCH_SIZE=32 completions is not a multiple of num_generations=3; use .*=30 or 33$",
+        ),
+        (
+            {"GLOBAL_BATCH_SIZE": "32", "TRL_TRAINER": "grpo"},
+            {"num_generations": 6, "per_device_train_batch_size": 1},
+            r"num_generations=6; use GLOBAL_BATCH_SIZE=30 or 36$",
+        ),
+        ({"TRL_TRAINER": "kto"}, {"per_device_train_batch_size": 1}, r"KTO needs per_device_train_batch_size >= 2"),
+        ({"GLOBAL_BATCH_SIZE": "0"}, {}, r"GLOBAL_BATCH_SIZE=0 must be at least 1"),
+        ({"GLOBAL_BATCH_SIZE": "lots"}, {}, r"GLOBAL_BATCH_SIZE='lots' is not a whole number"),
+        ({}, {"per_device_train_batch_size": 0}, r"per_device_train_batch_size=0 must be at least 1"),
+    ],
+)
+def test_batch_errors(extra, trl, message):
+    with pytest.raises(OrchError, match=message):
+        node.plan(env(1, 2, **extra), {"distributed_type": "MULTI_GPU"}, trl)
+
+
+# ---------------------------------------------------------------- vLLM server node (GRPO)
+
+GRPO = {"TRL_TRAINER": "grpo", "VLLM_SERVER_NODES": "1", "GLOBAL_BATCH_SIZE": "256"}
+GRPO_TRL = {"model_name_or_path": "Qwen/Qwen2.5-1.5B-Instruct", "per_device_train_batch_size": 8}
+
+
+def test_vllm_server_node_and_trainers():
+    server = node.plan(env(3, 8, rank=2, **GRPO), {"distributed_type": "MULTI_GPU"}, GRPO_TRL)
+    assert server.role == "vllm-server"
+    assert server.argv == [
+        "trl", "vllm-serve", "--model", "Qwen/Qwen2.5-1.5B-Instruct", "--tensor_parallel_size", "1",
+        "--data_parallel_size", "8", "--host", "0.0.0.0", "--port", "8000",
+    ]  # fmt: skip
+    trainer = node.plan(env(3, 8, rank=1, **GRPO), {"distributed_type": "MULTI_GPU"}, GRPO_TRL)
+    argv = " ".join(trainer.argv)
+    assert "--num_processes 16 --num_machines 2 --machine_rank 1 --main_process_ip 10.1.0.1" in argv
+    assert "--vllm_server_host 10.1.0.3 --vllm_server_port 8000" in argv
+    assert trainer.gradient_accumulation_steps == 2  # 256 completions = 8 x 16 trainer ranks x 2
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"VLLM_SERVER_NODES": "2"}, r"on 0 or 1 node"),
+        ({"TRL_TRAINER": "dpo"}, r"VLLM_SERVER_NODES=1 is for GRPO"),
+        ({"VLLM_TENSOR_PARALLEL_SIZE": "3"}, r"must divide the 8 GPUs"),
+    ],
+)
+def test_vllm_server_errors(extra, message):
+    with pytest.raises(OrchError, match=message):
+        node.plan(env(2, 8, rank=1, **{**GRPO, **extra}), {"distributed_type": "MULTI_GPU"}, GRPO_TRL)
+
+
+def test_vllm_server_needs_a_second_node():
+    with pytest.raises(OrchError, match=r"needs at least 2 nodes"):
+        node.plan(env(1, 8, **GRPO), {"distributed_type": "MULTI_GPU"}, GRPO_TRL)
+
+
+def test_server_node_stops_its_server_when_the_trainers_finish():
+    """The server node watches the head's rendezvous port: open (training), then closed (done)."""
+    head = socket.socket()
+    head.bind(("127.0.0.1", 0))
+    head.listen()
+    port = head.getsockname()[1]
+    threading.Timer(1.5, head.close).start()  # the trainers finish after ~1.5 s
+    started = time.monotonic()
+    code = node.serve_until_training_ends(
+        [sys.executable, "-c", "import time; time.sleep(120)"],
+        "127.0.0.1",
+        port,
+        env={"ORCH_VLLM_POLL_SECONDS": "0.2", "ORCH_VLLM_CLOSED_POLLS": "3"},
+    )
+    assert code == 0 and time.monotonic() - started < 30
+
+
+def test_server_node_fails_when_its_server_dies():
+    code = node.serve_until_training_ends(
+        [sys.executable, "-c", "raise SystemExit(3)"], "127.0.0.1", 9, env={"ORCH_VLLM_POLL_SECONDS": "0.1"}
+    )
+    assert code == 3
+
+
+# ---------------------------------------------------------------- preflight
+
+
+def test_memory_model_sharding_factors():
+    def est(strategy, **kw):
+        return preflight.estimate_memory(8.0, strategy, 8, **kw).gib_per_gpu
+
+    gib = 8e9 / 2**30
+    assert est("ddp") == pytest.approx(16 * gib)
+    assert est("zero1") == pytest.approx((4 + 12 / 8) * gib)
+    assert est("zero2") == pytest.approx((2 + 14 / 8) * gib)
+    assert est("zero3") == pytest.approx(2 * gib) == pytest.approx(est("fsdp"))
+    assert est("zero3", offload=True) == pytest.approx(2 / 8 * gib)
+    assert est("fsdp", trainer="dpo") == pytest.approx((2 + 2 / 8) * gib)  # + the sharded reference model
+    assert est("ddp", trainer="dpo") == pytest.approx(18 * gib)
+    assert est("ddp", peft=True) == pytest.approx(2 * gib)
+
+
+def test_memory_check_suggests_a_strategy_that_fits():
+    with pytest.raises(
+        OrchError,
+        match=r"^8.03B sft needs ~119.7 GiB per GPU under ddp on 8 GPU\(s\) .*more than one "
+        r"A100-80GB holds \(80 GiB\); fsdp2 on 8 GPUs needs ~15 GiB",
+    ):
+        preflight.check_memory(8.03, {"distributed_type": "MULTI_GPU"}, 8, "A100-80GB", "sft")
+    with pytest.raises(OrchError, match=r"zero3 with CPU offload on 8 GPUs needs ~"):
+        preflight.check_memory(70, {"distributed_type": "FSDP"}, 8, "L4", "sft")
+    assert preflight.check_memory(3.82, {"distributed_type": "FSDP"}, 8, "A100", "dpo").gib_per_gpu < 10
+
+
+def test_fsdp_wrap_class_must_match_the_architecture():
+    accel = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}}
+    preflight.check_fsdp_wrap(accel, "meta-llama/Llama-3.1-8B-Instruct")
+    with pytest.raises(OrchError, match=r"is LlamaDecoderLayer but Qwen/Qwen3-8B is built of Qwen3DecoderLayer"):
+        preflight.check_fsdp_wrap(accel, "Qwen/Qwen3-8B")
+
+
+def test_context_parallel_needs_sdpa_and_one_checkpointing():
+    preflight.check_context_parallel(CP, {"attn_implementation": "sdpa", "gradient_checkpointing": False}, {})
+    with pytest.raises(OrchError, match=r"needs SDPA attention, not flash_attention_2"):
+        preflight.check_context_parallel(CP, {"attn_implementation": "flash_attention_2"}, {})
+    both = {**CP, "fsdp_config": {"fsdp_version": 2, "fsdp_activation_checkpointing": True}}
+    with pytest.raises(OrchError, match=r"cannot both be on"):
+        preflight.check_context_parallel(both, {"attn_implementation": "sdpa"}, {"gradient_checkpointing": "true"})
+
+
+def test_sequence_parallel_needs_zero3():
+    preflight.check_sequence_parallel(SP)
+    with pytest.raises(OrchError, match=r"needs DeepSpeed ZeRO-3"):
+        preflight.check_sequence_parallel({**SP, "deepspeed_config": {"zero_stage": 1}})
+
+
+def test_accelerator_and_split_checks():
+    assert preflight.check_accelerator("H100:8") == ("H100", 8, 80)
+    with pytest.raises(OrchError, match=r"name a GPU type"):
+        preflight.check_accelerator("CPU:4")
+    preflight.check_process_split(16, 2)
+    with pytest.raises(OrchError, match=r"10 processes cannot be split evenly over 4 nodes"):
+        preflight.check_process_split(10, 4)
+
+
+def test_launch_refuses_a_recipe_that_cannot_fit():
+    result = orch(
+        "run", "llama3_sft_zero3", "--env", "ACCELERATE_CONFIG=multi_gpu", "--secret", "HF_TOKEN=x", "--dry-run"
+    )
+    assert result.returncode == 2 and "needs ~119.7 GiB per GPU under ddp" in result.stderr
+    assert "fsdp2 on 8 GPUs needs ~15 GiB" in result.stderr and result.stdout == ""
+
+
+def test_dry_run_shows_batch_and_memory():
+    result = orch("run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "--dry-run", "--skip-optimizer")
+    assert result.returncode == 0, result.stderr
+    assert "batch: GLOBAL_BATCH_SIZE 64 = 4 per device x 16 data-parallel ranks x 1 accumulation steps" in result.stdout
+    assert re.search(r"memory: ~4\.\d GiB per GPU under fsdp on 16 GPU\(s\)", result.stdout), result.stdout
+
+
+# ---------------------------------------------------------------- the same math at every shape (end to end)
+
+
+@pytest.mark.slow
+def test_loss_is_the_same_at_every_cluster_shape(tmp_path):
+    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
+    shapes = {"2x1": ["--nodes", "2"], "1x2": ["--nodes", "1", "--gpus", "CPU:2"], "1x1": ["--nodes", "1"]}
+    runs = {}
+    for label, flags in shapes.items():
+        result = orch("run", "phi3_dpo_fsdp", "--local", "--smoke", *flags, cwd=tmp_path)
+        assert result.returncode == 0, result.stdout[-3000:]
+        out_dir = tmp_path / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
+        log = [json.loads(x) for x in (out_dir / "orch" / "log.jsonl").read_text().splitlines()]
+        report = json.loads((out_dir / "orch" / "rank0.json").read_text())
+        runs[label] = ([r["loss"] for r in log if "loss" in r], report)
+    assert (
+        len({json.dumps(r["resumed_from"]) for _, r in runs.values()}) == 1 and runs["1x1"][1]["resumed_from"] is None
+    )
+    assert runs["1x1"][1]["gradient_accumulation_steps"] == 2 * runs["2x1"][1]["gradient_accumulation_steps"]
+    for label, (losses, report) in runs.items():
+        assert report["optimizer_steps"] == runs["2x1"][1]["optimizer_steps"] == 8, label
+        assert report["total_samples"] == 16 * 8, label
+        assert losses[:5] == pytest.approx(runs["2x1"][0][:5], abs=1e-4), label
