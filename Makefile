@@ -20,7 +20,7 @@ $(STAMP):
 	touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/orch run phi3_dpo_fsdp --local --nodes 2 --smoke
+	$(VENV)/bin/orch run phi3_dpo_fsdp --local --nodes 2 --smoke --fresh
 
 test: install
 	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) -m pytest $(PYTEST_ARGS)

@@ -13,6 +13,10 @@ Variables read (all set by SkyPilot or by the recipe's `envs:`):
   MAIN_PROCESS_PORT  optional: rendezvous port on the head node (default 29500; SkyPilot's Ray uses 6380)
   VLLM_SERVER_NODES  optional: 1 makes the last node run `trl vllm-serve` (GRPO); the others train
   VLLM_SERVER_PORT   optional: that server's port (default 8000)
+  CHECKPOINT_ROOT    optional: output_dir becomes CHECKPOINT_ROOT/SKYPILOT_TASK_ID (a bucket mount on a cloud:
+                     the task id is stable across managed-job recoveries, so a recovered job resumes)
+  DDP_TIMEOUT        optional: seconds a collective may wait before the process group fails (TRL's ddp_timeout)
+  ORCH_RENDEZVOUS_TIMEOUT, ORCH_BARRIER_PORT  optional: orch's pre-launch barrier (default 600 s, port + 1)
   ORCH_DEVICE        optional: `cpu` makes every process a CPU process (the local backend sets it)
 """
 
@@ -228,6 +232,18 @@ def plan(
         raise OrchError(
             "KTO needs per_device_train_batch_size >= 2: its KL baseline pairs mismatched samples of one micro-batch"
         )
+    root = env.get("CHECKPOINT_ROOT", "").strip()
+    if root:  # run-keyed: a recovered managed job (same task id) finds its checkpoints
+        task_id = env.get("SKYPILOT_TASK_ID", "").strip()
+        if not task_id:
+            raise OrchError("CHECKPOINT_ROOT is set but SKYPILOT_TASK_ID is not; SkyPilot sets it on every node")
+        user = {k: v for k, v in user.items() if k != "output_dir"}
+        script_extra += ["--output_dir", f"{root.rstrip('/')}/{task_id}"]
+    timeout = env.get("DDP_TIMEOUT", "").strip()
+    if timeout:
+        if not timeout.isdigit() or int(timeout) < 1:
+            raise OrchError(f"DDP_TIMEOUT={timeout!r} must be a whole number of seconds")
+        script_extra += ["--ddp_timeout", timeout]
     script = ["--module", TRAIN_MODULE, trainer, "--config", trl_path, *overrides.to_argv(user, trainer), *script_extra]
     if ga is not None:
         script += ["--gradient_accumulation_steps", str(ga)]
@@ -292,12 +308,18 @@ def plan_from_env(env: Mapping[str, str]) -> NodePlan:
     return plan(env, accel, trl, profile_file)
 
 
-def preview(task_envs: Mapping[str, str], nodes: int, gpus_per_node: int, device: str = "gpu") -> list[NodePlan]:
+def preview(
+    task_envs: Mapping[str, str],
+    nodes: int,
+    gpus_per_node: int,
+    device: str = "gpu",
+    task_id: str = "$SKYPILOT_TASK_ID",
+) -> list[NodePlan]:
     """The plan of every node rank of a task, computed on the launch side from the env SkyPilot will set.
 
-    Node IPs are placeholders (10.0.0.1, ...): SkyPilot assigns the real ones.
+    Node IPs (10.0.0.1, ...) and the task id are placeholders: SkyPilot assigns the real ones.
     """
-    base = dict(task_envs)
+    base = {"SKYPILOT_TASK_ID": task_id, **task_envs}
     if device == "cpu":
         base["ORCH_DEVICE"] = "cpu"
     base.update(
@@ -324,6 +346,7 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
         return 0
     topo = node_plan.topology
     if node_plan.role == "vllm-server":
+        _barrier(env, from_env(env))
         print(
             f"[orch] node {env.get('SKYPILOT_NODE_RANK')}: vLLM server for the trainers on {topo.nodes} node(s)",
             flush=True,
@@ -332,6 +355,7 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
         return serve_until_training_ends(
             node_plan.argv, topo.head_ip, int(env.get("MAIN_PROCESS_PORT") or DEFAULT_PORT)
         )
+    _barrier(env, from_env(env))
     print(
         f"[orch] node {topo.node_rank}/{topo.nodes}: {topo.gpus_per_node} process(es) here, "
         f"{topo.total_gpus} in all, head {topo.head_ip}, running {node_plan.runs_as}",
@@ -348,6 +372,31 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
             "`accelerate` is not on PATH on this node; the recipe's setup must pip install '.[train]'"
         ) from None
     return 0  # not reached
+
+
+def _barrier(env: Mapping[str, str], topo: Topology) -> None:
+    """Every node of a multi-node run passes orch's barrier before starting accelerate (rendezvous.py)."""
+    if topo.nodes < 2:
+        return
+    from orchestrator import rendezvous
+
+    main_port = int(_port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT))
+    port = int(_port(env, "ORCH_BARRIER_PORT", main_port + 1))
+    raw = env.get("ORCH_RENDEZVOUS_TIMEOUT", "").strip() or str(rendezvous.DEFAULT_TIMEOUT)
+    try:
+        timeout = float(raw)
+    except ValueError:
+        raise OrchError(f"ORCH_RENDEZVOUS_TIMEOUT={raw!r} is not a number of seconds") from None
+    print(
+        f"[orch] node {topo.node_rank}: waiting for all {topo.nodes} nodes at {topo.head_ip}:{port} "
+        f"(timeout {timeout:g} s)",
+        flush=True,
+    )
+    if topo.node_rank == 0:
+        took = rendezvous.head_wait(topo.nodes, port, timeout)
+    else:
+        took = rendezvous.worker_join(topo.node_rank, topo.head_ip, port, timeout)
+    print(f"[orch] node {topo.node_rank}: all {topo.nodes} nodes joined in {took:.1f} s", flush=True)
 
 
 def _port_open(host: str, port: int) -> bool:

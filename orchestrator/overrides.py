@@ -16,6 +16,21 @@ from orchestrator.errors import OrchError
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
 
+SHELL_METACHARACTERS = set("$`;|&<>")
+
+
+def check_value(what: str, value: str) -> None:
+    """Values reach the nodes' shell through SkyPilot's envs: refuse what a shell would act on."""
+    if any(ch in value for ch in "\n\r\0"):
+        raise OrchError(f"{what} holds a newline or NUL byte; give a single-line value")
+    bad = sorted(SHELL_METACHARACTERS & set(value))
+    if bad:
+        raise OrchError(
+            f"{what} holds shell metacharacter(s) {' '.join(bad)}; values travel through the nodes' shell, so use "
+            "plain text (secrets go in --secret)"
+        )
+
+
 def parse(words: Iterable[str]) -> dict[str, str]:
     """`["lr=1e-5", "max_steps=10"]` -> `{"lr": "1e-5", "max_steps": "10"}`; later words win."""
     out: dict[str, str] = {}
@@ -24,8 +39,7 @@ def parse(words: Iterable[str]) -> dict[str, str]:
         key = key.strip().removeprefix("--")
         if not sep or not _KEY.match(key):
             raise OrchError(f"override {word!r} is not key=value (for example learning_rate=1e-5)")
-        if "\n" in value or "\r" in value:
-            raise OrchError(f"override {key}= holds a newline; give a single-line value")
+        check_value(f"override {key}=", value)
         out[key] = value
     return out
 

@@ -148,8 +148,7 @@ def parse_env_assignments(words: list[str]) -> dict[str, str]:
             if key not in os.environ:
                 raise OrchError(f"--env {key}: {key} is not set here; give a value with --env {key}=VALUE")
             value = os.environ[key]
-        if "\n" in value or "\r" in value or "\0" in value:
-            raise OrchError(f"--env {key}= holds a newline or NUL byte; give a single-line value")
+        ov.check_value(f"--env {key}=", value)
         out[key] = value
     return out
 

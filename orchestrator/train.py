@@ -132,6 +132,24 @@ def main(argv: list[str] | None = None) -> None:
     class Trainer(base):
         orch_samples = 0
 
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            # transformers maps the optimizer state to args.device, which is `cpu:0` for multi-process CPU
+            # runs, and torch.load cannot restore to `cpu:0`: map it to plain `cpu` (what the state lives on).
+            if not checkpoint or self.args.device.type != "cpu":
+                return super()._load_optimizer_and_scheduler(checkpoint)
+            original = torch.load
+
+            def load(*args, **kwargs):
+                if str(kwargs.get("map_location", "")).startswith("cpu"):
+                    kwargs["map_location"] = "cpu"
+                return original(*args, **kwargs)
+
+            torch.load = load
+            try:
+                return super()._load_optimizer_and_scheduler(checkpoint)
+            finally:
+                torch.load = original
+
         def compute_loss(self, model, inputs, *args, **kwargs):
             # Counted here, after the trainer prepared the micro-batch (GRPO generates inside training_step).
             if model.training:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ def threads_per_process(total_processes: int, cores: int | None = None) -> int:
 
 
 def node_envs(
-    task_envs: Mapping[str, str], nodes: int, procs_per_node: int, task_id: str, port: int
+    task_envs: Mapping[str, str], nodes: int, procs_per_node: int, task_id: str, port: int, barrier_port: int
 ) -> list[dict[str, str]]:
     """The environment of each emulated node (pure: the caller adds os.environ)."""
     threads = threads_per_process(nodes * procs_per_node)
@@ -55,6 +56,7 @@ def node_envs(
             SKYPILOT_NUM_GPUS_PER_NODE=str(procs_per_node),
             SKYPILOT_TASK_ID=task_id,
             MAIN_PROCESS_PORT=str(port),
+            ORCH_BARRIER_PORT=str(barrier_port),
             ORCH_DEVICE="cpu",
             OMP_NUM_THREADS=str(threads),
             MKL_NUM_THREADS=str(threads),
@@ -68,8 +70,12 @@ def node_envs(
     return envs
 
 
-def _pump(stream, prefix: str, lock: threading.Lock, sink) -> None:
+TAIL_LINES = 15
+
+
+def _pump(stream, prefix: str, lock: threading.Lock, sink, tail: deque) -> None:
     for line in iter(stream.readline, ""):
+        tail.append(line)
         with lock:
             sink.write(prefix + line)
             sink.flush()
@@ -97,6 +103,7 @@ def run_nodes(
     base["PATH"] = str(Path(sys.executable).parent) + os.pathsep + base.get("PATH", "")
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    tails: list[deque] = []
     try:
         for rank, env in enumerate(envs):
             proc = subprocess.Popen(
@@ -111,7 +118,10 @@ def run_nodes(
                 start_new_session=True,  # its own process group, so the gang stop reaches torchrun's children
             )
             procs.append(proc)
-            pump = threading.Thread(target=_pump, args=(proc.stdout, f"(node{rank}) ", lock, sink), daemon=True)
+            tails.append(deque(maxlen=TAIL_LINES))
+            pump = threading.Thread(
+                target=_pump, args=(proc.stdout, f"(node{rank}) ", lock, sink, tails[-1]), daemon=True
+            )
             pump.start()
             pumps.append(pump)
         failed = None
@@ -137,6 +147,11 @@ def run_nodes(
             pump.join(timeout=5)
     if failed is None:
         return LocalResult(0, None)
+    # The failing node's last lines, together: interleaved with the others' they are hard to find.
+    sink.write(f"[orch] last {len(tails[failed])} lines of node {failed}:\n")
+    for line in tails[failed]:
+        sink.write(f"  (node{failed}) {line}")
+    sink.flush()
     return LocalResult(procs[failed].returncode or 1, failed)
 
 
@@ -211,15 +226,33 @@ def _summary(output_dir: Path) -> list[str]:
     return lines
 
 
+def output_dir_of(envs: Mapping[str, str], run_id: str) -> str:
+    """Where the node launcher will put the run (CHECKPOINT_ROOT/<run id>, else the TRL output_dir override)."""
+    from orchestrator import overrides
+
+    root = envs.get("CHECKPOINT_ROOT", "").strip()
+    if root:
+        return f"{root.rstrip('/')}/{run_id}"
+    return overrides.loads(envs.get("TRL_OVERRIDES", "")).get("output_dir", f"outputs/{run_id}")
+
+
+def forget(envs: Mapping[str, str], run_id: str) -> None:
+    """--fresh: delete the run's output directory (its checkpoints), so that it starts from step 0."""
+    import shutil
+
+    path = Path(output_dir_of(envs, run_id))
+    if path.is_dir():
+        print(f"[orch] --fresh: deleting {path} (earlier checkpoints of this run)", flush=True)
+        shutil.rmtree(path)
+
+
 def launch(recipe, task: dict, run_id: str, *, nodes: int, procs_per_node: int, secrets: dict | None = None) -> int:
     """Run a resolved task on emulated nodes and print what ran. Returns the exit code for the CLI."""
     import shutil
 
-    from orchestrator import overrides
-
     workdir = Path(str(task.get("workdir") or "."))
     envs = {k: "" if v is None else str(v) for k, v in (task.get("envs") or {}).items()}
-    output_dir = workdir / overrides.loads(envs.get("TRL_OVERRIDES", "")).get("output_dir", f"outputs/{run_id}")
+    output_dir = workdir / output_dir_of(envs, run_id)
     total = nodes * procs_per_node
     print(
         f"[orch] run {run_id}: recipe {recipe.name} ({envs['TRL_TRAINER']}) on {nodes} emulated node(s) x "
@@ -233,7 +266,9 @@ def launch(recipe, task: dict, run_id: str, *, nodes: int, procs_per_node: int, 
         shutil.rmtree(output_dir / "orch")  # reports describe one run; checkpoints stay for resuming
     started = time.monotonic()
     # Secrets travel in the node processes' environment only (as SkyPilot secrets do), never in files or argv.
-    node_env = node_envs({**envs, **(secrets or {})}, nodes, procs_per_node, task_id=run_id, port=free_port())
+    node_env = node_envs(
+        {**envs, **(secrets or {})}, nodes, procs_per_node, task_id=run_id, port=free_port(), barrier_port=free_port()
+    )
     (output_dir / "orch").mkdir(parents=True, exist_ok=True)
     with open(output_dir / "orch" / "run.log", "w") as log:
         result = run_nodes(str(task["run"]), node_env, workdir, sink=_Tee(sys.stdout, log))

@@ -84,6 +84,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     local = p.add_argument_group("local emulation")
     local.add_argument("--local", action="store_true", help="emulate the nodes on this machine (CPU processes)")
     local.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over: delete this run's earlier checkpoints instead of resuming from them",
+    )
+    local.add_argument(
         "--smoke",
         action="store_true",
         help="tiny model of the recipe's architecture + synthetic data, built here offline; 8 steps",
@@ -155,8 +160,8 @@ def main(args: argparse.Namespace) -> int:
                 "--managed, --spot, --cluster, --detach and --dry-run are for SkyPilot launches, not --local"
             )
         return _local(args, recipe, gpus, user_envs, user_overrides, secrets)
-    if args.smoke:
-        raise OrchError("--smoke runs on this machine: add --local")
+    if args.smoke or args.fresh:
+        raise OrchError("--smoke and --fresh are for runs on this machine: add --local")
     return _cloud(args, recipe, gpus, user_envs, user_overrides, secrets)
 
 
@@ -285,7 +290,6 @@ def _local(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
         trl_cfg = yaml.safe_load(recipe.paired("TRL_CONFIG").read_text()) or {}
         model_id = user_overrides.get("model_name_or_path") or str(trl_cfg.get("model_name_or_path", ""))
         artifacts = smoke.plan(model_id, recipe.trainer)
-        smoke.ensure(artifacts)
         trl = smoke.trl_overrides(artifacts)
         envs.setdefault("GLOBAL_BATCH_SIZE", str(SMOKE_GLOBAL_BATCH))
         envs.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")  # smoke never touches a hub
@@ -300,14 +304,20 @@ def _local(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
     # Stable for the same resolved task: rerunning a command finds (and resumes from) its checkpoints.
     shape = json.dumps([task, nodes, procs], sort_keys=True)
     run = f"{recipe.name}-{hashlib.sha256(shape.encode()).hexdigest()[:8]}"
-    if "output_dir" not in user_overrides:
-        trl["output_dir"] = f"outputs/{run}"
-        task = resolve(recipe, nodes=nodes, envs=envs, trl_overrides=trl)
+    # Checkpoints are keyed by the run id (SKYPILOT_TASK_ID locally), unless the user chose output_dir.
+    envs["CHECKPOINT_ROOT"] = "" if "output_dir" in user_overrides else "outputs"
+    if recipe.task.get("file_mounts"):
+        print("[orch] local: the recipe's file_mounts are not mounted; checkpoints go to outputs/")
+    task = resolve(recipe, nodes=nodes, envs=envs, trl_overrides=trl)
     from orchestrator import node
+    from orchestrator.backends import local
 
     check_trl(recipe, task)
     _preflight(recipe, task, None, nodes)  # the recipe's own consistency; memory is a GPU matter
-    node.preview(task["envs"], nodes, procs, device="cpu")  # batch math and env errors, before anything starts
+    # Batch math and env errors, before anything starts; bad input builds no smoke model either.
+    node.preview(task["envs"], nodes, procs, device="cpu", task_id=run)
+    if args.smoke:
+        smoke.ensure(artifacts)
     task = _record_secrets(task, secrets)
     record = records.Record(
         run,
@@ -320,12 +330,12 @@ def _local(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
             "git": records.git_commit(),
             "backend": f"local ({nodes} emulated node(s) x {procs} CPU process(es))",
             "state": "running",
-            "output_dir": f"outputs/{run}",
+            "output_dir": local.output_dir_of(task["envs"], run),
         },
     )
     records.write(record)
-    from orchestrator.backends import local
-
+    if args.fresh:
+        local.forget(task["envs"], run)
     code = local.launch(recipe, task, run, nodes=nodes, procs_per_node=procs, secrets=secrets)
     record.meta["state"] = "succeeded" if code == 0 else f"failed (exit {code})"
     records.write(record)

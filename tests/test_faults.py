@@ -1,0 +1,333 @@
+"""Survive faults: resume from complete checkpoints, stop the whole gang fast, name a node that never joins,
+reject bad input with one line and nothing written, keep secrets out of files, logs and argv (issue 6)."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, orch
+
+from orchestrator.train import COMPLETE_MARKER, latest_complete_checkpoint
+
+SECRET = "hf_FaultTest_0123456789abcdef"
+
+
+@pytest.fixture
+def project(tmp_path):
+    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
+    return tmp_path
+
+
+def processes_with(env_entry: str) -> list[int]:
+    """PIDs whose environment holds env_entry (e.g. SKYPILOT_TASK_ID=<run>)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if env_entry.encode() in environ:
+            found.append(int(proc.name))
+    return found
+
+
+def node_pids(run: str, rank: int) -> list[int]:
+    both = set(processes_with(f"SKYPILOT_TASK_ID={run}")) & set(processes_with(f"SKYPILOT_NODE_RANK={rank}"))
+    return sorted(both)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_incomplete_checkpoint_is_never_picked(tmp_path):
+    for step, complete in ((4, True), (8, True), (12, False)):
+        ckpt = tmp_path / f"checkpoint-{step}"
+        ckpt.mkdir()
+        if complete:
+            (ckpt / COMPLETE_MARKER).write_text("{}")
+    (tmp_path / "checkpoint-x").mkdir()
+    assert latest_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-8"
+    assert latest_complete_checkpoint(tmp_path / "missing") is None
+
+
+def test_checkpoint_dir_is_keyed_by_task_id_under_checkpoint_root(node_env):
+    from orchestrator import node
+
+    env = node_env(
+        2,
+        8,
+        1,
+        CHECKPOINT_ROOT="/checkpoints/",
+        SKYPILOT_TASK_ID="sky-managed-7_1",
+        TRL_OVERRIDES="output_dir=elsewhere",
+    )
+    argv = node.plan(env, {"distributed_type": "FSDP"}, {"per_device_train_batch_size": 4}).argv
+    assert argv[argv.index("--output_dir") + 1] == "/checkpoints/sky-managed-7_1"
+    assert "elsewhere" not in argv
+
+
+def loss_log(output_dir: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (output_dir / "orch" / "log.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.slow
+def test_killed_node_stops_the_gang_and_the_rerun_resumes_exactly(project):
+    command = ["run", "phi3_dpo_fsdp", "--local", "--nodes", "2", "--smoke", "max_steps=24"]
+    reference = orch(*command, "output_dir=outputs/reference", cwd=project)
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    expected = loss_log(project / "outputs" / "reference")
+    assert sorted(expected) == list(range(1, 25))
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *command],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    run = None
+    for line in proc.stdout:
+        match = re.match(r"^\[orch\] run (\S+):", line)
+        if match:
+            run = match.group(1)
+            break
+    assert run, "orch did not announce its run"
+    output_dir = project / "outputs" / run
+    deadline = time.monotonic() + 120
+    while not any(output_dir.glob(f"checkpoint-*/{COMPLETE_MARKER}")):
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint before the run ended"
+        time.sleep(0.02)
+    victims = node_pids(run, 1)
+    assert victims, "found no process of node 1"
+    killed_at = time.monotonic()
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=60) != 0
+    while processes_with(f"SKYPILOT_TASK_ID={run}"):
+        assert time.monotonic() - killed_at < 30, "processes of the run outlived the gang stop by 30 s"
+        time.sleep(0.2)
+    assert "[orch] node 1 exited with code" in rest and "stopping the other nodes" in rest
+
+    resumed = orch(*command, cwd=project)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    start = int(re.search(r"resuming from \S+/checkpoint-(\d+)", resumed.stdout).group(1))
+    assert 4 <= start < 24
+    after = loss_log(output_dir)
+    assert sorted(after) == list(range(start + 1, 25))
+    for step, loss in after.items():
+        assert loss == pytest.approx(expected[step], abs=1e-4), step
+    assert json.loads((output_dir / "orch" / "rank0.json").read_text())["optimizer_steps"] == 24
+
+
+# ---------------------------------------------------------------- a node that never joins
+
+
+def test_head_names_the_node_that_never_joined(node_env):
+    env = node_env(2, 8, 0, ORCH_RENDEZVOUS_TIMEOUT="1.5", ORCH_BARRIER_PORT=str(_free_port()))
+    started = time.monotonic()
+    result = orch("node", env=env, timeout=60)
+    assert result.returncode == 2 and time.monotonic() - started < 30
+    assert "orch: error: node(s) 1 never joined the head within 1.5 s" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_worker_says_the_head_is_unreachable(node_env):
+    port = _free_port()
+    env = node_env(2, 8, 1, ORCH_RENDEZVOUS_TIMEOUT="1", ORCH_BARRIER_PORT=str(port))
+    env["SKYPILOT_NODE_IPS"] = "127.0.0.1\n127.0.0.2\n"
+    result = orch("node", env=env, timeout=60)
+    assert result.returncode == 2
+    assert f"orch: error: node 1 could not reach the head node 127.0.0.1:{port} within 1 s" in result.stderr
+
+
+@pytest.mark.slow
+def test_local_run_with_a_node_that_never_joins_fails_fast(project):
+    recipe = project / "recipes" / "late.yaml"
+    recipe.write_text(
+        (project / "recipes" / "phi3_dpo_fsdp.yaml")
+        .read_text()
+        .replace("run: |\n  orch node", 'run: |\n  if [ "$SKYPILOT_NODE_RANK" = 1 ]; then sleep 300; fi\n  orch node')
+    )
+    started = time.monotonic()
+    result = orch(
+        "run",
+        "late",
+        "--local",
+        "--nodes",
+        "2",
+        "--smoke",
+        "--env",
+        "ORCH_RENDEZVOUS_TIMEOUT=3",
+        cwd=project,
+        timeout=120,
+    )
+    assert result.returncode == 2 and time.monotonic() - started < 60
+    assert "(node0) orch: error: node(s) 1 never joined the head within 3 s" in result.stdout
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------- bad input, through the real CLI
+
+BROKEN = {
+    "broken_yaml.yaml": "name: [unclosed\n",
+    "no_envs.yaml": "resources:\n  accelerators: A100:8\nrun: orch node\n",
+    "missing_trl.yaml": None,  # phi3 recipe pointing at a TRL config that does not exist
+    "bad_trl_key.yaml": None,  # phi3 recipe whose TRL config has a misspelt key
+}
+
+BAD_INPUT = [
+    (["run", "broken_yaml"], "recipe recipes/broken_yaml.yaml is not valid YAML at line"),
+    (["run", "nope"], "unknown recipe 'nope'"),
+    (["run", "phi3_dpo_fsd"], "did you mean phi3_dpo_fsdp?"),
+    (["run", "no_envs"], "has no `envs:` mapping"),
+    (["run", "missing_trl"], "TRL_CONFIG=recipes/trl/missing.yaml (from recipes/missing_trl.yaml) does not exist"),
+    (["run", "bad_trl_key"], "has no argument 'lerning_rate'; did you mean learning_rate?"),
+    (["run", "phi3_dpo_fsdp", "--gpus", "A100:0"], "the GPU count must be a positive integer"),
+    (["run", "phi3_dpo_fsdp", "--gpus", "A100:x"], "the count 'x' is not a whole number"),
+    (["run", "phi3_dpo_fsdp", "--gpus", ":8"], "missing accelerator name"),
+    (["run", "phi3_dpo_fsdp", "--nodes", "0"], "--nodes 0: a run needs at least 1 node"),
+    (["run", "phi3_dpo_fsdp", "--nodes", "two"], "argument --nodes/--num-nodes: invalid int value"),
+    (["run", "phi3_dpo_fsdp", "--gpus", "Z999:8"], "unknown accelerator 'Z999'"),
+    (["run", "phi3_dpo_fsdp", "lerning_rate=1e-5"], "did you mean learning_rate?"),
+    (["run", "phi3_dpo_fsdp", "max_steps=ten"], "max_steps takes an integer"),
+    (["run", "phi3_dpo_fsdp", "dtype=fp8"], "dtype takes one of auto, bfloat16, float16, float32"),
+    (["run", "phi3_dpo_fsdp", "--nodes", "3"], "GLOBAL_BATCH_SIZE=64 is not a multiple of"),
+    (["run", "qwen25_grpo_ddp", "num_generations=7"], "not a multiple of num_generations=7"),
+    (["run", "qwen25_kto_ddp", "per_device_train_batch_size=1"], "KTO needs per_device_train_batch_size >= 2"),
+    (["run", "phi3_dpo_fsdp", "--env", "X=$(reboot)"], "--env X= holds shell metacharacter(s) $"),
+    (["run", "phi3_dpo_fsdp", "--env", "X=a\nb"], "--env X= holds a newline"),
+    (["run", "phi3_dpo_fsdp", "--env", "1X=2"], "'1X' is not an environment variable name"),
+    (["run", "phi3_dpo_fsdp", "run_name=a;rm -rf ~"], "override run_name= holds shell metacharacter(s) ;"),
+    (["run", "phi3_dpo_fsdp", "run_name=a`id`"], "holds shell metacharacter(s) `"),
+    (["run", "phi3_dpo_fsdp", "run_name=a\nb"], "override run_name= holds a newline"),
+    (["run", "phi3_dpo_fsdp", "--env", "TRL_TRAINER=ppo"], "TRL_TRAINER='ppo' is not a trainer orch runs"),
+    (["run", "phi3_dpo_fsdp", "--local", "--gpus", "A100:2"], "--local runs CPU processes; use --gpus CPU:2"),
+    (["run", "phi3_dpo_fsdp", "--smoke"], "--smoke and --fresh are for runs on this machine: add --local"),
+    (["run", "phi3_dpo_fsdp", "--local", "--managed"], "are for SkyPilot launches, not --local"),
+    (["run", "phi3_dpo_fsdp", "--cluster", "bad name!"], "--cluster 'bad name!'"),
+    (["run", "phi3_dpo_fsdp", "--idle-minutes", "-1"], "--idle-minutes -1: give 0 or more minutes"),
+    (["run", "phi3_dpo_fsdp", "--secret", "1BAD"], "'1BAD' is not an environment variable name"),
+    (
+        ["run", "phi3_dpo_fsdp", "--secret", "ORCH_TEST_UNSET_TOKEN"],
+        "ORCH_TEST_UNSET_TOKEN is not set in your environment",
+    ),
+    (["run", "llama3_sft_fsdp"], "recipe needs secret HF_TOKEN: pass --secret HF_TOKEN"),
+    (["run", "llama3_sft_zero3", "--secret", "HF_TOKEN=x", "--env", "ACCELERATE_CONFIG=multi_gpu"], "needs ~119.7 GiB"),
+    (["run", "phi3_dpo_fsdp", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["run", "phi3_dpo_fsdp", "notanoverride"], "override 'notanoverride' is not key=value"),
+    (["cp", "phi3_dpo_fsdp", "qwen25_sft_ddp"], "recipes/qwen25_sft_ddp.yaml already exists; pass --force"),
+    (["logs", "no-such-run"], "no run 'no-such-run' in sky_jobs/"),
+    (["show", "phi3_dpo_fsdp", "betta=1"], "did you mean beta?"),
+]
+
+
+@pytest.fixture
+def broken_project(project):
+    recipes = project / "recipes"
+    phi3 = (recipes / "phi3_dpo_fsdp.yaml").read_text()
+    (recipes / "broken_yaml.yaml").write_text(BROKEN["broken_yaml.yaml"])
+    (recipes / "no_envs.yaml").write_text(BROKEN["no_envs.yaml"])
+    (recipes / "missing_trl.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/missing.yaml"))
+    (recipes / "trl" / "typo.yaml").write_text(
+        (recipes / "trl" / "phi3_dpo.yaml").read_text().replace("learning_rate:", "lerning_rate:")
+    )
+    (recipes / "bad_trl_key.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/typo.yaml"))
+    return project
+
+
+def test_bad_input_table_has_enough_cases():
+    assert len(BAD_INPUT) >= 25
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUT, ids=[" ".join(a)[:60] for a, _ in BAD_INPUT])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(broken_project, argv, message):
+    before = sorted(p.relative_to(broken_project) for p in broken_project.rglob("*"))
+    result = orch(*argv, cwd=broken_project, env={"ORCH_TEST_UNSET_TOKEN": ""}, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("orch: error: "), result.stderr
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert sorted(p.relative_to(broken_project) for p in broken_project.rglob("*")) == before  # nothing written
+
+
+def test_bad_node_environment_through_the_cli(node_env):
+    result = orch("node", "--print", env=node_env(2, 8, 2))
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "orch: error: SKYPILOT_NODE_RANK=2 is outside 0..1 (SKYPILOT_NUM_NODES=2)"
+    )
+
+
+# ---------------------------------------------------------------- secrets
+
+
+@pytest.mark.slow
+def test_secret_never_reaches_files_logs_or_argv(project):
+    env = {**os.environ, "HF_TOKEN": SECRET}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "run",
+            "phi3_dpo_fsdp",
+            "--local",
+            "--nodes",
+            "2",
+            "--smoke",
+            "--secret",
+            "HF_TOKEN",
+        ],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    run, seen_in_env, argvs = None, False, []
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        match = re.match(r"^\[orch\] run (\S+):", line)
+        run = run or (match.group(1) if match else None)
+        if run and "[orch] rank " in line:  # training processes are up: look at every process on the machine
+            for pid in processes_with(f"SKYPILOT_TASK_ID={run}"):
+                try:
+                    argvs.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+                except OSError:
+                    continue
+            seen_in_env = seen_in_env or bool(
+                set(processes_with(f"SKYPILOT_TASK_ID={run}")) & set(processes_with(f"HF_TOKEN={SECRET}"))
+            )
+    assert proc.wait() == 0, "".join(output)[-3000:]
+    assert seen_in_env, "the nodes never received the secret (the test would prove nothing)"
+    assert argvs and not any(SECRET.encode() in argv for argv in argvs)
+    all_cmdlines = [p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists()]
+    assert not any(SECRET.encode() in c for c in all_cmdlines if b"pytest" not in c)
+    assert SECRET not in "".join(output)
+    for path in project.rglob("*"):
+        if path.is_file() and path.suffix in (".yaml", ".json", ".jsonl", ".log", ".md", ".txt", ""):
+            assert SECRET not in path.read_text(errors="replace"), path
+    record = next((project / "sky_jobs").glob("*.yaml")).read_text()
+    assert "HF_TOKEN: null" in record and "--secret HF_TOKEN" in record
