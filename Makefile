@@ -25,6 +25,9 @@ demo: install
 test: install
 	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) -m pytest $(PYTEST_ARGS)
 
+bench: install
+	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) bench/run.py
+
 lint: install
 	$(VENV)/bin/ruff check orchestrator tests
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from orchestrator import batch, overrides, parallel
 from orchestrator.errors import OrchError
@@ -49,8 +49,7 @@ CPU_CONFIG = Path(__file__).parent / "configs" / "cpu.yaml"
 TRAIN_MODULE = "orchestrator.train"
 
 
-@dataclass
-class NodePlan:
+class NodePlan(NamedTuple):
     """What one node will run."""
 
     argv: list[str]
@@ -68,7 +67,7 @@ class NodePlan:
     """The refit parallelism_config sizes, when the Accelerate config has one (GPU only)."""
     role: str = "trainer"
     """`trainer`, or `vllm-server` for the node that runs TRL's vLLM server."""
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
 
 
 def _required(env: Mapping[str, str], name: str, example: str) -> str:
@@ -258,20 +257,20 @@ def plan(
         per_device_batch=batch.per_device_batch(trl_config, user),
         data_parallel_size=data_parallel,
         parallel_sizes=sizes,
-        notes=notes,
+        notes=tuple(notes),
     )
 
 
 def _load_yaml(path: Path, what: str) -> dict:
-    import yaml
+    from orchestrator import yamlio
 
     try:
         text = path.read_text()
     except OSError as exc:
         raise OrchError(f"{what} {path} cannot be read ({exc.strerror}); check the path in the recipe's envs") from None
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+        data = yamlio.load(text)
+    except yamlio.YAMLError as exc:
         line = getattr(getattr(exc, "problem_mark", None), "line", None)
         where = f" line {line + 1}" if line is not None else ""
         raise OrchError(f"{what} {path} is not valid YAML{where}; fix the file") from None

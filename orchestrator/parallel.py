@@ -8,15 +8,14 @@ total / (cp x sp x tp): ranks of one cp/sp/tp group see the same samples.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from orchestrator.errors import OrchError
 
 KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 
 
-@dataclass(frozen=True)
-class Sizes:
+class Sizes(NamedTuple):
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1

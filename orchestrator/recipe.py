@@ -12,9 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from orchestrator import overrides as ov
+from orchestrator import yamlio
 from orchestrator.errors import OrchError
 
 REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -101,8 +100,8 @@ def _closest(word: str, choices: list[str]) -> str | None:
 def load(name_or_path: str) -> Recipe:
     path = find(name_or_path)
     try:
-        task = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
+        task = yamlio.load(path.read_text())
+    except yamlio.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise OrchError(f"recipe {path} is not valid YAML{where}; fix the file") from None

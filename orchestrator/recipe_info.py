@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import yaml
-
-from orchestrator import parallel
+from orchestrator import parallel, yamlio
 from orchestrator.node import PROFILES
 from orchestrator.recipe import Recipe
 
@@ -59,13 +57,13 @@ def summarize(recipe: Recipe) -> Summary:
         label = PROFILE_STRATEGY[value]
     else:
         try:
-            label = strategy(yaml.safe_load(recipe.paired("ACCELERATE_CONFIG").read_text()) or {})
-        except (OSError, yaml.YAMLError):
+            label = strategy(yamlio.load(recipe.paired("ACCELERATE_CONFIG").read_text()) or {})
+        except (OSError, yamlio.YAMLError):
             label = "?"
     if envs.get("VLLM_SERVER_NODES", "0") not in ("", "0"):
         label += "+vllm-server"
     try:
-        model = (yaml.safe_load(recipe.paired("TRL_CONFIG").read_text()) or {}).get("model_name_or_path", "?")
-    except (OSError, yaml.YAMLError):
+        model = (yamlio.load(recipe.paired("TRL_CONFIG").read_text()) or {}).get("model_name_or_path", "?")
+    except (OSError, yamlio.YAMLError):
         model = "?"
     return Summary(recipe.name, recipe.trainer, label, str(model), recipe.accelerators or "-", recipe.num_nodes)

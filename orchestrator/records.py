@@ -15,9 +15,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
+from orchestrator import yamlio
 from orchestrator.errors import OrchError
+from orchestrator.yamlio import dump_task
 
 SKY_JOBS = Path("sky_jobs")
 HEADER_KEYS = ("run", "recipe", "command", "time", "git", "backend", "cluster", "job_id", "state", "output_dir")
@@ -37,21 +37,6 @@ class Record:
 
     def get(self, key: str, default: str = "") -> str:
         return self.meta.get(key, default)
-
-
-class _TaskDumper(yaml.SafeDumper):
-    """Multi-line strings (setup:, run:) as literal blocks, as people write them."""
-
-
-def _represent_str(dumper: yaml.SafeDumper, data: str):
-    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
-
-
-_TaskDumper.add_representer(str, _represent_str)
-
-
-def dump_task(task: dict) -> str:
-    return yaml.dump(task, Dumper=_TaskDumper, sort_keys=False, default_flow_style=False, width=1000)
 
 
 def git_commit(cwd: Path = Path(".")) -> str:
@@ -106,7 +91,7 @@ def read(path: Path) -> Record:
         match = _LINE.match(line)
         if match:
             meta[match.group(1)] = match.group(2)
-    task = yaml.safe_load(text) or {}
+    task = yamlio.load(text) or {}
     return Record(run=meta.get("run", path.stem), task=task, meta=meta)
 
 

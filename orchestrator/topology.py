@@ -1,13 +1,14 @@
 """Where a process runs: how many nodes, how many GPUs on each, which node this is.
 
 Built from SkyPilot's environment on a node (`from_env`), never from `os.environ` directly: callers pass
-the mapping in, so every decision can be tested with a plain dict.
+the mapping in, so every decision can be tested with a plain dict. (NamedTuples, not dataclasses: importing
+dataclasses costs a node ~6 ms before training starts.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from orchestrator.errors import OrchError
 
@@ -19,8 +20,7 @@ SKYPILOT_VARS = (
 )
 
 
-@dataclass(frozen=True)
-class Topology:
+class Topology(NamedTuple):
     """The shape of one run as seen from one node."""
 
     nodes: int

@@ -5,7 +5,7 @@ from __future__ import annotations
 from orchestrator import accelerators
 from orchestrator.errors import OrchError
 from orchestrator.node import NodePlan, render
-from orchestrator.records import dump_task
+from orchestrator.yamlio import dump_task
 
 
 def _section(title: str) -> None:

@@ -167,14 +167,12 @@ def main(args: argparse.Namespace) -> int:
 
 def check_trl(recipe: Recipe, task: dict) -> None:
     """TRL config keys and every key=value override exist for the trainer and have the right type."""
-    import yaml
-
-    from orchestrator import trl_schema
+    from orchestrator import trl_schema, yamlio
 
     path = recipe.paired("TRL_CONFIG")
     try:
-        config = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError:
+        config = yamlio.load(path.read_text()) or {}
+    except yamlio.YAMLError:
         raise OrchError(f"TRL config {path} is not valid YAML; fix the file") from None
     if not isinstance(config, dict):
         raise OrchError(f"TRL config {path} must be a YAML mapping of the trainer's arguments")
@@ -275,9 +273,7 @@ def _local(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
     import hashlib
     import json
 
-    import yaml
-
-    from orchestrator import records
+    from orchestrator import records, yamlio
 
     if gpus and gpus.name not in (None, accelerators.CPU):
         raise OrchError(f"--gpus {args.gpus}: --local runs CPU processes; use --gpus CPU:{gpus.count}")
@@ -287,7 +283,7 @@ def _local(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
     if args.smoke:
         from orchestrator import smoke
 
-        trl_cfg = yaml.safe_load(recipe.paired("TRL_CONFIG").read_text()) or {}
+        trl_cfg = yamlio.load(recipe.paired("TRL_CONFIG").read_text()) or {}
         model_id = user_overrides.get("model_name_or_path") or str(trl_cfg.get("model_name_or_path", ""))
         artifacts = smoke.plan(model_id, recipe.trainer)
         trl = smoke.trl_overrides(artifacts)

@@ -27,12 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     import yaml
 
-    from orchestrator import overrides
+    from orchestrator import overrides, yamlio
     from orchestrator.commands.run import check_trl
     from orchestrator.node import PROFILES, resolve_accelerate_config
     from orchestrator.recipe import check_paired_files, load, resolve
     from orchestrator.recipe_info import summarize
-    from orchestrator.records import dump_task
+    from orchestrator.yamlio import dump_task
 
     recipe = load(args.recipe)
     check_paired_files(recipe)
@@ -42,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"# {s.name}: {s.trainer}, {s.strategy}, {s.model}, {s.nodes} x {s.gpus} ({recipe.path})")
     print(dump_task(task).rstrip())
     trl_path = recipe.paired("TRL_CONFIG")
-    trl = yaml.safe_load(trl_path.read_text()) or {}
+    trl = yamlio.load(trl_path.read_text()) or {}
     trl.update(overrides.loads(task["envs"].get("TRL_OVERRIDES", "")))
     print(f"\n# TRL config {trl_path} with TRL_OVERRIDES applied")
     print(yaml.safe_dump(trl, sort_keys=False).rstrip())

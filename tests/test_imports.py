@@ -1,0 +1,53 @@
+"""The launch side and `orch node --print` never import the training stack or SkyPilot (issue 7).
+
+Not a timing test: it checks what is imported, which is what makes these commands fast.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+HEAVY = ("torch", "transformers", "trl", "accelerate", "datasets", "deepspeed", "sky")
+PROBE = """
+import io, sys, contextlib
+from orchestrator.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    try:
+        code = main(sys.argv[1:])
+    except SystemExit as exc:  # argparse's --help
+        code = exc.code
+heavy = sorted(m for m in {heavy!r} if m in sys.modules)
+print("CODE", code, "HEAVY", heavy)
+"""
+NODE_ENV = {
+    "SKYPILOT_NODE_RANK": "1", "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NUM_GPUS_PER_NODE": "8",
+    "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2\n", "TRL_TRAINER": "dpo", "TRL_CONFIG": "recipes/trl/phi3_dpo.yaml",
+    "ACCELERATE_CONFIG": "recipes/accelerate/fsdp2_phi3.yaml", "GLOBAL_BATCH_SIZE": "64",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv, env",
+    [
+        (["--help"], {}),
+        (["ls"], {}),
+        (["show", "qwen3_sft_fsdp_cp", "learning_rate=1e-6"], {}),
+        (["node", "--print"], NODE_ENV),
+        (["run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "--dry-run", "--skip-optimizer"], {}),
+        (["run", "qwen25_grpo_vllm_server", "--dry-run", "--skip-optimizer"], {}),
+    ],
+    ids=["help", "ls", "show", "node-print", "dry-run", "dry-run-vllm"],
+)
+def test_command_imports_nothing_heavy(argv, env):
+    import os
+
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE.format(heavy=HEAVY), *argv],
+        cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+    )
+    assert "HEAVY []" in result.stdout, result.stdout + result.stderr
+    assert "CODE 0" in result.stdout, result.stdout + result.stderr
