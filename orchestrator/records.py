@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,18 @@ class Record:
 
     def get(self, key: str, default: str = "") -> str:
         return self.meta.get(key, default)
+
+
+def new(run: str, task: dict, recipe_path, command: str, **meta: str) -> Record:
+    """A record stamped with the time and the git commit of the working tree."""
+    stamp = {
+        "run": run,
+        "recipe": str(recipe_path),
+        "command": command,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git": git_commit(),
+    }
+    return Record(run, task, {**stamp, **meta})
 
 
 def git_commit(cwd: Path = Path(".")) -> str:

@@ -38,6 +38,15 @@ def check_snapshot(name: str, text: str) -> None:
 
 
 @pytest.fixture
+def project(tmp_path):
+    """A scratch project: a copy of recipes/; runs write outputs/ and sky_jobs/ there, not in the repo."""
+    import shutil
+
+    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
+    return tmp_path
+
+
+@pytest.fixture
 def node_env():
     def make(nodes: int, gpus: int, rank: int, **extra: str) -> dict[str, str]:
         env = {

@@ -8,7 +8,7 @@ def test_top_help_has_examples():
     assert "examples:" in result.stdout and "orch run phi3_dpo_fsdp --local --nodes 2 --smoke" in result.stdout
 
 
-@pytest.mark.parametrize("command", ["run", "node"])
+@pytest.mark.parametrize("command", ["run", "ls", "show", "cp", "status", "logs", "cancel", "down", "node"])
 def test_each_subcommand_help_has_real_examples(command):
     result = orch(command, "--help")
     assert result.returncode == 0

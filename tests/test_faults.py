@@ -4,7 +4,6 @@ reject bad input with one line and nothing written, keep secrets out of files, l
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,17 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, orch
+from conftest import orch
 
 from orchestrator.train import COMPLETE_MARKER, latest_complete_checkpoint
 
 SECRET = "hf_FaultTest_0123456789abcdef"
-
-
-@pytest.fixture
-def project(tmp_path):
-    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
-    return tmp_path
 
 
 def processes_with(env_entry: str) -> list[int]:

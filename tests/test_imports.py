@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 HEAVY = ("torch", "transformers", "trl", "accelerate", "datasets", "deepspeed", "sky")
@@ -47,7 +46,11 @@ def test_command_imports_nothing_heavy(argv, env):
 
     result = subprocess.run(
         [sys.executable, "-c", PROBE.format(heavy=HEAVY), *argv],
-        cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert "HEAVY []" in result.stdout, result.stdout + result.stderr
     assert "CODE 0" in result.stdout, result.stdout + result.stderr

@@ -2,7 +2,6 @@
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -10,13 +9,6 @@ from conftest import ROOT, orch
 
 pytestmark = pytest.mark.slow
 SECRET = "tok_0123456789abcdef"
-
-
-@pytest.fixture
-def project(tmp_path):
-    """A scratch project: a copy of recipes/ (outputs/ and sky_jobs/ are written there)."""
-    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
-    return tmp_path
 
 
 def reports(output_dir: Path) -> list[dict]:

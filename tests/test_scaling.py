@@ -3,16 +3,15 @@
 import itertools
 import json
 import re
-import shutil
 import socket
 import sys
 import threading
 import time
 
 import pytest
-from conftest import ROOT, orch
+from conftest import orch
 
-from orchestrator import batch, node, parallel, preflight
+from orchestrator import batch, node, node_exec, parallel, preflight
 from orchestrator.errors import OrchError
 
 CP = {
@@ -199,7 +198,7 @@ def test_server_node_stops_its_server_when_the_trainers_finish():
     port = head.getsockname()[1]
     threading.Timer(1.5, head.close).start()  # the trainers finish after ~1.5 s
     started = time.monotonic()
-    code = node.serve_until_training_ends(
+    code = node_exec.serve_until_training_ends(
         [sys.executable, "-c", "import time; time.sleep(120)"],
         "127.0.0.1",
         port,
@@ -209,7 +208,7 @@ def test_server_node_stops_its_server_when_the_trainers_finish():
 
 
 def test_server_node_fails_when_its_server_dies():
-    code = node.serve_until_training_ends(
+    code = node_exec.serve_until_training_ends(
         [sys.executable, "-c", "raise SystemExit(3)"], "127.0.0.1", 9, env={"ORCH_VLLM_POLL_SECONDS": "0.1"}
     )
     assert code == 3
@@ -295,8 +294,8 @@ def test_dry_run_shows_batch_and_memory():
 
 
 @pytest.mark.slow
-def test_loss_is_the_same_at_every_cluster_shape(tmp_path):
-    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
+def test_loss_is_the_same_at_every_cluster_shape(project):
+    tmp_path = project
     shapes = {"2x1": ["--nodes", "2"], "1x2": ["--nodes", "1", "--gpus", "CPU:2"], "1x1": ["--nodes", "1"]}
     runs = {}
     for label, flags in shapes.items():

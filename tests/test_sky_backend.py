@@ -1,7 +1,6 @@
 """The SkyPilot side, with no network: SkyPilot's own parser, a fake SDK, the real optimizer in-process."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,11 +16,10 @@ SECRET = "hf_s3cr3t_VALUE_never_written"
 
 
 @pytest.fixture
-def project(tmp_path, monkeypatch):
-    """A copy of the recipes in a scratch directory (sky_jobs/ is written there), cwd set to it."""
-    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+def in_project(project, monkeypatch):
+    """The scratch project as the current directory: in-process CLI calls write sky_jobs/ there."""
+    monkeypatch.chdir(project)
+    return project
 
 
 @pytest.fixture
@@ -35,7 +33,7 @@ def run_files(project: Path) -> list[Path]:
     return sorted((project / "sky_jobs").glob("*.yaml"))
 
 
-def test_cluster_launch_sends_secrets_as_secrets(project, fake, capsys):
+def test_cluster_launch_sends_secrets_as_secrets(in_project, fake, capsys):
     code = cli.main(
         [
             "run",
@@ -55,7 +53,7 @@ def test_cluster_launch_sends_secrets_as_secrets(project, fake, capsys):
     assert code == 0, out.err
     assert fake.names() == ["launch", "tail_logs"]
     _, task, kw = fake.calls[0]
-    (record,) = run_files(project)
+    (record,) = run_files(in_project)
     assert kw["cluster_name"] == record.stem and kw["idle_minutes_to_autostop"] == 30 and kw["down"] is True
     assert task.num_nodes == 2
     assert {str(k): v for k, v in list(task.resources)[0].accelerators.items()} == {"A100": 8}
@@ -71,7 +69,7 @@ def test_cluster_launch_sends_secrets_as_secrets(project, fake, capsys):
     assert relaunched.num_nodes == 2 and relaunched.envs["GLOBAL_BATCH_SIZE"] == "64"
 
 
-def test_managed_job_and_its_commands(project, fake, capsys, monkeypatch):
+def test_managed_job_and_its_commands(in_project, fake, capsys, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", SECRET)
     code = cli.main(
         [
@@ -90,7 +88,7 @@ def test_managed_job_and_its_commands(project, fake, capsys, monkeypatch):
     assert code == 0
     assert fake.names() == ["jobs.launch"]
     _, task, kw = fake.calls[0]
-    (record,) = run_files(project)
+    (record,) = run_files(in_project)
     assert kw == {"name": record.stem}
     assert list(task.resources)[0].use_spot
     assert task.envs["TRL_OVERRIDES"] == "learning_rate=1e-6"
@@ -107,9 +105,9 @@ def test_managed_job_and_its_commands(project, fake, capsys, monkeypatch):
     assert SECRET not in capsys.readouterr().out + record.read_text()
 
 
-def test_cluster_commands_map_to_cluster_calls(project, fake, capsys):
+def test_cluster_commands_map_to_cluster_calls(in_project, fake, capsys):
     assert cli.main(["run", "phi3_dpo_fsdp", "--cluster", "my-dpo", "--detach"]) == 0
-    (record,) = run_files(project)
+    (record,) = run_files(in_project)
     assert cli.main(["status"]) == 0
     assert "cluster UP" in capsys.readouterr().out
     for verb in ("logs", "cancel", "down"):
@@ -132,14 +130,14 @@ def test_cluster_commands_map_to_cluster_calls(project, fake, capsys):
         (["--nodes", "3"], "GLOBAL_BATCH_SIZE=64 is not a multiple"),
     ],
 )
-def test_bad_launch_input_sends_nothing_and_writes_nothing(project, fake, capsys, argv, message):
+def test_bad_launch_input_sends_nothing_and_writes_nothing(in_project, fake, capsys, argv, message):
     assert cli.main(["run", "phi3_dpo_fsdp", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
-    assert fake.calls == [] and run_files(project) == []
+    assert fake.calls == [] and run_files(in_project) == []
 
 
-def test_dry_run_prints_every_rank_and_sends_nothing(project, fake, capsys):
+def test_dry_run_prints_every_rank_and_sends_nothing(in_project, fake, capsys):
     assert cli.main(["run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "--dry-run", "--skip-optimizer"]) == 0
     out = capsys.readouterr().out
     for rank in (0, 1):
@@ -147,7 +145,7 @@ def test_dry_run_prints_every_rank_and_sends_nothing(project, fake, capsys):
         assert "--num_processes 16" in line and f"--machine_rank {rank}" in line
     assert "batch: GLOBAL_BATCH_SIZE 64 = 4 per device x 16 data-parallel ranks x 1 accumulation steps" in out
     assert "not computed: --skip-optimizer" in out
-    assert fake.calls == [] and run_files(project) == []
+    assert fake.calls == [] and run_files(in_project) == []
 
 
 # Public on-demand list prices (USD/h, us-east-1) of the instances in this small catalog.

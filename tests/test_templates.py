@@ -1,18 +1,10 @@
 """orch ls / show / cp, and key=value overrides checked against the trainer's own argument list."""
 
-import shutil
-
 import pytest
 from conftest import ROOT, orch
 
 from orchestrator import trl_schema
 from orchestrator.errors import OrchError
-
-
-@pytest.fixture
-def project(tmp_path):
-    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
-    return tmp_path
 
 
 def test_ls_lists_every_recipe_with_its_shape():

@@ -2,10 +2,9 @@
 
 import json
 import re
-import shutil
 
 import pytest
-from conftest import ROOT, orch
+from conftest import orch
 
 pytestmark = pytest.mark.slow
 
@@ -17,12 +16,6 @@ RECIPES = {
     "reward": "qwen25_reward_ddp",
     "sft-qwen3-alst": "qwen3_sft_alst",
 }
-
-
-@pytest.fixture
-def project(tmp_path):
-    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
-    return tmp_path
 
 
 def check_one_group(result, project, trainer: str):

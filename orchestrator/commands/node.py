@@ -14,9 +14,12 @@ examples:
   SKYPILOT_NODE_IPS=$'10.0.0.1\\n10.0.0.2' TRL_TRAINER=dpo TRL_CONFIG=recipes/trl/phi3_dpo.yaml \\
   ACCELERATE_CONFIG=recipes/accelerate/fsdp2_phi3.yaml GLOBAL_BATCH_SIZE=64 orch node --print
 
-Reads SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE (set by SkyPilot)
-and the recipe's envs TRL_TRAINER, TRL_CONFIG, ACCELERATE_CONFIG, GLOBAL_BATCH_SIZE, TRL_OVERRIDES,
-MAIN_PROCESS_PORT; ORCH_DEVICE=cpu runs CPU processes (the local backend sets it).
+Reads SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE and
+SKYPILOT_TASK_ID (set by SkyPilot) and the recipe's envs TRL_TRAINER, TRL_CONFIG, ACCELERATE_CONFIG,
+GLOBAL_BATCH_SIZE, TRL_OVERRIDES, MAIN_PROCESS_PORT, CHECKPOINT_ROOT, VLLM_SERVER_NODES, VLLM_SERVER_PORT,
+DDP_TIMEOUT; ORCH_DEVICE=cpu runs CPU processes (the local backend sets it). Before starting, every node of a
+multi-node run reports to the head (ORCH_BARRIER_PORT, ORCH_RENDEZVOUS_TIMEOUT): a node that never joins is
+named.
 """
 
 
@@ -33,6 +36,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from orchestrator import node
+    from orchestrator import node_exec
 
-    return node.run(print_only=args.print)
+    return node_exec.run(print_only=args.print)

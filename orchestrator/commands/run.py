@@ -230,19 +230,14 @@ def _cloud(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
     from orchestrator.backends import sky as sky_backend
 
     sky_backend.to_task(task, secrets)  # SkyPilot's own validation, before the record is written
-    record = records.Record(
+    record = records.new(
         run,
         task,
-        {
-            "run": run,
-            "recipe": str(recipe.path),
-            "command": redacted_command(args.argv),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "git": records.git_commit(),
-            "backend": sky_backend.BACKEND_MANAGED if args.managed else sky_backend.BACKEND_CLUSTER,
-            "cluster": "" if args.managed else cluster,
-            "state": "launching",
-        },
+        recipe.path,
+        redacted_command(args.argv),
+        backend=sky_backend.BACKEND_MANAGED if args.managed else sky_backend.BACKEND_CLUSTER,
+        cluster="" if args.managed else cluster,
+        state="launching",
     )
     path = records.write(record)
     print(
@@ -315,19 +310,14 @@ def _local(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
     if args.smoke:
         smoke.ensure(artifacts)
     task = _record_secrets(task, secrets)
-    record = records.Record(
+    record = records.new(
         run,
         task,
-        {
-            "run": run,
-            "recipe": str(recipe.path),
-            "command": redacted_command(args.argv),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "git": records.git_commit(),
-            "backend": f"local ({nodes} emulated node(s) x {procs} CPU process(es))",
-            "state": "running",
-            "output_dir": local.output_dir_of(task["envs"], run),
-        },
+        recipe.path,
+        redacted_command(args.argv),
+        backend=f"local ({nodes} emulated node(s) x {procs} CPU process(es))",
+        state="running",
+        output_dir=local.output_dir_of(task["envs"], run),
     )
     records.write(record)
     if args.fresh:
