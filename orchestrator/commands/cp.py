@@ -11,6 +11,7 @@ import re
 import tempfile
 from pathlib import Path
 
+from orchestrator.commands import add
 from orchestrator.errors import OrchError
 
 EPILOG = """\
@@ -24,12 +25,12 @@ _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
+    parser = add(
+        sub,
         "cp",
         help="copy a recipe and its configs into an editable template",
         description="Copy a recipe and its paired TRL and Accelerate configs.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("recipe", help="recipe to copy (see `orch ls`)")
     parser.add_argument("dest", help="new recipe name (goes to recipes/) or path ending in .yaml")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from orchestrator import records
+from orchestrator.commands import add
 from orchestrator.errors import OrchError
 
 EXAMPLES = {
@@ -28,12 +29,12 @@ HELP = {
 
 def register(sub: argparse._SubParsersAction) -> None:
     for name, func in (("status", status), ("logs", logs), ("cancel", cancel), ("down", down)):
-        parser = sub.add_parser(
+        parser = add(
+            sub,
             name,
             help=HELP[name],
             description=HELP[name].capitalize() + ".",
             epilog="examples:\n" + EXAMPLES[name],
-            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         if name != "status":
             parser.add_argument("run", help="run name (or a unique prefix), as `orch status` lists it")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from orchestrator.commands import add
+
 EPILOG = """\
 examples:
   orch ls                                  # every recipe in ./recipes and orch's own
@@ -12,12 +14,12 @@ examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
+    parser = add(
+        sub,
         "ls",
         help="list the recipes",
         description="List the recipes.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.set_defaults(func=main)
 

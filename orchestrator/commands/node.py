@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from orchestrator.commands import add
+
 EPILOG = """\
 examples:
   orch node            # in a recipe's `run:`: exec accelerate with this node's rank, IPs and GPU count
@@ -24,12 +26,12 @@ named.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
+    parser = add(
+        sub,
         "node",
         help="on a node: exec the accelerate launch command for this node",
         description="Build this node's `accelerate launch` command from SkyPilot's environment and exec it.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--print", action="store_true", help="print the command and exit instead of running it")
     parser.set_defaults(func=main)

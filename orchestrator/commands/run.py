@@ -7,6 +7,7 @@ import re
 import time
 
 from orchestrator import accelerators, overrides
+from orchestrator.commands import add
 from orchestrator.errors import OrchError
 from orchestrator.recipe import Recipe, check_paired_files, load, parse_env_assignments, resolve
 
@@ -28,12 +29,12 @@ _CLUSTER = re.compile(r"^[a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?$")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add(
+        sub,
         "run",
         help="resolve a recipe and launch it (SkyPilot, or --local)",
         description="Resolve a recipe (task YAML + Accelerate + TRL configs) with your flags, check it and launch it.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("recipe", help="recipe name (see `orch ls`) or path to a recipe YAML")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="TRL arguments; override the TRL config")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from orchestrator.commands import add
+
 EPILOG = """\
 examples:
   orch show phi3_dpo_fsdp                          # task, TRL config and Accelerate config
@@ -12,12 +14,12 @@ examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
+    parser = add(
+        sub,
         "show",
         help="print a recipe resolved with overrides",
         description="Print a recipe with its paired configs, key=value overrides applied.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("recipe", help="recipe name (see `orch ls`) or path")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="TRL arguments over the TRL config")
