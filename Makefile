@@ -29,7 +29,7 @@ bench: install
 	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) bench/run.py
 
 lint: install
-	$(VENV)/bin/ruff check orchestrator tests
+	$(VENV)/bin/ruff check orchestrator tests bench
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
