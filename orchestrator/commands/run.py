@@ -15,7 +15,7 @@ EPILOG = """\
 examples:
   orch run phi3_dpo_fsdp --gpus A100:8 --nodes 2              # cluster launch through the SkyPilot SDK
   orch run phi3_dpo_fsdp --gpus A100:8 --nodes 2 --dry-run    # resolved task, every rank's command, plan, $/h
-  orch run phi3_dpo_fsdp --managed --spot --secret HF_TOKEN   # managed job: SkyPilot recovers preemptions
+  orch run llama3_sft_fsdp --managed --spot --secret HF_TOKEN # managed job: SkyPilot recovers preemptions
   orch run phi3_dpo_fsdp --local --nodes 2 --smoke            # 2 emulated nodes, CPU, tiny Phi-3
   orch run phi3_dpo_fsdp --local --nodes 1 --gpus CPU:2 --smoke max_steps=4   # key=value overrides TRL
 
