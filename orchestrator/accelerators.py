@@ -71,8 +71,3 @@ def parse(value: str) -> Gpus:
     if count < 1:
         raise OrchError(f"--gpus {value!r}: the GPU count must be a positive integer (for example A100:8)")
     return Gpus(canonical(name) if name else None, count)
-
-
-def parse_spec(spec: str) -> Gpus:
-    """A recipe's `resources.accelerators` string, checked the same way as --gpus."""
-    return parse(spec)

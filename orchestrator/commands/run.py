@@ -203,13 +203,13 @@ def _cloud(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
         raise OrchError(f"--gpus {args.gpus}: CPU processes are for --local; on a cloud give a GPU, e.g. A100:8")
     spec = recipe.accelerators
     if gpus:
-        spec = gpus.spec(accelerators.parse_spec(spec).name if spec else None)
+        spec = gpus.spec(accelerators.parse(spec).name if spec else None)
         if spec.startswith("None:"):
             raise OrchError(
                 f"--gpus {args.gpus}: the recipe names no accelerator; give one, e.g. --gpus A100:{gpus.count}"
             )
     elif spec:
-        accelerators.parse_spec(spec)  # an unknown name in the recipe is caught before anything is sent
+        accelerators.parse(spec)  # an unknown name in the recipe is caught before anything is sent
     if not spec:
         raise OrchError("the recipe has no resources.accelerators; pass --gpus, e.g. --gpus A100:8")
     task = resolve(recipe, nodes=args.nodes, accelerators=spec, envs=user_envs, trl_overrides=user_overrides)
@@ -217,7 +217,7 @@ def _cloud(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
         task["resources"]["use_spot"] = True
     check_trl(recipe, task)
     nodes = int(task.get("num_nodes") or 1)
-    per_node = accelerators.parse_spec(spec).count
+    per_node = accelerators.parse(spec).count
     plans = node.preview(task["envs"], nodes, per_node)  # batch math and env errors, before anything is sent
     memory = _preflight(recipe, task, spec, nodes - (1 if plans[-1].role == "vllm-server" else 0))
     task = _record_secrets(task, secrets)
