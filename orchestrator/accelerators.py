@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 
-from orchestrator.errors import OrchError
+from orchestrator.errors import OrchError, closest
 
 # Name as SkyPilot spells it -> memory per device in GiB.
 KNOWN_GIB = {
@@ -49,8 +48,8 @@ def canonical(name: str) -> str:
     for known in (*KNOWN_GIB, CPU):
         if known.lower() == name.lower():
             return known
-    close = difflib.get_close_matches(name.upper(), list(KNOWN_GIB), n=1, cutoff=0.5)
-    hint = f"did you mean {close[0]}? " if close else ""
+    close = closest(name.upper(), KNOWN_GIB)
+    hint = f"did you mean {close}? " if close else ""
     raise OrchError(f"unknown accelerator {name!r}; {hint}known: {', '.join(KNOWN_GIB)}")
 
 

@@ -1,7 +1,17 @@
 """The one exception users see: a one-line message that says what is wrong and how to fix it."""
 
+from __future__ import annotations
+
 
 class OrchError(Exception):
     """A user-facing error. The CLI prints `orch: error: <message>` and exits with code 2."""
 
     exit_code = 2
+
+
+def closest(word: str, choices, cutoff: float = 0.5) -> str | None:
+    """The choice nearest to a mistyped word, for "did you mean X?" (None when nothing is close)."""
+    import difflib
+
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=cutoff)
+    return match[0] if match else None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from orchestrator import overrides as ov
 from orchestrator import yamlio
-from orchestrator.errors import OrchError
+from orchestrator.errors import OrchError, closest
 
 REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 REQUIRED_ENVS = ("TRL_TRAINER", "TRL_CONFIG", "ACCELERATE_CONFIG")
@@ -85,16 +85,9 @@ def find(name_or_path: str) -> Path:
         if path.is_file():
             return path
     names = [p.stem for p in all_recipe_paths()]
-    close = _closest(name_or_path, names)
+    close = closest(name_or_path, names)
     hint = f"did you mean {close}? " if close else ""
     raise OrchError(f"unknown recipe {name_or_path!r}; {hint}`orch ls` lists the recipes")
-
-
-def _closest(word: str, choices: list[str]) -> str | None:
-    import difflib
-
-    match = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
-    return match[0] if match else None
 
 
 def load(name_or_path: str) -> Recipe:

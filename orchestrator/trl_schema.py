@@ -7,13 +7,12 @@ regenerates it and fails when the installed TRL disagrees.
 
 from __future__ import annotations
 
-import difflib
 import json
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 
-from orchestrator.errors import OrchError
+from orchestrator.errors import OrchError, closest
 
 SCHEMA = Path(__file__).parent / "trl_args.json"
 TRAINERS = ("sft", "dpo", "grpo", "kto", "reward")
@@ -59,8 +58,8 @@ def check(trainer: str, overrides: Mapping[str, str], source: str = "override") 
     known = fields(trainer)
     for key, value in overrides.items():
         if key not in known:
-            close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}? " if close else ""
+            close = closest(key, known, cutoff=0.6)
+            hint = f"did you mean {close}? " if close else ""
             raise OrchError(
                 f"{source} {key}={value}: {trainer} has no TRL argument {key!r}; {hint}"
                 f"`trl {trainer} --help` lists them"
@@ -74,8 +73,8 @@ def check_config_keys(trainer: str, config: Mapping, path: str) -> None:
     known = fields(trainer)
     for key in config:
         if key not in known and key not in CONFIG_ONLY_KEYS:
-            close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else ""
+            close = closest(str(key), known, cutoff=0.6)
+            hint = f"; did you mean {close}?" if close else ""
             raise OrchError(f"TRL config {path}: {trainer} has no argument {key!r}{hint}")
 
 
