@@ -312,10 +312,12 @@ def preview(
     gpus_per_node: int,
     device: str = "gpu",
     task_id: str = "$SKYPILOT_TASK_ID",
+    configs: tuple[dict, dict, Path | None] | None = None,
 ) -> list[NodePlan]:
     """The plan of every node rank of a task, computed on the launch side from the env SkyPilot will set.
 
     Node IPs (10.0.0.1, ...) and the task id are placeholders: SkyPilot assigns the real ones.
+    configs: what `load_configs(task_envs, strict=False)` returns, when the caller has read them already.
     """
     base = {"SKYPILOT_TASK_ID": task_id, **task_envs}
     if device == "cpu":
@@ -325,7 +327,7 @@ def preview(
         SKYPILOT_NUM_NODES=str(nodes),
         SKYPILOT_NUM_GPUS_PER_NODE=str(gpus_per_node),
     )
-    accel, trl, profile_file = load_configs(base, strict=False)
+    accel, trl, profile_file = configs or load_configs(base, strict=False)
     return [plan({**base, "SKYPILOT_NODE_RANK": str(rank)}, accel, trl, profile_file) for rank in range(nodes)]
 
 

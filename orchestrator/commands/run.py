@@ -166,27 +166,28 @@ def main(args: argparse.Namespace) -> int:
     return _cloud(args, recipe, gpus, user_envs, user_overrides, secrets)
 
 
-def check_trl(recipe: Recipe, task: dict) -> None:
+def check_trl(recipe: Recipe, task: dict, trl_config: dict) -> None:
     """TRL config keys and every key=value override exist for the trainer and have the right type."""
-    from orchestrator import trl_schema, yamlio
+    from orchestrator import trl_schema
 
-    path = recipe.paired("TRL_CONFIG")
-    try:
-        config = yamlio.load(path.read_text()) or {}
-    except yamlio.YAMLError:
-        raise OrchError(f"TRL config {path} is not valid YAML; fix the file") from None
-    if not isinstance(config, dict):
-        raise OrchError(f"TRL config {path} must be a YAML mapping of the trainer's arguments")
-    trl_schema.check_config_keys(recipe.trainer, config, str(path))
+    trl_schema.check_config_keys(recipe.trainer, trl_config, task["envs"]["TRL_CONFIG"])
     trl_schema.check(recipe.trainer, overrides.loads(task["envs"].get("TRL_OVERRIDES", "")))
 
 
-def _preflight(recipe: Recipe, task: dict, spec: str | None, nodes: int):
+def check(recipe: Recipe, task: dict, spec: str | None, nodes: int, procs: int, device: str = "gpu", task_id=None):
+    """Every launch-side check of a resolved task, reading its two configs once: TRL arguments, preflight
+    (memory only with a GPU spec), and each rank's node plan. Returns (plans, memory estimate)."""
     from orchestrator import node, preflight
 
-    accel, trl_cfg, _ = node.load_configs(task["envs"], strict=False)
+    configs = node.load_configs(task["envs"], strict=False)
+    accel, trl_config, _ = configs
+    check_trl(recipe, task, trl_config)
+    kw = {"task_id": task_id} if task_id else {}
+    plans = node.preview(task["envs"], nodes, procs, device=device, configs=configs, **kw)
+    trainers = nodes - (1 if plans[-1].role == "vllm-server" else 0)
     user = overrides.loads(task["envs"].get("TRL_OVERRIDES", ""))
-    return preflight.run(accel, trl_cfg, user, recipe.trainer, spec, nodes)
+    memory = preflight.run(accel, trl_config, user, recipe.trainer, spec, trainers)
+    return plans, memory
 
 
 def _record_secrets(task: dict, secrets: dict[str, str]) -> dict:
@@ -197,7 +198,7 @@ def _record_secrets(task: dict, secrets: dict[str, str]) -> dict:
 
 
 def _cloud(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
-    from orchestrator import node, records
+    from orchestrator import records
 
     if gpus and gpus.name == accelerators.CPU:
         raise OrchError(f"--gpus {args.gpus}: CPU processes are for --local; on a cloud give a GPU, e.g. A100:8")
@@ -215,11 +216,9 @@ def _cloud(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
     task = resolve(recipe, nodes=args.nodes, accelerators=spec, envs=user_envs, trl_overrides=user_overrides)
     if args.spot:
         task["resources"]["use_spot"] = True
-    check_trl(recipe, task)
     nodes = int(task.get("num_nodes") or 1)
-    per_node = accelerators.parse(spec).count
-    plans = node.preview(task["envs"], nodes, per_node)  # batch math and env errors, before anything is sent
-    memory = _preflight(recipe, task, spec, nodes - (1 if plans[-1].role == "vllm-server" else 0))
+    # Batch math, parallelism, memory and env errors surface here, before anything is sent.
+    plans, memory = check(recipe, task, spec, nodes, accelerators.parse(spec).count)
     task = _record_secrets(task, secrets)
     run = f"{recipe.name.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
     cluster = args.cluster or run
@@ -269,7 +268,7 @@ def _local(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
     import hashlib
     import json
 
-    from orchestrator import records, yamlio
+    from orchestrator import records
 
     if gpus and gpus.name not in (None, accelerators.CPU):
         raise OrchError(f"--gpus {args.gpus}: --local runs CPU processes; use --gpus CPU:{gpus.count}")
@@ -277,9 +276,9 @@ def _local(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
     procs = gpus.count if gpus else 1
     envs, trl = dict(user_envs), {}
     if args.smoke:
-        from orchestrator import smoke
+        from orchestrator import node, smoke
 
-        trl_cfg = yamlio.load(recipe.paired("TRL_CONFIG").read_text()) or {}
+        trl_cfg = node.load_configs({**recipe.envs, **user_envs}, strict=False)[1]  # --env TRL_CONFIG wins
         model_id = user_overrides.get("model_name_or_path") or str(trl_cfg.get("model_name_or_path", ""))
         artifacts = smoke.plan(model_id, recipe.trainer)
         trl = smoke.trl_overrides(artifacts)
@@ -301,13 +300,11 @@ def _local(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
     if recipe.task.get("file_mounts"):
         print("[orch] local: the recipe's file_mounts are not mounted; checkpoints go to outputs/")
     task = resolve(recipe, nodes=nodes, envs=envs, trl_overrides=trl)
-    from orchestrator import node
     from orchestrator.backends import local
 
-    check_trl(recipe, task)
-    _preflight(recipe, task, None, nodes)  # the recipe's own consistency; memory is a GPU matter
-    # Batch math and env errors, before anything starts; bad input builds no smoke model either.
-    node.preview(task["envs"], nodes, procs, device="cpu", task_id=run)
+    # The recipe's own consistency (memory is a GPU matter), batch math and env errors, before anything
+    # starts: bad input builds no smoke model either.
+    check(recipe, task, None, nodes, procs, device="cpu", task_id=run)
     if args.smoke:
         smoke.ensure(artifacts)
     task = _record_secrets(task, secrets)

@@ -29,9 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     import yaml
 
-    from orchestrator import overrides, yamlio
+    from orchestrator import overrides
     from orchestrator.commands.run import check_trl
-    from orchestrator.node import PROFILES, resolve_accelerate_config
+    from orchestrator.node import PROFILES, load_configs, resolve_accelerate_config
     from orchestrator.recipe import check_paired_files, load, resolve
     from orchestrator.recipe_info import summarize
     from orchestrator.yamlio import dump_task
@@ -39,12 +39,13 @@ def main(args: argparse.Namespace) -> int:
     recipe = load(args.recipe)
     check_paired_files(recipe)
     task = resolve(recipe, trl_overrides=overrides.parse(args.overrides))
-    check_trl(recipe, task)
+    _, trl_config, _ = load_configs(task["envs"], strict=False)
+    check_trl(recipe, task, trl_config)
     s = summarize(recipe)
     print(f"# {s.name}: {s.trainer}, {s.strategy}, {s.model}, {s.nodes} x {s.gpus} ({recipe.path})")
     print(dump_task(task).rstrip())
     trl_path = recipe.paired("TRL_CONFIG")
-    trl = yamlio.load(trl_path.read_text()) or {}
+    trl = dict(trl_config)
     trl.update(overrides.loads(task["envs"].get("TRL_OVERRIDES", "")))
     print(f"\n# TRL config {trl_path} with TRL_OVERRIDES applied")
     print(yaml.safe_dump(trl, sort_keys=False).rstrip())
