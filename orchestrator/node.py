@@ -129,6 +129,11 @@ def _vllm_server_argv(env: Mapping[str, str], trl_config: Mapping, user: Mapping
     ]
 
 
+def checkpoint_dir(root: str, task_id: str) -> str:
+    """Where a run keeps its checkpoints: one directory per task id under CHECKPOINT_ROOT."""
+    return f"{root.rstrip('/')}/{task_id}"
+
+
 def env_port(env: Mapping[str, str], name: str, default: int) -> str:
     raw = env.get(name, "").strip() or str(default)
     if not raw.isdigit() or not 0 < int(raw) < 65536:
@@ -236,7 +241,7 @@ def plan(
         if not task_id:
             raise OrchError("CHECKPOINT_ROOT is set but SKYPILOT_TASK_ID is not; SkyPilot sets it on every node")
         user = {k: v for k, v in user.items() if k != "output_dir"}
-        script_extra += ["--output_dir", f"{root.rstrip('/')}/{task_id}"]
+        script_extra += ["--output_dir", checkpoint_dir(root, task_id)]
     timeout = env.get("DDP_TIMEOUT", "").strip()
     if timeout:
         if not timeout.isdigit() or int(timeout) < 1:

@@ -203,7 +203,7 @@ def _summary(output_dir: Path) -> list[str]:
     if not steps and head.get("resumed_from"):
         lines.append(
             f"[orch] resumed from {head['resumed_from']} at step {head['optimizer_steps']}, already the last step: "
-            f"nothing left to train (delete {output_dir} or pass output_dir=... to train again)"
+            f"nothing left to train (rerun with --fresh to start over)"
         )
     if steps:
         per_step = head["total_samples"] / steps
@@ -229,10 +229,11 @@ def _summary(output_dir: Path) -> list[str]:
 def output_dir_of(envs: Mapping[str, str], run_id: str) -> str:
     """Where the node launcher will put the run (CHECKPOINT_ROOT/<run id>, else the TRL output_dir override)."""
     from orchestrator import overrides
+    from orchestrator.node import checkpoint_dir
 
     root = envs.get("CHECKPOINT_ROOT", "").strip()
     if root:
-        return f"{root.rstrip('/')}/{run_id}"
+        return checkpoint_dir(root, run_id)
     return overrides.loads(envs.get("TRL_OVERRIDES", "")).get("output_dir", f"outputs/{run_id}")
 
 
