@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         def on_save(self, args, state, control, **kwargs):
             if dist():
                 dist().barrier()  # every rank has written its part of the checkpoint
-            if state.is_world_process_zero:
+            if state.is_local_process_zero:  # each node marks its own copy (node-local disks included)
                 ckpt = output_dir / f"checkpoint-{state.global_step}"
                 if ckpt.is_dir():
                     (ckpt / COMPLETE_MARKER).write_text(json.dumps({"step": state.global_step, "time": time.time()}))
@@ -177,6 +177,11 @@ def main(argv: list[str] | None = None) -> None:
     acc = trainer.accelerator
     rank, world = acc.process_index, acc.num_processes
     resume = training_args.resume_from_checkpoint or latest_complete_checkpoint(output_dir)
+    if dist() and not training_args.resume_from_checkpoint:
+        # Every rank resumes from the same step: the newest one complete on every node.
+        step = torch.tensor([int(resume.name.split("-")[1]) if resume else -1], dtype=torch.long)
+        dist().all_reduce(step, op=torch.distributed.ReduceOp.MIN)
+        resume = output_dir / f"checkpoint-{int(step.item())}" if step.item() >= 0 else None
     print(
         f"[orch] rank {rank}/{world}: distributed_type={acc.distributed_type.value} device={acc.device} "
         f"backend={dist().get_backend() if dist() else 'none'}" + (f" resuming from {resume}" if resume else ""),
