@@ -13,7 +13,7 @@ from orchestrator.errors import OrchError
 TRAINING_ARGS_DEFAULT_PER_DEVICE = 8  # transformers.TrainingArguments.per_device_train_batch_size
 
 
-def _positive_int(value: object, name: str) -> int:
+def positive_int(value: object, name: str) -> int:
     try:
         number = int(str(value).strip())
     except ValueError:
@@ -25,7 +25,7 @@ def _positive_int(value: object, name: str) -> int:
 
 def per_device_batch(trl_config: Mapping, user: Mapping[str, str]) -> int:
     raw = user.get("per_device_train_batch_size", trl_config.get("per_device_train_batch_size"))
-    return _positive_int(raw if raw is not None else TRAINING_ARGS_DEFAULT_PER_DEVICE, "per_device_train_batch_size")
+    return positive_int(raw if raw is not None else TRAINING_ARGS_DEFAULT_PER_DEVICE, "per_device_train_batch_size")
 
 
 def solve(global_batch: int, per_device: int, data_parallel_size: int) -> int:
@@ -60,7 +60,7 @@ def accumulation_steps(
             "gradient_accumulation_steps is derived from GLOBAL_BATCH_SIZE; "
             "override GLOBAL_BATCH_SIZE (--env GLOBAL_BATCH_SIZE=N) instead"
         )
-    global_batch = _positive_int(raw, "GLOBAL_BATCH_SIZE")
+    global_batch = positive_int(raw, "GLOBAL_BATCH_SIZE")
     return solve(global_batch, per_device_batch(trl_config, user), data_parallel_size)
 
 
@@ -72,8 +72,8 @@ def check_generations(env: Mapping[str, str], trl_config: Mapping, user: Mapping
     raw = env.get("GLOBAL_BATCH_SIZE", "").strip()
     if not raw:
         return
-    global_batch = _positive_int(raw, "GLOBAL_BATCH_SIZE")
-    generations = _positive_int(
+    global_batch = positive_int(raw, "GLOBAL_BATCH_SIZE")
+    generations = positive_int(
         user.get("num_generations", trl_config.get("num_generations", GRPO_DEFAULT_GENERATIONS)), "num_generations"
     )
     if global_batch % generations:

@@ -17,6 +17,8 @@ Variables read (all set by SkyPilot or by the recipe's `envs:`):
   CHECKPOINT_ROOT    optional: output_dir becomes CHECKPOINT_ROOT/SKYPILOT_TASK_ID (a bucket mount on a cloud:
                      the task id is stable across managed-job recoveries, so a recovered job resumes)
   DDP_TIMEOUT        optional: seconds a collective may wait before the process group fails (TRL's ddp_timeout)
+  OMP_NUM_THREADS    optional: CPU threads per process; orch sets cores / processes per node when the recipe
+                     offloads to CPU (DeepSpeed's CPU Adam, FSDP offload), where torchrun would set 1
   ORCH_RENDEZVOUS_TIMEOUT, ORCH_BARRIER_PORT  optional: orch's pre-launch barrier (default 600 s, port + 1)
   ORCH_DEVICE        optional: `cpu` makes every process a CPU process (the local backend sets it)
 """
@@ -27,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from orchestrator import batch, overrides, parallel
+from orchestrator import accelerate_schema, batch, overrides, parallel
 from orchestrator.errors import OrchError
 from orchestrator.topology import Topology, from_env
 
@@ -67,6 +69,8 @@ class NodePlan(NamedTuple):
     role: str = "trainer"
     """`trainer`, or `vllm-server` for the node that runs TRL's vLLM server."""
     notes: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+    """Variables the node sets before it execs the argv (never secrets: those are in the node's own env)."""
 
 
 def _required(env: Mapping[str, str], name: str, example: str) -> str:
@@ -141,12 +145,62 @@ def env_port(env: Mapping[str, str], name: str, default: int) -> str:
     return raw
 
 
+def _setting(trl_config: Mapping, user: Mapping[str, str], key: str, default=None):
+    """The value the TRL script will see: a key=value override, else the TRL config's, else the default."""
+    value = user.get(key, trl_config.get(key))
+    return default if value is None else value
+
+
+def _true(value) -> bool:
+    return str(value).strip().lower() in ("true", "1", "yes", "y", "t")
+
+
+def offloads_to_cpu(accelerate_config: Mapping) -> bool:
+    """DeepSpeed optimizer/parameter offload or FSDP parameter offload: the optimizer step runs on CPU threads."""
+    ds = accelerate_config.get("deepspeed_config") or {}
+    fsdp = accelerate_config.get("fsdp_config") or {}
+    devices = (str(ds.get("offload_optimizer_device", "none")), str(ds.get("offload_param_device", "none")))
+    return any(d.lower() not in ("none", "") for d in devices) or _true(fsdp.get("fsdp_offload_params", False))
+
+
+def _check_final_model_is_written(accelerate_config: Mapping, accel_path: str) -> None:
+    """ZeRO-3 without 16-bit gathering on save writes only a DeepSpeed checkpoint, which transformers cannot load.
+
+    (FSDP's sharded state dict is handled in the training process: orch gathers a full state dict at the end.)
+    """
+    ds = accelerate_config.get("deepspeed_config") or {}
+    if str(accelerate_config.get("distributed_type", "")).upper() != "DEEPSPEED" or ds.get("deepspeed_config_file"):
+        return  # a DeepSpeed JSON says stage3_gather_16bit_weights_on_model_save itself: the rehearsal checks it
+    if str(ds.get("zero_stage", "")) == "3" and not _true(ds.get("zero3_save_16bit_model", False)):
+        raise OrchError(
+            f"{accel_path}: ZeRO-3 without zero3_save_16bit_model writes the final model as a DeepSpeed checkpoint "
+            "that transformers cannot load; set deepspeed_config.zero3_save_16bit_model: true"
+        )
+
+
+def _check_packing(trainer: str, sizes: parallel.Sizes, trl_config: Mapping, user: Mapping[str, str]) -> None:
+    """TRL's SFTTrainer refuses packing with context parallelism: ring attention drops the block-diagonal mask."""
+    if trainer != "sft" or sizes.cp < 2:
+        return
+    for key in ("packing", "eval_packing"):
+        if _true(_setting(trl_config, user, key, False)):
+            raise OrchError(
+                f"{key} is on, but TRL's SFTTrainer refuses packing with context parallelism (cp_size={sizes.cp}): "
+                f"ring attention drops the mask that keeps packed documents apart; set {key}=false"
+            )
+
+
 def plan(
-    env: Mapping[str, str], accelerate_config: Mapping, trl_config: Mapping, accel_file: Path | None = None
+    env: Mapping[str, str],
+    accelerate_config: Mapping,
+    trl_config: Mapping,
+    accel_file: Path | None = None,
+    cpus: int | None = None,
 ) -> NodePlan:
     """Pure: decide the argv of this node from its env and the two parsed config files.
 
     accel_file: where a TRL profile name resolved to (the argv names that file); None for a plain path.
+    cpus: CPU cores this node may use (None on the launch side, which does not know the node's machine).
     """
     topo = from_env(env)
     trainer = _required(env, "TRL_TRAINER", "dpo")
@@ -159,6 +213,8 @@ def plan(
     if device not in ("gpu", "cpu"):
         raise OrchError(f"ORCH_DEVICE={device!r}: use gpu or cpu")
     user = overrides.loads(env.get("TRL_OVERRIDES", ""))
+    accelerate_schema.check_config(accelerate_config, accel_path)
+    _check_final_model_is_written(accelerate_config, accel_path)
     asked = str(accelerate_config.get("distributed_type", "NO")).upper()
     notes: list[str] = []
 
@@ -184,6 +240,7 @@ def plan(
 
     launch = ["accelerate", "launch"]
     sizes = None
+    node_env: dict[str, str] = {}
     if device == "cpu":
         # accelerate's --cpu path with several machines starts independent trainings (no process group):
         # use torchrun's path (--multi_gpu) with a CPU config, and tell the TRL script use_cpu.
@@ -200,6 +257,15 @@ def plan(
         launch += ["--config_file", str(accel_file) if accel_file else accel_path]
         runs_as = asked
         sizes = parallel.declared(accelerate_config)
+        if offloads_to_cpu(accelerate_config) and not env.get("OMP_NUM_THREADS", "").strip():
+            # torchrun sets OMP_NUM_THREADS=1 when it is unset (accelerate's DeepSpeed path never sets it), which
+            # leaves DeepSpeed's CPU Adam and FSDP's CPU optimizer step one thread per process.
+            if cpus:
+                node_env["OMP_NUM_THREADS"] = str(max(1, cpus // trainers.gpus_per_node))
+            notes.append(
+                "the optimizer steps on CPU (offload): OMP_NUM_THREADS = the node's cores / "
+                f"{trainers.gpus_per_node} processes" + (f" = {node_env['OMP_NUM_THREADS']}" if cpus else "")
+            )
     launch += [
         "--num_processes",
         str(total),
@@ -224,11 +290,24 @@ def plan(
         sizes = parallel.refit(sizes, total)
         launch += sizes.flags()
         data_parallel = sizes.data_parallel(total)
+        _check_packing(trainer, sizes, trl_config, user)
         pad = parallel.pad_to_multiple_of(sizes, trl_config, user)
         if pad is not None:
             script_extra += ["--pad_to_multiple_of", pad]
 
     ga = batch.accumulation_steps(env, trl_config, user, data_parallel_size=data_parallel)
+    if device == "gpu" and asked == "DEEPSPEED":
+        # accelerate exports a config's deepspeed_config.gradient_accumulation_steps (TRL's zero1 profile has 1)
+        # to DeepSpeed, and transformers stops at train() when it differs from the TRL script's value: give
+        # accelerate the same number (its flag wins over the config file).
+        steps = (
+            ga
+            if ga is not None
+            else batch.positive_int(
+                _setting(trl_config, user, "gradient_accumulation_steps", 1), "gradient_accumulation_steps"
+            )
+        )
+        launch += ["--gradient_accumulation_steps", str(steps)]
     if trainer == "grpo":
         batch.check_generations(env, trl_config, user)
     if trainer == "kto" and batch.per_device_batch(trl_config, user) < 2:
@@ -262,6 +341,7 @@ def plan(
         data_parallel_size=data_parallel,
         parallel_sizes=sizes,
         notes=tuple(notes),
+        env=node_env,
     )
 
 
@@ -304,11 +384,11 @@ def load_configs(env: Mapping[str, str], strict: bool = True) -> tuple[dict, dic
     return _load_yaml(Path(value), "Accelerate config"), trl, None
 
 
-def plan_from_env(env: Mapping[str, str]) -> NodePlan:
+def plan_from_env(env: Mapping[str, str], cpus: int | None = None) -> NodePlan:
     """Read the two config files named by the env, then `plan()`."""
     from_env(env)  # report SkyPilot variable problems before file problems
     accel, trl, profile_file = load_configs(env)
-    return plan(env, accel, trl, profile_file)
+    return plan(env, accel, trl, profile_file, cpus=cpus)
 
 
 def preview(
@@ -336,7 +416,8 @@ def preview(
     return [plan({**base, "SKYPILOT_NODE_RANK": str(rank)}, accel, trl, profile_file) for rank in range(nodes)]
 
 
-def render(argv: list[str]) -> str:
+def render(argv: list[str], env: Mapping[str, str] | None = None) -> str:
+    """The argv as one shell-quoted line, prefixed by the variables the node sets (`OMP_NUM_THREADS=12 ...`)."""
     import shlex
 
-    return " ".join(shlex.quote(a) for a in argv)
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()), *map(shlex.quote, argv)])

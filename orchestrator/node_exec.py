@@ -15,9 +15,9 @@ from orchestrator.topology import Topology, from_env
 def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     """`orch node`: print the plan, then exec accelerate (replacing this process) unless print_only."""
     env = os.environ if env is None else env
-    node_plan = plan_from_env(env)
+    node_plan = plan_from_env(env, cpus=usable_cpus())
     if print_only:
-        print(render(node_plan.argv))
+        print(render(node_plan.argv, node_plan.env))
         return 0
     topo = node_plan.topology
     if node_plan.role == "vllm-server":
@@ -38,15 +38,21 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     )
     for note in node_plan.notes:
         print(f"[orch] note: {note}", flush=True)
-    print("[orch] exec: " + render(node_plan.argv), flush=True)
+    print("[orch] exec: " + render(node_plan.argv, node_plan.env), flush=True)
     sys.stdout.flush()
     try:
-        os.execvp(node_plan.argv[0], node_plan.argv)
+        os.execvpe(node_plan.argv[0], node_plan.argv, {**env, **node_plan.env})
     except FileNotFoundError:
         raise OrchError(
             "`accelerate` is not on PATH on this node; the recipe's setup must pip install '.[train]'"
         ) from None
     return 0  # not reached
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (a container's cpuset, not the host's count, where the OS says)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
 
 
 def _barrier(env: Mapping[str, str], topo: Topology) -> None:

@@ -21,7 +21,7 @@ CP = {
 }
 SP = {
     "distributed_type": "DEEPSPEED",
-    "deepspeed_config": {"zero_stage": 3},
+    "deepspeed_config": {"zero_stage": 3, "zero3_save_16bit_model": True},
     "parallelism_config": {"parallelism_config_sp_size": 2, "parallelism_config_dp_shard_size": 4},
 }
 NODES = range(1, 65)

@@ -19,7 +19,8 @@ examples:
 Reads SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE and
 SKYPILOT_TASK_ID (set by SkyPilot) and the recipe's envs TRL_TRAINER, TRL_CONFIG, ACCELERATE_CONFIG,
 GLOBAL_BATCH_SIZE, TRL_OVERRIDES, MAIN_PROCESS_PORT, CHECKPOINT_ROOT, VLLM_SERVER_NODES, VLLM_SERVER_PORT,
-DDP_TIMEOUT; ORCH_DEVICE=cpu runs CPU processes (the local backend sets it). Before starting, every node of a
+DDP_TIMEOUT, OMP_NUM_THREADS (set to cores / processes when the recipe offloads to CPU); ORCH_DEVICE=cpu runs
+CPU processes (the local backend sets it). Before starting, every node of a
 multi-node run reports to the head (ORCH_BARRIER_PORT, ORCH_RENDEZVOUS_TIMEOUT): a node that never joins is
 named.
 """
