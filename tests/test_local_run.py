@@ -49,6 +49,13 @@ def test_two_node_smoke_is_one_process_group(project):
     logged = [json.loads(x) for x in (output_dir / "orch" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "loss" in r] == list(range(1, 9))
     assert (output_dir / "checkpoint-8" / "orch_complete").is_file()
+    # the final model: reported by the training process, loadable by transformers itself
+    assert head["final_model"]["loadable"] and head["final_model"]["path"] == str(output_dir.relative_to(project))
+    assert re.search(rf"^\[orch\] final model: {re.escape(head['final_model']['path'])} \(model.safetensors", out, re.M)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(output_dir)
+    assert model.config.model_type == "phi3" and model.num_parameters() > 0
     # the run is recorded as a SkyPilot task, and `orch logs` replays its output
     (record,) = (project / "sky_jobs").glob("*.yaml")
     assert "# state: succeeded" in record.read_text() and "# backend: local (2 emulated node(s)" in record.read_text()

@@ -222,7 +222,15 @@ def _summary(output_dir: Path) -> list[str]:
         )
     checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     if checkpoints:
-        lines.append(f"[orch] checkpoint: {checkpoints[-1]}; final model: {output_dir}")
+        lines.append(f"[orch] checkpoint: {checkpoints[-1]}")
+    final = head.get("final_model")
+    if final and final["loadable"]:
+        lines.append(
+            f"[orch] final model: {final['path']} ({', '.join(final['weights'])}, {final['bytes'] / 1e6:.1f} MB), "
+            "Hugging Face format: transformers' from_pretrained loads it"
+        )
+    else:
+        lines.append(f"[orch] final model: NOT written in Hugging Face format in {output_dir}")
     return lines
 
 
