@@ -2,7 +2,8 @@
 
 `trl_args.json` beside this file is generated from TRL's own parsers (`python -m orchestrator.trl_schema`,
 which imports trl) and committed, so the launch side checks names and types without importing trl; a test
-regenerates it and fails when the installed TRL disagrees.
+regenerates it and fails when the installed TRL disagrees. It records the trl / transformers / accelerate
+versions it came from, which pyproject.toml pins for the nodes (a test compares them).
 """
 
 from __future__ import annotations
@@ -22,11 +23,25 @@ CONFIG_ONLY_KEYS = {"env"}  # TrlParser reads `env:` from a config file and expo
 
 
 @cache
+def _schema() -> dict:
+    return json.loads(SCHEMA.read_text())
+
+
+def versions() -> dict[str, str]:
+    """The trl / transformers / accelerate versions the argument lists were generated from."""
+    return _schema()["versions"]
+
+
 def fields(trainer: str) -> dict[str, object]:
-    schema = json.loads(SCHEMA.read_text())
-    if trainer not in schema:
-        raise OrchError(f"no TRL argument list for trainer {trainer!r}; use one of {', '.join(schema)}")
+    schema = _schema()
+    if trainer not in TRAINERS:
+        raise OrchError(f"no TRL argument list for trainer {trainer!r}; use one of {', '.join(TRAINERS)}")
     return schema[trainer]
+
+
+def _stack() -> str:
+    v = versions()
+    return f"TRL {v['trl']} / transformers {v['transformers']}, the versions the nodes install"
 
 
 def _kind_ok(kind: object, value: str) -> bool:
@@ -62,7 +77,7 @@ def check(trainer: str, overrides: Mapping[str, str], source: str = "override") 
             hint = f"did you mean {close}? " if close else ""
             raise OrchError(
                 f"{source} {key}={value}: {trainer} has no TRL argument {key!r}; {hint}"
-                f"`trl {trainer} --help` lists them"
+                f"`trl {trainer} --help` lists them ({_stack()})"
             )
         if not _kind_ok(known[key], str(value)):
             raise OrchError(f"{source} {key}={value}: {key} takes {_describe(known[key])}")
@@ -75,7 +90,7 @@ def check_config_keys(trainer: str, config: Mapping, path: str) -> None:
         if key not in known and key not in CONFIG_ONLY_KEYS:
             close = closest(str(key), known, cutoff=0.6)
             hint = f"; did you mean {close}?" if close else ""
-            raise OrchError(f"TRL config {path}: {trainer} has no argument {key!r}{hint}")
+            raise OrchError(f"TRL config {path}: {trainer} has no argument {key!r}{hint} ({_stack()})")
 
 
 def is_list(trainer: str, key: str) -> bool:
@@ -123,9 +138,12 @@ def _kind(tp) -> object:
 def generate() -> dict[str, dict[str, object]]:
     import dataclasses
     import importlib
+    import importlib.metadata
     import typing
 
-    out: dict[str, dict[str, object]] = {}
+    out: dict[str, dict[str, object]] = {
+        "versions": {p: importlib.metadata.version(p) for p in ("trl", "transformers", "accelerate")}
+    }
     for trainer in TRAINERS:
         parser = importlib.import_module(f"trl.scripts.{trainer}").make_parser()
         names: dict[str, object] = {}
