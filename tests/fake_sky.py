@@ -49,6 +49,9 @@ class FakeSky(types.ModuleType):
     def get(self, request_id):
         return self._results[request_id]
 
+    def optimize(self, dag, **kw):
+        return self._request(("optimize", dag, kw), dag)
+
     def launch(self, task, cluster_name=None, **kw):
         return self._request(("launch", task, {"cluster_name": cluster_name, **kw}), (7, None))
 

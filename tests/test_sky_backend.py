@@ -47,6 +47,7 @@ def test_cluster_launch_sends_secrets_as_secrets(in_project, fake, capsys):
             "--idle-minutes",
             "30",
             "--down",
+            "-y",
         ]
     )
     out = capsys.readouterr()
@@ -83,6 +84,7 @@ def test_managed_job_and_its_commands(in_project, fake, capsys, monkeypatch):
             "--num-nodes",
             "2",
             "learning_rate=1e-6",
+            "--yes",
         ]
     )
     assert code == 0
@@ -106,7 +108,7 @@ def test_managed_job_and_its_commands(in_project, fake, capsys, monkeypatch):
 
 
 def test_cluster_commands_map_to_cluster_calls(in_project, fake, capsys):
-    assert cli.main(["run", "phi3_dpo_fsdp", "--cluster", "my-dpo", "--detach"]) == 0
+    assert cli.main(["run", "phi3_dpo_fsdp", "--cluster", "my-dpo", "--detach", "-y"]) == 0
     (record,) = run_files(in_project)
     assert cli.main(["status"]) == 0
     assert "cluster UP" in capsys.readouterr().out
@@ -216,3 +218,93 @@ def test_launch_side_never_imports_the_training_stack():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in result.stdout, result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------- no surprise bills: show the price, then ask
+
+CONFIRM = """
+import sys
+sys.path.insert(0, {tests!r})
+import sky, sky.check, sky.clouds
+sky.check.get_cached_enabled_clouds_or_refresh = lambda *a, **k: [sky.clouds.AWS()]
+from fake_sky import FakeSky
+fake = FakeSky(sky)
+sys.modules["sky"] = fake  # SDK calls are recorded; SkyPilot's optimizer and task parser stay real
+from orchestrator.cli import main
+code = main(sys.argv[1:])
+print("CALLS", [c[0] for c in fake.calls], flush=True)
+raise SystemExit(code)
+"""
+
+
+def seeded_catalog(tmp_path) -> dict:
+    catalogs = tmp_path / "runtime" / ".sky" / "catalogs" / "v8"
+    (catalogs / "aws").mkdir(parents=True)
+    (catalogs / "common").mkdir(parents=True)
+    (catalogs / "aws" / "vms.csv").write_text(VMS_CSV)
+    (catalogs / "common" / "accelerators.csv").write_text(ACCELERATORS_CSV)
+    (catalogs / "common" / "metadata.csv").write_text(METADATA_CSV)
+    return {**os.environ, "SKY_RUNTIME_DIR": str(tmp_path / "runtime"), "SKYPILOT_DISABLE_LOCAL_API_SERVER": "1"}
+
+
+def launch_in_a_terminal(project, env, answer: str, *argv: str):
+    """Run `orch run ...` with a pseudo-terminal as stdin and type `answer` at the prompt."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CONFIRM.format(tests=str(Path(__file__).parent)), "run", *argv],
+        cwd=project, env=env, stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    os.close(slave)
+    os.write(master, answer.encode() + b"\n")
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        os.close(master)
+    return proc.returncode, out, err
+
+
+def test_launch_shows_plan_and_price_and_asks_first(project, tmp_path):
+    env = seeded_catalog(tmp_path)
+    argv = ("phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2")
+    code, out, err = launch_in_a_terminal(project, env, "n", *argv)
+    assert code == 1, out + err
+    assert "[orch] phi3_dpo_fsdp: 2 node(s) x A100:8 as a cluster" in out
+    assert "[orch] checkpoints and final model: bucket orch-phi3-dpo-checkpoints mounted at /checkpoints" in out
+    assert (
+        "[orch] SkyPilot's plan: AWS us-east-1 p4d.24xlarge x 2 node(s), on-demand: $32.77/h per node, "
+        "$65.55/h in all" in out
+    )
+    assert "estimated cost: EXPECTED_GPU_HOURS 40 / 16 GPUs = 2.50 h (ideal scaling) x $65.55/h = $163.86" in out
+    assert "Launch? [y/N]" in out and "[orch] not launched" in out
+    assert "CALLS []" in out and not (project / "sky_jobs").exists()  # nothing sent, nothing written
+
+    code, out, err = launch_in_a_terminal(project, env, "y", *argv)
+    assert code == 0, out + err
+    assert "CALLS ['launch', 'tail_logs']" in out
+    assert len(list((project / "sky_jobs").glob("*.yaml"))) == 1
+
+
+def test_non_interactive_launch_needs_yes(project):
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", "phi3_dpo_fsdp"],
+        cwd=project, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == (
+        "orch: error: a cloud launch asks before it spends money, but stdin is not a terminal: pass -y to launch"
+    )
+    assert not (project / "sky_jobs").exists()
+
+
+def test_without_a_local_plan_the_api_servers_optimizer_is_asked(in_project, fake, monkeypatch, capsys):
+    """No catalog or credentials here (a team's API server holds them): SkyPilot's optimizer runs there."""
+    from orchestrator.backends import sky as sky_backend
+
+    monkeypatch.setattr(sky_backend, "optimize", lambda task: (_ for _ in ()).throw(sky_backend.OrchError("no cloud")))
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
+    monkeypatch.setattr("builtins.input", lambda prompt="": print(prompt) or "y")
+    assert cli.main(["run", "phi3_dpo_fsdp", "--detach"]) == 0
+    assert fake.names() == ["optimize", "launch"]
+    assert "SkyPilot's plan and price: above (its optimizer, run by your API server)" in capsys.readouterr().out

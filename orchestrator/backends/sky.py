@@ -83,6 +83,21 @@ def optimize(task: dict) -> PlanResult:
     )
 
 
+def show_server_plan(task: dict) -> None:
+    """Ask the API server's optimizer (where credentials live in a team setup); SkyPilot prints its own table of
+    the chosen resources and their $/h, as `sky launch` does before its prompt."""
+    sky = _sky()
+    try:
+        dag = sky.Dag()
+        dag.add(to_task(task))
+        sky.stream_and_get(sky.optimize(dag))
+    except OrchError:
+        raise
+    except Exception as exc:  # no API server, no enabled cloud, ...
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise OrchError(f"{type(exc).__name__}: {reason}") from None
+
+
 def launch(
     task: dict,
     secrets: dict[str, str],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator import accelerators
+from orchestrator import accelerators, storage
 from orchestrator.errors import OrchError
 from orchestrator.node import NodePlan, render
 from orchestrator.yamlio import dump_task
@@ -36,6 +36,8 @@ def show(recipe, task: dict, plans: list[NodePlan], memory, skip_optimizer: bool
         )
     else:
         print("memory: not estimated (model size unknown to orch)")
+    where = storage.durable_checkpoints(task) or "the nodes' own disks (lost with the cluster)"
+    print(f"checkpoints and final model: {where}")
     _section("SkyPilot plan")
     if skip_optimizer:
         print("not computed: --skip-optimizer")
@@ -48,22 +50,30 @@ def show(recipe, task: dict, plans: list[NodePlan], memory, skip_optimizer: bool
         print(f"not computed: {exc}")
         print("(the optimizer needs SkyPilot's catalogs and an enabled cloud: run `sky check`)")
         return 0
+    print(describe(plan))
+    print(estimate(task, plan, head.topology.total_gpus))
+    return 0
+
+
+def describe(plan) -> str:
+    """SkyPilot's choice in one line: cloud, region, instance, nodes, price."""
     kind = "spot" if plan.use_spot else "on-demand"
-    print(
+    return (
         f"{plan.cloud} {plan.region} {plan.instance_type} x {plan.nodes} node(s), {kind}: "
         f"${plan.node_dollars_per_hour:.2f}/h per node, ${plan.dollars_per_hour:.2f}/h in all"
     )
+
+
+def estimate(task: dict, plan, total_gpus: int) -> str:
+    """The recipe's EXPECTED_GPU_HOURS at the plan's price, assuming ideal scaling over the GPUs asked for."""
     gpu_hours = str(task["envs"].get("EXPECTED_GPU_HOURS", "")).strip()
-    if gpu_hours:
-        try:
-            hours = float(gpu_hours) / head.topology.total_gpus
-        except ValueError:
-            print(f"estimated cost: not computed: EXPECTED_GPU_HOURS={gpu_hours!r} is not a number")
-            return 0
-        print(
-            f"estimated cost: EXPECTED_GPU_HOURS {gpu_hours} / {head.topology.total_gpus} GPUs = {hours:.2f} h "
-            f"(ideal scaling) x ${plan.dollars_per_hour:.2f}/h = ${hours * plan.dollars_per_hour:.2f}"
-        )
-    else:
-        print("estimated cost: not computed: the recipe declares no EXPECTED_GPU_HOURS")
-    return 0
+    if not gpu_hours:
+        return "estimated cost: not computed: the recipe declares no EXPECTED_GPU_HOURS"
+    try:
+        hours = float(gpu_hours) / total_gpus
+    except ValueError:
+        return f"estimated cost: not computed: EXPECTED_GPU_HOURS={gpu_hours!r} is not a number"
+    return (
+        f"estimated cost: EXPECTED_GPU_HOURS {gpu_hours} / {total_gpus} GPUs = {hours:.2f} h "
+        f"(ideal scaling) x ${plan.dollars_per_hour:.2f}/h = ${hours * plan.dollars_per_hour:.2f}"
+    )

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import time
 
-from orchestrator import accelerators, overrides
+from orchestrator import accelerators, overrides, storage
 from orchestrator.commands import add
 from orchestrator.errors import OrchError
 from orchestrator.recipe import Recipe, check_paired_files, load, parse_env_assignments, resolve
@@ -22,6 +23,11 @@ examples:
 Which side wins: flags you give override the recipe (--gpus beats resources.accelerators, --nodes beats
 num_nodes, --env beats envs); key=value words override the TRL config. Every run is recorded as
 sky_jobs/<run>.yaml, which `sky launch sky_jobs/<run>.yaml` relaunches. `orch ls` lists the recipes.
+
+Before a cloud launch orch shows SkyPilot's choice and its $/h (and the recipe's cost estimate) and asks;
+-y skips the question. A managed job, a multi-node run or --down needs checkpoints on a mounted bucket
+(CHECKPOINT_ROOT): the nodes' own disks are lost with the cluster. Several nodes get network_tier: best
+(InfiniBand/EFA where the cloud has it) unless the recipe sets a tier.
 """
 
 SMOKE_GLOBAL_BATCH = 16
@@ -76,6 +82,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     cloud.add_argument("--idle-minutes", type=int, metavar="M", help="autostop the cluster after M idle minutes")
     cloud.add_argument("--down", action="store_true", help="tear the cluster down when the job finishes")
     cloud.add_argument("--detach", action="store_true", help="return once submitted; `orch logs RUN` follows later")
+    cloud.add_argument(
+        "-y",
+        "--yes",
+        action="store_true",
+        help="launch without asking: orch otherwise shows SkyPilot's plan and price and asks first "
+        "(required when stdin is not a terminal)",
+    )
     cloud.add_argument(
         "--dry-run",
         action="store_true",
@@ -217,8 +230,13 @@ def _cloud(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
     if args.spot:
         task["resources"]["use_spot"] = True
     nodes = int(task.get("num_nodes") or 1)
+    if nodes > 1 and not task["resources"].get("network_tier"):
+        task["resources"]["network_tier"] = "best"  # NCCL over InfiniBand/EFA, not plain TCP, between nodes
     # Batch math, parallelism, memory and env errors surface here, before anything is sent.
     plans, memory = check(recipe, task, spec, nodes, accelerators.parse(spec).count)
+    reasons = {"a managed job's recovery": args.managed, f"a run on {nodes} nodes": nodes > 1, "--down": args.down}
+    if any(reasons.values()):
+        storage.require_durable(task, [why for why, applies in reasons.items() if applies])
     task = _record_secrets(task, secrets)
     run = f"{recipe.name.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
     cluster = args.cluster or run
@@ -226,10 +244,14 @@ def _cloud(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
         from orchestrator.commands import dryrun
 
         return dryrun.show(recipe, task, plans, memory, skip_optimizer=args.skip_optimizer)
-
+    if not args.yes and not sys.stdin.isatty():
+        raise OrchError("a cloud launch asks before it spends money, but stdin is not a terminal: pass -y to launch")
     from orchestrator.backends import sky as sky_backend
 
-    sky_backend.to_task(task, secrets)  # SkyPilot's own validation, before the record is written
+    sky_backend.to_task(task, secrets)  # SkyPilot's own validation, before anything is asked or written
+    if not args.yes and not _confirm(recipe, task, plans, args.managed):
+        print("[orch] not launched", flush=True)
+        return 1
     record = records.new(
         run,
         task,
@@ -262,6 +284,33 @@ def _cloud(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
         detach=args.detach,
         on_submitted=submitted,
     )
+
+
+def _confirm(recipe, task: dict, plans, managed: bool) -> bool:
+    """Show what SkyPilot would launch and its price, then ask. SkyPilot's optimizer runs in this process when the
+    catalogs and credentials are here, else on the API server (which prints its own table of choices)."""
+    from orchestrator.backends import sky as sky_backend
+    from orchestrator.commands import dryrun
+
+    total = plans[0].topology.total_gpus
+    what = "managed job" if managed else "cluster"
+    print(f"[orch] {recipe.name}: {task['num_nodes']} node(s) x {task['resources']['accelerators']} as a {what}")
+    print(f"[orch] checkpoints and final model: {storage.durable_checkpoints(task) or 'on the nodes (not durable)'}")
+    try:
+        plan = sky_backend.optimize(task)
+        print(f"[orch] SkyPilot's plan: {dryrun.describe(plan)}")
+        print(f"[orch] {dryrun.estimate(task, plan, total)}")
+    except OrchError as local:
+        try:
+            sky_backend.show_server_plan(task)
+            print("[orch] SkyPilot's plan and price: above (its optimizer, run by your API server)")
+        except OrchError:
+            print(f"[orch] SkyPilot's plan: not computed here ({local}); SkyPilot picks the cheapest match at launch")
+    try:
+        answer = input("Launch? [y/N] ")
+    except EOFError:
+        answer = ""
+    return answer.strip().lower() in ("y", "yes")
 
 
 def _local(args, recipe, gpus, user_envs, user_overrides, secrets) -> int:
