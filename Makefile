@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench snapshots clean
 
 install: $(STAMP)
 
@@ -27,6 +27,10 @@ test: install
 
 bench: install
 	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) bench/run.py
+
+# The launch side's snapshots of the installed training stack (TRL's arguments and profiles, accelerate's keys).
+snapshots: install
+	$(PY) -m orchestrator.train.snapshots
 
 lint: install
 	$(VENV)/bin/ruff check orchestrator tests bench

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from orchestrator import __version__
-from orchestrator.errors import OrchError
+from orchestrator.core.errors import OrchError
 
 # Subcommand -> the module in orchestrator/commands/ that registers it.
 COMMANDS = {

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from orchestrator.commands import add
-from orchestrator.errors import OrchError
+from orchestrator.core.errors import OrchError
 
 EPILOG = """\
 examples:
@@ -77,20 +77,26 @@ def _write_all(files: dict[Path, str]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from orchestrator.node import PROFILES, resolve_accelerate_config
-    from orchestrator.recipe import check_paired_files, load
+    import yaml
+
+    from orchestrator.core.configs import PROFILES, load_accelerate
+    from orchestrator.launch.recipe import check_paired_files, load
 
     source = load(args.recipe)
     check_paired_files(source)
     task_dst, trl_dst, accel_dst = destinations(args.dest)
     new = task_dst.stem
     accel_value = source.envs["ACCELERATE_CONFIG"]
-    accel_src = source.paired("ACCELERATE_CONFIG")
-    if accel_value in PROFILES:
-        accel_src = resolve_accelerate_config(accel_value, strict=False)
-        if not accel_src.is_file():
-            accel_src = None  # keep the profile name: trl is not installed here to copy it from
-    wanted = [task_dst, trl_dst] + ([accel_dst] if accel_src else [])
+    accel_config, accel_file = load_accelerate(accel_value, source.workdir)
+    if accel_value not in PROFILES:
+        accel_text = (source.workdir / accel_file).read_text()
+    elif accel_file.is_file():
+        accel_text = accel_file.read_text()  # the installed trl's profile, copied to edit
+    else:  # trl is not installed here: orch's snapshot of TRL's profile
+        accel_text = f"# TRL's {accel_value} profile, copied by `orch cp`\n" + yaml.safe_dump(
+            accel_config, sort_keys=False
+        )
+    wanted = [task_dst, trl_dst, accel_dst]
     taken = [p for p in wanted if p.exists()]
     if taken and not args.force:
         raise OrchError(
@@ -107,16 +113,13 @@ def main(args: argparse.Namespace) -> int:
     text = re.sub(rf"(^# ){re.escape(old)}:", rf"\g<1>{new}:", text, count=1, flags=re.M)
     text = re.sub(rf"\b{re.escape(old_sky)}\b", new_sky, text)
     text = re.sub(r"^(  TRL_CONFIG:).*$", rf"\1 {_relative(trl_dst)}", text, count=1, flags=re.M)
-    if accel_src:
-        text = re.sub(r"^(  ACCELERATE_CONFIG:).*$", rf"\1 {_relative(accel_dst)}", text, count=1, flags=re.M)
+    text = re.sub(r"^(  ACCELERATE_CONFIG:).*$", rf"\1 {_relative(accel_dst)}", text, count=1, flags=re.M)
     text = re.sub(r"output_dir=outputs/[^\s\"']+", f"output_dir=outputs/{new}", text)
     text = f"# Copied from {old} by `orch cp`: edit freely.\n" + text
     trl_text = re.sub(
         r"^output_dir:.*$", f"output_dir: outputs/{new}", source.paired("TRL_CONFIG").read_text(), count=1, flags=re.M
     )
-    files = {task_dst: text, trl_dst: trl_text}
-    if accel_src:
-        files[accel_dst] = accel_src.read_text()
+    files = {task_dst: text, trl_dst: trl_text, accel_dst: accel_text}
     _write_all(files)
     copied = load(str(task_dst))  # the copy must load, name its own files, and be what we think
     check_paired_files(copied)

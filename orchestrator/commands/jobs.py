@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from orchestrator import records
-from orchestrator.commands import add
-from orchestrator.errors import OrchError
+from orchestrator.commands import add, print_table
+from orchestrator.core.errors import OrchError
+from orchestrator.launch import records
 
 EXAMPLES = {
     "status": "  orch status                       # every recorded run with its live state",
@@ -56,7 +56,7 @@ def status(args: argparse.Namespace) -> int:
     for record in rows:
         state = record.get("state", "?")
         if not _is_local(record):
-            from orchestrator.backends import sky as sky_backend
+            from orchestrator.launch.backends import sky as sky_backend
 
             try:
                 state = sky_backend.state(record)
@@ -65,9 +65,7 @@ def status(args: argparse.Namespace) -> int:
             except Exception as exc:  # SkyPilot API unreachable, no credentials, ...
                 state = f"{state} (live state unavailable: {type(exc).__name__})"
         table.append((record.run, record.get("backend"), state, record.get("time"), record.get("recipe")))
-    widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
-    for row in table:
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    print_table(table)
     return 0
 
 
@@ -81,7 +79,7 @@ def logs(args: argparse.Namespace) -> int:
             raise OrchError(f"run {record.run} has no log at {log}; rerun it with `{record.get('command')}`")
         print(log.read_text(), end="")
         return 0
-    from orchestrator.backends import sky as sky_backend
+    from orchestrator.launch.backends import sky as sky_backend
 
     return sky_backend.logs(record, follow=args.follow)
 
@@ -94,7 +92,7 @@ def _cloud_only(record: records.Record, verb: str) -> None:
 def cancel(args: argparse.Namespace) -> int:
     record = records.find(args.run)
     _cloud_only(record, "cancel")
-    from orchestrator.backends import sky as sky_backend
+    from orchestrator.launch.backends import sky as sky_backend
 
     sky_backend.cancel(record)
     record.meta["state"] = "cancelled"
@@ -106,7 +104,7 @@ def cancel(args: argparse.Namespace) -> int:
 def down(args: argparse.Namespace) -> int:
     record = records.find(args.run)
     _cloud_only(record, "tear down")
-    from orchestrator.backends import sky as sky_backend
+    from orchestrator.launch.backends import sky as sky_backend
 
     sky_backend.down(record)
     record.meta["state"] = "down" if record.get("cluster") else "cancelled"

@@ -25,9 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from orchestrator import recipe as recipes
-    from orchestrator.errors import OrchError
-    from orchestrator.recipe_info import summarize
+    from orchestrator.commands import print_table
+    from orchestrator.core.errors import OrchError
+    from orchestrator.launch import recipe as recipes
+    from orchestrator.launch.recipe_info import summarize
 
     rows = [("RECIPE", "TRAINER", "STRATEGY", "MODEL", "GPUS/NODE", "NODES")]
     for path in recipes.all_recipe_paths():
@@ -37,7 +38,5 @@ def main(args: argparse.Namespace) -> int:
             rows.append((path.stem, "?", "?", f"(broken: {exc})", "", ""))
             continue
         rows.append((s.name, s.trainer, s.strategy, s.model, s.gpus, str(s.nodes)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    print_table(rows)
     return 0

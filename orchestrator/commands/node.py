@@ -39,6 +39,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from orchestrator import node_exec
+    from orchestrator.node import exec as node_exec
 
     return node_exec.run(print_only=args.print)

@@ -29,28 +29,29 @@ def register(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     import yaml
 
-    from orchestrator import overrides
-    from orchestrator.commands.run import check_trl
-    from orchestrator.node import PROFILES, load_configs, resolve_accelerate_config
-    from orchestrator.recipe import check_paired_files, load, resolve
-    from orchestrator.recipe_info import summarize
-    from orchestrator.yamlio import dump_task
+    from orchestrator.core import overrides
+    from orchestrator.core.configs import PROFILES
+    from orchestrator.core.yamlio import dump_task
+    from orchestrator.launch.checks import check_trl
+    from orchestrator.launch.recipe import check_paired_files, load
+    from orchestrator.launch.recipe_info import summarize
+    from orchestrator.launch.resolved import resolve
 
     recipe = load(args.recipe)
     check_paired_files(recipe)
-    task = resolve(recipe, trl_overrides=overrides.parse(args.overrides))
-    _, trl_config, _ = load_configs(task["envs"], strict=False)
-    check_trl(recipe, task, trl_config)
+    launch = resolve(recipe, trl_overrides=overrides.parse(args.overrides))
+    check_trl(launch)
     s = summarize(recipe)
     print(f"# {s.name}: {s.trainer}, {s.strategy}, {s.model}, {s.nodes} x {s.gpus} ({recipe.path})")
-    print(dump_task(task).rstrip())
-    trl_path = recipe.paired("TRL_CONFIG")
-    trl = dict(trl_config)
-    trl.update(overrides.loads(task["envs"].get("TRL_OVERRIDES", "")))
-    print(f"\n# TRL config {trl_path} with TRL_OVERRIDES applied")
-    print(yaml.safe_dump(trl, sort_keys=False).rstrip())
+    print(dump_task(launch.task()).rstrip())
+    print(f"\n# TRL config {recipe.paired('TRL_CONFIG')} with TRL_OVERRIDES applied")
+    print(yaml.safe_dump(dict(launch.settings), sort_keys=False).rstrip())
     value = recipe.envs["ACCELERATE_CONFIG"]
-    accel = resolve_accelerate_config(value, strict=False) if value in PROFILES else recipe.paired("ACCELERATE_CONFIG")
+    accel = launch.paired.accelerate_file
     print(f"\n# Accelerate config {accel}" + (f" (TRL profile {value})" if value in PROFILES else ""))
-    print(accel.read_text().rstrip() if accel.is_file() else "(TRL is not installed here: the node resolves it)")
+    if value in PROFILES and not accel.is_file():
+        print("# (trl is not installed here: TRL's profile as orch's snapshot of it has it)")
+        print(yaml.safe_dump(launch.paired.accelerate, sort_keys=False).rstrip())
+    else:
+        print((recipe.workdir / accel if value not in PROFILES else accel).read_text().rstrip())
     return 0

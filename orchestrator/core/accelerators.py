@@ -1,0 +1,89 @@
+"""`--gpus` values and the accelerators orch knows (SkyPilot's parser accepts any name offline, e.g. Z999:8)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.core.errors import OrchError, did_you_mean
+
+# Name as SkyPilot spells it -> memory per device in GiB.
+KNOWN_GIB = {
+    "B200": 180,
+    "H200": 141,
+    "H100": 80,
+    "H100-MEGA": 80,
+    "GH200": 96,
+    "A100-80GB": 80,
+    "A100": 40,
+    "L40S": 48,
+    "L40": 48,
+    "A6000": 48,
+    "L4": 24,
+    "A10G": 24,
+    "A10": 24,
+    "V100-32GB": 32,
+    "V100": 16,
+    "T4": 16,
+    "MI300X": 192,
+}
+CPU = "CPU"
+
+
+@dataclass(frozen=True)
+class Gpus:
+    name: str | None
+    """Accelerator name (as SkyPilot spells it, or CPU for local processes); None when only a count was given
+    (`--gpus 4`: keep the recipe's type)."""
+    count: int
+    """Devices per node."""
+
+    def __str__(self) -> str:
+        """`A100:8`, the form SkyPilot's `resources.accelerators` takes."""
+        return f"{self.name}:{self.count}" if self.name else str(self.count)
+
+    def over(self, recipe: Gpus | None) -> Gpus:
+        """This flag's value over the recipe's: a count alone keeps the recipe's accelerator type."""
+        return self if self.name or recipe is None else Gpus(recipe.name, self.count)
+
+
+def memory_gib(name: str) -> int:
+    return KNOWN_GIB[canonical(name)]
+
+
+def canonical(name: str) -> str:
+    for known in (*KNOWN_GIB, CPU):
+        if known.lower() == name.lower():
+            return known
+    hint = did_you_mean(name.upper(), KNOWN_GIB)
+    raise OrchError(f"unknown accelerator {name!r}; {hint}known: {', '.join(KNOWN_GIB)}")
+
+
+def from_resources(value) -> Gpus | None:
+    """A task's `resources.accelerators` (`A100:8` or `{A100: 8}`), or None when it names none."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        if len(value) != 1:
+            raise OrchError(f"resources.accelerators {value!r}: name one accelerator type, for example A100:8")
+        ((name, count),) = value.items()
+        value = f"{name}:{count}"
+    return parse(str(value))
+
+
+def parse(value: str) -> Gpus:
+    """`A100:8`, `A100` (1 device), `8` (count only), `CPU:2` (local processes per node)."""
+    text = value.strip()
+    name, sep, count_text = text.rpartition(":")
+    if not sep:
+        name, count_text = (None, text) if text.isdigit() or text.lstrip("-").isdigit() else (text, "1")
+    if name is not None and not name:
+        raise OrchError(f"--gpus {value!r}: missing accelerator name before ':' (for example A100:8)")
+    try:
+        count = int(count_text)
+    except ValueError:
+        raise OrchError(
+            f"--gpus {value!r}: the count {count_text!r} is not a whole number (for example A100:8)"
+        ) from None
+    if count < 1:
+        raise OrchError(f"--gpus {value!r}: the GPU count must be a positive integer (for example A100:8)")
+    return Gpus(canonical(name) if name else None, count)

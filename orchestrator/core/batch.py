@@ -1,0 +1,88 @@
+"""Global batch invariance: the GPU count changes the speed of a run, never its math.
+
+samples per optimizer step = per_device_train_batch_size x data_parallel_size x gradient_accumulation_steps
+A recipe fixes the left side (GLOBAL_BATCH_SIZE); orch solves for gradient_accumulation_steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from orchestrator.core.errors import OrchError
+
+TRAINING_ARGS_DEFAULT_PER_DEVICE = 8  # transformers.TrainingArguments.per_device_train_batch_size
+
+
+def positive_int(value: object, name: str) -> int:
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise OrchError(f"{name}={value!r} is not a whole number") from None
+    if number < 1:
+        raise OrchError(f"{name}={number} must be at least 1")
+    return number
+
+
+def per_device_batch(settings: Mapping) -> int:
+    """settings: the effective TRL settings (config file, then key=value overrides)."""
+    raw = settings.get("per_device_train_batch_size")
+    return positive_int(raw if raw is not None else TRAINING_ARGS_DEFAULT_PER_DEVICE, "per_device_train_batch_size")
+
+
+def global_batch_of(env: Mapping[str, str]) -> int | None:
+    """GLOBAL_BATCH_SIZE of a recipe's env, or None when it declares none."""
+    raw = env.get("GLOBAL_BATCH_SIZE", "").strip()
+    return positive_int(raw, "GLOBAL_BATCH_SIZE") if raw else None
+
+
+def solve(global_batch: int, per_device: int, data_parallel_size: int) -> int:
+    """gradient_accumulation_steps that keeps `global_batch`, or an error naming the nearest valid choices."""
+    per_step = per_device * data_parallel_size
+    if global_batch % per_step == 0:
+        return global_batch // per_step
+    fixes = []
+    devices = [d for d in range(per_device - 1, 0, -1) if global_batch % (d * data_parallel_size) == 0]
+    if devices:
+        fixes.append(f"per_device_train_batch_size={devices[0]}")
+    lower, upper = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
+    fixes.append(" or ".join(f"GLOBAL_BATCH_SIZE={g}" for g in (lower, upper) if g >= per_step))
+    ranks = [r for r in range(data_parallel_size - 1, 0, -1) if global_batch % (per_device * r) == 0]
+    if ranks:
+        fixes.append(f"{ranks[0]} data-parallel ranks")
+    raise OrchError(
+        f"GLOBAL_BATCH_SIZE={global_batch} is not a multiple of per_device_train_batch_size x data-parallel ranks "
+        f"= {per_device} x {data_parallel_size} = {per_step}; use " + ", or ".join(fixes)
+    )
+
+
+def accumulation_steps(
+    global_batch: int | None, settings: Mapping, data_parallel_size: int, overridden: Iterable[str] = ()
+) -> int | None:
+    """None when the recipe declares no GLOBAL_BATCH_SIZE (then the TRL config's own value stands).
+
+    overridden: the keys given as key=value overrides (accumulation cannot be both derived and given)."""
+    if global_batch is None:
+        return None
+    if "gradient_accumulation_steps" in overridden:
+        raise OrchError(
+            "gradient_accumulation_steps is derived from GLOBAL_BATCH_SIZE; "
+            "override GLOBAL_BATCH_SIZE (--env GLOBAL_BATCH_SIZE=N) instead"
+        )
+    return solve(global_batch, per_device_batch(settings), data_parallel_size)
+
+
+GRPO_DEFAULT_GENERATIONS = 8  # trl.GRPOConfig.num_generations
+
+
+def check_generations(global_batch: int | None, settings: Mapping) -> None:
+    """GRPO: every optimizer step must hold whole groups of num_generations completions of one prompt."""
+    if global_batch is None:
+        return
+    generations = positive_int(settings.get("num_generations", GRPO_DEFAULT_GENERATIONS), "num_generations")
+    if global_batch % generations:
+        lower = global_batch // generations * generations
+        choices = " or ".join(str(g) for g in (lower, lower + generations) if g > 0)
+        raise OrchError(
+            f"GRPO: GLOBAL_BATCH_SIZE={global_batch} completions is not a multiple of num_generations="
+            f"{generations}; use GLOBAL_BATCH_SIZE={choices}"
+        )

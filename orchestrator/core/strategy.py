@@ -1,0 +1,52 @@
+"""What an Accelerate config asks for, in one record: the label `orch ls` shows and the sharding the memory
+model divides by."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from orchestrator.core import parallel
+
+_NONE = ("none", "", "None")
+
+
+class Strategy(NamedTuple):
+    kind: str
+    """ddp, zero1, zero2, zero3, fsdp1, fsdp2 or single-gpu."""
+    offload: bool
+    """Parameters or optimizer states in CPU memory (DeepSpeed offload, FSDP fsdp_offload_params)."""
+    cp: int = 1
+    sp: int = 1
+
+    @property
+    def label(self) -> str:
+        """`zero3-offload`, `fsdp2+cp2`, ... as `orch ls` prints it."""
+        text = self.kind + ("-offload" if self.offload else "")
+        if self.cp > 1:
+            text += f"+cp{self.cp}"
+        if self.sp > 1:
+            text += f"+sp{self.sp}"
+        return text
+
+    @property
+    def sharding(self) -> str:
+        """How the memory model divides weights, gradients and Adam states: ddp, zero1, zero2, zero3 or fsdp."""
+        if self.kind.startswith("fsdp"):
+            return "fsdp"
+        return "ddp" if self.kind == "single-gpu" else self.kind
+
+
+def of(accelerate_config: Mapping) -> Strategy:
+    kind = str(accelerate_config.get("distributed_type", "NO")).upper()
+    sizes = parallel.declared(accelerate_config) or parallel.Sizes()
+    if kind == "FSDP":
+        fsdp = accelerate_config.get("fsdp_config") or {}
+        offload = str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
+        return Strategy(f"fsdp{fsdp.get('fsdp_version', 1)}", offload, sizes.cp, sizes.sp)
+    if kind == "DEEPSPEED":
+        ds = accelerate_config.get("deepspeed_config") or {}
+        devices = (ds.get("offload_param_device", "none"), ds.get("offload_optimizer_device", "none"))
+        offload = any(str(d) not in _NONE for d in devices)
+        return Strategy(f"zero{ds.get('zero_stage', '?')}", offload, sizes.cp, sizes.sp)
+    return Strategy("ddp" if kind == "MULTI_GPU" else "single-gpu", False, sizes.cp, sizes.sp)

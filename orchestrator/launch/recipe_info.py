@@ -1,0 +1,34 @@
+"""What a recipe is, at a glance: trainer, strategy, model, GPUs (for `orch ls` and `orch show`)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from orchestrator.core import configs, strategy
+from orchestrator.core.errors import OrchError
+from orchestrator.launch.recipe import Recipe
+
+
+class Summary(NamedTuple):
+    name: str
+    trainer: str
+    strategy: str
+    model: str
+    gpus: str
+    nodes: int
+
+
+def summarize(recipe: Recipe) -> Summary:
+    """Read from the recipe's files; a paired file that cannot be read shows as `?`."""
+    try:
+        accel, _ = configs.load_accelerate(recipe.envs["ACCELERATE_CONFIG"], recipe.workdir)
+        label = strategy.of(accel).label
+    except OrchError:
+        label = "?"
+    if recipe.envs.get("VLLM_SERVER_NODES", "0") not in ("", "0"):
+        label += "+vllm-server"
+    try:
+        model = configs.load_yaml(recipe.paired("TRL_CONFIG"), "TRL config").get("model_name_or_path", "?")
+    except OrchError:
+        model = "?"
+    return Summary(recipe.name, recipe.trainer, label, str(model), str(recipe.gpus or "-"), recipe.num_nodes)

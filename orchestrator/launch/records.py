@@ -1,0 +1,127 @@
+"""sky_jobs/<run>.yaml: the resolved task of every run, with the run's record in a header comment.
+
+The body is the task exactly as launched (secret values never: only their names, null, so that
+`sky launch --secret NAME sky_jobs/<run>.yaml` relaunches it). The header holds `# key: value` lines that
+`orch status/logs/cancel/down` read back. Files are written atomically (temp file + rename), and only
+after every check of the run passed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator.core import yamlio
+from orchestrator.core.errors import OrchError
+from orchestrator.core.yamlio import dump_task
+
+SKY_JOBS = Path("sky_jobs")
+HEADER_KEYS = ("run", "recipe", "command", "time", "git", "backend", "cluster", "job_id", "state", "output_dir")
+"""The record's fields, in the order the header lists them."""
+_LINE = re.compile(r"^# ([a-z_]+): (.*)$")
+
+
+@dataclass
+class Record:
+    run: str
+    task: dict
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def path(self) -> Path:
+        return SKY_JOBS / f"{self.run}.yaml"
+
+    def get(self, key: str, default: str = "") -> str:
+        return self.meta.get(key, default)
+
+
+def new(run: str, task: dict, recipe_path, command: str, **meta: str) -> Record:
+    """A record stamped with the time and the git commit of the working tree."""
+    stamp = {
+        "run": run,
+        "recipe": str(recipe_path),
+        "command": command,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git": git_commit(),
+    }
+    return Record(run, task, {**stamp, **meta})
+
+
+def git_commit(cwd: Path = Path(".")) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if out.returncode != 0:
+        return "unknown"
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def render(record: Record) -> str:
+    lines = [
+        "# orch run record. This file is a SkyPilot task: from the repository root,",
+        f"#   sky launch {record.path}" + "".join(f" --secret {s}" for s in (record.task.get("secrets") or {})),
+        "# relaunches the run as it ran.",
+    ]
+    for key in HEADER_KEYS:
+        if record.meta.get(key):
+            value = str(record.meta[key]).replace("\n", " ")
+            lines.append(f"# {key}: {value}")
+    body = dump_task(record.task)
+    return "\n".join(lines) + "\n\n" + body
+
+
+def write(record: Record) -> Path:
+    """Atomically (re)write sky_jobs/<run>.yaml."""
+    SKY_JOBS.mkdir(exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{record.run}.", suffix=".tmp", dir=SKY_JOBS)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(render(record))
+        os.replace(tmp, record.path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return record.path
+
+
+def read(path: Path) -> Record:
+    text = path.read_text()
+    meta = {}
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            if line.strip():
+                break
+            continue
+        match = _LINE.match(line)
+        if match:
+            meta[match.group(1)] = match.group(2)
+    task = yamlio.load(text) or {}
+    return Record(run=meta.get("run", path.stem), task=task, meta=meta)
+
+
+def all_records() -> list[Record]:
+    if not SKY_JOBS.is_dir():
+        return []
+    records = [read(p) for p in sorted(SKY_JOBS.glob("*.yaml"))]
+    return sorted(records, key=lambda r: r.get("time"))
+
+
+def find(run: str) -> Record:
+    path = SKY_JOBS / f"{run}.yaml"
+    if path.is_file():
+        return read(path)
+    runs = [r.run for r in all_records()]
+    prefixed = [r for r in runs if r.startswith(run)]
+    if len(prefixed) == 1:
+        return read(SKY_JOBS / f"{prefixed[0]}.yaml")
+    hint = f"; matches {', '.join(prefixed)}" if prefixed else ""
+    raise OrchError(f"no run {run!r} in {SKY_JOBS}/{hint}; `orch status` lists the runs")

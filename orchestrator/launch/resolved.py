@@ -1,0 +1,132 @@
+"""One resolved launch: a recipe with what the user typed applied, parsed once, typed, immutable.
+
+Built once per command (`resolve`) from the CLI's flags and the recipe's files, then handed to the checks, the
+node previews, the dry run, the records and the backends. Strings appear only at the edges: `env()` is what the
+nodes get (TRL_OVERRIDES rendered), `task()` the SkyPilot task written to sky_jobs/ and sent.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+
+from orchestrator.core import configs, overrides, trl_schema
+from orchestrator.core.accelerators import Gpus
+from orchestrator.core.errors import OrchError
+from orchestrator.launch.recipe import Recipe
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    recipe: Recipe
+    nodes: int
+    """Number of nodes (the recipe's num_nodes, or --nodes)."""
+    gpus: Gpus | None
+    """Accelerators per node: a GPU type and count (cloud), CPU:N (local), None where the recipe names none."""
+    envs: Mapping[str, str]
+    """The task's envs: the recipe's, then --env; TRL_OVERRIDES is rendered from `overrides` by env()."""
+    overrides: Mapping[str, str]
+    """TRL key=value overrides: the recipe's TRL_OVERRIDES, then the user's words."""
+    paired: configs.Configs
+    """The Accelerate config, the TRL config file and the file accelerate will read."""
+    secrets: tuple[str, ...] = ()
+    """Names of the secrets the run gets (values never live here)."""
+    resources: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    """Extra SkyPilot resources fields orch sets (use_spot, network_tier)."""
+
+    def __post_init__(self):
+        for name in ("envs", "overrides", "resources"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+    @property
+    def trainer(self) -> str:
+        return self.envs["TRL_TRAINER"]
+
+    @property
+    def settings(self) -> Mapping[str, object]:
+        """The TRL settings the script will see: the config file's, then the overrides."""
+        return overrides.effective(self.paired.trl, self.overrides)
+
+    def setting(self, key: str, default=None):
+        value = self.settings.get(key)
+        return default if value is None else value
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * (self.gpus.count if self.gpus else 1)
+
+    def replace(self, **changes) -> Launch:
+        return dataclasses.replace(self, **changes)
+
+    def env(self) -> dict[str, str]:
+        """What the nodes get: the task's envs with TRL_OVERRIDES rendered (shell-quoted key=value words)."""
+        out = dict(self.envs)
+        if self.overrides or "TRL_OVERRIDES" in out:
+            out["TRL_OVERRIDES"] = overrides.dumps(dict(self.overrides))
+        return out
+
+    def task(self, recipe_accelerators: bool = False) -> dict:
+        """The SkyPilot task mapping (sky_jobs/<run>.yaml, sky.Task): secret names only, never values.
+
+        recipe_accelerators: keep the recipe's resources.accelerators (a local run's record stays a cloud task)."""
+        task = copy.deepcopy(self.recipe.task)
+        task["num_nodes"] = self.nodes
+        resources = dict(task.get("resources") or {})
+        if self.gpus is not None and not recipe_accelerators:
+            resources["accelerators"] = str(self.gpus)
+        resources.update(self.resources)
+        task["resources"] = resources
+        task["envs"] = self.env()
+        if self.secrets:
+            task["secrets"] = {name: None for name in self.secrets}
+        return task
+
+
+def parse_env_assignments(words: Iterable[str], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """`--env K=V` values (`--env K` takes K from the caller's environment, as `sky launch --env` does)."""
+    out: dict[str, str] = {}
+    for word in words:
+        key, sep, value = word.partition("=")
+        if not _ENV_NAME.match(key):
+            raise OrchError(f"--env {word!r}: {key!r} is not an environment variable name (letters, digits, _)")
+        if not sep:
+            if key not in environ:
+                raise OrchError(f"--env {key}: {key} is not set here; give a value with --env {key}=VALUE")
+            value = environ[key]
+        overrides.check_value(f"--env {key}=", value)
+        out[key] = value
+    return out
+
+
+def resolve(
+    recipe: Recipe,
+    *,
+    nodes: int | None = None,
+    gpus: Gpus | None = None,
+    envs: Mapping[str, str] | None = None,
+    trl_overrides: Mapping[str, str] | None = None,
+    secrets: Iterable[str] = (),
+) -> Launch:
+    """The recipe with the user's flags applied (they win): --nodes, --gpus (over the recipe's accelerators; a
+    count alone keeps its type), --env, key=value. Reads the paired configs once."""
+    if nodes is not None and nodes < 1:
+        raise OrchError(f"--nodes {nodes}: a run needs at least 1 node")
+    task_envs = {**recipe.envs, **(envs or {})}
+    trl_schema.check_trainer(task_envs.get("TRL_TRAINER", ""))
+    merged = overrides.loads(task_envs.get("TRL_OVERRIDES", ""))
+    merged.update(trl_overrides or {})
+    return Launch(
+        recipe=recipe,
+        nodes=nodes or recipe.num_nodes,
+        gpus=gpus.over(recipe.gpus) if gpus else recipe.gpus,
+        envs=task_envs,
+        overrides=merged,
+        paired=configs.load(task_envs, recipe.workdir),
+        secrets=tuple(secrets),
+    )

@@ -1,0 +1,57 @@
+"""Secrets of a run: names in files and records, values only in SkyPilot's secrets or the nodes' environment.
+
+`--secret NAME` reads the value from the caller's environment; `--secret NAME=VALUE` works too but leaves the value
+in shell history and in orch's own argv. Recorded commands keep secret names and drop their values.
+"""
+
+from __future__ import annotations
+
+import re
+
+from orchestrator.core.errors import OrchError
+from orchestrator.launch.recipe import Recipe
+
+
+def parse_secrets(words: list[str]) -> dict[str, str]:
+    import os
+
+    out = {}
+    for word in words:
+        name, sep, value = word.partition("=")
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+            raise OrchError(f"--secret: {name!r} is not an environment variable name (for example HF_TOKEN)")
+        if not sep:
+            if not os.environ.get(name):
+                raise OrchError(
+                    f"--secret {name}: {name} is not set in your environment; export it or use {name}=VALUE"
+                )
+            value = os.environ[name]
+        out[name] = value
+    return out
+
+
+def redacted_command(argv: list[str]) -> str:
+    """The command as typed, with secret values removed (names kept)."""
+    import shlex
+
+    out, after_secret = [], False
+    for word in argv:
+        if after_secret:
+            word = word.partition("=")[0]
+        elif word.startswith("--secret="):
+            word = "--secret=" + word[len("--secret=") :].partition("=")[0]
+        after_secret = word == "--secret"
+        out.append(word)
+    return "orch " + " ".join(shlex.quote(w) for w in out)
+
+
+def values_for(recipe: Recipe, given: dict[str, str], smoke: bool) -> dict[str, str]:
+    """Secret values: the recipe's non-null ones, then --secret. A null one must be given, except in smoke
+    mode, which never reaches a hub."""
+    declared = recipe.task.get("secrets") or {}
+    values = {k: str(v) for k, v in declared.items() if v is not None}
+    values.update(given)
+    missing = [k for k in declared if k not in values and not smoke]
+    if missing:
+        raise OrchError(f"recipe needs secret {missing[0]}: pass --secret {missing[0]} (read from your environment)")
+    return values

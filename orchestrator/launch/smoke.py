@@ -1,0 +1,109 @@
+"""Smoke mode, launch side: where the tiny model and data live, the TRL overrides that point a recipe at them.
+
+A tiny random model of the recipe's architecture, a tokenizer trained here and synthetic data in the trainer's
+format are built on this machine in seconds, with no network, by `orchestrator.train.smoke_build` in a
+subprocess (so `orch` itself never imports torch), and cached by content under $ORCH_CACHE_DIR (default
+~/.cache/orch): the cache key hashes both modules, the model family and the trainer, so editing the builder
+rebuilds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.core.errors import OrchError
+from orchestrator.core.models import family_of
+
+BUILDER = "orchestrator.train.smoke_build"
+STEPS = 8
+
+
+@dataclass(frozen=True)
+class SmokePlan:
+    model_type: str
+    trainer: str
+    dir: Path
+    """Cache directory holding model/ (weights + tokenizer) and data/ (train.jsonl)."""
+
+    @property
+    def ready(self) -> bool:
+        return (self.dir / "READY").is_file()
+
+
+def cache_root(env: dict | os._Environ = os.environ) -> Path:
+    return Path(env.get("ORCH_CACHE_DIR") or Path.home() / ".cache" / "orch") / "smoke"
+
+
+def plan(model_id: str, trainer: str, root: Path | None = None) -> SmokePlan:
+    """Pure apart from reading this file: where the artifacts for (model family, trainer) live."""
+    family = family_of(model_id)
+    builder = Path(__file__).resolve().parent.parent / "train" / "smoke_build.py"
+    sources = Path(__file__).read_bytes() + builder.read_bytes()
+    digest = hashlib.sha256(sources + f"{family.model_type}/{trainer}".encode()).hexdigest()
+    root = cache_root() if root is None else root
+    return SmokePlan(family.model_type, trainer, root / f"{family.model_type}-{trainer}-{digest[:12]}")
+
+
+def trl_overrides(smoke: SmokePlan) -> dict[str, str]:
+    """TRL arguments that point a recipe at the tiny artifacts and make it short, fp32 and CPU-friendly."""
+    out = {
+        "model_name_or_path": str(smoke.dir / "model"),
+        "dataset_name": str(smoke.dir / "data"),
+        "dataset_train_split": "train",
+        "dtype": "float32",
+        "attn_implementation": "sdpa",
+        "use_liger_kernel": "false",
+        "max_steps": str(STEPS),
+        "per_device_train_batch_size": "1",
+        "learning_rate": "2e-3",
+        "lr_scheduler_type": "constant",
+        "warmup_steps": "0",
+        "logging_steps": "1",
+        "save_strategy": "steps",
+        "save_steps": "4",
+        "save_total_limit": "2",
+        "bf16": "false",
+        "gradient_checkpointing": "false",
+        "report_to": "none",
+        "disable_tqdm": "true",
+        "dataloader_num_workers": "0",
+        "ddp_find_unused_parameters": "false",
+        "seed": "42",
+    }
+    if smoke.trainer == "grpo":
+        out.update(
+            num_generations="2",
+            max_completion_length="8",
+            use_vllm="false",
+            reward_funcs=f"{BUILDER}.digit_reward",
+        )
+    else:
+        out["max_length"] = "64"
+    if smoke.trainer == "kto":
+        out["per_device_train_batch_size"] = "2"  # KTO's KL term needs two samples in a micro-batch
+    if smoke.trainer == "sft":
+        out.update(packing="false", padding_free="false")
+    return out
+
+
+def ensure(smoke: SmokePlan) -> None:
+    """Build the artifacts in a subprocess unless cached. Prints one progress line either way."""
+    if smoke.ready:
+        print(f"[orch] smoke: tiny {smoke.model_type} model and {smoke.trainer} data cached at {smoke.dir}", flush=True)
+        return
+    print(
+        f"[orch] smoke: building tiny {smoke.model_type} model, tokenizer and {smoke.trainer} data (no network)...",
+        flush=True,
+    )
+    cmd = [sys.executable, "-m", BUILDER, smoke.model_type, smoke.trainer, str(smoke.dir)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise OrchError(f"building the smoke model failed: {tail[0]}; is the training stack installed? (make install)")
+    print(f"[orch] smoke: built at {smoke.dir}", flush=True)

@@ -1,0 +1,63 @@
+"""Where a run's checkpoints and final model live, read from its task: storage that outlives the cluster, or not.
+
+A cloud node's disk disappears with the cluster: a managed job's recovery starts a new cluster, `--down` deletes
+it, and a multi-node run's sharded checkpoints are split across the nodes' disks. Durable storage is a bucket
+mounted (SkyPilot file_mounts with `mode: MOUNT` or `MOUNT_CACHED`) or a volume (`volumes:`) at the recipe's
+CHECKPOINT_ROOT, under which the node launcher writes everything (`CHECKPOINT_ROOT/SKYPILOT_TASK_ID`).
+A `COPY` mount is uploaded once at launch and never written back, so it does not count.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from orchestrator.core.errors import OrchError
+
+WRITABLE_MODES = ("MOUNT", "MOUNT_CACHED")
+EXAMPLE = (
+    "file_mounts: {/checkpoints: {name: <your bucket>, mode: MOUNT_CACHED}} and envs CHECKPOINT_ROOT: /checkpoints, "
+    "as recipes/phi3_dpo_fsdp.yaml does"
+)
+
+
+def _under(path: str, mount: str) -> bool:
+    mount = mount.rstrip("/") or "/"
+    return path == mount or path.startswith(mount + "/")
+
+
+def _expand(value: str, envs: Mapping[str, str]) -> str:
+    """SkyPilot substitutes ${VAR} in file_mounts from the task's envs."""
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: str(envs.get(m.group(1) or m.group(2), m.group(0))), value)
+
+
+def durable_checkpoints(task: Mapping) -> str | None:
+    """What holds CHECKPOINT_ROOT beyond the cluster ("bucket X mounted at /checkpoints"), or None."""
+    envs = {k: "" if v is None else str(v) for k, v in (task.get("envs") or {}).items()}
+    root = envs.get("CHECKPOINT_ROOT", "").strip()
+    if not root:
+        return None
+    for dst, src in (task.get("file_mounts") or {}).items():
+        if not _under(root, str(dst)) or not isinstance(src, Mapping):
+            continue
+        mode = str(src.get("mode") or "MOUNT").upper()
+        name = src.get("name") or src.get("source")
+        if name and mode in WRITABLE_MODES:
+            return f"bucket {_expand(str(name), envs)} mounted at {dst} ({mode})"
+    for dst, volume in (task.get("volumes") or {}).items():
+        if _under(root, str(dst)):
+            return f"volume {volume} mounted at {dst}"
+    return None
+
+
+def require_durable(task: Mapping, reasons: list[str]) -> str:
+    """The durable storage of a launch that needs it (managed job, several nodes, --down), else one clear error."""
+    where = durable_checkpoints(task)
+    if where is None:
+        root = str((task.get("envs") or {}).get("CHECKPOINT_ROOT") or "").strip()
+        what = f"CHECKPOINT_ROOT={root} is not a mounted bucket or volume" if root else "CHECKPOINT_ROOT is not set"
+        raise OrchError(
+            f"{' and '.join(reasons)} would lose the checkpoints and the final model, which stay on the nodes' disks "
+            f"({what}); mount a bucket at CHECKPOINT_ROOT: {EXAMPLE}"
+        )
+    return where

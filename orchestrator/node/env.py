@@ -1,0 +1,65 @@
+"""Node side: which node this is, read from the environment the cluster manager set.
+
+One small pure function per environment, each returning the same record (core.topology.Topology); today
+SkyPilot's. Callers pass the mapping in (never os.environ deep inside), so every decision is tested with a dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from orchestrator.core.errors import OrchError
+from orchestrator.core.topology import Topology
+
+SKYPILOT_VARS = (
+    "SKYPILOT_NODE_RANK",
+    "SKYPILOT_NODE_IPS",
+    "SKYPILOT_NUM_NODES",
+    "SKYPILOT_NUM_GPUS_PER_NODE",
+)
+
+
+def _int_var(env: Mapping[str, str], name: str) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        raise OrchError(
+            f"{name} is not set: `orch node` runs on a node started by SkyPilot (`sky launch` or `orch run`); "
+            f"to try it by hand set {', '.join(SKYPILOT_VARS)}"
+        )
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise OrchError(f"{name}={raw!r} is not a whole number; SkyPilot sets it to an integer") from None
+
+
+def from_env(env: Mapping[str, str]) -> Topology:
+    """Read SkyPilot's per-node variables and check that they agree with each other."""
+    nodes = _int_var(env, "SKYPILOT_NUM_NODES")
+    gpus = _int_var(env, "SKYPILOT_NUM_GPUS_PER_NODE")
+    rank = _int_var(env, "SKYPILOT_NODE_RANK")
+    if "SKYPILOT_NODE_IPS" not in env:
+        _int_var(env, "SKYPILOT_NODE_IPS")  # raises the "is not set" error
+    ips = tuple(line.strip() for line in env["SKYPILOT_NODE_IPS"].splitlines() if line.strip())
+    if nodes < 1:
+        raise OrchError(f"SKYPILOT_NUM_NODES={nodes}: a cluster has at least 1 node")
+    if gpus < 1:
+        raise OrchError(
+            f"SKYPILOT_NUM_GPUS_PER_NODE={gpus}: the task has no GPUs; "
+            "set `resources.accelerators` in the recipe (e.g. A100:8) or pass --gpus to `orch run`"
+        )
+    if not 0 <= rank < nodes:
+        raise OrchError(f"SKYPILOT_NODE_RANK={rank} is outside 0..{nodes - 1} (SKYPILOT_NUM_NODES={nodes})")
+    if len(ips) != nodes:
+        raise OrchError(
+            f"SKYPILOT_NODE_IPS lists {len(ips)} address(es) but SKYPILOT_NUM_NODES={nodes}; "
+            "it must hold one IP per line, head node first"
+        )
+    return Topology(nodes=nodes, gpus_per_node=gpus, node_rank=rank, node_ips=ips)
+
+
+def env_port(env: Mapping[str, str], name: str, default: int) -> str:
+    """A TCP port from the env (a recipe's MAIN_PROCESS_PORT, ORCH_BARRIER_PORT, ...), default when unset."""
+    raw = env.get(name, "").strip() or str(default)
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise OrchError(f"{name}={raw!r} is not a TCP port (1-65535)")
+    return raw

@@ -1,0 +1,78 @@
+"""Node side, with effects: `orch node` prints or execs its plan (node/plan.py) after orch's barrier; a vLLM
+server node serves until the trainers are done (node/vllm.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+from orchestrator.core.errors import OrchError
+from orchestrator.core.topology import Topology
+from orchestrator.node import vllm
+from orchestrator.node.env import env_port
+from orchestrator.node.plan import DEFAULT_PORT, plan_from_env, render
+
+
+def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
+    """`orch node`: print the plan, then exec accelerate (replacing this process) unless print_only."""
+    env = os.environ if env is None else env
+    node_plan = plan_from_env(env, cpus=usable_cpus())
+    if print_only:
+        print(render(node_plan.argv, node_plan.env))
+        return 0
+    topo = node_plan.topology
+    _barrier(env, node_plan.cluster)
+    if node_plan.role == "vllm-server":
+        print(f"[orch] node {topo.node_rank}: vLLM server for the trainers on {topo.nodes - 1} node(s)", flush=True)
+        print("[orch] run: " + render(node_plan.argv), flush=True)
+        return vllm.serve_until_training_ends(
+            node_plan.argv, topo.head_ip, int(env_port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT))
+        )
+    print(
+        f"[orch] node {topo.node_rank}/{topo.nodes}: {topo.gpus_per_node} process(es) here, "
+        f"{topo.total_gpus} in all, head {topo.head_ip}, running {node_plan.runs_as}",
+        flush=True,
+    )
+    for note in node_plan.notes:
+        print(f"[orch] note: {note}", flush=True)
+    print("[orch] exec: " + render(node_plan.argv, node_plan.env), flush=True)
+    sys.stdout.flush()
+    try:
+        os.execvpe(node_plan.argv[0], node_plan.argv, {**env, **node_plan.env})
+    except FileNotFoundError:
+        raise OrchError(
+            "`accelerate` is not on PATH on this node; the recipe's setup must pip install '.[train]'"
+        ) from None
+    return 0  # not reached
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (a container's cpuset, not the host's count, where the OS says)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+
+def _barrier(env: Mapping[str, str], cluster: Topology) -> None:
+    """Every node of a multi-node run passes orch's barrier before starting accelerate (node/barrier.py)."""
+    if cluster.nodes < 2:
+        return
+    from orchestrator.node import barrier
+
+    main_port = int(env_port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT))
+    port = int(env_port(env, "ORCH_BARRIER_PORT", main_port + 1))
+    raw = env.get("ORCH_RENDEZVOUS_TIMEOUT", "").strip() or str(barrier.DEFAULT_TIMEOUT)
+    try:
+        timeout = float(raw)
+    except ValueError:
+        raise OrchError(f"ORCH_RENDEZVOUS_TIMEOUT={raw!r} is not a number of seconds") from None
+    print(
+        f"[orch] node {cluster.node_rank}: waiting for all {cluster.nodes} nodes at {cluster.head_ip}:{port} "
+        f"(timeout {timeout:g} s)",
+        flush=True,
+    )
+    if cluster.node_rank == 0:
+        took = barrier.head_wait(cluster.nodes, port, timeout)
+    else:
+        took = barrier.worker_join(cluster.node_rank, cluster.head_ip, port, timeout)
+    print(f"[orch] node {cluster.node_rank}: all {cluster.nodes} nodes joined in {took:.1f} s", flush=True)

@@ -1,0 +1,61 @@
+"""Rules a node applies before anything starts: per trainer, per strategy. Each raises an OrchError naming the fix
+(the owners' code would stop later, on paid GPUs, or silently do something else)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from orchestrator.core import batch
+from orchestrator.core.errors import OrchError
+from orchestrator.core.overrides import truthy
+from orchestrator.core.parallel import Sizes
+
+
+def check_final_model_is_written(accelerate_config: Mapping, accel_path: str) -> None:
+    """ZeRO-3 without 16-bit gathering on save writes only a DeepSpeed checkpoint, which transformers cannot load.
+
+    (FSDP's sharded state dict is handled in the training process: orch gathers a full state dict at the end.)
+    """
+    ds = accelerate_config.get("deepspeed_config") or {}
+    if str(accelerate_config.get("distributed_type", "")).upper() != "DEEPSPEED" or ds.get("deepspeed_config_file"):
+        return  # a DeepSpeed JSON says stage3_gather_16bit_weights_on_model_save itself: the rehearsal checks it
+    if str(ds.get("zero_stage", "")) == "3" and not truthy(ds.get("zero3_save_16bit_model", False)):
+        raise OrchError(
+            f"{accel_path}: ZeRO-3 without zero3_save_16bit_model writes the final model as a DeepSpeed checkpoint "
+            "that transformers cannot load; set deepspeed_config.zero3_save_16bit_model: true"
+        )
+
+
+def check_packing(trainer: str, sizes: Sizes, settings: Mapping) -> None:
+    """TRL's SFTTrainer refuses packing with context parallelism: ring attention drops the block-diagonal mask."""
+    if trainer != "sft" or sizes.cp < 2:
+        return
+    for key in ("packing", "eval_packing"):
+        if truthy(settings.get(key, False)):
+            raise OrchError(
+                f"{key} is on, but TRL's SFTTrainer refuses packing with context parallelism (cp_size={sizes.cp}): "
+                f"ring attention drops the mask that keeps packed documents apart; set {key}=false"
+            )
+
+
+def check_trainer_batch(trainer: str, global_batch: int | None, settings: Mapping) -> None:
+    if trainer == "grpo":
+        batch.check_generations(global_batch, settings)
+    if trainer == "kto" and batch.per_device_batch(settings) < 2:
+        raise OrchError(
+            "KTO needs per_device_train_batch_size >= 2: its KL baseline pairs mismatched samples of one micro-batch"
+        )
+
+
+def cpu_threads(offload: bool, env: Mapping[str, str], cpus: int | None, processes: int) -> tuple[dict, str | None]:
+    """(variables the node sets, a note) for the CPU threads of each training process.
+
+    torchrun sets OMP_NUM_THREADS=1 when it is unset (accelerate's DeepSpeed path never sets it), which leaves
+    DeepSpeed's CPU Adam and FSDP's CPU optimizer step one thread per process: with offload the node gives each
+    process its share of the cores, unless the recipe sets OMP_NUM_THREADS itself. cpus: None on the launch side.
+    """
+    if not offload or env.get("OMP_NUM_THREADS", "").strip():
+        return {}, None
+    threads = {"OMP_NUM_THREADS": str(max(1, cpus // processes))} if cpus else {}
+    note = f"the optimizer steps on CPU (offload): OMP_NUM_THREADS = the node's cores / {processes} processes"
+    return threads, note + (f" = {threads['OMP_NUM_THREADS']}" if threads else "")

@@ -1,0 +1,52 @@
+"""Node side: the TRL script's part of the argv (`--module orchestrator.train <trainer> --config ... [--key value]`).
+
+Order matters: the TRL config, then the recipe's key=value overrides, then what orch decides (output_dir under
+CHECKPOINT_ROOT, the vLLM server's address, pad_to_multiple_of, ddp_timeout, the accumulation that keeps the
+global batch, use_cpu), so orch's values win where both are given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from orchestrator.core import overrides
+from orchestrator.core.errors import OrchError
+
+TRAIN_MODULE = "orchestrator.train"
+
+
+def checkpoint_dir(root: str, task_id: str) -> str:
+    """Where a run keeps its checkpoints and final model: one directory per task id under CHECKPOINT_ROOT."""
+    return f"{root.rstrip('/')}/{task_id}"
+
+
+def arguments(
+    env: Mapping[str, str],
+    trainer: str,
+    trl_path: str,
+    user: Mapping[str, str],
+    *,
+    decided: list[str],
+    accumulation: int | None,
+    device: str,
+) -> list[str]:
+    """decided: arguments orch computed for this node (vLLM server address, pad_to_multiple_of)."""
+    extra = list(decided)
+    root = env.get("CHECKPOINT_ROOT", "").strip()
+    if root:  # run-keyed: a recovered managed job (same task id) finds its checkpoints
+        task_id = env.get("SKYPILOT_TASK_ID", "").strip()
+        if not task_id:
+            raise OrchError("CHECKPOINT_ROOT is set but SKYPILOT_TASK_ID is not; SkyPilot sets it on every node")
+        user = {k: v for k, v in user.items() if k != "output_dir"}
+        extra += ["--output_dir", checkpoint_dir(root, task_id)]
+    timeout = env.get("DDP_TIMEOUT", "").strip()
+    if timeout:
+        if not timeout.isdigit() or int(timeout) < 1:
+            raise OrchError(f"DDP_TIMEOUT={timeout!r} must be a whole number of seconds")
+        extra += ["--ddp_timeout", timeout]
+    argv = ["--module", TRAIN_MODULE, trainer, "--config", trl_path, *overrides.to_argv(user, trainer), *extra]
+    if accumulation is not None:
+        argv += ["--gradient_accumulation_steps", str(accumulation)]
+    if device == "cpu":
+        argv += ["--use_cpu", "true"]
+    return argv

@@ -1,0 +1,272 @@
+"""Rehearse one rank role of a launch against the owners' code: no GPU, no weights, no network.
+
+`python -m orchestrator.rehearsal.role` reads the roles of one launch as JSON on stdin, imports the training stack
+once and forks one child per role; it prints one JSON result line per role. For a trainer role it does what the
+node and its first process would do, with the owners' code at every step:
+  1. accelerate: `launch_command_parser`, `_validate_launch_command` (config merge), the env builder of the
+     launch's path (`prepare_multi_gpu_env` / `prepare_deepspeed_cmd_env`), then torchrun's own
+     `config_from_args` (which sets OMP_NUM_THREADS), giving the environment the training process starts with;
+  2. the training process: a fake process group of the launch's world size (torch's `fake` backend) and CUDA
+     reported present with the node's GPU count, then orch's training entry parses with TRL's parser and builds
+     TRL's trainer (accelerate's FSDP / DeepSpeed / parallelism plugins from that environment, the trainer's own
+     checks); DeepSpeed's config is finalized by transformers as `train()` would; the final model is saved as
+     the end of training would (FSDP: the gathered full state dict), into a temporary directory.
+The model is the tiny smoke model of the recipe's family and the data the smoke data: the checks that fire at
+trainer start depend on the configuration, not on the weights. The vLLM server role is parsed with TRL's
+`vllm-serve` parser. Only the main process of the node is built (local rank 0 of node rank R).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+
+class StageError(Exception):
+    def __init__(self, stage: str, exc: BaseException):
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        super().__init__(f"{type(exc).__name__}: {text[:600]}")
+        self.stage = stage
+
+
+@contextlib.contextmanager
+def stage(name: str):
+    try:
+        yield
+    except StageError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure of the owners' code is the finding
+        if os.environ.get("ORCH_DEBUG"):
+            import traceback
+
+            traceback.print_exc(file=sys.__stderr__)
+        raise StageError(name, exc) from exc
+
+
+def accelerate_stage(argv: list[str]) -> tuple[dict[str, str], list[str], dict]:
+    """The environment and argv torchrun gives the node's first training process, from accelerate's own code."""
+    from accelerate.commands import launch as launch_cmd
+    from accelerate.utils import launch as launch_utils
+    from accelerate.utils import patch_environment
+
+    launch_utils.is_port_in_use = lambda port: False  # the laptop's ports say nothing about the head node's
+    assert argv[:2] == ["accelerate", "launch"], argv[:2]
+    args = launch_cmd.launch_command_parser().parse_args(argv[2:])
+    args, defaults, mp_from_config = launch_cmd._validate_launch_command(args)
+    facts = {"mixed_precision": str(args.mixed_precision)}
+    if args.use_deepspeed:
+        fields = list(defaults.deepspeed_config.keys()) if defaults else []
+        args.deepspeed_fields_from_accelerate_config = ",".join(
+            fields + (["mixed_precision"] if mp_from_config else [])
+        )
+        cmd, env = launch_utils.prepare_deepspeed_cmd_env(args)
+        if cmd is not None:
+            raise ValueError(f"accelerate would start DeepSpeed's {cmd[0]} launcher (pdsh + hostfile), not torchrun")
+        facts["path"] = "deepspeed"
+    elif args.use_fsdp or args.multi_gpu:
+        env = launch_utils.prepare_multi_gpu_env(args)
+        facts["path"] = "fsdp" if args.use_fsdp else "multi_gpu"
+    else:
+        raise ValueError("accelerate would use its simple launcher: one process, no process group")
+    import torch.distributed.run as distrib_run
+
+    targs = launch_cmd._filter_args(
+        args,
+        distrib_run.get_args_parser(),
+        ["--training_script", args.training_script, "--training_script_args", args.training_script_args],
+    )
+    with patch_environment(**env):
+        _config, _cmd, _cmd_args = distrib_run.config_from_args(targs)
+        child = dict(os.environ)
+    nproc, nnodes, node_rank = int(targs.nproc_per_node), int(targs.nnodes.split(":")[-1]), int(targs.node_rank)
+    child.update(
+        LOCAL_RANK="0",
+        RANK=str(node_rank * nproc),
+        GROUP_RANK=str(node_rank),
+        LOCAL_WORLD_SIZE=str(nproc),
+        WORLD_SIZE=str(nproc * nnodes),
+        MASTER_ADDR=str(targs.master_addr),
+        MASTER_PORT=str(targs.master_port),
+    )
+    facts.update(world_size=nproc * nnodes, rank=node_rank * nproc, omp_num_threads=child.get("OMP_NUM_THREADS"))
+    script = [args.training_script, *args.training_script_args]
+    return child, script, facts
+
+
+def _fake_cuda(devices: int) -> None:
+    """CUDA reported present, as on the node: enough for accelerate and transformers to take the GPU path.
+
+    Nothing runs a kernel: the trainer is built, never trained, and a module moved to a CUDA device stays where
+    it is (the trainer, accelerate's prepare_model for a reference model, ...); dtype changes still apply.
+    """
+    import torch
+
+    original_to = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and device.type == "cuda":
+            return self if dtype is None else original_to(self, dtype=dtype)
+        return original_to(self, *args, **kwargs)
+
+    torch.nn.Module.to = to
+    torch.nn.Module.cuda = lambda self, device=None: self
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: devices
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.is_bf16_supported = lambda *a, **k: True
+    torch.cuda.get_device_name = lambda *a, **k: "rehearsal"
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+
+
+def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list[str], devices: int) -> dict:
+    """Build the trainer the node's first process would build; finalize DeepSpeed's config; save the final model."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    os.environ.clear()
+    os.environ.update(child_env)
+    if child_env.get("ACCELERATE_USE_DEEPSPEED") == "true":
+        # DeepSpeed's CPU accelerator JIT-compiles a shared-memory collective (a C++ build, minutes, and a compiler
+        # the laptop may lack) when its comm backend starts; the rehearsal never communicates.
+        import importlib
+
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # (deepspeed.comm.torch is torch)
+    dist.init_process_group(
+        "fake", store=FakeStore(), rank=int(child_env["RANK"]), world_size=int(child_env["WORLD_SIZE"])
+    )
+    if script[:2] != ["-m", "orchestrator.train"] and script[0] != "orchestrator.train":
+        raise ValueError(f"the node would run {script[0]}, not orch's training entry")
+    from orchestrator.train import checkpoints, entry
+
+    args = script[1:] if script[0] == "orchestrator.train" else script[2:]
+    with stage("TRL's parser"):
+        parsed = entry.parse([*args, *substitute])
+    with stage("trainer"):
+        trainer = entry.build(parsed, [])
+    acc = trainer.accelerator
+    facts = {
+        "distributed_type": acc.distributed_type.value,
+        "num_processes": acc.num_processes,
+        "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+        "per_device_train_batch_size": trainer.args.per_device_train_batch_size,
+    }
+    if acc.parallelism_config is not None:
+        pc = acc.parallelism_config
+        facts["parallelism"] = {k: getattr(pc, f"{k}_size") for k in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+    if trainer.is_deepspeed_enabled:
+        hf = acc.state.deepspeed_plugin.hf_ds_config
+        with stage("transformers' DeepSpeed config"):
+            steps = trainer.args.max_steps if trainer.args.max_steps > 0 else 1000
+            hf.trainer_config_finalize(trainer.args, trainer.model, steps)
+        facts["zero_stage"] = hf.get_value("zero_optimization.stage")
+        if hf.is_zero3() and not hf.get_value("zero_optimization.stage3_gather_16bit_weights_on_model_save"):
+            raise StageError(
+                "final model",
+                ValueError(
+                    "ZeRO-3 without stage3_gather_16bit_weights_on_model_save: the final model would be a "
+                    "DeepSpeed checkpoint that transformers cannot load"
+                ),
+            )
+        facts["final_model"] = "16-bit weights gathered by DeepSpeed at the end" if hf.is_zero3() else "whole weights"
+    else:
+        if trainer.is_fsdp_enabled:
+            facts["fsdp_state_dict_type"] = str(acc.state.fsdp_plugin.state_dict_type).split(".")[-1]
+        with stage("final model"), tempfile.TemporaryDirectory(prefix="orch-rehearsal-") as out:
+            final = checkpoints.save_final_model(trainer, out)
+            if final is not None and not final["loadable"]:
+                raise ValueError("the final model would not be written in Hugging Face format")
+        facts["final_model"] = "full state dict" if trainer.is_fsdp_enabled else "whole weights"
+    return facts
+
+
+def server_stage(argv: list[str]) -> dict:
+    from trl.scripts.vllm_serve import make_parser
+
+    (script_args,) = make_parser().parse_args_and_config(args=argv[2:])
+    return {"model": script_args.model, "tensor_parallel_size": script_args.tensor_parallel_size}
+
+
+def rehearse(spec: dict) -> dict:
+    argv = spec["argv"]
+    if spec.get("role") == "vllm-server":
+        with stage("TRL's vllm-serve parser"):
+            return server_stage(argv)
+    os.environ.update(spec.get("env", {}))  # what the node sets before it execs accelerate (OMP_NUM_THREADS)
+    with stage("accelerate launch"):
+        child, script, facts = accelerate_stage(argv)
+    facts.update(trainer_stage(script, child, spec.get("substitute", []), spec.get("devices", 0)))
+    return facts
+
+
+def _preimport(trainer: str) -> None:
+    """Import the training stack once, before the roles fork (each role then costs its own checks only)."""
+    import importlib
+
+    import torch.distributed.run  # noqa: F401
+    from accelerate.commands import launch  # noqa: F401
+
+    from orchestrator.core.trl_schema import TRAINER_CLASSES
+    from orchestrator.train import entry  # noqa: F401
+
+    getattr(importlib.import_module("trl"), TRAINER_CLASSES[trainer])
+    if trainer == "grpo":
+        importlib.import_module("trl.scripts.vllm_serve")
+
+
+def _run_role(spec: dict) -> dict:
+    try:
+        return {"ok": True, "facts": rehearse(spec)}
+    except StageError as exc:
+        return {"ok": False, "stage": exc.stage, "error": str(exc)}
+    except BaseException as exc:  # noqa: BLE001
+        return {"ok": False, "stage": "rehearsal", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
+
+
+def _forked(spec: dict) -> dict:
+    """One role in a forked child: its environment, patches and fake process group die with it."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read_fd)
+        captured = io.StringIO()
+        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+            result = _run_role(spec)
+        with os.fdopen(write_fd, "w") as out:
+            out.write(json.dumps(result))
+        os._exit(0)  # no teardown of the fake process group or of half-built trainers
+    os.close(write_fd)
+    with os.fdopen(read_fd) as pipe:
+        text = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if not text:
+        return {"ok": False, "stage": "rehearsal", "error": f"the rehearsal of this role died (wait status {status})"}
+    return json.loads(text)
+
+
+def main() -> None:
+    """stdin: {"trainer", "devices", "process_env", "roles": [{"argv", "env", "role", "substitute"}, ...]};
+    stdout: one `ORCH_REHEARSAL <json>` line per role, in order."""
+    batch = json.loads(sys.stdin.read())
+    os.environ.update(batch.get("process_env", {}))
+    warnings.filterwarnings("ignore")
+    if batch.get("devices"):
+        _fake_cuda(batch["devices"])  # before any import that could cache "no CUDA"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        _preimport(batch["trainer"])
+    for spec in batch["roles"]:
+        sys.__stdout__.write(
+            "ORCH_REHEARSAL " + json.dumps(_forked({**spec, "devices": batch.get("devices", 0)})) + "\n"
+        )
+        sys.__stdout__.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""What orch adds to TRL's trainer: a callback (complete-checkpoint markers, step lines, the loss log) and a mixin
+(samples counted per rank, the CPU resume workaround)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from orchestrator.train.checkpoints import COMPLETE_MARKER
+
+# Preference collators stack chosen rows then rejected rows into one input_ids batch: 2 rows per sample.
+ROWS_PER_SAMPLE = {"dpo": 2, "reward": 2}
+
+
+def _rows_in(inputs, trainer_name: str) -> int:
+    """Samples in one micro-batch, from the leading dimension of its input_ids (GRPO: one per completion)."""
+    for key in ("input_ids", "prompt_ids", "completion_ids"):
+        value = inputs.get(key) if hasattr(inputs, "get") else None
+        if value is not None and hasattr(value, "shape"):
+            return int(value.shape[0]) // ROWS_PER_SAMPLE.get(trainer_name, 1)
+    raise RuntimeError(f"orch cannot count samples in a {trainer_name} batch of {type(inputs).__name__}")
+
+
+def dist():
+    return torch.distributed if torch.distributed.is_available() and torch.distributed.is_initialized() else None
+
+
+class OrchCallback(TrainerCallback):
+    """Marks complete checkpoints, counts optimizer steps run here, logs one line per logging step."""
+
+    def __init__(self, output_dir: Path):
+        self.output_dir = output_dir
+        self.report_dir = output_dir / "orch"
+        self.steps_run = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps_run += 1
+
+    def on_save(self, args, state, control, **kwargs):
+        if dist():
+            dist().barrier()  # every rank has written its part of the checkpoint
+        if state.is_local_process_zero:  # each node marks its own copy (node-local disks included)
+            ckpt = self.output_dir / f"checkpoint-{state.global_step}"
+            if ckpt.is_dir():
+                (ckpt / COMPLETE_MARKER).write_text(json.dumps({"step": state.global_step, "time": time.time()}))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        record = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
+        self.report_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.report_dir / "log.jsonl", "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        shown = " ".join(f"{k}={v:.6g}" for k, v in record.items() if k in ("loss", "learning_rate", "grad_norm"))
+        if shown:
+            print(f"[orch] step {state.global_step}/{state.max_steps} {shown}", flush=True)
+
+
+def _load_to_plain_cpu(original):
+    """transformers maps the optimizer state to args.device, which is `cpu:0` for multi-process CPU runs, and
+    torch.load cannot restore to `cpu:0`: map it to plain `cpu`, where the state lives."""
+
+    def load(*args, **kwargs):
+        if str(kwargs.get("map_location", "")).startswith("cpu"):
+            kwargs["map_location"] = "cpu"
+        return original(*args, **kwargs)
+
+    return load
+
+
+class OrchTrainerMixin:
+    """Mixed into TRL's trainer class: counts the samples each rank trains on; the CPU resume workaround."""
+
+    orch_trainer_name = ""
+    orch_samples = 0
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if not checkpoint or self.args.device.type != "cpu":
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        original = torch.load
+        torch.load = _load_to_plain_cpu(original)
+        try:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        finally:
+            torch.load = original
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        # Counted here, after the trainer prepared the micro-batch (GRPO generates inside training_step).
+        if model.training:
+            self.orch_samples += _rows_in(inputs, self.orch_trainer_name)
+        return super().compute_loss(model, inputs, *args, **kwargs)

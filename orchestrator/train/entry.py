@@ -1,0 +1,198 @@
+"""Node side, inside every training process: TRL's trainer with orch's callbacks.
+
+`accelerate launch --module orchestrator.train <trainer> --config <trl.yaml> [--key value ...]`
+
+Arguments are parsed by TRL's own parser for that trainer (trl.scripts.<trainer>.make_parser), so a TRL
+config that works with `trl <trainer> --config` works here. On top of TRL's script orch adds:
+  - resume from the latest *complete* checkpoint in output_dir, the same step on every rank;
+  - a per-rank report of what really ran (world size, rank, distributed type, samples seen) in
+    <output_dir>/orch/, and one log line per logging step on the main process;
+  - a final model in Hugging Face format: under FSDP the last save gathers a full state dict (transformers'
+    `save_model` writes nothing with a sharded one), and the files written are checked and reported.
+
+This module imports the training stack: only training processes and the rehearsal (`orchestrator.rehearsal.role`)
+import it, never the launch side.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from orchestrator.core.trl_schema import TRAINER_CLASSES
+from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist
+from orchestrator.train.checkpoints import latest_complete_checkpoint, resume_choice, save_final_model
+
+# ---------------------------------------------------------------- parse and build, as TRL's scripts do
+
+
+class Parsed(NamedTuple):
+    trainer: str
+    script_args: object
+    training_args: object
+    model_args: object
+    dataset_args: object
+
+
+def parse(argv: list[str]) -> Parsed:
+    """`<trainer> --config FILE [--key value ...]` through TRL's own parser for that trainer."""
+    if not argv or argv[0] not in TRAINER_CLASSES:
+        raise SystemExit(f"usage: python -m orchestrator.train {{{','.join(TRAINER_CLASSES)}}} --config FILE [...]")
+    parser = importlib.import_module(f"trl.scripts.{argv[0]}").make_parser()
+    return Parsed(argv[0], *parser.parse_args_and_config(args=argv[1:]))
+
+
+def _reward_funcs(names):
+    funcs = []
+    for name in names or []:
+        module, _, attr = name.rpartition(".")
+        if module:
+            funcs.append(getattr(importlib.import_module(module), attr))
+        else:
+            from trl import rewards
+
+            funcs.append(getattr(rewards, name))
+    return funcs
+
+
+def trainer_class(trainer_name: str, *mixins: type) -> type:
+    """TRL's trainer class for `trainer_name` with orch's mixin (and any others, first in the MRO)."""
+    import trl
+
+    base = getattr(trl, TRAINER_CLASSES[trainer_name])
+    return type(f"Orch{base.__name__}", (*mixins, OrchTrainerMixin, base), {"orch_trainer_name": trainer_name})
+
+
+def build(parsed: Parsed, callbacks: list, *mixins: type):
+    """The trainer TRL's script for `parsed.trainer` would build (model loaded by the trainer from its id)."""
+    import trl
+    from datasets import load_dataset
+
+    script_args, training_args, model_args, dataset_args = parsed[1:]
+    training_args.model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **(training_args.model_init_kwargs or {}),
+    }
+    if dataset_args.datasets:
+        dataset = trl.get_dataset(dataset_args)
+    else:
+        dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+    kwargs = {}
+    if parsed.trainer == "grpo":
+        kwargs["reward_funcs"] = _reward_funcs(script_args.reward_funcs) + (
+            [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
+        )
+    trainer = trainer_class(parsed.trainer, *mixins)(
+        model=model_args.model_name_or_path,
+        args=training_args,
+        train_dataset=dataset[script_args.dataset_train_split],
+        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+        peft_config=trl.get_peft_config(model_args),
+        callbacks=callbacks,
+        **kwargs,
+    )
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # OrchCallback prints the step lines; full metrics in orch/log.jsonl
+    return trainer
+
+
+# ---------------------------------------------------------------- the training process
+
+
+def _min_over_ranks(step: int) -> int:
+    if not dist():
+        return step
+    value = torch.tensor([step], dtype=torch.long)
+    dist().all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    return int(value.item())
+
+
+def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | None) -> dict:
+    acc = trainer.accelerator
+    local = torch.tensor([trainer.orch_samples], dtype=torch.long)
+    total = local.clone()
+    if dist():
+        dist().all_reduce(total)
+    args = trainer.args
+    return {
+        "rank": acc.process_index,
+        "world_size": acc.num_processes,
+        "distributed_type": acc.distributed_type.value,
+        "backend": dist().get_backend() if dist() else None,
+        "device": str(acc.device),
+        "local_samples": int(local.item()),
+        "total_samples": int(total.item()),
+        "optimizer_steps": trainer.state.global_step,
+        "optimizer_steps_this_run": callback.steps_run,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "resumed_from": str(resume) if resume else None,
+        "final_model": final,
+        "pid": os.getpid(),
+    }
+
+
+def _print_final(final: dict | None) -> None:
+    if final is None:
+        return
+    if final["loadable"]:
+        print(
+            f"[orch] final model: {final['path']} ({', '.join(final['weights'])}, {final['bytes'] / 1e6:.1f} MB; "
+            "transformers' from_pretrained loads it)",
+            flush=True,
+        )
+    else:
+        print(f"[orch] final model: NOT written in Hugging Face format in {final['path']}", flush=True)
+
+
+def _leave(trainer) -> None:
+    """Leave together, then leave at once. Past the barrier no rank needs another; letting the interpreter tear
+    down gloo's C++ objects raced with the other ranks' teardown and aborted ~1 run in 10 on 2 CPU nodes
+    ("terminate called without an active exception"). Python's exit handlers (trackers) still run."""
+    if dist():
+        dist().barrier()
+    if hasattr(trainer, "end"):  # transformers >= 5.18: ends the trackers
+        trainer.end()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parsed = parse(sys.argv[1:] if argv is None else argv)
+    output_dir = Path(parsed.training_args.output_dir)
+    callback = OrchCallback(output_dir)
+    trainer = build(parsed, [callback])
+    acc = trainer.accelerator
+    resume = parsed.training_args.resume_from_checkpoint
+    if not resume:
+        resume = resume_choice(output_dir, latest_complete_checkpoint(output_dir), _min_over_ranks)
+    print(
+        f"[orch] rank {acc.process_index}/{acc.num_processes}: distributed_type={acc.distributed_type.value} "
+        f"device={acc.device} backend={dist().get_backend() if dist() else 'none'}"
+        + (f" resuming from {resume}" if resume else ""),
+        flush=True,
+    )
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    final = save_final_model(trainer, parsed.training_args.output_dir)
+    _print_final(final)
+    report = _report(trainer, callback, Path(resume) if resume else None, final)
+    callback.report_dir.mkdir(parents=True, exist_ok=True)
+    (callback.report_dir / f"rank{report['rank']}.json").write_text(json.dumps(report, indent=1))
+    _leave(trainer)
+
+
+if __name__ == "__main__":
+    main()

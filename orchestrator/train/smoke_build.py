@@ -1,0 +1,130 @@
+"""Smoke mode, training side: build a tiny random model of an architecture, a tokenizer and synthetic data.
+
+`python -m orchestrator.train.smoke_build MODEL_TYPE TRAINER OUT_DIR` (run by orchestrator.launch.smoke, which
+decides where and caches). Nothing is downloaded. `digit_reward` is the GRPO smoke run's reward function.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+# Tiny shapes, as TRL's own test models (2 layers, 4 heads, 2 KV heads), a little wider so loss moves.
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,  # hidden_size / num_attention_heads (Qwen3's default of 128 would not match)
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+SPECIALS = ["<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+ROWS = 128
+
+
+def _rows(trainer: str, rng: random.Random) -> list[dict]:
+    rows = []
+    for _ in range(ROWS):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        wrong = (a + b + rng.randint(1, 9)) % 19
+        prompt = [{"role": "user", "content": f"What is {a} plus {b}?"}]
+        good = [{"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]
+        bad = [{"role": "assistant", "content": f"{a} plus {b} is {wrong}."}]
+        if trainer == "sft":
+            rows.append({"messages": prompt + good})
+        elif trainer in ("dpo", "reward"):
+            rows.append({"prompt": prompt, "chosen": good, "rejected": bad})
+        elif trainer == "kto":
+            rows.append({"prompt": prompt, "completion": good, "label": True})
+            rows.append({"prompt": prompt, "completion": bad, "label": False})
+        elif trainer == "grpo":
+            rows.append({"prompt": prompt, "answer": str(a + b)})
+        else:
+            raise ValueError(f"no smoke data for trainer {trainer!r}")
+    return rows[:ROWS]
+
+
+def digit_reward(completions, answer=None, **_) -> list[float]:
+    """GRPO smoke reward: 1.0 when the completion contains the right sum, a little for any digit."""
+    rewards = []
+    for i, completion in enumerate(completions):
+        text = completion[-1]["content"] if isinstance(completion, list) else str(completion)
+        right = answer is not None and answer[i] in text
+        rewards.append(1.0 if right else 0.1 * sum(ch.isdigit() for ch in text[:10]))
+    return rewards
+
+
+def _tokenizer(corpus: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    bpe = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, bpe)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|end|>", pad_token="<|pad|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build(model_type: str, trainer: str, out: Path) -> None:
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rng = random.Random(0)
+    rows = _rows(trainer, rng)
+    corpus = [json.dumps(r) for r in rows] + [f"<|{r}|>" for r in ("user", "assistant", "system")] * 4
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        tokenizer = _tokenizer(corpus)
+        config = AutoConfig.for_model(
+            model_type,
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **TINY,
+        )
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
+        (tmp / "data").mkdir()
+        with open(tmp / "data" / "train.jsonl", "w") as fh:
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+        (tmp / "READY").write_text(json.dumps({"model_type": model_type, "trainer": trainer, "rows": len(rows)}))
+        try:
+            tmp.rename(out)  # atomic: a concurrent builder that won the race leaves `out` complete
+        except OSError:
+            if not (out / "READY").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        raise SystemExit("usage: python -m orchestrator.train.smoke_build MODEL_TYPE TRAINER OUT_DIR")
+    build(sys.argv[1], sys.argv[2], Path(sys.argv[3]))

@@ -1,0 +1,112 @@
+"""Snapshots of the training stack for the launch side, which never imports it: `python -m orchestrator.train.snapshots`
+(or `make snapshots`) regenerates both and tests fail when they drift from the installed versions.
+
+- core/trl_args.json: each TRL trainer's arguments (from TRL's own parsers), TRL's Accelerate profiles, the
+  trl / transformers / accelerate versions;
+- core/accelerate_args.json: what `accelerate launch` reads from a config (ClusterConfig, the launch parser,
+  the env builders of accelerate.utils.launch).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrator.core import accelerate_schema, trl_schema
+from orchestrator.core.trl_schema import TRAINERS
+
+
+def _kind(tp) -> object:
+    import enum
+    import types
+    import typing
+
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        kinds = [_kind(a) for a in args]
+        if "list" in kinds:
+            return "list"
+        for preferred in ("bool", "int", "float"):
+            if kinds == [preferred]:
+                return preferred
+        choices = [k for k in kinds if isinstance(k, list)]
+        if len(kinds) == 1 and choices:
+            return choices[0] + [None]
+        return "str"
+    if origin is typing.Literal:
+        return list(typing.get_args(tp))
+    if origin in (list, tuple) or tp in (list, tuple):
+        return "list"
+    if origin is dict or tp is dict:
+        return "str"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return [m.value for m in tp]
+    if tp is bool:
+        return "bool"
+    if tp is int:
+        return "int"
+    if tp is float:
+        return "float"
+    return "str"
+
+
+def generate_trl() -> dict[str, dict[str, object]]:
+    import dataclasses
+    import importlib
+    import importlib.metadata
+    import typing
+
+    out: dict[str, dict[str, object]] = {
+        "versions": {p: importlib.metadata.version(p) for p in ("trl", "transformers", "accelerate")}
+    }
+    for trainer in TRAINERS:
+        parser = importlib.import_module(f"trl.scripts.{trainer}").make_parser()
+        names: dict[str, object] = {}
+        for dtype in parser.dataclass_types:
+            hints = typing.get_type_hints(dtype)
+            for f in dataclasses.fields(dtype):
+                if f.init:
+                    kind = _kind(hints.get(f.name, str))
+                    choices = (f.metadata or {}).get("choices")
+                    names[f.name] = list(choices) if choices and kind == "str" else kind
+        out[trainer] = dict(sorted(names.items()))
+    import yaml
+
+    folder = Path(importlib.import_module("trl").__file__).parent / "accelerate_configs"
+    out["profiles"] = {p.stem: yaml.safe_load(p.read_text()) for p in sorted(folder.glob("*.yaml"))}
+    return out
+
+
+def generate_accelerate() -> dict:
+    import dataclasses
+    import importlib.metadata
+    import inspect
+    import re
+
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import launch as launch_utils
+
+    dests = {action.dest for action in launch_command_parser()._actions if action.dest != "help"}
+    # Attributes the env builders read that are no parser option (e.g. fsdp_ignored_modules from a config file).
+    source = inspect.getsource(launch_utils)
+    read = set(re.findall(r"\bargs\.([a-z_][a-z0-9_]*)", source))
+    read |= set(re.findall(r"getattr\(args, \"([a-z_][a-z0-9_]*)\"", source))
+    return {
+        "versions": {"accelerate": importlib.metadata.version("accelerate")},
+        "config_fields": sorted(f.name for f in dataclasses.fields(ClusterConfig)),
+        "launch_arguments": sorted(dests | read),
+    }
+
+
+def main() -> None:
+    for path, text in (
+        (trl_schema.SCHEMA, trl_schema.render(generate_trl())),
+        (accelerate_schema.SCHEMA, accelerate_schema.render(generate_accelerate())),
+    ):
+        Path(path).write_text(text)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
