@@ -28,12 +28,12 @@ def orch(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: float =
 
 
 def check_snapshot(name: str, text: str) -> None:
-    """Compare with tests/snapshots/<name>; UPDATE_SNAPSHOT=1 rewrites it."""
+    """Compare with tests/snapshots/<name>; UPDATE_SNAPSHOT=1 writes it (a missing snapshot is a failure)."""
     path = SNAPSHOTS / name
-    if os.environ.get("UPDATE_SNAPSHOT") == "1" or not path.exists():
-        if os.environ.get("CI") and not path.exists():
-            pytest.fail(f"snapshot {name} is missing; run UPDATE_SNAPSHOT=1 pytest and commit it")
+    if os.environ.get("UPDATE_SNAPSHOT") == "1":
         path.write_text(text)
+    if not path.exists():
+        pytest.fail(f"snapshot {name} is missing; run UPDATE_SNAPSHOT=1 pytest, check it and commit it")
     assert text == path.read_text(), f"{name} changed; if intended, refresh with UPDATE_SNAPSHOT=1"
 
 

@@ -15,41 +15,41 @@ import tomllib
 import yaml
 from conftest import ROOT, orch
 
-from orchestrator import accelerate_schema, node, overrides, rehearsal, smoke, storage, trl_schema
-from orchestrator import recipe as recipes
-from orchestrator.errors import OrchError
+from orchestrator.core import accelerate_schema, trl_schema
+from orchestrator.core.errors import OrchError
+from orchestrator.launch import recipe as recipes
+from orchestrator.launch import smoke, storage
+from orchestrator.launch.resolved import resolve
+from orchestrator.node import plan as node
+from orchestrator.rehearsal import driver as rehearsal
 
 pytestmark = pytest.mark.slow  # each rehearsal imports the training stack in a subprocess (~5-10 s)
 TASKS = sorted(p for p in (ROOT / "recipes").glob("*.yaml"))
 
 
-def settings_of(task: dict) -> dict:
-    _, trl, _ = node.load_configs(task["envs"], strict=False)
-    return {**trl, **overrides.loads(task["envs"].get("TRL_OVERRIDES", ""))}
+def launch_of(name: str, root=ROOT, **flags):
+    return resolve(recipes.load(str(root / "recipes" / f"{name}.yaml")), **flags)
 
 
-def substitutions(task: dict, trainer: str, out: str) -> list[str]:
-    settings = settings_of(task)
-    artifacts = smoke.plan(str(settings["model_name_or_path"]), trainer)
+def substitutions(launch, out: str) -> list[str]:
+    artifacts = smoke.plan(str(launch.setting("model_name_or_path")), launch.trainer)
     smoke.ensure(artifacts)
-    return rehearsal.substitutions(trainer, settings, artifacts.dir, out)
+    return rehearsal.substitutions(launch.trainer, launch.settings, artifacts.dir, out)
 
 
 def rehearse(name: str, nodes: int, gpus: int, cpus: int | None = None, envs: dict | None = None, strip=()):
     """Rehearse every role of `name` at nodes x gpus, as the nodes would plan it (with `cpus` cores each)."""
-    recipe = recipes.load(str(ROOT / "recipes" / f"{name}.yaml"))
-    task = recipes.resolve(recipe, nodes=nodes, envs=envs)
-    base = {**task["envs"], "SKYPILOT_TASK_ID": "rehearsal"}
+    launch = launch_of(name, nodes=nodes, envs=envs)
+    base = {**launch.env(), "SKYPILOT_TASK_ID": "rehearsal"}
     base.update(
         SKYPILOT_NODE_IPS="".join(f"10.0.0.{i + 1}\n" for i in range(nodes)),
         SKYPILOT_NUM_NODES=str(nodes),
         SKYPILOT_NUM_GPUS_PER_NODE=str(gpus),
     )
-    accel, trl, profile = node.load_configs(base)
-    plans = [node.plan({**base, "SKYPILOT_NODE_RANK": str(r)}, accel, trl, profile, cpus=cpus) for r in range(nodes)]
+    plans = [node.plan({**base, "SKYPILOT_NODE_RANK": str(r)}, *launch.paired, cpus=cpus) for r in range(nodes)]
     roles = [rehearsal.Role(name, _strip(p.argv, strip), p.env, p.role) for name, p in rehearsal.roles(plans)]
-    subs = substitutions(task, recipe.trainer, "/tmp/orch-test-rehearsal")
-    return plans, rehearsal.rehearse_roles(recipe.trainer, roles, subs, gpus, ROOT)
+    subs = substitutions(launch, "/tmp/orch-test-rehearsal")
+    return plans, rehearsal.rehearse_roles(launch.trainer, roles, subs, gpus, ROOT)
 
 
 def _strip(argv: list[str], flags) -> list[str]:
@@ -94,10 +94,10 @@ def test_dry_run_argv_is_accepted_by_accelerate_trl_and_transformers(recipe, fla
     """Each rank of the dry run, through accelerate's launcher and TRL's trainer; DeepSpeed's config finalized by
     transformers and the final model saved, as the end of train() would."""
     argvs, out = dry_run_argvs(recipe, *flags)
-    task = recipes.resolve(recipes.load(str(ROOT / "recipes" / f"{recipe}.yaml")))
-    trainer = task["envs"]["TRL_TRAINER"]
-    subs = substitutions(task, trainer, "/tmp/orch-test-rehearsal")
-    gpus = int((flags[1] if flags else task["resources"]["accelerators"]).split(":")[1])
+    launch = launch_of(recipe)
+    trainer = launch.trainer
+    subs = substitutions(launch, "/tmp/orch-test-rehearsal")
+    gpus = int(flags[1].split(":")[1]) if flags else launch.gpus.count
     roles = [rehearsal.Role(f"rank {rank}", argv) for rank, argv in enumerate(argvs[:2])]
     for rank, outcome in enumerate(rehearsal.rehearse_roles(trainer, roles, subs, gpus, ROOT)):
         assert outcome.ok, (outcome.stage, outcome.error)
@@ -135,8 +135,7 @@ def test_deepspeed_config_pinning_another_accumulation_gets_orchs(project, monke
     accel.write_text(yaml.safe_dump(config))
     argvs, out = dry_run_argvs_in(project, "my_zero2", "--gpus", "A100:1", "--nodes", "2")
     assert "x 8 accumulation steps" in out
-    task = recipes.resolve(recipes.load(str(project / "recipes" / "my_zero2.yaml")))
-    subs = substitutions(task, "dpo", "/tmp/orch-test-rehearsal")
+    subs = substitutions(launch_of("my_zero2", root=project), "/tmp/orch-test-rehearsal")
     (outcome,) = rehearsal.rehearse_roles("dpo", [rehearsal.Role("rank 1", argvs[1])], subs, 1, project)
     assert outcome.ok, outcome.error
     assert outcome.facts["gradient_accumulation_steps"] == 8 and outcome.facts["zero_stage"] == 2
@@ -176,10 +175,8 @@ def env(nodes, gpus, rank=0, **extra):
 
 def test_trl_refuses_packing_with_context_parallelism_and_so_does_orch():
     """TRL's own check fires in the rehearsal; orch's node plan refuses the same earlier, on the laptop."""
-    recipe = recipes.load(str(ROOT / "recipes" / "qwen3_sft_fsdp_cp.yaml"))
-    task = recipes.resolve(recipe)
     argvs, _ = dry_run_argvs("qwen3_sft_fsdp_cp")
-    subs = substitutions(task, "sft", "/tmp/orch-test-rehearsal") + ["--packing", "true"]
+    subs = substitutions(launch_of("qwen3_sft_fsdp_cp"), "/tmp/orch-test-rehearsal") + ["--packing", "true"]
     (outcome,) = rehearsal.rehearse_roles("sft", [rehearsal.Role("rank 0", argvs[0])], subs, 8, ROOT)
     assert not outcome.ok and "Packing is not compatible with context parallelism" in outcome.error
     result = orch("run", "qwen3_sft_fsdp_cp", "packing=true", "--dry-run", "--skip-optimizer")
@@ -225,7 +222,7 @@ def test_accelerate_drops_unknown_block_keys_and_orch_refuses_them(tmp_path):
     path = tmp_path / "alst.yaml"
     path.write_text(yaml.safe_dump(config))
     # accelerate's own launcher: the key never reaches the training processes' environment
-    from orchestrator.rehearse_role import accelerate_stage
+    from orchestrator.rehearsal.role import accelerate_stage
 
     argv = ["accelerate", "launch", "--config_file", str(path), "--num_processes", "8", "--num_machines", "1",
             "--machine_rank", "0", "--main_process_ip", "10.0.0.1", "--main_process_port", "29500",
@@ -243,8 +240,10 @@ def test_recipe_accelerate_configs_have_no_dropped_keys(path):
 
 
 def test_accelerate_snapshot_matches_installed_accelerate():
-    assert accelerate_schema.SCHEMA.read_text() == accelerate_schema.render(accelerate_schema.generate()), (
-        "orchestrator/accelerate_args.json is stale: run `python -m orchestrator.accelerate_schema` and commit it"
+    from orchestrator.train import snapshots
+
+    assert accelerate_schema.SCHEMA.read_text() == accelerate_schema.render(snapshots.generate_accelerate()), (
+        "orchestrator/core/accelerate_args.json is stale: run `make snapshots` and commit it"
     )
 
 

@@ -1,10 +1,11 @@
 """The node launcher: SkyPilot env -> accelerate argv (pure, snapshot-tested) and its CLI."""
 
 import pytest
-from conftest import ROOT, check_snapshot, orch
+from conftest import check_snapshot, orch
 
-from orchestrator import node
-from orchestrator.errors import OrchError
+from orchestrator.core.configs import CPU_CONFIG, resolve_accelerate_config
+from orchestrator.core.errors import OrchError
+from orchestrator.node import plan as node
 
 FSDP = {"distributed_type": "FSDP"}
 DPO = {"per_device_train_batch_size": 4}
@@ -55,7 +56,6 @@ def test_argv_snapshots(node_env, nodes, gpus):
 def test_accumulation_keeps_global_batch(node_env, nodes, gpus, ga):
     plan = node.plan(node_env(nodes, gpus, 0), FSDP, DPO)
     assert plan.gradient_accumulation_steps == ga
-    assert 4 * nodes * gpus * ga == 64
 
 
 def test_deepspeed_gets_standard_multinode_launcher(node_env):
@@ -67,7 +67,7 @@ def test_deepspeed_gets_standard_multinode_launcher(node_env):
 def test_cpu_runs_ddp_over_torchrun_path(node_env):
     plan = node.plan(node_env(2, 1, 0, ORCH_DEVICE="cpu"), FSDP, DPO)
     assert "--multi_gpu" in plan.argv and "--cpu" not in plan.argv
-    assert plan.argv[plan.argv.index("--config_file") + 1] == str(node.CPU_CONFIG)
+    assert plan.argv[plan.argv.index("--config_file") + 1] == str(CPU_CONFIG)
     assert plan.argv[-2:] == ["--use_cpu", "true"]
     assert plan.runs_as == "DDP over gloo"
     assert any("asks for FSDP" in n and "DDP over gloo" in n for n in plan.notes)
@@ -134,7 +134,6 @@ def test_cli_bad_env_exits_2_with_one_line(node_env, changes, message):
 
 
 def test_profile_name_resolves_to_trl_file():
-    path = node.resolve_accelerate_config("zero3")
+    path = resolve_accelerate_config("zero3")
     assert path.name == "zero3.yaml" and path.is_file()
-    assert node.resolve_accelerate_config("recipes/x.yaml").as_posix() == "recipes/x.yaml"
-    assert ROOT.is_dir()
+    assert resolve_accelerate_config("recipes/x.yaml").as_posix() == "recipes/x.yaml"

@@ -8,9 +8,9 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from orchestrator import overrides
-from orchestrator import recipe as recipes
-from orchestrator.node import PROFILES, resolve_accelerate_config
+from orchestrator.core import overrides
+from orchestrator.core.configs import PROFILES, resolve_accelerate_config
+from orchestrator.launch import recipe as recipes
 
 RECIPES_DIR = ROOT / "recipes"
 ALL_YAML = sorted(RECIPES_DIR.rglob("*.yaml"))
@@ -93,15 +93,16 @@ def test_trl_parser_accepts_config_with_each_recipes_overrides(path):
 
 def test_trl_argument_list_matches_installed_trl():
     pytest.importorskip("trl")
-    from orchestrator import trl_schema
+    from orchestrator.core import trl_schema
+    from orchestrator.train import snapshots
 
-    assert trl_schema.SCHEMA.read_text() == trl_schema.render(trl_schema.generate()), (
-        "orchestrator/trl_args.json is stale: run `python -m orchestrator.trl_schema` and commit it"
+    assert trl_schema.SCHEMA.read_text() == trl_schema.render(snapshots.generate_trl()), (
+        "orchestrator/core/trl_args.json is stale: run `make snapshots` and commit it"
     )
 
 
 def test_recipe_set_covers_trl_distributed_docs():
-    from orchestrator.recipe_info import summarize
+    from orchestrator.launch.recipe_info import summarize
 
     rows = [summarize(load_task(p)) for p in TASKS]
     assert {r.trainer for r in rows} == {"sft", "dpo", "grpo", "kto", "reward"}

@@ -11,8 +11,11 @@ import time
 import pytest
 from conftest import orch
 
-from orchestrator import batch, node, node_exec, parallel, preflight
-from orchestrator.errors import OrchError
+from orchestrator.core import batch, parallel
+from orchestrator.core.errors import OrchError
+from orchestrator.launch import preflight
+from orchestrator.node import plan as node
+from orchestrator.node import vllm as node_exec
 
 CP = {
     "distributed_type": "FSDP",

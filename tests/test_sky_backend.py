@@ -300,7 +300,7 @@ def test_non_interactive_launch_needs_yes(project):
 
 def test_without_a_local_plan_the_api_servers_optimizer_is_asked(in_project, fake, monkeypatch, capsys):
     """No catalog or credentials here (a team's API server holds them): SkyPilot's optimizer runs there."""
-    from orchestrator.backends import sky as sky_backend
+    from orchestrator.launch.backends import sky as sky_backend
 
     monkeypatch.setattr(sky_backend, "optimize", lambda task: (_ for _ in ()).throw(sky_backend.OrchError("no cloud")))
     monkeypatch.setattr("sys.stdin.isatty", lambda: True)

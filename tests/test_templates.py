@@ -3,8 +3,8 @@
 import pytest
 from conftest import ROOT, orch
 
-from orchestrator import trl_schema
-from orchestrator.errors import OrchError
+from orchestrator.core import trl_schema
+from orchestrator.core.errors import OrchError
 
 
 def test_ls_lists_every_recipe_with_its_shape():

@@ -1,7 +1,7 @@
 import pytest
 
-from orchestrator.errors import OrchError
-from orchestrator.topology import from_env
+from orchestrator.core.errors import OrchError
+from orchestrator.node.env import from_env
 
 
 def env(**kw):

@@ -1,0 +1,168 @@
+"""The launch side as one resolved launch, the rooms of the package and their import rules, the wheel (issue 11)."""
+
+import ast
+import re
+import subprocess
+import sys
+import zipfile
+
+import pytest
+from conftest import ROOT, orch
+
+from orchestrator.launch import recipe as recipes
+from orchestrator.launch.resolved import resolve
+
+PACKAGE = ROOT / "orchestrator"
+HEAVY = {"torch", "transformers", "trl", "accelerate", "datasets", "deepspeed", "peft", "vllm", "sky", "tokenizers"}
+
+
+# ---------------------------------------------------------------- the dry run's batch decomposition
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        ([], "batch: GLOBAL_BATCH_SIZE 32 = 1 per device x 4 data-parallel ranks x 8 accumulation steps"),
+        (["--nodes", "2"], "batch: GLOBAL_BATCH_SIZE 32 = 1 per device x 8 data-parallel ranks x 4 accumulation steps"),
+    ],
+)
+def test_context_parallel_dry_run_decomposition_multiplies_out(flags, line):
+    """cp=2 halves the data-parallel ranks: 8 GPUs are 4 of them (the dry run used to print the GPU count)."""
+    result = orch("run", "qwen3_sft_fsdp_cp", *flags, "--dry-run", "--skip-optimizer")
+    assert result.returncode == 0, result.stderr
+    assert line in result.stdout
+    printed = re.search(
+        r"GLOBAL_BATCH_SIZE (\d+) = (\d+) per device x (\d+) data-parallel ranks x (\d+)", result.stdout
+    )
+    total, per_device, ranks, steps = map(int, printed.groups())
+    assert per_device * ranks * steps == total
+
+
+# ---------------------------------------------------------------- the default recipe
+
+
+def test_run_without_a_recipe_uses_the_repositorys_default_and_says_so():
+    result = orch("run", "--gpus", "A100:8", "--nodes", "2", "--dry-run", "--skip-optimizer")
+    assert result.returncode == 0, result.stderr
+    first = result.stdout.splitlines()[0]
+    assert first.startswith("[orch] recipe: phi3_dpo_fsdp (the project's default: [tool.orch] recipe in pyproject.toml")
+    assert "[orch] dry run of phi3_dpo_fsdp" in result.stdout and "--num_processes 16" in result.stdout
+
+
+def test_orch_recipe_env_and_a_key_value_first_word(project):
+    result = orch(
+        "run", "max_steps=3", "--dry-run", "--skip-optimizer", env={"ORCH_RECIPE": "qwen25_sft_ddp"}, cwd=project
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("[orch] recipe: qwen25_sft_ddp (from ORCH_RECIPE;")
+    assert "TRL_OVERRIDES: max_steps=3" in result.stdout
+    bare = orch("run", "--dry-run", "--skip-optimizer", cwd=project)  # no pyproject.toml there
+    assert bare.stdout.startswith("[orch] recipe: phi3_dpo_fsdp (orch's default recipe;"), bare.stderr
+
+
+# ---------------------------------------------------------------- one resolved launch
+
+
+def test_resolved_launch_is_typed_and_parsed_once(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    recipe = recipes.load("phi3_dpo_fsdp")
+    from orchestrator.core.accelerators import Gpus
+
+    launch = resolve(recipe, nodes=2, gpus=Gpus(None, 4), trl_overrides={"beta": "0.2"}, secrets=["HF_TOKEN"])
+    assert launch.gpus == Gpus("A100", 4)  # a count alone keeps the recipe's type
+    assert launch.setting("beta") == "0.2" and launch.setting("learning_rate") == 5.0e-7
+    assert launch.setting("no_such_key", "dflt") == "dflt"
+    task = launch.task()
+    assert task["resources"]["accelerators"] == "A100:4" and task["num_nodes"] == 2
+    assert task["envs"]["TRL_OVERRIDES"] == "beta=0.2" and task["secrets"] == {"HF_TOKEN": None}
+    with pytest.raises(TypeError):
+        launch.overrides["beta"] = "1"  # immutable
+    with pytest.raises(AttributeError):
+        launch.nodes = 3
+
+
+# ---------------------------------------------------------------- rooms and import rules
+
+RULES = {
+    # room: (orch rooms it may import, third-party it may import)
+    "core": ({"core"}, {"yaml"}),
+    "node": ({"core", "node"}, set()),
+    "launch": ({"core", "launch", "node.plan", "node.env", "node.script", "rehearsal.driver"}, {"yaml", "sky"}),
+    "train": ({"core", "train"}, HEAVY - {"sky", "vllm"} | {"yaml"}),
+    "rehearsal": ({"core", "node.plan", "train", "rehearsal"}, HEAVY - {"sky", "vllm"}),
+    "commands": ({"core", "launch", "node", "commands"}, {"yaml"}),
+}
+
+
+def _module(dotted: str) -> bool:
+    path = ROOT / dotted.replace(".", "/")
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _imports(path):
+    """Every module a file imports (at any depth, lazy imports in functions included)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                dotted = f"{node.module}.{alias.name}"
+                yield dotted if node.module.startswith("orchestrator") and _module(dotted) else node.module
+
+
+def _allowed(name: str, rooms: set[str]) -> bool:
+    inner = name.removeprefix("orchestrator.")
+    return any(inner == room or inner.startswith(room + ".") for room in rooms)
+
+
+@pytest.mark.parametrize("room", sorted(RULES))
+def test_each_room_imports_only_what_its_rule_allows(room):
+    rooms, third_party = RULES[room]
+    bad = []
+    for path in sorted((PACKAGE / room).rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top == "orchestrator":
+                ok = _allowed(name, rooms)
+            else:
+                ok = top in sys.stdlib_module_names or top in third_party or top == "__future__"
+            if not ok:
+                bad.append((where, name))
+    assert not bad, bad
+
+
+def _sky_users():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for name in _imports(path):
+            if name.split(".")[0] == "sky":
+                yield path.relative_to(PACKAGE).as_posix(), name
+
+
+def test_only_the_sky_backend_imports_skypilot():
+    assert {f for f, _ in _sky_users()} == {"launch/backends/sky.py"}
+
+
+def test_no_module_is_over_400_lines():
+    long = {
+        p.relative_to(PACKAGE).as_posix(): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 400
+    }
+    assert not long, long
+
+
+# ---------------------------------------------------------------- the wheel
+
+
+def test_wheel_holds_the_package_and_its_data(tmp_path):
+    argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
+    result = subprocess.run([*argv, str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (wheel,) = tmp_path.glob("orch-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for data in ("orchestrator/core/trl_args.json", "orchestrator/core/accelerate_args.json",
+                 "orchestrator/configs/cpu.yaml", "orchestrator/train/__main__.py"):  # fmt: skip
+        assert data in names, data
+    sources = {p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.py")}
+    assert sources <= names, sorted(sources - names)
