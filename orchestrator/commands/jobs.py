@@ -7,10 +7,13 @@ local runs answer from their record and log file.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from orchestrator.commands import add, print_table
 from orchestrator.core.errors import OrchError
-from orchestrator.launch import records
+
+if TYPE_CHECKING:
+    from orchestrator.launch import records
 
 EXAMPLES = {
     "status": "  orch status                       # every recorded run with its live state",
@@ -43,11 +46,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         parser.set_defaults(func=func)
 
 
-def _is_local(record: records.Record) -> bool:
+def _is_local(record: records.Record) -> bool:  # noqa: F821 - annotation only
     return record.get("backend").startswith("local")
 
 
 def status(args: argparse.Namespace) -> int:
+    from orchestrator.launch import records
+
     rows = records.all_records()
     if not rows:
         print("no runs recorded in sky_jobs/ yet; start one with `orch run`")
@@ -70,6 +75,8 @@ def status(args: argparse.Namespace) -> int:
 
 
 def logs(args: argparse.Namespace) -> int:
+    from orchestrator.launch import records
+
     record = records.find(args.run)
     if _is_local(record):
         from pathlib import Path
@@ -84,12 +91,14 @@ def logs(args: argparse.Namespace) -> int:
     return sky_backend.logs(record, follow=args.follow)
 
 
-def _cloud_only(record: records.Record, verb: str) -> None:
+def _cloud_only(record: records.Record, verb: str) -> None:  # noqa: F821 - annotation only
     if _is_local(record):
         raise OrchError(f"run {record.run} ran locally: there is nothing to {verb}; a local run stops with Ctrl-C")
 
 
 def cancel(args: argparse.Namespace) -> int:
+    from orchestrator.launch import records
+
     record = records.find(args.run)
     _cloud_only(record, "cancel")
     from orchestrator.launch.backends import sky as sky_backend
@@ -102,6 +111,8 @@ def cancel(args: argparse.Namespace) -> int:
 
 
 def down(args: argparse.Namespace) -> int:
+    from orchestrator.launch import records
+
     record = records.find(args.run)
     _cloud_only(record, "tear down")
     from orchestrator.launch.backends import sky as sky_backend

@@ -6,15 +6,13 @@ import argparse
 import re
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from orchestrator.commands import add
-from orchestrator.core import accelerators, overrides
-from orchestrator.core.accelerators import CPU, Gpus
 from orchestrator.core.errors import OrchError
-from orchestrator.launch import secrets, storage
-from orchestrator.launch.checks import check
-from orchestrator.launch.recipe import check_paired_files, default_name, load
-from orchestrator.launch.resolved import Launch, parse_env_assignments, resolve
+
+if TYPE_CHECKING:  # imported where they run: `orch --help` and the other subcommands never load the launch side
+    from orchestrator.launch.resolved import Launch
 
 EPILOG = """\
 examples:
@@ -121,6 +119,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from orchestrator.core import accelerators, overrides
+    from orchestrator.core.accelerators import CPU, Gpus
+    from orchestrator.launch import secrets
+    from orchestrator.launch.recipe import check_paired_files, default_name, load
+    from orchestrator.launch.resolved import parse_env_assignments, resolve
+
     if args.recipe and "=" in args.recipe and not args.recipe.endswith((".yaml", ".yml")):
         args.overrides.insert(0, args.recipe)  # `orch run lr=1e-5 --local`: a key=value word, no recipe named
         args.recipe = None
@@ -161,7 +165,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _cloud(args, launch: Launch, secret_values: dict[str, str]) -> int:
-    from orchestrator.launch import records
+    from orchestrator.launch import records, secrets, storage
+    from orchestrator.launch.checks import check
 
     resources: dict[str, object] = {"use_spot": True} if args.spot else {}
     if launch.nodes > 1 and not (launch.recipe.task.get("resources") or {}).get("network_tier"):
@@ -225,7 +230,7 @@ def _cloud(args, launch: Launch, secret_values: dict[str, str]) -> int:
 def _confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
     """Show what SkyPilot would launch and its price, then ask. SkyPilot's optimizer runs in this process when the
     catalogs and credentials are here, else on the API server (which prints its own table of choices)."""
-    from orchestrator.launch import dryrun
+    from orchestrator.launch import dryrun, storage
     from orchestrator.launch.backends import sky as sky_backend
 
     total = plans[0].topology.total_gpus
@@ -253,8 +258,9 @@ def _local(args, launch: Launch, user_envs, user_overrides, secret_values: dict[
     import hashlib
     import json
 
-    from orchestrator.launch import records, smoke
+    from orchestrator.launch import records, secrets, smoke
     from orchestrator.launch.backends import local
+    from orchestrator.launch.checks import check
 
     recipe = launch.recipe
     artifacts = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,6 +40,7 @@ def required(env: Mapping[str, str], name: str, example: str) -> str:
     return value
 
 
+@cache
 def trl_profile_dir() -> Path | None:
     """trl/accelerate_configs of the installed trl, or None where trl is not installed."""
     spec = importlib.util.find_spec("trl")
