@@ -1,21 +1,24 @@
 # Every target installs what it needs first (a fresh clone needs nothing else).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+UV     := $(VENV)/bin/uv
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile uv.lock | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench snapshots clean
+.PHONY: install demo test lint bench snapshots lock clean
 
 install: $(STAMP)
 
-# torch first and pinned: torch==2.13.0 is the CPU build on this machine's disk; any other spec pulls a
-# multi-GB CUDA build. DeepSpeed is an sdist whose build imports torch, so it builds against that torch.
+# Exactly uv.lock's versions, as the nodes get them (scripts/node-setup.sh), with uv. torch first, with pip:
+# torch==2.13.0 (the lock's) is the CPU build on this machine's disk, which uv does not see; any other source pulls
+# a multi-GB CUDA build, so torch's tree is pruned from the export. DeepSpeed is an sdist whose build imports
+# torch: it builds against that torch, without isolation.
 $(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q setuptools wheel
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-build-isolation 'deepspeed==0.19.8'
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q setuptools wheel uv==0.13.9 torch==2.13.0
+	$(UV) export -q --frozen --no-emit-project --prune torch --extra dev --format requirements-txt -o $(VENV)/requirements.txt
+	$(UV) pip install -q --python $(PY) --no-deps --require-hashes --no-build-isolation-package deepspeed -r $(VENV)/requirements.txt
+	$(UV) pip install -q --python $(PY) --no-deps -e .
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -31,6 +34,12 @@ bench: install
 # The launch side's snapshots of the installed training stack (TRL's arguments and profiles, accelerate's keys).
 snapshots: install
 	$(PY) -m orchestrator.train.snapshots
+
+# Re-resolve uv.lock (pins in pyproject.toml hold; the rest moves to the newest that fits), reinstall from it and
+# regenerate the snapshots from what it installed: the lock and the snapshots change together.
+lock:
+	$(UV) lock --upgrade
+	$(MAKE) snapshots
 
 lint: install
 	$(VENV)/bin/ruff check orchestrator tests bench
