@@ -3,8 +3,10 @@ server node serves until the trainers are done (node/vllm.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from collections.abc import Mapping
 
 from orchestrator.core.errors import OrchError
@@ -17,12 +19,14 @@ from orchestrator.node.plan import DEFAULT_PORT, plan_from_env, render
 def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     """`orch node`: print the plan, then exec accelerate (replacing this process) unless print_only."""
     env = os.environ if env is None else env
+    started = time.time()
     node_plan = plan_from_env(env, cpus=usable_cpus())
     if print_only:
         print(render(node_plan.argv, node_plan.env))
         return 0
     topo = node_plan.topology
     _barrier(env, node_plan.cluster)
+    timeline = {**setup_times(env), "node_started": started, "barrier_passed": time.time()}
     if node_plan.role == "vllm-server":
         print(f"[orch] node {topo.node_rank}: vLLM server for the trainers on {topo.nodes - 1} node(s)", flush=True)
         print("[orch] run: " + render(node_plan.argv), flush=True)
@@ -38,13 +42,36 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
         print(f"[orch] note: {note}", flush=True)
     print("[orch] exec: " + render(node_plan.argv, node_plan.env), flush=True)
     sys.stdout.flush()
+    # The training processes finish the time-to-first-step record (orchestrator/train/callbacks.py).
+    exec_env = {**env, **node_plan.env, "ORCH_TIMELINE": json.dumps(timeline)}
+    exec_env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # this environment's tools
     try:
-        os.execvpe(node_plan.argv[0], node_plan.argv, {**env, **node_plan.env})
+        os.execvpe(node_plan.argv[0], node_plan.argv, exec_env)
     except FileNotFoundError:
         raise OrchError(
             "`accelerate` is not on PATH on this node; the recipe's setup must pip install '.[train]'"
         ) from None
     return 0  # not reached
+
+
+def setup_times(env: Mapping[str, str]) -> dict[str, float]:
+    """What scripts/node-setup.sh recorded on this node (ORCH_HOME/setup.times: started, installed, prefetched);
+    the local backend records when orch started the nodes instead (ORCH_LAUNCHED_AT)."""
+    times: dict[str, float] = {}
+    if env.get("ORCH_LAUNCHED_AT"):
+        times["launched"] = float(env["ORCH_LAUNCHED_AT"])
+    home = env.get("ORCH_HOME") or os.path.join(os.path.expanduser("~"), ".orch")
+    try:
+        lines = open(os.path.join(home, "setup.times")).read().splitlines()
+    except OSError:
+        return times
+    for line in lines:
+        key, _, value = line.partition("=")
+        try:
+            times[f"setup_{key}"] = float(value)
+        except ValueError:
+            continue
+    return times
 
 
 def usable_cpus() -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from orchestrator.core.timeline import time_to_first_step
 from orchestrator.train.checkpoints import COMPLETE_MARKER
 
 # Preference collators stack chosen rows then rejected rows into one input_ids batch: 2 rows per sample.
@@ -30,15 +31,21 @@ def dist():
 
 
 class OrchCallback(TrainerCallback):
-    """Marks complete checkpoints, counts optimizer steps run here, logs one line per logging step."""
+    """Marks complete checkpoints, counts optimizer steps run here, logs one line per logging step, and prints
+    the time to the first step."""
 
-    def __init__(self, output_dir: Path):
+    def __init__(self, output_dir: Path, timeline: dict[str, float] | None = None):
         self.output_dir = output_dir
         self.report_dir = output_dir / "orch"
         self.steps_run = 0
+        self.timeline = dict(timeline or {})
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps_run += 1
+        if self.steps_run == 1:
+            self.timeline["first_step"] = time.time()
+            if state.is_world_process_zero:
+                print(f"[orch] time to first step: {time_to_first_step(self.timeline)}", flush=True)
 
     def on_save(self, args, state, control, **kwargs):
         if dist():

@@ -21,6 +21,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -139,6 +140,7 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "resumed_from": str(resume) if resume else None,
         "final_model": final,
+        "timeline": callback.timeline,
         "pid": os.getpid(),
     }
 
@@ -173,8 +175,9 @@ def _leave(trainer) -> None:
 def main(argv: list[str] | None = None) -> None:
     parsed = parse(sys.argv[1:] if argv is None else argv)
     output_dir = Path(parsed.training_args.output_dir)
-    callback = OrchCallback(output_dir)
+    callback = OrchCallback(output_dir, json.loads(os.environ.get("ORCH_TIMELINE") or "{}"))
     trainer = build(parsed, [callback])
+    callback.timeline["model_loaded"] = time.time()
     acc = trainer.accelerator
     resume = parsed.training_args.resume_from_checkpoint
     if not resume:

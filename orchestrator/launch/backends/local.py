@@ -13,12 +13,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from orchestrator.core.timeline import time_to_first_step
 
 STOP_GRACE_SECONDS = 10.0
 
@@ -42,7 +45,13 @@ def threads_per_process(total_processes: int, cores: int | None = None) -> int:
 
 
 def node_envs(
-    task_envs: Mapping[str, str], nodes: int, procs_per_node: int, task_id: str, port: int, barrier_port: int
+    task_envs: Mapping[str, str],
+    nodes: int,
+    procs_per_node: int,
+    task_id: str,
+    port: int,
+    barrier_port: int,
+    launched_at: float = 0.0,
 ) -> list[dict[str, str]]:
     """The environment of each emulated node (pure: the caller adds os.environ)."""
     threads = threads_per_process(nodes * procs_per_node)
@@ -59,6 +68,9 @@ def node_envs(
             ORCH_BARRIER_PORT=str(barrier_port),
             ORCH_DEVICE="cpu",
             OMP_NUM_THREADS=str(threads),
+            ORCH_LAUNCHED_AT=f"{launched_at:.3f}",
+            ORCH_VENV=sys.prefix,  # the recipe's `run:` puts ORCH_VENV/bin first on PATH, as on a node
+            ORCH_HOME=str(Path(tempfile.gettempdir()) / f"orch-local-{task_id}-node{rank}"),  # no setup ran here
             MKL_NUM_THREADS=str(threads),
             TOKENIZERS_PARALLELISM="false",
             HF_HUB_DISABLE_PROGRESS_BARS="1",
@@ -223,6 +235,8 @@ def _summary(output_dir: Path) -> list[str]:
     checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     if checkpoints:
         lines.append(f"[orch] checkpoint: {checkpoints[-1]}")
+    if head.get("timeline", {}).get("first_step"):
+        lines.append(f"[orch] time to first step: {time_to_first_step(head['timeline'])}")
     final = head.get("final_model")
     if final and final["loadable"]:
         lines.append(
@@ -278,7 +292,13 @@ def launch(resolved, run_id: str, secrets: dict | None = None) -> int:
     started = time.monotonic()
     # Secrets travel in the node processes' environment only (as SkyPilot secrets do), never in files or argv.
     node_env = node_envs(
-        {**envs, **(secrets or {})}, nodes, procs_per_node, task_id=run_id, port=free_port(), barrier_port=free_port()
+        {**envs, **(secrets or {})},
+        nodes,
+        procs_per_node,
+        task_id=run_id,
+        port=free_port(),
+        barrier_port=free_port(),
+        launched_at=time.time(),
     )
     (output_dir / "orch").mkdir(parents=True, exist_ok=True)
     with open(output_dir / "orch" / "run.log", "w") as log:

@@ -1,0 +1,118 @@
+"""Download a recipe's model(s) and dataset(s) once per node, in parallel, before any GPU process starts.
+
+`python -m orchestrator.train.prefetch` (run by scripts/node-setup.sh with the task's envs and secrets) reads the
+recipe's TRL config and TRL_OVERRIDES, then fetches every Hub repo the training will load (the model, a GRPO
+reward model, the dataset or dataset mixture) into the Hugging Face cache the training processes read, with
+huggingface_hub's own downloader (hf_xet where the Hub serves Xet; HF_XET_HIGH_PERFORMANCE is set by the
+setup). Local paths are left alone. A gated or missing repo ends the setup with one line naming the fix,
+before the cluster has trained nothing for minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+from orchestrator.core import configs, overrides
+from orchestrator.core.errors import OrchError
+
+# Weights in other formats and the original (non-transformers) checkpoints that Meta's repos carry: never loaded.
+MODEL_IGNORE = ["original/*", "*.pth", "*.pt", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "*.ot", "*.tflite"]
+
+
+class Repo(NamedTuple):
+    repo_id: str
+    repo_type: str
+    """model or dataset."""
+    revision: str | None = None
+    why: str = ""
+    config: str | None = None
+    """A dataset's config name (TRL's dataset_config)."""
+
+
+def repos(settings: Mapping) -> list[Repo]:
+    """The Hub repos a trainer with these TRL settings loads (local paths excluded)."""
+    found = []
+    if settings.get("model_name_or_path"):
+        found.append(Repo(str(settings["model_name_or_path"]), "model", settings.get("model_revision"), "model"))
+    if settings.get("reward_model_name_or_path"):  # GRPO
+        found.append(Repo(str(settings["reward_model_name_or_path"]), "model", None, "reward model"))
+    if settings.get("dataset_name"):
+        found.append(Repo(str(settings["dataset_name"]), "dataset", None, "dataset", settings.get("dataset_config")))
+    for entry in settings.get("datasets") or []:  # a dataset mixture (TRL's `datasets:` list)
+        if isinstance(entry, Mapping) and entry.get("path"):
+            found.append(Repo(str(entry["path"]), "dataset", entry.get("revision"), "dataset", entry.get("name")))
+    return [r for r in found if not Path(r.repo_id).exists()]
+
+
+def fetch(repo: Repo, token: str | None) -> tuple[str, int]:
+    """(local snapshot dir, bytes) of one repo, or an OrchError naming the fix."""
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    label = f"{repo.why} {repo.repo_id}"
+    try:
+        if repo.repo_type == "dataset":
+            return _load_dataset(repo, token)
+        files = HfApi().list_repo_files(repo.repo_id, revision=repo.revision, token=token)
+        ignore = MODEL_IGNORE + (["*.bin"] if any(f.endswith(".safetensors") for f in files) else [])
+        path = snapshot_download(repo.repo_id, revision=repo.revision, token=token, ignore_patterns=ignore)
+    except GatedRepoError:
+        fix = "accept its terms on its Hub page, and give a token of that account"
+        if not token:
+            fix = "give HF_TOKEN as a secret (`--secret HF_TOKEN` to orch run or sky launch) and accept its terms"
+        raise OrchError(f"{label} is gated on the Hugging Face Hub and this node may not read it: {fix}") from None
+    except RepositoryNotFoundError:
+        raise OrchError(
+            f"{label} does not exist on the Hugging Face Hub (or is private: give HF_TOKEN); check the TRL config"
+        ) from None
+    except RevisionNotFoundError:
+        raise OrchError(f"{label} has no revision {repo.revision!r}; check the TRL config") from None
+    except HfHubHTTPError as exc:
+        raise OrchError(f"{label} could not be downloaded: {' '.join(str(exc).split())[:300]}") from None
+    size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+    return path, size
+
+
+def _load_dataset(repo: Repo, token: str | None) -> tuple[str, int]:
+    """As the trainer will (datasets.load_dataset): downloads and prepares the Arrow files it then reuses
+    (raw files in the Hub cache alone are not enough for `datasets`)."""
+    from datasets import load_dataset
+
+    loaded = load_dataset(repo.repo_id, name=repo.config, revision=repo.revision, token=token)
+    files = {f["filename"] for split in loaded.values() for f in split.cache_files}
+    return (os.path.dirname(next(iter(files))) if files else ""), sum(os.path.getsize(f) for f in files)
+
+
+def prefetch(env: Mapping[str, str], out=sys.stdout) -> int:
+    trl = configs.load_yaml(Path(configs.required(env, "TRL_CONFIG", "recipes/trl/phi3_dpo.yaml")), "TRL config")
+    settings = overrides.effective(trl, overrides.loads(env.get("TRL_OVERRIDES", "")))
+    wanted = repos(settings)
+    if not wanted:
+        print("[orch] prefetch: the model and data are local paths: nothing to download", file=out, flush=True)
+        return 0
+    token = env.get("HF_TOKEN") or None
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=len(wanted)) as pool:
+        results = list(pool.map(lambda repo: fetch(repo, token), wanted))
+    for repo, (_path, size) in zip(wanted, results, strict=True):
+        print(f"[orch] prefetch: {repo.why} {repo.repo_id}: {size / 1e9:.2f} GB in the cache", file=out, flush=True)
+    print(f"[orch] prefetch: {len(wanted)} repo(s) in {time.monotonic() - started:.1f} s", file=out, flush=True)
+    return 0
+
+
+def main() -> int:
+    try:
+        return prefetch(os.environ)
+    except OrchError as exc:
+        print(f"orch: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

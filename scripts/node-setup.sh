@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# orch's node setup: every recipe's `setup:` runs `bash scripts/node-setup.sh EXTRAS` (EXTRAS: train, train,gpu
+# or train,gpu,vllm) from the repository root, with the task's envs and secrets.
+#
+# 1. uv, installed here if the image lacks it (pip, else astral's installer).
+# 2. A virtual environment, ORCH_VENV (default ~/.orch/venv), which every `run:` uses. Created from the image's
+#    python when it is >= 3.11 and already holds uv.lock's torch (kept: system site-packages, no download of
+#    several GB), else from a uv-managed Python 3.12 (TRL 1.16 needs 3.11; SkyPilot's default images have 3.10).
+#    An existing ORCH_VENV is installed into as it is.
+# 3. Exactly uv.lock's versions of orch[EXTRAS] (uv export --frozen, hashes required); torch is kept when the
+#    environment holds the locked version (any build: +cu128, +cpu), else the locked torch is installed: the
+#    rest of the lock was resolved against it. A reused cluster whose environment already holds this lock and
+#    these extras skips all of it.
+# 4. The recipe's model and dataset, downloaded once per node in parallel into the Hugging Face cache the
+#    training processes read (python -m orchestrator.train.prefetch).
+# Timings go to $ORCH_HOME/setup.times for the time-to-first-step breakdown.
+set -euo pipefail
+
+extras="${1:-train}"
+ORCH_HOME="${ORCH_HOME:-$HOME/.orch}"
+ORCH_VENV="${ORCH_VENV:-$ORCH_HOME/venv}"
+mkdir -p "$ORCH_HOME"
+now() { date +%s.%N; }
+times="$ORCH_HOME/setup.times"
+echo "started=$(now)" > "$times"
+say() { echo "[orch] setup: $*"; }
+[ -f uv.lock ] || { echo "orch: error: no uv.lock here ($(pwd)); run the setup from the repository root" >&2; exit 2; }
+
+# 1. uv
+if command -v uv >/dev/null 2>&1; then
+  UV=(uv)
+elif python3 -m uv --version >/dev/null 2>&1; then
+  UV=(python3 -m uv)
+else
+  say "installing uv"
+  if python3 -m pip install -q uv >/dev/null 2>&1 && python3 -m uv --version >/dev/null 2>&1; then
+    UV=(python3 -m uv)
+  else
+    curl -LsSf https://astral.sh/uv/install.sh | sh >/dev/null
+    UV=("$HOME/.local/bin/uv")
+  fi
+fi
+
+locked_torch=$(awk '/^name = "torch"$/ { getline; gsub(/"/, "", $3); print $3; exit }' uv.lock)
+key=$(cat uv.lock pyproject.toml | sha256sum | cut -c1-16)
+stamp="$ORCH_VENV/.orch-setup-$key-${extras//,/-}"
+has_locked_torch() {  # python: does it hold torch at the locked version (any local build: +cu128, +cpu)?
+  "$1" -c "import sys; from importlib.metadata import version
+sys.exit(version('torch').split('+')[0] != '$locked_torch')" 2>/dev/null
+}
+
+if [ -f "$stamp" ]; then
+  say "$ORCH_VENV already holds uv.lock's orch[$extras] (a reused cluster): nothing to install"
+else
+  # 2. the environment
+  if [ ! -x "$ORCH_VENV/bin/python" ]; then
+    image_python=$(command -v python3 || true)
+    if [ -n "$image_python" ] && "$image_python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+        && has_locked_torch "$image_python"; then
+      say "the image's $("$image_python" --version) holds torch $locked_torch: keeping it ($ORCH_VENV)"
+      "${UV[@]}" venv -q --python "$image_python" --system-site-packages "$ORCH_VENV"
+    else
+      say "creating $ORCH_VENV with Python 3.12 (the image's python is < 3.11 or lacks torch $locked_torch)"
+      "${UV[@]}" venv -q --python 3.12 "$ORCH_VENV"
+    fi
+  fi
+  py="$ORCH_VENV/bin/python"
+  # 3. the lock
+  if has_locked_torch "$py"; then
+    say "torch $locked_torch is there: kept"
+  else
+    say "installing torch $locked_torch (the lock's)"
+    "${UV[@]}" pip install -q --python "$py" "torch==$locked_torch"
+  fi
+  requirements="$ORCH_HOME/requirements-${extras//,/-}.txt"
+  extra_flags=()
+  IFS=, read -ra names <<< "$extras"
+  for name in "${names[@]}"; do extra_flags+=(--extra "$name"); done
+  "${UV[@]}" export -q --frozen --no-emit-project --prune torch "${extra_flags[@]}" --format requirements-txt \
+    -o "$requirements"
+  say "installing uv.lock's orch[$extras] ($(grep -c '==' "$requirements") packages)"
+  # DeepSpeed is an sdist whose build imports torch: build it against the environment's torch.
+  "${UV[@]}" pip install -q --python "$py" --no-deps --require-hashes --no-build-isolation-package deepspeed \
+    -r "$requirements"
+  "${UV[@]}" pip install -q --python "$py" --no-deps -e .
+  touch "$stamp"
+fi
+echo "installed=$(now)" >> "$times"
+
+# 4. the model and the data
+if [ -z "${ORCH_SKIP_PREFETCH:-}" ]; then
+  HF_XET_HIGH_PERFORMANCE="${HF_XET_HIGH_PERFORMANCE:-1}" "$ORCH_VENV/bin/python" -m orchestrator.train.prefetch
+fi
+echo "prefetched=$(now)" >> "$times"
+say "done in $(awk -F= '{ t[$1] = $2 } END { printf "%.1f s", t["prefetched"] - t["started"] }' "$times")"
