@@ -161,10 +161,10 @@ def main(args: argparse.Namespace) -> int:
     if launch.gpus is None or launch.gpus.name is None:
         example = f"--gpus A100:{gpus.count}" if gpus else "--gpus A100:8"
         raise OrchError(f"the recipe names no accelerator in resources.accelerators; give one, e.g. {example}")
-    return _cloud(args, launch, secret_values)
+    return _cloud(args, launch, user_envs, secret_values)
 
 
-def _cloud(args, launch: Launch, secret_values: dict[str, str]) -> int:
+def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[str, str]) -> int:
     from orchestrator.launch import records, secrets, storage
     from orchestrator.launch.checks import check
 
@@ -172,6 +172,14 @@ def _cloud(args, launch: Launch, secret_values: dict[str, str]) -> int:
     if launch.nodes > 1 and not (launch.recipe.task.get("resources") or {}).get("network_tier"):
         resources["network_tier"] = "best"  # NCCL over InfiniBand/EFA, not plain TCP, between nodes
     launch = launch.replace(resources=resources)
+    bucket, note = launch.envs.get("CHECKPOINT_BUCKET", ""), ""
+    if "CHECKPOINT_BUCKET" not in user_envs and storage.shipped_bucket(bucket):
+        mine = storage.personal_bucket(launch.recipe.name, storage.user_id())
+        launch = launch.replace(envs={**launch.envs, "CHECKPOINT_BUCKET": mine})
+        note = (
+            f"[orch] checkpoints: bucket {mine} (the recipe's {bucket} is a name anyone may hold; this one is yours "
+            "and the recipe's; --env CHECKPOINT_BUCKET=NAME chooses another)"
+        )
     # Batch math, parallelism, memory and env errors surface here, before anything is sent.
     checked = check(launch)
     task = launch.task()
@@ -184,9 +192,13 @@ def _cloud(args, launch: Launch, secret_values: dict[str, str]) -> int:
     if args.dry_run:
         from orchestrator.launch import dryrun
 
+        if note:
+            print(note, flush=True)
         return dryrun.show(launch, task, checked, skip_optimizer=args.skip_optimizer)
     if not args.yes and not sys.stdin.isatty():
         raise OrchError("a cloud launch asks before it spends money, but stdin is not a terminal: pass -y to launch")
+    if note:
+        print(note, flush=True)
     from orchestrator.launch.backends import sky as sky_backend
 
     sky_backend.to_task(task, secret_values)  # SkyPilot's own validation, before anything is asked or written

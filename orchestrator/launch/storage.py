@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from pathlib import Path
 
 from orchestrator.core.errors import OrchError
 
@@ -61,3 +62,31 @@ def require_durable(task: Mapping, reasons: list[str]) -> str:
             f"({what}); mount a bucket at CHECKPOINT_ROOT: {EXAMPLE}"
         )
     return where
+
+
+def user_id() -> str:
+    """8 hex characters for this user: SkyPilot's own user hash when it has made one, else one of user and host."""
+    import getpass
+    import hashlib
+    import socket
+
+    sky_hash = Path.home() / ".sky" / "user_hash"
+    try:
+        value = sky_hash.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{8,}", value):
+            return value[:8]
+    except OSError:
+        pass
+    return hashlib.sha256(f"{getpass.getuser()}@{socket.gethostname()}".encode()).hexdigest()[:8]
+
+
+def shipped_bucket(name: str) -> bool:
+    """Recipes ship placeholder bucket names (orch-<recipe>-checkpoints): bucket names are global, so two users
+    of the same recipe would collide."""
+    return bool(re.fullmatch(r"orch-[a-z0-9-]+-checkpoints", name))
+
+
+def personal_bucket(recipe_name: str, user: str) -> str:
+    """orch-<recipe>-<user id>: unique to the user and the recipe, within S3/GCS naming rules (3-63 characters)."""
+    stem = re.sub(r"[^a-z0-9-]", "-", recipe_name.lower()).strip("-")
+    return f"orch-{stem}"[: 63 - len(user) - 1].rstrip("-") + f"-{user}"
