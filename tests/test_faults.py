@@ -153,7 +153,7 @@ def test_local_run_with_a_node_that_never_joins_fails_fast(project):
     recipe.write_text(
         (project / "recipes" / "phi3_dpo_fsdp.yaml")
         .read_text()
-        .replace("run: |\n  orch node", 'run: |\n  if [ "$SKYPILOT_NODE_RANK" = 1 ]; then sleep 300; fi\n  orch node')
+        .replace("\n  orch node\n", '\n  if [ "$SKYPILOT_NODE_RANK" = 1 ]; then sleep 300; fi\n  orch node\n')
     )
     started = time.monotonic()
     result = orch(

@@ -88,7 +88,7 @@ RULES = {
     "core": ({"core"}, {"yaml"}),
     "node": ({"core", "node"}, set()),
     "launch": ({"core", "launch", "node.plan", "node.env", "node.script", "rehearsal.driver"}, {"yaml", "sky"}),
-    "train": ({"core", "train"}, HEAVY - {"sky", "vllm"} | {"yaml"}),
+    "train": ({"core", "train"}, HEAVY - {"sky", "vllm"} | {"yaml", "huggingface_hub"}),
     "rehearsal": ({"core", "node.plan", "train", "rehearsal"}, HEAVY - {"sky", "vllm"}),
     "commands": ({"core", "launch", "node", "commands"}, {"yaml"}),
 }

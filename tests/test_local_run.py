@@ -52,6 +52,13 @@ def test_two_node_smoke_is_one_process_group(project):
     # the final model: reported by the training process, loadable by transformers itself
     assert head["final_model"]["loadable"] and head["final_model"]["path"] == str(output_dir.relative_to(project))
     assert re.search(rf"^\[orch\] final model: {re.escape(head['final_model']['path'])} \(model.safetensors", out, re.M)
+    # the time to the first step, recorded by the node and the training process, adds up
+    line = re.search(r"^\[orch\] time to first step: ([\d.]+) s = (.*) \(seconds\)$", out, re.M)
+    assert line, out[-3000:]
+    parts = dict(re.fullmatch(r"(.*) ([\d.]+)", p).groups() for p in line.group(2).split(" + "))
+    assert list(parts) == ["starting the node", "waiting for the other nodes", "launch and model load", "first step"]
+    assert sum(map(float, parts.values())) == pytest.approx(float(line.group(1)), abs=0.25)
+    assert head["timeline"]["first_step"] > head["timeline"]["model_loaded"] > head["timeline"]["barrier_passed"]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(output_dir)
@@ -68,7 +75,8 @@ def test_two_node_smoke_is_one_process_group(project):
 def _recipe_with_run(project: Path, run: str) -> Path:
     recipe = project / "recipes" / "custom.yaml"
     text = (ROOT / "recipes" / "phi3_dpo_fsdp.yaml").read_text()
-    recipe.write_text(text.replace("run: |\n  orch node", "run: |\n" + "".join(f"  {x}\n" for x in run.splitlines())))
+    head, _, _ = text.partition("\nrun: |\n")
+    recipe.write_text(head + "\nrun: |\n" + "".join(f"  {x}\n" for x in run.splitlines()))
     return recipe
 
 

@@ -1,0 +1,106 @@
+"""A local stand-in for the Hugging Face Hub, for tests: huggingface_hub's own client talks to it over HTTP
+(HF_ENDPOINT), so downloads, caching and the Hub's errors run for real, with no network.
+
+Serves repos saved on disk under ROOT/models/<org>/<name>/ and ROOT/datasets/<org>/<name>/ at revision "main":
+  GET  /api/{models,datasets}/<repo>[/revision/<rev>]    repo info (sha, siblings)
+  GET  /api/{models,datasets}/<repo>/tree/<rev>          file list
+  HEAD/GET /<repo>/resolve/<rev>/<file>, /datasets/<repo>/resolve/<rev>/<file>
+A repo listed in `gated` answers 401 GatedRepo to requests without `Authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+SHA = "0" * 40
+
+
+class Hub:
+    def __init__(self, root: Path, gated: set[str] = frozenset(), token: str = "hf_standin_token"):
+        self.root, self.gated, self.token = root, set(gated), token
+        self.requests: list[str] = []
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _handler(self):
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _send(self, code: int, body: bytes = b"", headers: dict | None = None, head: bool = False):
+                self.send_response(code)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(body)
+
+            def _error(self, code: int, error_code: str, head: bool):
+                body = json.dumps({"error": error_code}).encode()
+                self._send(code, body, {"X-Error-Code": error_code, "Content-Type": "application/json"}, head)
+
+            def _route(self, head: bool):
+                path = unquote(urlparse(self.path).path)
+                hub.requests.append(f"{self.command} {path}")
+                parts = path.strip("/").split("/")
+                if parts[0] == "api":  # /api/models/org/name/revision/main
+                    kind, repo, rest = parts[1], "/".join(parts[2:4]), parts[4:]
+                else:  # /org/name/resolve/main/file, /datasets/org/name/resolve/main/file
+                    kind = "datasets" if parts[0] == "datasets" else "models"
+                    parts = parts[1:] if kind == "datasets" else parts
+                    repo, rest = "/".join(parts[:2]), parts[2:]
+                folder = hub.root / kind / repo
+                if not folder.is_dir():
+                    return self._error(404, "RepoNotFound", head)
+                if repo in hub.gated and self.headers.get("Authorization") != f"Bearer {hub.token}":
+                    return self._error(401, "GatedRepo", head)
+                files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+                if parts[0] == "api" and (not rest or rest[0] == "revision"):
+                    info = {"id": repo, "sha": SHA, "siblings": [{"rfilename": f} for f in files], "private": False}
+                    return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, head)
+                if parts[0] == "api" and rest[0] == "tree":
+                    tree = [{"type": "file", "path": f, "size": (folder / f).stat().st_size, "oid": SHA} for f in files]
+                    return self._send(200, json.dumps(tree).encode(), {"Content-Type": "application/json"}, head)
+                if rest[0] == "resolve":
+                    target = folder / "/".join(rest[2:])
+                    if not target.is_file():
+                        return self._error(404, "EntryNotFound", head)
+                    data = target.read_bytes()
+                    etag = hashlib.sha256(data).hexdigest()
+                    headers = {"X-Repo-Commit": SHA, "ETag": f'"{etag}"', "Content-Type": "application/octet-stream"}
+                    return self._send(200, data, headers, head)
+                return self._error(404, "EntryNotFound", head)
+
+            def _safe(self, head: bool):
+                try:
+                    self._route(head)
+                except (IndexError, ValueError):
+                    self._error(404, "EntryNotFound", head)
+
+            def do_GET(self):
+                self._safe(head=False)
+
+            def do_HEAD(self):
+                self._safe(head=True)
+
+        return Handler

@@ -1,0 +1,184 @@
+"""The nodes' setup: one lock (uv.lock) installed by uv, the model and data prefetched (issue 12)."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+import yaml
+from conftest import ROOT, orch
+from hub_standin import Hub
+
+from orchestrator.core import accelerate_schema, trl_schema
+from orchestrator.launch import storage
+
+LOCK = tomllib.loads((ROOT / "uv.lock").read_text())
+LOCKED = {p["name"]: p["version"] for p in LOCK["package"] if "version" in p}
+TASKS = sorted((ROOT / "recipes").glob("*.yaml"))
+EXTRAS = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+
+
+# ---------------------------------------------------------------- one lock, the same versions everywhere
+
+
+def test_lock_holds_the_versions_the_launch_sides_snapshots_came_from():
+    for package, version in {**trl_schema.versions(), **accelerate_schema.schema()["versions"]}.items():
+        assert LOCKED[package] == version, (package, LOCKED.get(package), version)
+
+
+def test_lock_is_current_with_pyproject():
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "uv"), "lock", "--check", "--offline"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, "uv.lock does not match pyproject.toml: run `make lock`\n" + result.stderr[-1500:]
+
+
+def test_this_machines_torch_is_the_locked_one():
+    """make install puts the CPU build of the lock's torch here (uv cannot see that wheel)."""
+    assert f"torch=={LOCKED['torch']}" in (ROOT / "Makefile").read_text()
+    import torch
+
+    assert torch.__version__.split("+")[0] == LOCKED["torch"]
+
+
+@pytest.mark.parametrize("path", TASKS, ids=lambda p: p.stem)
+def test_recipe_setup_installs_from_the_lock(path):
+    """Every recipe's setup runs the lock's installer with extras that exist; its run uses that environment."""
+    task = yaml.safe_load(path.read_text())
+    match = re.search(r"^bash scripts/node-setup\.sh ([a-z,]+)\b", task["setup"], re.M)
+    assert match, f"{path.stem}: setup does not run scripts/node-setup.sh"
+    extras = match.group(1).split(",")
+    assert "train" in extras and set(extras) <= EXTRAS
+    if task["envs"].get("TRL_TRAINER") == "grpo" and "use_vllm" in (ROOT / task["envs"]["TRL_CONFIG"]).read_text():
+        assert "vllm" in extras, f"{path.stem} generates with vLLM"
+    assert "pip install" not in task["setup"]
+    assert 'export PATH="${ORCH_VENV:-$HOME/.orch/venv}/bin:$PATH"' in task["run"] and "orch node" in task["run"]
+
+
+# ---------------------------------------------------------------- the setup script, for real, offline
+
+
+@pytest.fixture
+def hub(tmp_path):
+    """A model and a dataset saved to disk, served over HTTP by a stand-in for the Hub (huggingface_hub's real
+    client, no network); one repo gated."""
+    from orchestrator.launch import smoke
+
+    artifacts = smoke.plan("microsoft/Phi-3-mini-4k-instruct", "dpo")
+    smoke.ensure(artifacts)
+    root = tmp_path / "hub"
+    shutil.copytree(artifacts.dir / "model", root / "models" / "org" / "tiny-phi3")
+    shutil.copytree(artifacts.dir / "model", root / "models" / "org" / "gated-phi3")
+    shutil.copytree(artifacts.dir / "data", root / "datasets" / "org" / "prefs")
+    with Hub(root, gated={"org/gated-phi3"}) as server:
+        yield server
+
+
+def hub_recipe(project: Path, model: str) -> dict[str, str]:
+    """The recipe's envs as a node gets them, pointing at the stand-in Hub's repos."""
+    trl = yaml.safe_load((project / "recipes" / "trl" / "phi3_dpo.yaml").read_text())
+    trl.update(model_name_or_path=model, dataset_name="org/prefs")
+    (project / "recipes" / "trl" / "hub.yaml").write_text(yaml.safe_dump(trl))
+    return {"TRL_TRAINER": "dpo", "TRL_CONFIG": "recipes/trl/hub.yaml", "TRL_OVERRIDES": ""}
+
+
+@pytest.mark.slow
+def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_on_reuse(tmp_path, hub):
+    # An environment with torch already in it, as on a GPU image. Wheels come from uv's cache (filled by
+    # `make install`) or the package registry; the model and data from the stand-in Hub.
+    venv = tmp_path / "image-env"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run(
+        [str(venv / "bin/python"), "-m", "pip", "install", "-q", f"torch=={LOCKED['torch']}"],
+        check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    project = tmp_path / "repo"
+    shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(".venv", ".git", "outputs", "sky_jobs", "__pycache__"))
+    env = {
+        **os.environ,
+        **hub_recipe(project, "org/tiny-phi3"),
+        "ORCH_VENV": str(venv),
+        "ORCH_HOME": str(tmp_path / "orch-home"),
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_ENDPOINT": hub.endpoint,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    first = subprocess.run(
+        ["bash", "scripts/node-setup.sh", "train"], cwd=project, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    out = first.stdout
+    assert f"torch {LOCKED['torch']} is there: kept" in out
+    assert re.search(r"installing uv\.lock's orch\[train\] \(\d+ packages\)", out)
+    assert "[orch] prefetch: model org/tiny-phi3:" in out and "[orch] prefetch: dataset org/prefs:" in out
+    # the environment holds the lock's versions, and orch from this checkout
+    freeze = subprocess.run(
+        [str(Path(sys.executable).parent / "uv"), "pip", "freeze", "--python", str(venv / "bin/python")],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    installed = dict(line.split("==", 1) for line in freeze.splitlines() if "==" in line)
+    for package in ("trl", "transformers", "accelerate", "deepspeed", "datasets", "huggingface-hub", "tokenizers"):
+        assert installed[package] == LOCKED[package], package
+    assert installed["torch"].split("+")[0] == LOCKED["torch"]
+    # the training processes read the prefetched cache: with the Hub switched off, the model and data load
+    load = (
+        "from transformers import AutoModelForCausalLM; from datasets import load_dataset;"
+        "AutoModelForCausalLM.from_pretrained('org/tiny-phi3'); print(len(load_dataset('org/prefs')['train']))"
+    )
+    offline = {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    loaded = subprocess.run([str(venv / "bin/python"), "-c", load], env=offline, capture_output=True, text=True)
+    assert loaded.returncode == 0 and loaded.stdout.strip().endswith("128"), loaded.stderr[-2000:]
+    times = dict(line.split("=") for line in (tmp_path / "orch-home" / "setup.times").read_text().split())
+    assert float(times["started"]) <= float(times["installed"]) <= float(times["prefetched"])
+    # a reused cluster: the second setup installs nothing
+    again = subprocess.run(
+        ["bash", "scripts/node-setup.sh", "train"], cwd=project, env=env, capture_output=True, text=True
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "already holds uv.lock's orch[train] (a reused cluster): nothing to install" in again.stdout
+    assert "installing" not in again.stdout
+
+
+def test_prefetch_names_the_fix_for_a_gated_model(tmp_path, hub, project):
+    env = {**os.environ, **hub_recipe(project, "org/gated-phi3"), "HF_HOME": str(tmp_path / "hf"),
+           "HF_ENDPOINT": hub.endpoint}  # fmt: skip
+    env.pop("HF_TOKEN", None)
+    run = [sys.executable, "-m", "orchestrator.train.prefetch"]
+    refused = subprocess.run(run, cwd=project, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    errors = [x for x in refused.stderr.splitlines() if x.startswith("orch: error:")]
+    line = refused.stderr.strip().splitlines()[-1]  # the run ends with one error line (progress output may precede)
+    assert errors == [line] and line.startswith("orch: error: model org/gated-phi3 is gated on the Hugging Face Hub")
+    assert "give HF_TOKEN as a secret (`--secret HF_TOKEN` to orch run or sky launch)" in line
+    allowed = subprocess.run(run, cwd=project, env={**env, "HF_TOKEN": hub.token}, capture_output=True, text=True)
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
+    assert "[orch] prefetch: model org/gated-phi3:" in allowed.stdout
+    missing = subprocess.run(run, cwd=project, env={**env, **hub_recipe(project, "org/nope")}, capture_output=True,
+                             text=True)  # fmt: skip
+    assert missing.returncode == 2 and "model org/nope does not exist on the Hugging Face Hub" in missing.stderr
+
+
+# ---------------------------------------------------------------- a bucket of one's own
+
+
+def test_shipped_bucket_names_become_the_users_own():
+    assert storage.shipped_bucket("orch-phi3-dpo-checkpoints") and not storage.shipped_bucket("my-team-ckpts")
+    name = storage.personal_bucket("phi3_dpo_fsdp", "1a2b3c4d")
+    assert name == "orch-phi3-dpo-fsdp-1a2b3c4d"
+    assert len(storage.personal_bucket("x" * 300, "1a2b3c4d")) <= 63
+    assert re.fullmatch(r"[0-9a-f]{8}", storage.user_id())
+
+
+def test_cloud_launch_says_which_bucket_it_uses():
+    derived = orch("run", "phi3_dpo_fsdp", "--nodes", "2", "--dry-run", "--skip-optimizer")
+    assert derived.returncode == 0, derived.stderr
+    name = re.search(r"^\[orch\] checkpoints: bucket (orch-phi3-dpo-fsdp-[0-9a-f]{8}) ", derived.stdout, re.M).group(1)
+    assert f"CHECKPOINT_BUCKET: {name}" in derived.stdout
+    assert f"checkpoints and final model: bucket {name} mounted at /checkpoints" in derived.stdout
+    chosen = orch("run", "phi3_dpo_fsdp", "--env", "CHECKPOINT_BUCKET=team-ckpt", "--dry-run", "--skip-optimizer")
+    assert "[orch] checkpoints: bucket" not in chosen.stdout and "CHECKPOINT_BUCKET: team-ckpt" in chosen.stdout
