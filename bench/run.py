@@ -1,11 +1,18 @@
-"""`make bench`: wall time and peak memory of what users wait for, against targets (issue 7).
+"""`make bench`: wall time and peak memory of what users wait for, against targets.
 
-(a) `orch --help`, `orch ls`, `orch run ... --dry-run --skip-optimizer`: median of N runs, and each as a
-    ratio to `sky --help` measured in the same run.            target: <= 0.15 s and >= 10x faster than sky
-(b) `orch node --print` beside a bare `python -c pass`.        target: <= 0.1 s
+Every target is a ratio to a reference measured in the same run, reference and subject interleaved (this
+machine is shared and noisy: an absolute target fails on a slow day whatever the code does); absolute times
+stay in the table for information.
+(a) `orch --help`, `orch ls`, `orch run ... --dry-run --skip-optimizer`: median of N runs.
+    targets: >= 10x faster than `sky --help`, and <= 5x a bare `python -c pass` (orch's own start-up)
+(b) `orch node --print`.                                       target: <= 4x `python -c pass`
 (c) the local 2-node smoke run end to end, as a ratio to the hand-written pair of `accelerate launch`
     commands (TRL's own dpo script, same arguments) with the best thread setting.   target: <= 1.15
-(d) peak memory: max RSS of the largest process of each command (from wait4).
+(d) the node setup: scripts/node-setup.sh (uv, from uv.lock) into a fresh environment that already holds torch (as
+    on a GPU image), cold installer cache, beside the plain `pip install -e '.[train]'` it replaces into the same
+    kind of environment; both install from one local directory of the same downloaded packages (DeepSpeed built
+    from its sdist by both), so the figure measures the installers, not the registry.   target: >= 3x faster
+(e) peak memory: max RSS of the largest process of each command (from wait4).
 
 Writes bench/results.md and prints the same table. Timing uses time.perf_counter around subprocesses.
 """
@@ -26,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 RUNS = int(os.environ.get("BENCH_RUNS", "7"))
 TRAIN_RUNS = int(os.environ.get("BENCH_TRAIN_RUNS", "3"))
+SETUP_RUNS = int(os.environ.get("BENCH_SETUP_RUNS", "3"))
 
 
 def measure(argv: list[str], env: dict | None = None, cwd: Path = ROOT) -> tuple[float, int, int]:
@@ -48,6 +56,17 @@ def median_of(argv, runs=RUNS, **kw) -> tuple[float, int]:
         times.append(seconds)
         peaks.append(peak)
     return statistics.median(times), max(peaks)
+
+
+def interleaved(reference: list[str], argv: list[str], runs=RUNS, **kw) -> tuple[float, int, float]:
+    """(median seconds, peak MiB, median reference seconds), alternating reference and subject runs."""
+    ref_times, times, peaks = [], [], []
+    for _ in range(runs):
+        ref_times.append(median_of(reference, runs=1)[0])
+        seconds, peak = median_of(argv, runs=1, **kw)
+        times.append(seconds)
+        peaks.append(peak)
+    return statistics.median(times), max(peaks), statistics.median(ref_times)
 
 
 NODE_ENV = {
@@ -140,10 +159,87 @@ def timed_pairs(pair, project, threads, runs) -> tuple[list[tuple[float, int]], 
     return done, failures
 
 
+CACHE = ROOT / "bench" / ".cache"
+
+
+def wheelhouse() -> Path:
+    import hashlib
+
+    house = CACHE / "wheelhouse"
+    key = hashlib.sha256((ROOT / "uv.lock").read_bytes()).hexdigest()[:12]
+    if (house / f".complete-{key}").is_file():
+        return house
+    shutil.rmtree(house, ignore_errors=True)
+    house.mkdir(parents=True)
+    reqs = house / "requirements.txt"
+    subprocess.run(
+        [str(BIN / "uv"), "export", "-q", "--frozen", "--no-emit-project", "--prune", "torch", "--extra", "train",
+         "--no-hashes", "--format", "requirements-txt", "-o", str(reqs)],
+        cwd=ROOT, check=True,
+    )  # fmt: skip
+    download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(house), "-r", str(reqs)]
+    subprocess.run(download, check=True, capture_output=True)
+    (house / f".complete-{key}").write_text("")
+    return house
+
+
+def image_env() -> Path:
+    """A virtual environment holding the locked torch, as a GPU image does (copied for each measurement)."""
+    env = CACHE / "image-env"
+    if not (env / ".complete").is_file():
+        shutil.rmtree(env, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
+        version = "import torch; print(torch.__version__.split('+')[0])"
+        torch = subprocess.run([sys.executable, "-c", version], capture_output=True, text=True, check=True)
+        pip = [str(env / "bin/python"), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, f"torch=={torch.stdout.strip()}", "setuptools", "wheel"], check=True, capture_output=True)
+        (env / ".complete").write_text("")
+    return env
+
+
+def setup_figures(runs: int) -> tuple[float, float]:
+    """(median seconds of the setup script, median seconds of the pip baseline), interleaved."""
+    house, image = wheelhouse(), image_env()
+    ours, theirs = [], []
+    for _ in range(runs):
+        for which in ("pip", "setup"):
+            scratch = Path(tempfile.mkdtemp(prefix=f"orch-bench-{which}-"))
+            env_dir = scratch / "env"
+            shutil.copytree(image, env_dir, symlinks=True)
+            base = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+            if which == "pip":
+                argv = [str(env_dir / "bin/python"), "-m", "pip", "install", "-q", "--no-index", "--find-links",
+                        str(house), "--no-build-isolation", "-e", ".[train]"]  # fmt: skip
+                env = {**base, "PIP_NO_CACHE_DIR": "1"}
+            else:
+                argv = ["bash", "scripts/node-setup.sh", "train"]
+                env = {
+                    **base,
+                    "ORCH_VENV": str(env_dir),
+                    "ORCH_HOME": str(scratch / "home"),
+                    "ORCH_SKIP_PREFETCH": "1",
+                    "UV_CACHE_DIR": str(scratch / "uv-cache"),  # cold
+                    "UV_NO_INDEX": "1",
+                    "UV_FIND_LINKS": str(house),
+                }
+            started = time.perf_counter()
+            result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+            elapsed = time.perf_counter() - started
+            shutil.rmtree(scratch, ignore_errors=True)
+            if result.returncode != 0:
+                raise SystemExit(f"bench: {which} install failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+            (theirs if which == "pip" else ours).append(elapsed)
+    return statistics.median(ours), statistics.median(theirs)
+
+
 def main() -> int:
     rows = []
-    sky_s, sky_mb = median_of([str(BIN / "sky"), "--help"], runs=max(3, RUNS // 2))
+    sky = [str(BIN / "sky"), "--help"]
+    python = [sys.executable, "-c", "pass"]
+    sky_s, sky_mb = median_of(sky, runs=max(3, RUNS // 2))
     rows.append(("sky --help (reference)", sky_s, sky_mb, "", ""))
+    py_s, py_mb = median_of(python)
+    rows.append(("python -c pass (reference)", py_s, py_mb, "", ""))
     for label, argv in (
         ("orch --help", ["--help"]),
         ("orch ls", ["ls"]),
@@ -152,28 +248,42 @@ def main() -> int:
             ["run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "--dry-run", "--skip-optimizer"],
         ),
     ):
-        seconds, mb = median_of([str(BIN / "orch"), *argv])
-        ratio = sky_s / seconds
-        ok = seconds <= 0.15 and ratio >= 10
+        seconds, mb, py_ref = interleaved(python, [str(BIN / "orch"), *argv])
+        faster, startup = sky_s / seconds, seconds / py_ref
+        ok = faster >= 10 and startup <= 5
         rows.append(
             (
                 label,
                 seconds,
                 mb,
-                f"{ratio:.0f}x faster than sky --help",
-                f"<= 0.15 s, >= 10x: {'PASS' if ok else 'FAIL'}",
+                f"{faster:.0f}x faster than sky --help; {startup:.1f}x python -c pass",
+                f">= 10x, <= 5x: {'PASS' if ok else 'FAIL'}",
             )
         )
-    py_s, py_mb = median_of([sys.executable, "-c", "pass"])
-    rows.append(("python -c pass (reference)", py_s, py_mb, "", ""))
-    node_s, node_mb = median_of([str(BIN / "orch"), "node", "--print"], env=NODE_ENV)
+    node_s, node_mb, py_ref = interleaved(python, [str(BIN / "orch"), "node", "--print"], env=NODE_ENV)
+    startup = node_s / py_ref
     rows.append(
         (
             "orch node --print",
             node_s,
             node_mb,
-            f"+{(node_s - py_s) * 1000:.0f} ms over python",
-            f"<= 0.1 s: {'PASS' if node_s <= 0.1 else 'FAIL'}",
+            f"{startup:.1f}x python -c pass (+{(node_s - py_ref) * 1000:.0f} ms)",
+            f"<= 4x: {'PASS' if startup <= 4 else 'FAIL'}",
+        )
+    )
+
+    setup_s, pip_s = setup_figures(SETUP_RUNS)
+    rows.append(
+        ("pip install -e '.[train]' (reference; torch in the image, local packages, cold cache)", pip_s, 0, "", "")
+    )
+    speedup = pip_s / setup_s
+    rows.append(
+        (
+            "scripts/node-setup.sh train (uv, uv.lock; same packages, cold cache)",
+            setup_s,
+            0,
+            f"{speedup:.1f}x faster than pip",
+            f">= 3x: {'PASS' if speedup >= 3 else 'FAIL'}",
         )
     )
 
@@ -216,12 +326,13 @@ def main() -> int:
         "| --- | --- | --- | --- | --- |"
     )
     lines = [
-        f"| {label} | {seconds * 1000:.0f} ms | {mb} MiB | {cmp} | {target} |"
+        f"| {label} | {seconds * 1000:.0f} ms | {f'{mb} MiB' if mb else '-'} | {cmp} | {target} |"
         for label, seconds, mb, cmp, target in rows
     ]
     machine = (
         f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"{time.strftime('%Y-%m-%d %H:%M')}; {RUNS} runs per CLI figure, {TRAIN_RUNS} per training figure"
+        f"{time.strftime('%Y-%m-%d %H:%M')}; {RUNS} runs per CLI figure, {SETUP_RUNS} per setup figure, "
+        f"{TRAIN_RUNS} per training figure"
     )
     note = (
         "orch's training entry (`orchestrator.train`) leaves right after its final barrier (os._exit), "
