@@ -10,6 +10,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 
 os.environ["SKYPILOT_DISABLE_LOCAL_API_SERVER"] = "1"
+# Launches are rehearsed against the training stack (seconds each): tests/test_rehearsal.py turns it on where it is
+# the subject; elsewhere it would only repeat that work.
+os.environ.setdefault("ORCH_REHEARSAL", "off")
 # A cache of tiny smoke models private to this test session: CI builds them from scratch.
 os.environ.setdefault("ORCH_CACHE_DIR", tempfile.mkdtemp(prefix="orch-test-cache-"))
 

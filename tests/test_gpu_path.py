@@ -15,10 +15,10 @@ import tomllib
 import yaml
 from conftest import ROOT, orch
 
-from orchestrator.core import accelerate_schema, trl_schema
+from orchestrator.core import accelerate_schema, smoke, trl_schema
 from orchestrator.core.errors import OrchError
 from orchestrator.launch import recipe as recipes
-from orchestrator.launch import smoke, storage
+from orchestrator.launch import storage
 from orchestrator.launch.resolved import resolve
 from orchestrator.node import plan as node
 from orchestrator.rehearsal import driver as rehearsal

@@ -86,10 +86,10 @@ def test_resolved_launch_is_typed_and_parsed_once(monkeypatch):
 RULES = {
     # room: (orch rooms it may import, third-party it may import)
     "core": ({"core"}, {"yaml"}),
-    "node": ({"core", "node"}, set()),
+    "node": ({"core", "node", "rehearsal.driver"}, set()),
     "launch": ({"core", "launch", "node.plan", "node.env", "node.script", "rehearsal.driver"}, {"yaml", "sky"}),
     "train": ({"core", "train"}, HEAVY - {"sky", "vllm"} | {"yaml", "huggingface_hub"}),
-    "rehearsal": ({"core", "node.plan", "train", "rehearsal"}, HEAVY - {"sky", "vllm"}),
+    "rehearsal": ({"core", "node.plan", "train", "rehearsal"}, HEAVY - {"sky", "vllm"} | {"huggingface_hub"}),
     "commands": ({"core", "launch", "node", "commands"}, {"yaml"}),
 }
 

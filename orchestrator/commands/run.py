@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -103,6 +104,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="print the resolved task, every rank's command and SkyPilot's plan; launch nothing",
     )
     cloud.add_argument("--skip-optimizer", action="store_true", help="with --dry-run: do not run the optimizer")
+    cloud.add_argument(
+        "--no-rehearsal",
+        action="store_true",
+        help="do not rehearse the launch against accelerate/TRL/transformers here (the head node still does, in "
+        "its setup); also ORCH_REHEARSAL=off",
+    )
     local = p.add_argument_group("local emulation")
     local.add_argument("--local", action="store_true", help="emulate the nodes on this machine (CPU processes)")
     local.add_argument(
@@ -166,7 +173,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[str, str]) -> int:
     from orchestrator.launch import records, secrets, storage
-    from orchestrator.launch.checks import check
+    from orchestrator.launch.checks import check, rehearse
 
     resources: dict[str, object] = {"use_spot": True} if args.spot else {}
     if launch.nodes > 1 and not (launch.recipe.task.get("resources") or {}).get("network_tier"):
@@ -189,16 +196,21 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
         storage.require_durable(task, [why for why, applies in reasons.items() if applies])
     run = f"{launch.recipe.name.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
     cluster = args.cluster or run
+    if not args.dry_run and not args.yes and not sys.stdin.isatty():
+        raise OrchError("a cloud launch asks before it spends money, but stdin is not a terminal: pass -y to launch")
+    if args.no_rehearsal or os.environ.get("ORCH_REHEARSAL", "").lower() in ("off", "0", "no"):
+        rehearsal = "rehearsal: skipped here (--no-rehearsal); the head node rehearses in its setup"
+    else:
+        rehearsal = rehearse(launch, checked)  # an OrchError naming role, owner and fix stops here
     if args.dry_run:
         from orchestrator.launch import dryrun
 
         if note:
             print(note, flush=True)
-        return dryrun.show(launch, task, checked, skip_optimizer=args.skip_optimizer)
-    if not args.yes and not sys.stdin.isatty():
-        raise OrchError("a cloud launch asks before it spends money, but stdin is not a terminal: pass -y to launch")
+        return dryrun.show(launch, task, checked, args.skip_optimizer, rehearsal)
     if note:
         print(note, flush=True)
+    print(f"[orch] {rehearsal}", flush=True)
     from orchestrator.launch.backends import sky as sky_backend
 
     sky_backend.to_task(task, secret_values)  # SkyPilot's own validation, before anything is asked or written
@@ -270,7 +282,8 @@ def _local(args, launch: Launch, user_envs, user_overrides, secret_values: dict[
     import hashlib
     import json
 
-    from orchestrator.launch import records, secrets, smoke
+    from orchestrator.core import smoke
+    from orchestrator.launch import records, secrets
     from orchestrator.launch.backends import local
     from orchestrator.launch.checks import check
 

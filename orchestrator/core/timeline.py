@@ -1,8 +1,8 @@
 """Time to first step: when each stage of a run's start ended, as the node setup, `orch node` and the training
 process record it (epoch seconds), and the one-line breakdown users read.
 
-Keys: setup_started, setup_installed, setup_prefetched (scripts/node-setup.sh), launched (the local backend),
-node_started, barrier_passed (`orch node`), model_loaded, first_step (the training process).
+Keys: setup_started, setup_installed, setup_rehearsed, setup_prefetched (scripts/node-setup.sh), launched (the
+local backend), node_started, barrier_passed (`orch node`), model_loaded, first_step (the training process).
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ def time_to_first_step(timeline: dict[str, float]) -> str:
     t = timeline
     parts = []
     if "setup_started" in t and "setup_prefetched" in t:
-        detail = ""
-        if "setup_installed" in t:
-            install, download = t["setup_installed"] - t["setup_started"], t["setup_prefetched"] - t["setup_installed"]
-            detail = f" (install {install:.1f}, download {download:.1f})"
-        parts.append(f"setup {t['setup_prefetched'] - t['setup_started']:.1f}{detail}")
+        marks = [(k, t[f"setup_{k}"]) for k in ("started", "installed", "rehearsed", "prefetched") if f"setup_{k}" in t]
+        names = {"installed": "install", "rehearsed": "rehearsal", "prefetched": "download"}
+        steps = [f"{names[k]} {v - marks[i][1]:.1f}" for i, (k, v) in enumerate(marks[1:])]
+        parts.append(f"setup {t['setup_prefetched'] - t['setup_started']:.1f} ({', '.join(steps)})")
     before_node = t.get("setup_prefetched", t.get("launched"))
     if before_node is not None and "node_started" in t:
         what = "SkyPilot from setup to run" if "setup_prefetched" in t else "starting the node"

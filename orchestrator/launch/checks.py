@@ -1,8 +1,10 @@
 """Every launch-side check of a resolved launch, before anything is written, built or sent.
 
-TRL's arguments (config keys and key=value overrides against trl_args.json), each rank's node plan computed
-with the node's own code (`node.plan`, from the environment SkyPilot will set, placeholder IPs), and preflight
-(memory only when GPUs are named).
+TRL's arguments (config keys and key=value overrides against trl_args.json), the node plans computed with the
+node's own code (`node.plan`, from the environment SkyPilot will set, placeholder IPs) for the ranks that
+differ (the head, node 1, the last node: every other rank is node 1 with its own --machine_rank, so the work is
+linear in the node count), preflight (memory only when GPUs are named), and the rehearsal of the launch against
+the owners' code (`rehearse`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from orchestrator.core import trl_schema
+from orchestrator.core.errors import OrchError
 from orchestrator.launch import preflight
 from orchestrator.launch.resolved import Launch
 from orchestrator.node.plan import NodePlan, plan
@@ -19,33 +22,72 @@ PLACEHOLDER_TASK_ID = "$SKYPILOT_TASK_ID"
 
 class Checked(NamedTuple):
     plans: list[NodePlan]
-    """Every node rank's plan, rank 0 first."""
+    """The plans of the representative ranks (0, 1, the last), in rank order (plan.cluster.node_rank)."""
     memory: preflight.MemoryEstimate | None
 
 
-def node_env(launch: Launch, rank: int, task_id: str, device: str) -> dict[str, str]:
-    """The environment SkyPilot (or the local backend) gives node `rank`; IPs are placeholders."""
+def placeholder_ips(nodes: int) -> str:
+    """SKYPILOT_NODE_IPS as SkyPilot writes it (one per line, a newline at the end), for `nodes` nodes."""
+    return "".join(f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256 + 1}\n" for i in range(nodes))
+
+
+def representative_ranks(nodes: int) -> list[int]:
+    return sorted({0, min(1, nodes - 1), nodes - 1})
+
+
+def previews(launch: Launch, task_id: str = PLACEHOLDER_TASK_ID, device: str = "gpu") -> list[NodePlan]:
+    """The plans of the representative ranks, computed on the launch side by the code the node runs."""
     env = {"SKYPILOT_TASK_ID": task_id, **launch.env()}
     if device == "cpu":
         env["ORCH_DEVICE"] = "cpu"
     env.update(
-        SKYPILOT_NODE_IPS="".join(f"10.0.0.{i + 1}\n" for i in range(launch.nodes)),
+        SKYPILOT_NODE_IPS=placeholder_ips(launch.nodes),
         SKYPILOT_NUM_NODES=str(launch.nodes),
         SKYPILOT_NUM_GPUS_PER_NODE=str(launch.gpus.count if launch.gpus else 1),
-        SKYPILOT_NODE_RANK=str(rank),
     )
-    return env
-
-
-def previews(launch: Launch, task_id: str = PLACEHOLDER_TASK_ID, device: str = "gpu") -> list[NodePlan]:
-    """Each rank's plan, computed on the launch side by the code the node runs."""
-    return [plan(node_env(launch, rank, task_id, device), *launch.paired) for rank in range(launch.nodes)]
+    return [
+        plan({**env, "SKYPILOT_NODE_RANK": str(rank)}, *launch.paired) for rank in representative_ranks(launch.nodes)
+    ]
 
 
 def check_trl(launch: Launch) -> None:
     """TRL config keys and every key=value override exist for the trainer and have the right type."""
     trl_schema.check_config_keys(launch.trainer, launch.paired.trl, launch.envs["TRL_CONFIG"])
     trl_schema.check(launch.trainer, launch.overrides)
+
+
+def rehearse(launch: Launch, checked: Checked) -> str:
+    """Rehearse the launch's roles against the owners' code (rehearsal/): the line to print, or an OrchError
+    naming the role, the owner that refused and the fix. Where the training stack is not installed here, says so
+    (the head node rehearses in its setup, before it downloads the model)."""
+    from orchestrator.core import smoke
+    from orchestrator.rehearsal import driver
+
+    if not driver.stack_installed():
+        return (
+            "rehearsal: not here (the training stack is not installed: pip install '.[train]' to rehearse on this "
+            "machine); the head node rehearses in its setup, before it downloads the model"
+        )
+    try:
+        artifacts = smoke.plan(str(launch.setting("model_name_or_path", "")), launch.trainer)
+    except OrchError as exc:
+        return f"rehearsal: not run ({exc})"
+    batch = driver.Batch(
+        trainer=launch.trainer,
+        roles=[driver.Role(name, p.argv, p.env, p.role) for name, p in driver.roles(checked.plans)],
+        substitute=driver.substitutions(launch.trainer, launch.settings, artifacts.dir, driver.output_dir()),
+        devices=launch.gpus.count,
+        smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
+    )
+    (outcomes,) = driver.rehearse_batches([batch], launch.recipe.workdir)
+    for outcome in outcomes:
+        if not outcome.ok:
+            fix = outcome.fix()
+            raise OrchError(
+                f"rehearsal of {launch.recipe.name}: the {outcome.role} would fail on its GPUs ({outcome.stage}: "
+                f"{outcome.error})" + (f"; {fix}" if fix else "")
+            )
+    return driver.summary(outcomes, launch.total_gpus, batch)
 
 
 def check(launch: Launch, task_id: str = PLACEHOLDER_TASK_ID, device: str = "gpu") -> Checked:

@@ -15,14 +15,19 @@ def _section(title: str) -> None:
     print(f"\n--- {title} ---")
 
 
-def show(launch: Launch, task: dict, checked: Checked, skip_optimizer: bool) -> int:
+def show(launch: Launch, task: dict, checked: Checked, skip_optimizer: bool, rehearsal: str) -> int:
     print(f"[orch] dry run of {launch.recipe.name}: nothing is launched, nothing is written")
+    print(f"[orch] {rehearsal}")
     _section("resolved task (what sky_jobs/<run>.yaml will hold)")
     print(dump_task(task).rstrip())
     _section("node commands (node IPs are placeholders: SkyPilot sets the real ones)")
     plans = checked.plans
-    for rank, node_plan in enumerate(plans):
+    shown = [p.cluster.node_rank for p in plans]
+    for node_plan in plans:
+        rank = node_plan.cluster.node_rank
         print(f"rank {rank}: {render(node_plan.argv)}")
+        if rank == 1 and launch.nodes > len(shown):
+            print(f"ranks 2..{launch.nodes - 2}: as rank 1, with --machine_rank 2..{launch.nodes - 2}")
     for note in plans[0].notes:
         print(f"note: {note}")
     head = plans[0]

@@ -1,19 +1,24 @@
-"""Rehearse a launch's rank roles against the owners' code (driver; imports nothing heavy).
+"""Rehearse launches' rank roles against the owners' code (driver; imports nothing heavy).
 
 A launch of N nodes has at most three distinct roles: the head (node 0), any other trainer node (all alike but
-for their rank), and the vLLM server node. Each is rehearsed in a subprocess (`orchestrator.rehearsal.role`)
-that needs the training stack installed; see that module for what runs. The recipe's model and data are
-replaced by the tiny smoke model and data of the same family and trainer (built locally, cached), and what
-needs a GPU or the network is swapped for what runs here; every swap is listed in the result.
+for their rank), and the vLLM server node. The roles of one or many launches are rehearsed in one subprocess
+(`orchestrator.rehearsal.role`) that imports the training stack once and forks per role; see that module for
+what runs. The recipe's model and data are replaced by the tiny smoke model and data of the same family and
+trainer (built in that subprocess, cached), and what needs a GPU or the network is swapped for what runs here;
+every swap is listed. Results are cached by a hash of what decides them: the roles' argv and env, the swaps,
+the config files the argv names, the installed versions and orch's own code.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -21,6 +26,49 @@ from typing import NamedTuple
 from orchestrator.node.plan import NodePlan
 
 PORTABLE_ATTENTION = ("sdpa", "eager")
+STACK = ("torch", "transformers", "trl", "accelerate", "deepspeed", "datasets")
+PROCESS_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONWARNINGS": "ignore",
+    # DeepSpeed picks its accelerator from torch.cuda, which the rehearsal fakes: keep its tensors on CPU
+    # (TRL initializes DPO/KTO reference models with deepspeed.initialize in the trainer's constructor).
+    "DS_ACCELERATOR": "cpu",
+}
+# What the owners' refusals mean for the user: a pattern of the error and the fix to name.
+FIXES = (
+    (r"ds gradient_accumulation_steps=\S+ vs hf|train_batch_size is not equal to micro_batch_per_gpu",
+     "set gradient_accumulation_steps to \"auto\" in the DeepSpeed config (orch gives accelerate and TRL the "
+     "value GLOBAL_BATCH_SIZE needs)"),
+    (r"mismatch TrainingArguments", "set these DeepSpeed config values to \"auto\" or to the TRL config's"),
+    (r"Packing is not compatible with context parallelism", "set packing=false (and eval_packing=false)"),
+    (r"When using `deepspeed_config_file`, the following accelerate config variables will be ignored",
+     "move those settings into the DeepSpeed JSON and out of the Accelerate config"),
+    (r"ParallelismConfig total_size", "make the parallelism sizes multiply to the process count"),
+)  # fmt: skip
+
+
+class Role(NamedTuple):
+    """What one node runs: the argv it execs, the variables it sets first, trainer or vllm-server."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = {}
+    role: str = "trainer"
+
+
+class Batch(NamedTuple):
+    """The roles of one launch."""
+
+    trainer: str
+    roles: list[Role]
+    substitute: list[str]
+    devices: int
+    """GPUs per node to report."""
+    smoke: tuple[str, str, str]
+    """(model type, trainer, cache dir) of the tiny model and data the substitutions point at."""
 
 
 class Outcome(NamedTuple):
@@ -30,14 +78,32 @@ class Outcome(NamedTuple):
     stage: str = ""
     error: str = ""
 
+    def fix(self) -> str:
+        return next((fix for pattern, fix in FIXES if re.search(pattern, self.error)), "")
+
+
+def stack_installed() -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers", "trl", "accelerate"))
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for name in STACK:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
 
 def roles(plans: list[NodePlan]) -> list[tuple[str, NodePlan]]:
-    """The distinct roles of a launch: the head, one other trainer node, the vLLM server node."""
+    """The distinct roles of a launch (from the plans of its representative ranks): the head, one other trainer
+    node, the vLLM server node."""
     trainers = [p for p in plans if p.role == "trainer"]
     out = [("head (node 0)", trainers[0])]
     if len(trainers) > 1:
-        out.append((f"trainer node {trainers[1].topology.node_rank} of {len(trainers)}", trainers[1]))
-    out += [(f"vLLM server (node {len(plans) - 1})", p) for p in plans if p.role == "vllm-server"]
+        out.append((f"trainer node {trainers[1].topology.node_rank}", trainers[1]))
+    out += [(f"vLLM server (node {p.cluster.node_rank})", p) for p in plans if p.role == "vllm-server"]
     return out
 
 
@@ -60,74 +126,147 @@ def substitutions(trainer: str, settings: Mapping[str, object], smoke_dir: Path,
     return words
 
 
-def _importable(module: str) -> bool:
-    import importlib.util
+def swaps(batch: Batch) -> list[str]:
+    """What the rehearsal ran in place of what needs a GPU or the network, in words."""
+    out = [f"tiny {batch.smoke[0]} model and data"]
+    words = batch.substitute
+    if "--attn_implementation" in words:
+        out.append("SDPA attention")
+    if "--use_liger_kernel" in words:
+        out.append("no Liger")
+    if "--use_vllm" in words:
+        out.append("no vLLM engine")
+    return out
 
+
+def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-class Role(NamedTuple):
-    """What one node runs: the argv it execs, the variables it sets first, trainer or vllm-server."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str] = {}
-    role: str = "trainer"
-
-
-PROCESS_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONWARNINGS": "ignore",
-    # DeepSpeed picks its accelerator from torch.cuda, which the rehearsal fakes: keep its tensors on CPU
-    # (TRL initializes DPO/KTO reference models with deepspeed.initialize in the trainer's constructor).
-    "DS_ACCELERATOR": "cpu",
-}
+def _files_named(argv: list[str], workdir: Path) -> list[bytes]:
+    """The contents of the config files an argv names (their edits change the result)."""
+    found = []
+    for flag in ("--config_file", "--config"):
+        if flag in argv:
+            path = Path(argv[argv.index(flag) + 1])
+            path = path if path.is_absolute() else workdir / path
+            found.append(path.read_bytes() if path.is_file() else b"")
+    return found
 
 
-def rehearse_roles(
-    trainer: str, roles_: list[Role], substitute: list[str], devices: int, workdir: Path = Path(".")
-) -> list[Outcome]:
-    """The roles of one launch in one subprocess (the training stack is imported once; each role forks).
+def cache_key(batch: Batch, workdir: Path) -> str:
+    digest = hashlib.sha256()
+    digest.update(json.dumps([batch.trainer, batch.devices, batch.smoke, batch.substitute, versions()]).encode())
+    for role in batch.roles:
+        digest.update(json.dumps([role.argv, role.env, role.role]).encode())
+        for content in _files_named(role.argv, workdir):
+            digest.update(hashlib.sha256(content).digest())
+    for source in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):  # orch's own code
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:24]
 
-    devices: GPUs per node to report (0 for a CPU launch)."""
-    batch = {
-        "trainer": trainer,
-        "devices": devices,
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("ORCH_CACHE_DIR") or Path.home() / ".cache" / "orch") / "rehearsals"
+
+
+def output_dir() -> str:
+    """Where rehearsed trainers' TrainingArguments point (never the run's CHECKPOINT_ROOT); fixed, so that the
+    substitutions, and the cache key, are the same from one rehearsal to the next."""
+    return str(_cache_dir() / "output")
+
+
+def rehearse_batches(batches: list[Batch], workdir: Path = Path("."), parallel: int = 1) -> list[list[Outcome]]:
+    """Every role of every batch, in one subprocess; cached results are reused, new ones stored."""
+    keys = [cache_key(b, workdir) for b in batches]
+    results: list[list[Outcome] | None] = []
+    for key in keys:
+        path = _cache_dir() / f"{key}.json"
+        results.append([Outcome(*o) for o in json.loads(path.read_text())] if path.is_file() else None)
+    todo = [i for i, r in enumerate(results) if r is None]
+    if todo:
+        fresh = _run([batches[i] for i in todo], workdir, parallel)
+        for i, outcomes in zip(todo, fresh, strict=True):
+            results[i] = outcomes
+            if all(o.stage != "rehearsal" for o in outcomes):  # a crash of the rehearsal itself is not cached
+                _cache_dir().mkdir(parents=True, exist_ok=True)
+                (_cache_dir() / f"{keys[i]}.json").write_text(json.dumps([list(o) for o in outcomes]))
+    return [[o._replace(facts={**o.facts, "cached": i not in todo}) for o in r] for i, r in enumerate(results)]
+
+
+def _run(batches: list[Batch], workdir: Path, parallel: int) -> list[list[Outcome]]:
+    request = {
         "process_env": PROCESS_ENV,
-        "roles": [{"argv": list(r.argv), "env": dict(r.env), "role": r.role, "substitute": substitute} for r in roles_],
+        "parallel": parallel,
+        "batches": [
+            {
+                "trainer": b.trainer,
+                "devices": b.devices,
+                "smoke": list(b.smoke),
+                "roles": [
+                    {"argv": list(r.argv), "env": dict(r.env), "role": r.role, "substitute": b.substitute}
+                    for r in b.roles
+                ],
+            }  # fmt: skip
+            for b in batches
+        ],
     }
     result = subprocess.run(
         [sys.executable, "-m", "orchestrator.rehearsal.role"],
-        input=json.dumps(batch),
+        input=json.dumps(request),
         cwd=workdir,
         env={**os.environ, **PROCESS_ENV},
         capture_output=True,
         text=True,
     )
-    lines = [x.split(" ", 1)[1] for x in result.stdout.splitlines() if x.startswith("ORCH_REHEARSAL ")]
-    outcomes = []
-    for i, r in enumerate(roles_):
-        if i >= len(lines):
-            tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
-            why = f"the rehearsal process failed (exit {result.returncode}): {tail[0]}"
-            outcomes.append(Outcome(r.name, False, {}, "rehearsal", why))
-            continue
-        data = json.loads(lines[i])
-        outcomes.append(
-            Outcome(r.name, data["ok"], data.get("facts", {}), data.get("stage", ""), data.get("error", ""))
-        )
-    return outcomes
+    lines = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("ORCH_REHEARSAL "):
+            _, where, payload = line.split(" ", 2)
+            lines[where] = json.loads(payload)
+    tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+    out = []
+    for i, batch in enumerate(batches):
+        outcomes = []
+        for j, role in enumerate(batch.roles):
+            data = lines.get(f"{i}.{j}")
+            if data is None:
+                why = f"the rehearsal process failed (exit {result.returncode}): {tail[0]}"
+                outcomes.append(Outcome(role.name, False, {}, "rehearsal", why))
+            else:
+                outcomes.append(Outcome(role.name, data["ok"], data.get("facts", {}), data.get("stage", ""),
+                                        data.get("error", "")))  # fmt: skip
+        out.append(outcomes)
+    return out
 
 
-def rehearse(
-    plans: list[NodePlan], trainer: str, settings: Mapping[str, object], smoke_dir: Path, workdir: Path = Path(".")
+def rehearse_roles(
+    trainer: str,
+    roles_: list[Role],
+    substitute: list[str],
+    devices: int,
+    workdir: Path = Path("."),
+    smoke: tuple[str, str, str] | None = None,
 ) -> list[Outcome]:
-    """Every distinct role of a launch; `settings` are the TRL settings the node would use (config + overrides)."""
-    selected = [Role(name, p.argv, p.env, p.role) for name, p in roles(plans)]
-    devices = 0 if "--use_cpu" in plans[0].argv else plans[0].topology.gpus_per_node
-    with tempfile.TemporaryDirectory(prefix="orch-rehearsal-out-") as out:
-        substitute = substitutions(trainer, settings, smoke_dir, out)
-        return rehearse_roles(trainer, selected, substitute, devices, workdir)
+    """The roles of one launch (smoke: the tiny artifacts the substitutions name, built when missing)."""
+    batch = Batch(trainer, roles_, substitute, devices, smoke or ("", trainer, ""))
+    return rehearse_batches([batch], workdir)[0]
+
+
+def summary(outcomes: list[Outcome], ranks: int, batch: Batch) -> str:
+    """One line: what was rehearsed and what the owners' code made of it."""
+    head = outcomes[0].facts
+    what = [head.get("distributed_type", "?")]
+    if head.get("parallelism"):
+        sizes = {k: v for k, v in head["parallelism"].items() if v > 1}
+        what.append(" x ".join(f"{k} {v}" for k, v in sizes.items()))
+    if head.get("zero_stage") is not None:
+        what.append(f"ZeRO-{head['zero_stage']}")
+    what.append(f"accumulation {head.get('gradient_accumulation_steps', '?')}")
+    what.append(f"final model: {head.get('final_model', '?')}")
+    stack = ", ".join(f"{k} {v}" for k, v in versions().items() if k in ("accelerate", "trl", "transformers"))
+    cached = " (cached)" if all(o.facts.get("cached") for o in outcomes) else ""
+    return (
+        f"rehearsed {len(outcomes)} role(s) of {ranks} rank(s) with {stack}: {', '.join(what)}; "
+        f"swapped here: {', '.join(swaps(batch))}{cached}"
+    )

@@ -1,7 +1,8 @@
 """Rehearse one rank role of a launch against the owners' code: no GPU, no weights, no network.
 
-`python -m orchestrator.rehearsal.role` reads the roles of one launch as JSON on stdin, imports the training stack
-once and forks one child per role; it prints one JSON result line per role. For a trainer role it does what the
+`python -m orchestrator.rehearsal.role` reads the roles of one or many launches as JSON on stdin, imports the
+training stack once, builds the tiny smoke artifacts they need, and forks one child per role (a few at a time);
+it prints one JSON result line per role. For a trainer role it does what the
 node and its first process would do, with the owners' code at every step:
   1. accelerate: `launch_command_parser`, `_validate_launch_command` (config merge), the env builder of the
      launch's path (`prepare_multi_gpu_env` / `prepare_deepspeed_cmd_env`), then torchrun's own
@@ -205,7 +206,7 @@ def rehearse(spec: dict) -> dict:
     return facts
 
 
-def _preimport(trainer: str) -> None:
+def _preimport(trainers: set[str]) -> None:
     """Import the training stack once, before the roles fork (each role then costs its own checks only)."""
     import importlib
 
@@ -215,9 +216,21 @@ def _preimport(trainer: str) -> None:
     from orchestrator.core.trl_schema import TRAINER_CLASSES
     from orchestrator.train import entry  # noqa: F401
 
-    getattr(importlib.import_module("trl"), TRAINER_CLASSES[trainer])
-    if trainer == "grpo":
+    for trainer in trainers:
+        getattr(importlib.import_module("trl"), TRAINER_CLASSES[trainer])
+    if "grpo" in trainers:
         importlib.import_module("trl.scripts.vllm_serve")
+
+
+def _build_artifacts(wanted: set[tuple[str, str, str]]) -> None:
+    """The tiny models and data the batches point at, built here when missing (torch is imported already)."""
+    from pathlib import Path
+
+    from orchestrator.train import smoke_build
+
+    for model_type, trainer, folder in sorted(wanted):
+        if folder and not (Path(folder) / "READY").is_file():
+            smoke_build.build(model_type, trainer, Path(folder))
 
 
 def _run_role(spec: dict) -> dict:
@@ -229,12 +242,17 @@ def _run_role(spec: dict) -> dict:
         return {"ok": False, "stage": "rehearsal", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
 
 
-def _forked(spec: dict) -> dict:
-    """One role in a forked child: its environment, patches and fake process group die with it."""
+def _fork(spec: dict) -> tuple[int, int]:
+    """Start one role in a forked child: its environment, patches and fake process group die with it.
+    Returns (pid, the read end of the pipe its JSON result comes on)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
         os.close(read_fd)
+        if spec.get("devices"):
+            import torch
+
+            torch.cuda.device_count = lambda: spec["devices"]  # this launch's GPUs per node
         captured = io.StringIO()
         with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
             result = _run_role(spec)
@@ -242,6 +260,10 @@ def _forked(spec: dict) -> dict:
             out.write(json.dumps(result))
         os._exit(0)  # no teardown of the fake process group or of half-built trainers
     os.close(write_fd)
+    return pid, read_fd
+
+
+def _collect(pid: int, read_fd: int) -> dict:
     with os.fdopen(read_fd) as pipe:
         text = pipe.read()
     _, status = os.waitpid(pid, 0)
@@ -251,19 +273,32 @@ def _forked(spec: dict) -> dict:
 
 
 def main() -> None:
-    """stdin: {"trainer", "devices", "process_env", "roles": [{"argv", "env", "role", "substitute"}, ...]};
-    stdout: one `ORCH_REHEARSAL <json>` line per role, in order."""
-    batch = json.loads(sys.stdin.read())
-    os.environ.update(batch.get("process_env", {}))
+    """stdin: {"process_env", "parallel", "batches": [{"trainer", "devices", "smoke", "roles": [{"argv", "env",
+    "role", "substitute"}, ...]}, ...]}; stdout: `ORCH_REHEARSAL <batch>.<role> <json>` per role."""
+    request = json.loads(sys.stdin.read())
+    os.environ.update(request.get("process_env", {}))
     warnings.filterwarnings("ignore")
-    if batch.get("devices"):
-        _fake_cuda(batch["devices"])  # before any import that could cache "no CUDA"
+    batches = request["batches"]
+    devices = max((b["devices"] for b in batches), default=0)
+    if devices:
+        _fake_cuda(devices)  # before any import that could cache "no CUDA"; each child sets its own count
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        _preimport(batch["trainer"])
-    for spec in batch["roles"]:
-        sys.__stdout__.write(
-            "ORCH_REHEARSAL " + json.dumps(_forked({**spec, "devices": batch.get("devices", 0)})) + "\n"
-        )
+        _preimport({b["trainer"] for b in batches})
+        _build_artifacts({tuple(b["smoke"]) for b in batches})
+    jobs = [
+        (f"{i}.{j}", {**role, "devices": b["devices"]})
+        for i, b in enumerate(batches)
+        for j, role in enumerate(b["roles"])
+    ]
+    running: list[tuple[str, int, int]] = []
+    width = max(1, int(request.get("parallel", 1)))
+    while jobs or running:
+        while jobs and len(running) < width:
+            where, spec = jobs.pop(0)
+            running.append((where, *_fork(spec)))
+        where, pid, read_fd = running.pop(0)
+        result = _collect(pid, read_fd)
+        sys.__stdout__.write(f"ORCH_REHEARSAL {where} {json.dumps(result)}\n")
         sys.__stdout__.flush()
     os._exit(0)
 

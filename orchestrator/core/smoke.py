@@ -1,4 +1,5 @@
-"""Smoke mode, launch side: where the tiny model and data live, the TRL overrides that point a recipe at them.
+"""Smoke artifacts, for local smoke runs and rehearsals: where the tiny model and data live, and the TRL
+overrides that point a recipe at them.
 
 A tiny random model of the recipe's architecture, a tokenizer trained here and synthetic data in the trainer's
 format are built on this machine in seconds, with no network, by `orchestrator.train.smoke_build` in a
