@@ -11,8 +11,9 @@
 #    environment holds the locked version (any build: +cu128, +cpu), else the locked torch is installed: the
 #    rest of the lock was resolved against it. A reused cluster whose environment already holds this lock and
 #    these extras skips all of it.
-# 4. The recipe's model and dataset, downloaded once per node in parallel into the Hugging Face cache the
-#    training processes read (python -m orchestrator.train.prefetch).
+# 4. On the head node, a rehearsal of the cluster's rank roles against accelerate, TRL and transformers (orch node
+#    --rehearse; ORCH_REHEARSAL=off skips it); then the recipe's model and dataset, downloaded once per node in
+#    parallel into the Hugging Face cache the training processes read (python -m orchestrator.train.prefetch).
 # Timings go to $ORCH_HOME/setup.times for the time-to-first-step breakdown.
 set -euo pipefail
 
@@ -87,7 +88,9 @@ else
 fi
 echo "installed=$(now)" >> "$times"
 
-# 4. the model and the data
+# 4. the rehearsal (on the head node: the owners' code on this cluster's roles), then the model and the data
+"$ORCH_VENV/bin/orch" node --rehearse
+echo "rehearsed=$(now)" >> "$times"
 if [ -z "${ORCH_SKIP_PREFETCH:-}" ]; then
   HF_XET_HIGH_PERFORMANCE="${HF_XET_HIGH_PERFORMANCE:-1}" "$ORCH_VENV/bin/python" -m orchestrator.train.prefetch
 fi

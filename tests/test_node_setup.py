@@ -67,7 +67,7 @@ def test_recipe_setup_installs_from_the_lock(path):
 def hub(tmp_path):
     """A model and a dataset saved to disk, served over HTTP by a stand-in for the Hub (huggingface_hub's real
     client, no network); one repo gated."""
-    from orchestrator.launch import smoke
+    from orchestrator.core import smoke
 
     artifacts = smoke.plan("microsoft/Phi-3-mini-4k-instruct", "dpo")
     smoke.ensure(artifacts)
@@ -84,7 +84,8 @@ def hub_recipe(project: Path, model: str) -> dict[str, str]:
     trl = yaml.safe_load((project / "recipes" / "trl" / "phi3_dpo.yaml").read_text())
     trl.update(model_name_or_path=model, dataset_name="org/prefs")
     (project / "recipes" / "trl" / "hub.yaml").write_text(yaml.safe_dump(trl))
-    return {"TRL_TRAINER": "dpo", "TRL_CONFIG": "recipes/trl/hub.yaml", "TRL_OVERRIDES": ""}
+    envs = yaml.safe_load((project / "recipes" / "phi3_dpo_fsdp.yaml").read_text())["envs"]
+    return {**{k: str(v) for k, v in envs.items()}, "TRL_CONFIG": "recipes/trl/hub.yaml"}
 
 
 @pytest.mark.slow
@@ -107,6 +108,12 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
         "HF_HOME": str(tmp_path / "hf"),
         "HF_ENDPOINT": hub.endpoint,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        # the head node of a 2-node cluster, as SkyPilot's setup sees it; its rehearsal runs in the new environment
+        "SKYPILOT_SETUP_NODE_RANK": "0",
+        "SKYPILOT_SETUP_NODE_IPS": "10.0.0.1\n10.0.0.2\n",
+        "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": "2",
+        "ORCH_REHEARSAL": "on",
+        "ORCH_CACHE_DIR": str(tmp_path / "orch-cache"),
     }
     first = subprocess.run(
         ["bash", "scripts/node-setup.sh", "train"], cwd=project, env=env, capture_output=True, text=True, timeout=900
@@ -116,6 +123,7 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
     assert f"torch {LOCKED['torch']} is there: kept" in out
     assert re.search(r"installing uv\.lock's orch\[train\] \(\d+ packages\)", out)
     assert "[orch] prefetch: model org/tiny-phi3:" in out and "[orch] prefetch: dataset org/prefs:" in out
+    assert re.search(r"^\[orch\] rehearsed 2 role\(s\) of 4 rank\(s\) with transformers ", out, re.M), out[-3000:]
     # the environment holds the lock's versions, and orch from this checkout
     freeze = subprocess.run(
         [str(Path(sys.executable).parent / "uv"), "pip", "freeze", "--python", str(venv / "bin/python")],
@@ -142,6 +150,7 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
     assert again.returncode == 0, again.stderr[-2000:]
     assert "already holds uv.lock's orch[train] (a reused cluster): nothing to install" in again.stdout
     assert "installing" not in again.stdout
+    assert re.search(r"^\[orch\] rehearsed 2 role\(s\) .*\(cached\)$", again.stdout, re.M)
 
 
 def test_prefetch_names_the_fix_for_a_gated_model(tmp_path, hub, project):

@@ -10,6 +10,7 @@ EPILOG = """\
 examples:
   orch node            # in a recipe's `run:`: exec accelerate with this node's rank, IPs and GPU count
   orch node --print    # print that command and exit (identical env -> identical argv)
+  orch node --rehearse # in a recipe's setup: the owners' code on this cluster's roles, before any download
 
   # try it by hand: rank 1 of 2 nodes x 8 GPUs
   SKYPILOT_NODE_RANK=1 SKYPILOT_NUM_NODES=2 SKYPILOT_NUM_GPUS_PER_NODE=8 \\
@@ -35,10 +36,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
     )
     parser.add_argument("--print", action="store_true", help="print the command and exit instead of running it")
+    parser.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="on the head node: rehearse this cluster's roles against accelerate/TRL/transformers and exit "
+        "(scripts/node-setup.sh runs it before downloading the model; reads SkyPilot's setup variables too)",
+    )
     parser.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     from orchestrator.node import exec as node_exec
 
+    if args.rehearse:
+        return node_exec.rehearse()
     return node_exec.run(print_only=args.print)

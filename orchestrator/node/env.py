@@ -63,3 +63,22 @@ def env_port(env: Mapping[str, str], name: str, default: int) -> str:
     if not raw.isdigit() or not 0 < int(raw) < 65536:
         raise OrchError(f"{name}={raw!r} is not a TCP port (1-65535)")
     return raw
+
+
+SETUP_VARS = ("SKYPILOT_SETUP_NODE_RANK", "SKYPILOT_SETUP_NODE_IPS", "SKYPILOT_SETUP_NUM_GPUS_PER_NODE")
+
+
+def run_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The node's variables as `run:` sees them, also from within `setup:`, where SkyPilot names them
+    SKYPILOT_SETUP_NODE_RANK / _NODE_IPS / _NUM_GPUS_PER_NODE and sets no node count or task id."""
+    out = dict(env)
+    if "SKYPILOT_NODE_RANK" not in env and "SKYPILOT_SETUP_NODE_RANK" in env:
+        ips = [line for line in env.get("SKYPILOT_SETUP_NODE_IPS", "").splitlines() if line.strip()]
+        out.update(
+            SKYPILOT_NODE_RANK=env["SKYPILOT_SETUP_NODE_RANK"],
+            SKYPILOT_NODE_IPS=env.get("SKYPILOT_SETUP_NODE_IPS", ""),
+            SKYPILOT_NUM_NODES=str(len(ips)),
+            SKYPILOT_NUM_GPUS_PER_NODE=env.get("SKYPILOT_SETUP_NUM_GPUS_PER_NODE", ""),
+        )
+        out.setdefault("SKYPILOT_TASK_ID", "setup")
+    return out

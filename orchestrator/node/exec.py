@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from orchestrator.core.errors import OrchError
 from orchestrator.core.topology import Topology
 from orchestrator.node import vllm
-from orchestrator.node.env import env_port
+from orchestrator.node.env import env_port, from_env
 from orchestrator.node.plan import DEFAULT_PORT, plan_from_env, render
 
 
@@ -52,6 +52,48 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
             "`accelerate` is not on PATH on this node; the recipe's setup must pip install '.[train]'"
         ) from None
     return 0  # not reached
+
+
+def rehearse(env: Mapping[str, str] | None = None) -> int:
+    """`orch node --rehearse` (run by scripts/node-setup.sh before the model is downloaded): on the head node,
+    rehearse every distinct role of this cluster against the owners' code (rehearsal/); the other nodes leave it
+    to the head. Prints one line, or one `orch: error:` line and exits 2 (the setup, and the job, stop there)."""
+    from orchestrator.core import configs, overrides, smoke
+    from orchestrator.node.env import run_env
+    from orchestrator.node.plan import plan
+    from orchestrator.rehearsal import driver
+
+    env = run_env(os.environ if env is None else env)
+    if env.get("ORCH_REHEARSAL", "").lower() in ("off", "0", "no"):
+        print("[orch] rehearsal: skipped (ORCH_REHEARSAL=off)", flush=True)
+        return 0
+    cluster = from_env(env)
+    if cluster.node_rank != 0:
+        print(f"[orch] rehearsal: node {cluster.node_rank} leaves it to the head node", flush=True)
+        return 0
+    paired = configs.load(env)
+    ranks = sorted({0, min(1, cluster.nodes - 1), cluster.nodes - 1})
+    plans = [plan({**env, "SKYPILOT_NODE_RANK": str(r)}, *paired) for r in ranks]
+    trainer = env["TRL_TRAINER"]  # checked by plan()
+    settings = overrides.effective(paired.trl, overrides.loads(env.get("TRL_OVERRIDES", "")))
+    artifacts = smoke.plan(str(settings.get("model_name_or_path", "")), trainer)
+    batch = driver.Batch(
+        trainer=trainer,
+        roles=[driver.Role(name, p.argv, p.env, p.role) for name, p in driver.roles(plans)],
+        substitute=driver.substitutions(trainer, settings, artifacts.dir, driver.output_dir()),
+        devices=cluster.gpus_per_node,
+        smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
+    )
+    (outcomes,) = driver.rehearse_batches([batch])
+    for outcome in outcomes:
+        if not outcome.ok:
+            fix = outcome.fix()
+            raise OrchError(
+                f"rehearsal: the {outcome.role} would fail on its GPUs ({outcome.stage}: {outcome.error})"
+                + (f"; {fix}" if fix else "")
+            )
+    print(f"[orch] {driver.summary(outcomes, cluster.total_gpus, batch)}", flush=True)
+    return 0
 
 
 def setup_times(env: Mapping[str, str]) -> dict[str, float]:
