@@ -1,0 +1,333 @@
+"""Every launch rehearsed against the owners' code before a GPU is paid for (issue 13).
+
+The matrix rehearses every recipe at every topology where its global batch can be kept, and edited copies, in one
+subprocess (the training stack imported once, one fork per role); its results land in the session's rehearsal
+cache, which the CLI's dry runs then reuse. The rest of the suite runs with ORCH_REHEARSAL=off (conftest), so
+these tests turn it on.
+"""
+
+import os
+import re
+import time
+
+import pytest
+import yaml
+from conftest import ROOT, orch
+
+from orchestrator.core import smoke
+from orchestrator.core.accelerators import Gpus
+from orchestrator.core.errors import OrchError
+from orchestrator.launch import recipe as recipes
+from orchestrator.launch.checks import previews
+from orchestrator.launch.resolved import resolve
+from orchestrator.rehearsal import driver
+
+pytestmark = pytest.mark.slow
+ON = {"ORCH_REHEARSAL": "on"}
+TOPOLOGIES = [(1, 1), (1, 8), (2, 8), (3, 4), (16, 8)]
+RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
+MATRIX_ENVS: dict = {}  # (recipe, nodes, gpus) -> the --env the matrix needed for the batch to fit that shape
+
+
+def batch_for(path, nodes: int, gpus: int, **flags):
+    """The launch `orch run <path> --gpus <type>:<gpus> --nodes <nodes>` would rehearse, or None where it cannot
+    run at that shape (its global batch cannot be kept, a vLLM server needs a second node)."""
+    launch = resolve(recipes.load(str(path)), nodes=nodes, gpus=Gpus("H100", gpus), **flags)
+    try:
+        plans = previews(launch)
+    except OrchError as exc:
+        return str(exc)
+    artifacts = smoke.plan(str(launch.setting("model_name_or_path")), launch.trainer)
+    return driver.Batch(
+        trainer=launch.trainer,
+        roles=[driver.Role(name, p.argv, p.env, p.role) for name, p in driver.roles(plans)],
+        substitute=driver.substitutions(launch.trainer, launch.settings, artifacts.dir, driver.output_dir()),
+        devices=gpus,
+        smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
+    ), plans
+
+
+def copies(project):
+    """Edited copies made with `orch cp`: another Accelerate config, a TRL profile swapped in, DeepSpeed configs with
+    an accumulation of their own (pinned in the Accelerate config; "auto" in a DeepSpeed JSON)."""
+    made = {}
+    assert orch("cp", "phi3_dpo_fsdp", "dpo_profile", cwd=project).returncode == 0
+    edit_env(project / "recipes" / "dpo_profile.yaml", ACCELERATE_CONFIG="fsdp2")  # TRL's profile instead
+    made["dpo_profile"] = 2
+    assert orch("cp", "qwen25_dpo_zero2", "zero2_pinned", cwd=project).returncode == 0
+    edit_accel(project / "recipes" / "accelerate" / "zero2_pinned.yaml", gradient_accumulation_steps=2)
+    made["zero2_pinned"] = 1
+    assert orch("cp", "llama3_sft_zero3", "zero3_json", cwd=project).returncode == 0
+    ds_json(project, "zero3_json", "auto")
+    made["zero3_json"] = 2
+    assert orch("cp", "qwen25_sft_ddp", "sft_zero3", cwd=project).returncode == 0
+    edit_env(project / "recipes" / "sft_zero3.yaml", ACCELERATE_CONFIG="zero3")  # a strategy swapped in
+    made["sft_zero3"] = 1
+    return made
+
+
+def edit_env(path, **envs):
+    task = yaml.safe_load(path.read_text())
+    task["envs"].update(envs)
+    path.write_text(yaml.safe_dump(task, sort_keys=False))
+
+
+def edit_accel(path, **deepspeed):
+    config = yaml.safe_load(path.read_text())
+    config["deepspeed_config"].update(deepspeed)
+    path.write_text(yaml.safe_dump(config))
+
+
+def ds_json(project, name: str, accumulation):
+    """Point a copy's Accelerate config at a DeepSpeed JSON holding the ZeRO settings and the accumulation."""
+    import json
+
+    accel_path = project / "recipes" / "accelerate" / f"{name}.yaml"
+    accel = yaml.safe_load(accel_path.read_text())
+    ds = accel["deepspeed_config"]
+    config = {
+        "zero_optimization": {"stage": ds["zero_stage"], "stage3_gather_16bit_weights_on_model_save": True},
+        "bf16": {"enabled": "auto"},
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": "auto",
+    }
+    (project / "recipes" / "accelerate" / f"{name}.json").write_text(json.dumps(config))
+    accel["deepspeed_config"] = {
+        "deepspeed_config_file": f"recipes/accelerate/{name}.json",
+        "deepspeed_multinode_launcher": "standard",
+        "zero3_init_flag": True,
+    }
+    accel.pop("mixed_precision", None)
+    accel_path.write_text(yaml.safe_dump(accel))
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """Rehearse it all once; yields {(recipe, nodes, gpus): (outcomes, plans)} and what could not run."""
+    project = tmp_path_factory.mktemp("rehearsal-project")
+    import shutil
+
+    shutil.copytree(ROOT / "recipes", project / "recipes")
+    cwd = os.getcwd()
+    os.chdir(project)
+    try:
+        made = copies(project)
+        jobs, skipped, envs = {}, [], {}
+        for name in RECIPES + sorted(made):
+            for nodes, gpus in TOPOLOGIES + ([(made[name], 8)] if name in made else []):
+                path = project / "recipes" / f"{name}.yaml"
+                found = batch_for(path, nodes, gpus)
+                suggested = re.findall(r"GLOBAL_BATCH_SIZE=(\d+)", found) if isinstance(found, str) else []
+                if suggested:  # the recipe's batch does not fit this shape: the batch orch suggests instead
+                    envs[(name, nodes, gpus)] = {"GLOBAL_BATCH_SIZE": max(suggested, key=int)}
+                    found = batch_for(path, nodes, gpus, envs=envs[(name, nodes, gpus)])
+                if isinstance(found, str):
+                    skipped.append((name, nodes, gpus, found))
+                else:
+                    jobs[(name, nodes, gpus)] = found
+        started = time.monotonic()
+        results = driver.rehearse_batches([b for b, _ in jobs.values()], project, parallel=2)
+        took = time.monotonic() - started
+    finally:
+        os.chdir(cwd)
+    MATRIX_ENVS.update(envs)
+    yield {key: (outcomes, jobs[key][1]) for key, outcomes in zip(jobs, results, strict=True)}, skipped, took, project
+
+
+def test_every_recipe_at_every_shape_is_accepted_by_the_owners_code(matrix):
+    results, skipped, took, _ = matrix
+    failed = {key: [(o.role, o.stage, o.error) for o in outcomes if not o.ok] for key, (outcomes, _) in results.items()}
+    assert not any(failed.values()), {k: v for k, v in failed.items() if v}
+    for name in RECIPES:  # every recipe ran somewhere, and its default 2x8 shape everywhere it can
+        assert any(key[0] == name for key in results), name
+    # a shape is skipped only where it cannot run at all: a vLLM server node needs a second node, context or
+    # sequence parallelism needs 2 GPUs; every other recipe meets every topology
+    impossible = {("qwen25_grpo_vllm_server", 1, 1), ("qwen25_grpo_vllm_server", 1, 8)}
+    impossible |= {(name, 1, 1) for name in ("qwen3_sft_alst", "qwen3_sft_fsdp_cp")}
+    assert {(n, a, b) for n, a, b, _ in skipped} == impossible, skipped
+    assert len(results) == len(RECIPES) * len(TOPOLOGIES) - len(impossible) + len(copies_made(results))
+    for (name, nodes, gpus), (outcomes, plans) in results.items():
+        head = outcomes[0].facts
+        trainers = [p for p in plans if p.role == "trainer"]
+        assert head["world_size"] == trainers[0].topology.total_gpus, (name, nodes, gpus)
+        assert head["gradient_accumulation_steps"] == (
+            trainers[0].gradient_accumulation_steps or head["gradient_accumulation_steps"]
+        )
+        if len(outcomes) > 1 and outcomes[1].facts.get("rank") is not None:
+            assert outcomes[1].facts["rank"] == gpus  # node 1's first process
+    print(f"rehearsed {sum(len(o) for o, _ in results.values())} roles of {len(results)} launches in {took:.0f} s")
+
+
+def copies_made(results) -> set:
+    return {key for key in results if key[0] not in RECIPES}
+
+
+def test_edited_copies_get_orchs_accumulation_everywhere(matrix):
+    results, _, _, _ = matrix
+    pinned, plans = results[("zero2_pinned", 2, 8)]
+    assert pinned[0].facts["gradient_accumulation_steps"] == plans[0].gradient_accumulation_steps != 2
+    json_ds, plans = results[("zero3_json", 2, 8)]
+    assert json_ds[0].facts["zero_stage"] == 3
+    assert json_ds[0].facts["gradient_accumulation_steps"] == plans[0].gradient_accumulation_steps
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_dry_run_prints_the_rehearsal_and_reuses_it(matrix, recipe):
+    """`orch run <recipe> --gpus H100:8 --nodes 2 --dry-run`: the matrix rehearsed this exact launch, so the dry
+    run finds it in the cache."""
+    _, _, _, project = matrix
+    flags = [f"--env={k}={v}" for k, v in MATRIX_ENVS.get((recipe, 2, 8), {}).items()]
+    result = orch("run", recipe, "--gpus", "H100:8", "--nodes", "2", "--dry-run", "--skip-optimizer",
+                  "--secret", "HF_TOKEN=x", *flags, cwd=project, env=ON)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if "rehearsed" in x)
+    assert re.search(
+        r"^\[orch\] rehearsed [23] role\(s\) of 16 rank\(s\) with transformers 5\.17\.0, trl 1\.16\.0", line
+    )
+    assert line.endswith("(cached)")
+
+
+# ---------------------------------------------------------------- the GPU-fixes findings, reintroduced in copies
+
+
+def cp(project, source: str, name: str):
+    assert orch("cp", source, name, cwd=project).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "source, edit, message",
+    [
+        (
+            "qwen3_sft_fsdp_cp",
+            lambda p, n: edit_env(p / "recipes" / f"{n}.yaml", TRL_OVERRIDES="packing=true"),
+            "TRL's SFTTrainer refuses packing with context parallelism (cp_size=2)",
+        ),
+        (
+            "qwen3_sft_alst",
+            lambda p, n: edit_accel(
+                p / "recipes/accelerate" / f"{n}.yaml", seq_parallel_communication_data_type="bf16"
+            ),
+            "does not pass deepspeed_config.seq_parallel_communication_data_type",
+        ),
+        (
+            "llama3_sft_zero3",
+            lambda p, n: edit_accel(p / "recipes/accelerate" / f"{n}.yaml", zero3_save_16bit_model=False),
+            "ZeRO-3 without zero3_save_16bit_model",
+        ),
+        (
+            "llama3_sft_zero3",
+            lambda p, n: ds_json(p, n, 2),  # a DeepSpeed JSON whose own accumulation disagrees with the batch
+            "(transformers' DeepSpeed config: ValueError: ",  # transformers compares it with TrainingArguments
+        ),
+        (
+            "qwen25_dpo_zero2",
+            lambda p, n: ds_json(p, n, 2),  # DPO's reference model meets DeepSpeed's own batch check first
+            "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size 64 != 4 * 2 * 16",
+        ),
+        (
+            "qwen25_dpo_zero2",
+            lambda p, n: edit_accel(p / "recipes/accelerate" / f"{n}.yaml", gradient_clipping=0.5),
+            "ds gradient_clipping=0.5 vs hf max_grad_norm=1.0",
+        ),
+    ],
+    ids=["packing-cp", "alst-dropped-key", "zero3-no-16bit", "ds-json-accumulation", "ds-json-dpo", "ds-clipping"],
+)
+def test_findings_reintroduced_in_a_copy_are_refused_with_one_line(project, source, edit, message):
+    name = f"copy_{source}"
+    cp(project, source, name)
+    edit(project, name)
+    result = orch("run", name, "--gpus", "H100:8", "--nodes", "2", "--dry-run", "--skip-optimizer",
+                  "--secret", "HF_TOKEN=x", cwd=project, env=ON)  # fmt: skip
+    assert result.returncode == 2, result.stdout[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("orch: error: ") and message in line, line
+    assert not (project / "sky_jobs").exists()
+
+
+def test_a_refusal_names_role_owner_and_fix(project):
+    cp(project, "llama3_sft_zero3", "pinned_json")
+    ds_json(project, "pinned_json", 2)
+    result = orch("run", "pinned_json", "--gpus", "H100:8", "--nodes", "2", "--dry-run", "--skip-optimizer",
+                  "--secret", "HF_TOKEN=x", cwd=project, env=ON)  # fmt: skip
+    line = result.stderr.strip()
+    assert line.startswith("orch: error: rehearsal of pinned_json: the head (node 0) would fail on its GPUs "
+                           "(transformers' DeepSpeed config: ValueError: ")  # fmt: skip
+    assert line.endswith('set gradient_accumulation_steps to "auto" in the DeepSpeed config (orch gives accelerate '
+                         "and TRL the value GLOBAL_BATCH_SIZE needs)")  # fmt: skip
+
+
+def test_an_edit_to_a_config_is_rehearsed_again(project):
+    command = ["run", "qwen25_kto_ddp", "--dry-run", "--skip-optimizer"]
+    first = orch(*command, cwd=project, env=ON)  # 1 x L4:4: a shape the matrix does not rehearse
+    again = orch(*command, cwd=project, env=ON)
+    assert first.returncode == 0 and "rehearsed 1 role(s) of 4 rank(s)" in first.stdout, first.stderr
+    assert "(cached)" not in first.stdout and again.stdout.count("(cached)") == 1
+    config = project / "recipes" / "trl" / "qwen25_kto.yaml"
+    config.write_text(config.read_text().replace("beta: 0.1", "beta: 0.2"))
+    edited = orch(*command, cwd=project, env=ON)
+    assert edited.returncode == 0 and "(cached)" not in edited.stdout
+
+
+# ---------------------------------------------------------------- on the head node, in its setup
+
+
+SETUP_ENV = {
+    "SKYPILOT_SETUP_NODE_IPS": "10.0.0.1\n10.0.0.2\n",
+    "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": "8",
+    "TRL_TRAINER": "sft",
+    "TRL_CONFIG": "recipes/trl/qwen3_sft_zero1.yaml",
+    "ACCELERATE_CONFIG": "zero1",
+    "GLOBAL_BATCH_SIZE": "128",
+    "CHECKPOINT_ROOT": "/checkpoints",
+    **ON,
+}
+
+
+def test_node_rehearses_in_setup_on_the_head_only():
+    head = orch("node", "--rehearse", env={**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0"})
+    assert head.returncode == 0, head.stderr
+    assert re.search(
+        r"^\[orch\] rehearsed 2 role\(s\) of 16 rank\(s\) .*: DEEPSPEED, ZeRO-1, accumulation 2", head.stdout, re.M
+    )
+    other = orch("node", "--rehearse", env={**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "1"})
+    assert other.returncode == 0 and "node 1 leaves it to the head node" in other.stdout
+
+
+def test_node_rehearsal_stops_the_setup_with_one_line(project):
+    cp(project, "qwen25_dpo_zero2", "bad_json")
+    ds_json(project, "bad_json", 3)
+    env = {**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0", "TRL_TRAINER": "dpo", "GLOBAL_BATCH_SIZE": "64"}
+    env.update(TRL_CONFIG="recipes/trl/bad_json.yaml", ACCELERATE_CONFIG="recipes/accelerate/bad_json.yaml")
+    result = orch("node", "--rehearse", env=env, cwd=project)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "the head (node 0) would fail on its GPUs (trainer: AssertionError: Check batch related" in line
+    assert line.endswith('set gradient_accumulation_steps to "auto" in the DeepSpeed config (orch gives accelerate '
+                         "and TRL the value GLOBAL_BATCH_SIZE needs)")  # fmt: skip
+
+
+def test_without_the_training_stack_the_laptop_says_so(monkeypatch):
+    from orchestrator.launch import checks
+
+    monkeypatch.setattr(driver, "stack_installed", lambda: False)
+    launch = resolve(recipes.load(str(ROOT / "recipes" / "phi3_dpo_fsdp.yaml")))
+    line = checks.rehearse(launch, checks.check(launch))
+    assert line.startswith("rehearsal: not here (the training stack is not installed")
+    assert "the head node rehearses in its setup, before it downloads the model" in line
+
+
+def test_ten_thousand_nodes_dry_run_is_linear_once_rehearsed():
+    command = ["run", "llama3_sft_fsdp", "--gpus", "H100:8", "--nodes", "10000", "--env", "GLOBAL_BATCH_SIZE=160000",
+               "--secret", "HF_TOKEN=x", "--dry-run", "--skip-optimizer"]  # fmt: skip
+    first = orch(*command, env=ON)
+    assert first.returncode == 0, first.stderr
+    started = time.monotonic()
+    again = orch(*command, env=ON)
+    assert time.monotonic() - started < 2.0 and again.returncode == 0
+    assert "rehearsed 2 role(s) of 80000 rank(s)" in again.stdout and "(cached)" in again.stdout
+    assert "ranks 2..9998: as rank 1, with --machine_rank 2..9998" in again.stdout
+    as_asked = orch("run", "llama3_sft_fsdp", "--gpus", "H100:8", "--nodes", "10000", "--secret", "HF_TOKEN=x",
+                    "--dry-run", "--skip-optimizer", env=ON)  # fmt: skip
+    assert as_asked.returncode == 2 and "GLOBAL_BATCH_SIZE=128 is not a multiple" in as_asked.stderr
