@@ -70,7 +70,7 @@ def test_cpu_runs_ddp_over_torchrun_path(node_env):
     assert plan.argv[plan.argv.index("--config_file") + 1] == str(CPU_CONFIG)
     assert plan.argv[-2:] == ["--use_cpu", "true"]
     assert plan.runs_as == "DDP over gloo"
-    assert any("asks for FSDP" in n and "DDP over gloo" in n for n in plan.notes)
+    assert any("asks for fsdp1" in n and "DDP over gloo" in n for n in plan.notes)
 
 
 def test_overrides_reach_the_trl_script_after_config(node_env):

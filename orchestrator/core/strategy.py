@@ -50,3 +50,20 @@ def of(accelerate_config: Mapping) -> Strategy:
         offload = any(str(d) not in _NONE for d in devices)
         return Strategy(f"zero{ds.get('zero_stage', '?')}", offload, sizes.cp, sizes.sp)
     return Strategy("ddp" if kind == "MULTI_GPU" else "single-gpu", False, sizes.cp, sizes.sp)
+
+
+def cpu_fallback(s: Strategy, processes: int) -> str | None:
+    """Why this strategy cannot train for real on CPU with `processes` ranks (smoke runs fall back to DDP over gloo),
+    or None when it can: FSDP2 (with orchestrator/train/cpu_fsdp.py's help), DeepSpeed ZeRO 1/2/3 with or without
+    offload, and Ulysses sequence parallelism on ZeRO-3. docs/design.md has the table."""
+    if s.cp > 1:
+        return "context parallelism's ring attention handles only CUDA SDPA kernels (flash, efficient, cuDNN)"
+    if s.sp > 1 and processes % s.sp:
+        return f"sp_size={s.sp} needs a multiple of {s.sp} processes and this run has {processes}"
+    if s.kind == "fsdp1":
+        return 'accelerate\'s FSDP1 wrapper asks for a CUDA/XPU-like device ("no available devices found")'
+    if s.kind.startswith("fsdp") and s.offload:
+        return "FSDP2's CPU offload pins host memory for the copies to the GPU, which needs one (torch's pin_memory)"
+    if s.kind in ("fsdp2", "zero1", "zero2", "zero3"):
+        return None
+    return "not a sharded strategy"

@@ -4,8 +4,9 @@
 `--same_network` are flags because accelerate ignores those config-file values; DeepSpeed always gets
 `--deepspeed_multinode_launcher standard` (else pdsh + hostfile) and the accumulation the TRL script gets
 (accelerate exports a config's own `deepspeed_config.gradient_accumulation_steps` to DeepSpeed, and transformers
-stops at train() on a mismatch). On CPU (ORCH_DEVICE=cpu) orch's cpu.yaml with `--multi_gpu`: torchrun's path,
-one gloo group (accelerate's `--cpu` launcher would start independent trainings).
+stops at train() on a mismatch). On CPU (ORCH_DEVICE=cpu) FSDP2 and DeepSpeed ZeRO recipes keep their own config
+(fp32, gloo; core.strategy.cpu_fallback says which); the rest get orch's cpu.yaml with `--multi_gpu`: torchrun's
+path, one gloo group (accelerate's `--cpu` launcher would start independent trainings), DDP.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from orchestrator.core import parallel
+from orchestrator.core import parallel, strategy
 from orchestrator.core.configs import CPU_CONFIG
 from orchestrator.core.topology import Topology
 
@@ -22,14 +23,18 @@ from orchestrator.core.topology import Topology
 class Flags(NamedTuple):
     argv: list[str]
     runs_as: str
-    """What will really run: the config's distributed type on GPUs, `DDP over gloo` on CPU."""
+    """What will really run: the config's distributed type on GPUs; on CPU `FSDP2 over gloo`, `DeepSpeed ZeRO-3 over
+    gloo` or, for what cannot run there, `DDP over gloo`."""
     notes: tuple[str, ...] = ()
+    script_args: tuple[str, ...] = ()
+    """TRL arguments the device needs: `--use_cpu true` (CPU processes) or `--ddp_backend gloo` (DeepSpeed on CPU)."""
 
 
 def parallel_sizes(accelerate_config: Mapping, device: str, total: int) -> parallel.Sizes | None:
-    """The Accelerate config's parallelism_config refit to `total` processes (None on CPU or without one)."""
+    """The Accelerate config's parallelism_config refit to `total` processes (None without one, or on CPU where
+    it cannot run there: core.strategy.cpu_fallback)."""
     sizes = parallel.declared(accelerate_config)
-    if device == "cpu" or sizes is None:
+    if sizes is None or (device == "cpu" and strategy.cpu_fallback(strategy.of(accelerate_config), total)):
         return None
     parallel.check_backend(sizes, accelerate_config)
     return parallel.refit(sizes, total)
@@ -50,14 +55,34 @@ def flags(
     total = trainers.total_gpus
     argv = ["accelerate", "launch"]
     notes = []
+    script_args: tuple[str, ...] = ()
+    sharded = asked if asked in ("FSDP", "DEEPSPEED") else None
     if device == "cpu":
-        argv += ["--config_file", str(CPU_CONFIG)] + (["--multi_gpu"] if total > 1 else [])
-        runs_as = "DDP over gloo" if total > 1 else "single process"
-        if asked in ("FSDP", "DEEPSPEED") or parallel.declared(accelerate_config):
-            notes.append(
-                f"the recipe asks for {asked} ({accel_path}); on CPU orch runs {runs_as} instead "
-                "(same data, batch and optimizer steps; no sharding, no context/sequence parallelism)"
-            )
+        asked_strategy = strategy.of(accelerate_config)
+        why_not = strategy.cpu_fallback(asked_strategy, total) if sharded else "not sharded"
+        if why_not is None:  # the recipe's own config, without mixed precision (fp32 on CPU)
+            argv += ["--config_file", str(config_file), "--mixed_precision", "no"]
+            if sharded == "FSDP":
+                runs_as = f"FSDP{asked_strategy.kind[-1]} over gloo"
+                script_args = ("--use_cpu", "true")  # MULTI_CPU; orchestrator/train/cpu_fsdp.py makes it FSDP
+            else:
+                runs_as = f"DeepSpeed ZeRO-{asked_strategy.kind[-1]} over gloo"
+                script_args = ("--ddp_backend", "gloo")  # not use_cpu: accelerate's DeepSpeed path needs it off
+                notes.append(
+                    "DeepSpeed on CPU compiles its CPU extensions on first use (shared-memory collectives, and CPU "
+                    "Adam when offloading): a minute or two once, then cached in ~/.cache/torch_extensions"
+                )
+        else:
+            sharded = None
+            argv += ["--config_file", str(CPU_CONFIG)] + (["--multi_gpu"] if total > 1 else [])
+            runs_as = "DDP over gloo" if total > 1 else "single process"
+            script_args = ("--use_cpu", "true")
+            if asked in ("FSDP", "DEEPSPEED") or parallel.declared(accelerate_config):
+                notes.append(
+                    f"the recipe asks for {asked_strategy.label} ({accel_path}); on CPU orch runs {runs_as} "
+                    f"instead: {why_not} (same data, batch and optimizer steps; no sharding, no context/sequence "
+                    "parallelism)"
+                )
     else:
         argv += ["--config_file", str(config_file)]
         runs_as = asked
@@ -70,10 +95,10 @@ def flags(
         "--rdzv_backend", "static",
         "--same_network",
     ]  # fmt: skip
-    if device == "gpu" and asked == "DEEPSPEED":
+    if sharded == "DEEPSPEED" or (device == "gpu" and asked == "DEEPSPEED"):
         argv += ["--deepspeed_multinode_launcher", "standard"]
     if sizes is not None:
         argv += sizes.flags()
-    if device == "gpu" and asked == "DEEPSPEED":
+    if sharded == "DEEPSPEED" or (device == "gpu" and asked == "DEEPSPEED"):
         argv += ["--gradient_accumulation_steps", str(accumulation)]
-    return Flags(argv, runs_as, tuple(notes))
+    return Flags(argv, runs_as, tuple(notes), script_args)

@@ -111,6 +111,7 @@ def plan(
     settings = overrides.effective(trl_config, recipe.overrides)
     accelerate_schema.check_config(accelerate_config, recipe.accel_path)
     rules.check_final_model_is_written(accelerate_config, recipe.accel_path)
+    rules.check_reference_model_loading(recipe.trainer, accelerate_config, settings, recipe.accel_path)
 
     # A vLLM server node (GRPO, VLLM_SERVER_NODES=1) does not train: the others form the training job.
     serving = vllm.server_nodes(env, cluster, recipe.trainer)
@@ -143,7 +144,13 @@ def plan(
     if recipe.device == "gpu":
         node_env, note = rules.cpu_threads(strategy.of(accelerate_config).offload, env, cpus, trainers.gpus_per_node)
     argv = script.arguments(
-        env, recipe.trainer, recipe.trl_path, recipe.overrides, decided=decided, accumulation=ga, device=recipe.device
+        env,
+        recipe.trainer,
+        recipe.trl_path,
+        recipe.overrides,
+        decided=decided,
+        accumulation=ga,
+        device_args=flags.script_args,
     )
     return NodePlan(
         argv=flags.argv + argv,

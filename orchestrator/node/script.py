@@ -2,7 +2,7 @@
 
 Order matters: the TRL config, then the recipe's key=value overrides, then what orch decides (output_dir under
 CHECKPOINT_ROOT, the vLLM server's address, pad_to_multiple_of, ddp_timeout, the accumulation that keeps the
-global batch, use_cpu), so orch's values win where both are given.
+global batch, the CPU switches), so orch's values win where both are given.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ def arguments(
     *,
     decided: list[str],
     accumulation: int | None,
-    device: str,
+    device_args: tuple[str, ...] = (),
 ) -> list[str]:
-    """decided: arguments orch computed for this node (vLLM server address, pad_to_multiple_of)."""
+    """decided: arguments orch computed for this node (vLLM server address, pad_to_multiple_of); device_args: what
+    the launcher needs the TRL script to be told on this device (`--use_cpu true` or `--ddp_backend gloo` on CPU)."""
     extra = list(decided)
     root = env.get("CHECKPOINT_ROOT", "").strip()
     if root:  # run-keyed: a recovered managed job (same task id) finds its checkpoints
@@ -47,6 +48,4 @@ def arguments(
     argv = ["--module", TRAIN_MODULE, trainer, "--config", trl_path, *overrides.to_argv(user, trainer), *extra]
     if accumulation is not None:
         argv += ["--gradient_accumulation_steps", str(accumulation)]
-    if device == "cpu":
-        argv += ["--use_cpu", "true"]
-    return argv
+    return argv + list(device_args)

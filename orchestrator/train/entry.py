@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from orchestrator.core.trl_schema import TRAINER_CLASSES
+from orchestrator.train import cpu_fsdp
 from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist
 from orchestrator.train.checkpoints import latest_complete_checkpoint, resume_choice, save_final_model
 
@@ -119,7 +120,50 @@ def _min_over_ranks(step: int) -> int:
     return int(value.item())
 
 
-def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | None) -> dict:
+def strategy_facts(trainer) -> dict:
+    """What sharding really ran, read from the trained model and the engine, never from a config: FSDP's version,
+    how many parameters are DTensors (sharded by fully_shard) and the state dict type; DeepSpeed's ZeRO stage and
+    how many parameters ZeRO-3 partitioned."""
+    from accelerate.utils import DistributedType
+
+    acc = trainer.accelerator
+    params = list(trainer.model.parameters())
+    if acc.distributed_type == DistributedType.FSDP:
+        from torch.distributed.tensor import DTensor
+
+        plugin = acc.state.fsdp_plugin
+        facts = {
+            "fsdp_version": plugin.fsdp_version,
+            "sharded_params": sum(isinstance(p, DTensor) for p in params),
+            "params": len(params),
+            "state_dict_type": str(plugin.state_dict_type).rsplit(".", 1)[-1],
+        }
+        ref = getattr(trainer, "ref_model", None)  # DPO/KTO's frozen reference model, prepared by TRL
+        if ref is not None:
+            ref_params = list(ref.parameters())
+            facts["ref_sharded_params"] = sum(isinstance(p, DTensor) for p in ref_params)
+            facts["ref_params"] = len(ref_params)
+        return facts
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        engine = acc.deepspeed_engine_wrapped.engine if acc.deepspeed_engine_wrapped else trainer.model_wrapped
+        facts = {
+            "zero_stage": int(engine.zero_optimization_stage()),
+            "sharded_params": sum(hasattr(p, "ds_tensor") for p in params),
+            "params": len(params),
+        }
+        parallelism = getattr(acc, "parallelism_config", None)  # the live accelerator's, as the ranks built it
+        if parallelism is not None and (parallelism.sp_size or 1) > 1:
+            facts["sp_size"] = int(parallelism.sp_size)
+        ref = getattr(trainer, "ref_model", None)
+        if ref is not None:
+            ref_params = list(ref.parameters())
+            facts["ref_sharded_params"] = sum(hasattr(p, "ds_tensor") for p in ref_params)
+            facts["ref_params"] = len(ref_params)
+        return facts
+    return {}
+
+
+def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | None, strategy: dict) -> dict:
     acc = trainer.accelerator
     local = torch.tensor([trainer.orch_samples], dtype=torch.long)
     total = local.clone()
@@ -130,6 +174,7 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "rank": acc.process_index,
         "world_size": acc.num_processes,
         "distributed_type": acc.distributed_type.value,
+        "strategy": strategy,
         "backend": dist().get_backend() if dist() else None,
         "device": str(acc.device),
         "local_samples": int(local.item()),
@@ -174,6 +219,8 @@ def _leave(trainer) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parsed = parse(sys.argv[1:] if argv is None else argv)
+    if cpu_fsdp.wanted():
+        cpu_fsdp.install()
     output_dir = Path(parsed.training_args.output_dir)
     callback = OrchCallback(output_dir, json.loads(os.environ.get("ORCH_TIMELINE") or "{}"))
     trainer = build(parsed, [callback])
@@ -189,9 +236,10 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    strategy = strategy_facts(trainer)  # before the final save switches FSDP to a full state dict
     final = save_final_model(trainer, parsed.training_args.output_dir)
     _print_final(final)
-    report = _report(trainer, callback, Path(resume) if resume else None, final)
+    report = _report(trainer, callback, Path(resume) if resume else None, final, strategy)
     callback.report_dir.mkdir(parents=True, exist_ok=True)
     (callback.report_dir / f"rank{report['rank']}.json").write_text(json.dumps(report, indent=1))
     _leave(trainer)

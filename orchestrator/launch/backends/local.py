@@ -197,6 +197,48 @@ class _Tee:
             stream.flush()
 
 
+def ran_as(report: dict) -> str:
+    """`FSDP2`, `DeepSpeed ZeRO-3`, `MULTI_CPU` (DDP): a rank's report, read back from the training process."""
+    facts = report.get("strategy") or {}
+    if "fsdp_version" in facts:
+        return f"FSDP{facts['fsdp_version']}"
+    if "zero_stage" in facts:
+        sp = f" + Ulysses SP{facts['sp_size']}" if facts.get("sp_size") else ""
+        return f"DeepSpeed ZeRO-{facts['zero_stage']}{sp}"
+    return report["distributed_type"]
+
+
+def sharding_line(ranks: list[dict]) -> str | None:
+    """How many parameters each rank held sharded (DTensor under FSDP2, ZeRO-3 partitions), per the ranks."""
+    facts = [r.get("strategy") or {} for r in ranks]
+    if not facts or "params" not in facts[0]:
+        return None
+    head = facts[0]
+    what = "DTensor" if "fsdp_version" in head else "ZeRO-3 partitions"
+    sharded = min(f["sharded_params"] for f in facts)
+    text = f"[orch] sharded: {sharded}/{head['params']} parameters on every rank ({what})"
+    stage = head.get("zero_stage", 3)
+    if stage < 3:
+        states = "optimizer states and gradients" if stage == 2 else "optimizer states"
+        text = f"[orch] sharded: {states} (ZeRO-{stage}); parameters replicated on every rank"
+    if "ref_params" in head:
+        text += f", reference model {min(f['ref_sharded_params'] for f in facts)}/{head['ref_params']}"
+    if "state_dict_type" in head:
+        text += f"; checkpoints as {head['state_dict_type']}"
+    return text
+
+
+def checkpoint_format(checkpoint: Path) -> str:
+    """What the files say: FSDP's distributed checkpoint shards, DeepSpeed's per-rank ZeRO states, or nothing."""
+    shards = sorted(checkpoint.glob("pytorch_model_fsdp_*/*.distcp"))
+    if shards:
+        return f" (sharded: {len(shards)} distcp shard file(s) in {shards[0].parent.name}/)"
+    states = sorted(checkpoint.glob("global_step*/*_model_states.pt"))
+    if states:
+        return f" (DeepSpeed: {len(states)} per-rank model state file(s) in {states[0].parent.name}/)"
+    return ""
+
+
 def _summary(output_dir: Path) -> list[str]:
     """What really ran, from the per-rank reports the training processes wrote (orchestrator/train.py)."""
     import json
@@ -208,9 +250,12 @@ def _summary(output_dir: Path) -> list[str]:
     head = ranks[0]
     world = head["world_size"]
     lines = [
-        f"[orch] ran: {head['distributed_type']} over {head['backend'] or 'no process group'}, world size {world} "
+        f"[orch] ran: {ran_as(head)} over {head['backend'] or 'no process group'}, world size {world} "
         f"(ranks reporting: {', '.join(str(r['rank']) for r in ranks)})"
     ]
+    sharding = sharding_line(ranks)
+    if sharding:
+        lines.append(sharding)
     steps = head["optimizer_steps_this_run"]
     if not steps and head.get("resumed_from"):
         lines.append(
@@ -234,7 +279,7 @@ def _summary(output_dir: Path) -> list[str]:
         )
     checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     if checkpoints:
-        lines.append(f"[orch] checkpoint: {checkpoints[-1]}")
+        lines.append(f"[orch] checkpoint: {checkpoints[-1]}{checkpoint_format(checkpoints[-1])}")
     if head.get("timeline", {}).get("first_step"):
         lines.append(f"[orch] time to first step: {time_to_first_step(head['timeline'])}")
     final = head.get("final_model")
