@@ -26,6 +26,29 @@ def check_final_model_is_written(accelerate_config: Mapping, accel_path: str) ->
         )
 
 
+def check_reference_model_loading(trainer: str, accelerate_config: Mapping, settings: Mapping, accel_path: str) -> None:
+    """FSDP2 + cpu-RAM-efficient loading + a frozen reference model (DPO, KTO; GRPO with beta > 0): transformers
+    loads the weights on each node's first process only and leaves the others empty, counting on a broadcast from
+    rank 0 when the model is sharded. accelerate does that broadcast for the policy; TRL's `prepare_fsdp` shards the
+    reference model with `fully_shard` alone, so every other rank's shards of the reference stay zeros (seen on CPU
+    with FSDP2 for real: 1 node x 2 processes, step-1 DPO loss 0.6949 instead of log 2; the reference model's first
+    weight summed to 0.47 against the policy's 2.41). DPO then trains against a broken reference, silently."""
+    if str(accelerate_config.get("distributed_type", "")).upper() != "FSDP":
+        return
+    fsdp = accelerate_config.get("fsdp_config") or {}
+    if str(fsdp.get("fsdp_version", 1)) != "2" or not truthy(fsdp.get("fsdp_cpu_ram_efficient_loading", False)):
+        return
+    if truthy(settings.get("use_peft", False)) or truthy(settings.get("precompute_ref_log_probs", False)):
+        return  # no separate reference model is sharded
+    has_ref = trainer in ("dpo", "kto") or (trainer == "grpo" and float(settings.get("beta", 0.0) or 0.0) != 0.0)
+    if has_ref:
+        raise OrchError(
+            f"{accel_path}: fsdp_cpu_ram_efficient_loading with {trainer.upper()}'s reference model under FSDP2 leaves "
+            "the reference weights empty on every rank but each node's first (TRL shards it without accelerate's "
+            "broadcast); set fsdp_config.fsdp_cpu_ram_efficient_loading: false"
+        )
+
+
 def check_packing(trainer: str, sizes: Sizes, settings: Mapping) -> None:
     """TRL's SFTTrainer refuses packing with context parallelism: ring attention drops the block-diagonal mask."""
     if trainer != "sft" or sizes.cp < 2:
