@@ -117,6 +117,8 @@ def test_killed_node_stops_the_gang_and_the_rerun_resumes_exactly(project):
 
     resumed = orch(*command, cwd=project)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "[orch] ran: FSDP2 over gloo" in resumed.stdout  # the resumed checkpoint is FSDP2's sharded one
+    assert "(sharded: 2 distcp shard file(s) in pytorch_model_fsdp_0/)" in resumed.stdout
     start = int(re.search(r"resuming from \S+/checkpoint-(\d+)", resumed.stdout).group(1))
     assert 4 <= start < 24
     after = loss_log(output_dir)

@@ -29,26 +29,35 @@ def test_two_node_smoke_is_one_process_group(project):
     for rank in (0, 1):
         line = next(x for x in out.splitlines() if x.startswith(f"(node{rank}) [orch] exec: accelerate launch"))
         assert "--num_processes 2 --num_machines 2" in line and f"--machine_rank {rank}" in line
-        assert "--multi_gpu" in line
-    assert "on CPU orch runs DDP over gloo instead" in out
+        assert "--config_file recipes/accelerate/fsdp2_phi3.yaml --mixed_precision no" in line
+        assert line.endswith("--use_cpu true") and "--multi_gpu" not in line
+    assert "(node1) [orch] node 1/2: 1 process(es) here, 2 in all, head 127.0.0.1, running FSDP2 over gloo" in out
+    assert "instead" not in out  # no fallback note: the recipe's strategy ran
     # from inside the training processes: one group of world size 2, each rank its own
     output_dir = output_dir_of(out, project)
     ranks = reports(output_dir)
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for r in ranks:
         assert r["world_size"] == 2
-        assert r["distributed_type"] == "MULTI_CPU" and r["backend"] == "gloo"
+        assert r["distributed_type"] == "FSDP" and r["backend"] == "gloo"
+        facts = r["strategy"]  # read from the trained model in each process: DTensor parameters, policy and ref
+        assert facts["fsdp_version"] == 2 and facts["state_dict_type"] == "SHARDED_STATE_DICT"
+        assert facts["sharded_params"] == facts["params"] > 0 and facts["ref_sharded_params"] == facts["ref_params"]
     head = ranks[0]
     ga = head["gradient_accumulation_steps"]
     assert ga == 8  # smoke global batch 16 = 1 per device x 2 ranks x 8
     assert head["total_samples"] == head["per_device_train_batch_size"] * 2 * ga * head["optimizer_steps_this_run"]
     assert head["local_samples"] + ranks[1]["local_samples"] == head["total_samples"]
     # orch says what ran, and the run left a loss log and a checkpoint
-    assert "[orch] ran: MULTI_CPU over gloo, world size 2" in out
+    assert "[orch] ran: FSDP2 over gloo, world size 2" in out
+    assert re.search(r"^\[orch\] sharded: (\d+)/\1 parameters on every rank \(DTensor\), reference model", out, re.M)
     assert re.search(r"\[orch\] step 8/8 loss=\d", out)
     logged = [json.loads(x) for x in (output_dir / "orch" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "loss" in r] == list(range(1, 9))
     assert (output_dir / "checkpoint-8" / "orch_complete").is_file()
+    shards = sorted(p.name for p in (output_dir / "checkpoint-8" / "pytorch_model_fsdp_0").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # one shard per rank: a sharded checkpoint
+    assert "checkpoint-8 (sharded: 2 distcp shard file(s) in pytorch_model_fsdp_0/)" in out
     # the final model: reported by the training process, loadable by transformers itself
     assert head["final_model"]["loadable"] and head["final_model"]["path"] == str(output_dir.relative_to(project))
     assert re.search(rf"^\[orch\] final model: {re.escape(head['final_model']['path'])} \(model.safetensors", out, re.M)

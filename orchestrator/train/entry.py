@@ -169,6 +169,9 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
     total = local.clone()
     if dist():
         dist().all_reduce(total)
+    # under sequence/context parallelism the ranks of one group share each sample (each holds a slice of it)
+    parallelism = getattr(acc, "parallelism_config", None)
+    sharing = (parallelism.sp_size or 1) * (parallelism.cp_size or 1) if parallelism is not None else 1
     args = trainer.args
     return {
         "rank": acc.process_index,
@@ -178,7 +181,8 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "backend": dist().get_backend() if dist() else None,
         "device": str(acc.device),
         "local_samples": int(local.item()),
-        "total_samples": int(total.item()),
+        "total_samples": int(total.item()) // sharing,
+        "data_parallel_ranks": acc.num_processes // sharing,
         "optimizer_steps": trainer.state.global_step,
         "optimizer_steps_this_run": callback.steps_run,
         "per_device_train_batch_size": args.per_device_train_batch_size,

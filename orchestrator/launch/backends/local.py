@@ -233,9 +233,9 @@ def checkpoint_format(checkpoint: Path) -> str:
     shards = sorted(checkpoint.glob("pytorch_model_fsdp_*/*.distcp"))
     if shards:
         return f" (sharded: {len(shards)} distcp shard file(s) in {shards[0].parent.name}/)"
-    states = sorted(checkpoint.glob("global_step*/*_model_states.pt"))
+    states = sorted(checkpoint.glob("global_step*/*optim_states.pt"))  # one per rank at every ZeRO stage
     if states:
-        return f" (DeepSpeed: {len(states)} per-rank model state file(s) in {states[0].parent.name}/)"
+        return f" (DeepSpeed: {len(states)} per-rank optimizer state file(s) in {states[0].parent.name}/)"
     return ""
 
 
@@ -266,7 +266,8 @@ def _summary(output_dir: Path) -> list[str]:
         per_step = head["total_samples"] / steps
         lines.append(
             f"[orch] {steps} optimizer steps x {per_step:g} samples "
-            f"(= {head['per_device_train_batch_size']} per device x {world} ranks x "
+            f"(= {head['per_device_train_batch_size']} per device x {head.get('data_parallel_ranks', world)} "
+            "data-parallel ranks x "
             f"{head['gradient_accumulation_steps']} accumulation)"
         )
     log = output_dir / "orch" / "log.jsonl"
