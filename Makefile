@@ -5,7 +5,7 @@ UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile uv.lock | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench snapshots lock clean
+.PHONY: install demo test lint bench gpu-check snapshots lock clean
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ test: install
 
 bench: install
 	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) bench/run.py
+
+# On a machine with CUDA GPUs: each strategy's smoke recipe for real (bf16, NCCL, save, resume, final model), then
+# tokens/s and MFU of the SFT recipe's settings vs TRL's defaults. Record what it prints in docs/gpu.md.
+gpu-check: install
+	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) bench/gpu_check.py
 
 # The launch side's snapshots of the installed training stack (TRL's arguments and profiles, accelerate's keys).
 snapshots: install

@@ -1,0 +1,281 @@
+"""`make gpu-check`: what only a GPU shows, on whatever CUDA GPUs this machine has.
+
+1. Each strategy's smoke recipe through `orch node` exactly as on a cloud node (ORCH_DEVICE=gpu: the recipe's own
+   Accelerate config, NCCL, bf16, the recipe's attention and Liger settings where their packages are installed,
+   else said), on the tiny model of its family: 8 steps with a checkpoint at 4 and 8, a second start that must
+   resume from checkpoint-8 and train to step 12, and the final model loaded back by transformers. One line per
+   strategy, read from the ranks' reports (orchestrator/train/entry.py), never from the configs.
+2. Throughput of the SFT recipe's settings (bf16, Liger, padding-free, activation checkpointing) on a real-size
+   architecture with random weights (Qwen2.5-0.5B's shapes from its config, sequence 2048) beside TRL's defaults
+   on the same model and data: tokens/s, model FLOPs utilisation and the ratio.
+
+Nothing here is simulated: without a CUDA GPU it says so in one line and exits 2. Results go to docs/gpu.md by
+hand, with the versions and the date it printed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+STRATEGIES = {  # label -> a shipped recipe that asks for it
+    "FSDP2": "phi3_dpo_fsdp",
+    "ZeRO-3": "llama3_sft_zero3",
+    "ZeRO-2": "qwen25_dpo_zero2",
+    "ZeRO-1": "qwen3_sft_zero1",
+    "DDP": "qwen25_sft_ddp",
+}
+SEQ = 2048
+# bf16 dense peak (TFLOP/s, without sparsity) from the vendors' datasheets; orch's accelerator table comes later.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+# Qwen2.5-0.5B's published config (shapes only; weights are random).
+QWEN25_05B = dict(
+    hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+    vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def flops_per_token(n_params: int, n_layers: int, hidden: int, seq: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus 12 x layers x hidden x seq for attention (PaLM's
+    appendix B formula; activation recomputation is not counted, as MFU conventionally does not)."""
+    return 6.0 * n_params + 12.0 * n_layers * hidden * seq
+
+
+def mfu(tokens_per_s: float, per_token_flops: float, gpus: int, peak_tflops: float) -> float:
+    return tokens_per_s * per_token_flops / (gpus * peak_tflops * 1e12)
+
+
+def peak_for(name: str) -> float | None:
+    for key, value in PEAK_BF16_TFLOPS.items():
+        if key in name.upper():
+            return value
+    return None
+
+
+# ---------------------------------------------------------------- 1. strategies
+
+
+def _gpu_overrides(launch, artifacts) -> tuple[dict[str, str], list[str]]:
+    """Smoke's model, data and length, with the recipe's GPU settings kept where the packages exist."""
+    from orchestrator.core import smoke
+
+    out = smoke.trl_overrides(artifacts)
+    said = []
+    out.update(dtype="bfloat16", bf16="true", save_total_limit="3")
+    attn = str(launch.setting("attn_implementation", "sdpa"))
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        said.append("flash_attention_2 asked, flash_attn not installed: sdpa")
+        attn = "sdpa"
+    elif "/" in attn and importlib.util.find_spec("kernels") is None:
+        said.append(f"{attn} asked, kernels not installed: sdpa")
+        attn = "sdpa"
+    out["attn_implementation"] = attn
+    liger = str(launch.setting("use_liger_kernel", False)).lower() == "true"
+    if liger and importlib.util.find_spec("liger_kernel") is None:
+        said.append("Liger asked, liger_kernel not installed: off")
+        liger = False
+    out["use_liger_kernel"] = str(liger).lower()
+    out["gradient_checkpointing"] = str(launch.setting("gradient_checkpointing", False)).lower()
+    return out, said
+
+
+def _node(envs: dict[str, str], gpus: int, task_id: str, work: Path) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        **envs,
+        "SKYPILOT_NODE_RANK": "0",
+        "SKYPILOT_NODE_IPS": "127.0.0.1\n",
+        "SKYPILOT_NUM_NODES": "1",
+        "SKYPILOT_NUM_GPUS_PER_NODE": str(gpus),
+        "SKYPILOT_TASK_ID": task_id,
+        "ORCH_DEVICE": "gpu",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    cmd = [sys.executable, "-m", "orchestrator", "node"]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+
+
+def _first_error(result: subprocess.CompletedProcess) -> str:
+    text = result.stdout + result.stderr
+    for line in text.splitlines():
+        if re.search(r"(Error|error:|Exception)\b", line) and "Warning" not in line:
+            return line.strip()[:300]
+    return (text.strip().splitlines() or ["(no output)"])[-1][:300]
+
+
+def check_strategy(label: str, recipe_name: str, gpus: int, work: Path) -> str:
+    from orchestrator.core import overrides, smoke
+    from orchestrator.launch import recipe as recipes
+    from orchestrator.launch.resolved import resolve
+
+    launch = resolve(recipes.load(recipe_name))
+    artifacts = smoke.plan(str(launch.setting("model_name_or_path", "")), launch.trainer)
+    smoke.ensure(artifacts)
+    trl, said = _gpu_overrides(launch, artifacts)
+    out_dir = work / recipe_name
+    trl["output_dir"] = str(out_dir)
+    envs = {k: str(v) for k, v in launch.envs.items()}
+    envs["GLOBAL_BATCH_SIZE"] = "16"  # smoke's global batch
+    envs.pop("CHECKPOINT_ROOT", None)  # no bucket here: output_dir above
+    started = time.monotonic()
+    first = _node({**envs, "TRL_OVERRIDES": overrides.dumps(trl)}, gpus, f"gpu-check-{recipe_name}", work)
+    if first.returncode != 0:
+        return f"{label:7} ({recipe_name}): FAILED: {_first_error(first)}"
+    second = _node(
+        {**envs, "TRL_OVERRIDES": overrides.dumps({**trl, "max_steps": "12"})}, gpus, f"gpu-check-{recipe_name}", work
+    )
+    if second.returncode != 0:
+        return f"{label:7} ({recipe_name}): trained, then the resume FAILED: {_first_error(second)}"
+    report = json.loads((out_dir / "orch" / "rank0.json").read_text())
+    resumed = report.get("resumed_from") or "nothing"
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto = AutoModelForSequenceClassification if launch.trainer == "reward" else AutoModelForCausalLM
+    model = auto.from_pretrained(out_dir)
+    facts = report.get("strategy") or {}
+    sharded = f", {facts['sharded_params']}/{facts['params']} params sharded" if "params" in facts else ""
+    log = [json.loads(x) for x in (out_dir / "orch" / "log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    return (
+        f"{label:7} ({recipe_name}): {report['distributed_type']} over {report['backend']}, {report['world_size']} "
+        f"GPU(s), bf16, {trl['attn_implementation']}, liger {trl['use_liger_kernel']}{sharded}; resumed from "
+        f"{Path(resumed).name} to step {report['optimizer_steps']}, last loss {losses[-1]:.4f}; final model "
+        f"loads ({model.num_parameters():,} params); {time.monotonic() - started:.0f} s"
+        + (f" [{'; '.join(said)}]" if said else "")
+    )
+
+
+# ---------------------------------------------------------------- 2. throughput
+
+
+def throughput(settings: str, steps: int = 12, warmup: int = 3) -> dict:
+    """Tokens/s of one SFT configuration on Qwen2.5-0.5B's shapes (random weights), measured on this process's GPU
+    over `steps` optimizer steps after `warmup`; tokens exclude padding (counted from the attention masks)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from orchestrator.core import smoke
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**QWEN25_05B)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    n_params = sum(p.numel() for p in model.parameters())
+    artifacts = smoke.plan("Qwen/Qwen2.5-0.5B", "sft")
+    smoke.ensure(artifacts)
+    tokenizer = AutoTokenizer.from_pretrained(artifacts.dir / "model")
+    rng = torch.Generator().manual_seed(0)
+    lengths = torch.randint(SEQ // 8, SEQ, (256,), generator=rng).tolist()  # ragged, as real chat data
+    rows = [{"input_ids": torch.randint(0, config.vocab_size, (n,), generator=rng).tolist()} for n in lengths]
+    data = Dataset.from_list(rows)
+    common = dict(
+        output_dir=tempfile.mkdtemp(prefix="gpu-check-"), max_steps=steps + warmup, per_device_train_batch_size=4,
+        logging_steps=1, report_to="none", save_strategy="no", max_length=SEQ, disable_tqdm=True,
+    )  # fmt: skip
+    if settings == "recipe":  # recipes/trl/qwen25_sft.yaml's speed settings: bf16, packing (padding-free), Liger,
+        # activation checkpointing; its Kernels Hub flash attention needs a download, so flash_attn if installed
+        args = SFTConfig(
+            **common, bf16=True, packing=True, gradient_checkpointing=True,
+            use_liger_kernel=importlib.util.find_spec("liger_kernel") is not None,
+        )  # fmt: skip
+        model.config._attn_implementation = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    else:  # TRL's defaults (weights in bf16 for both, as loaded)
+        args = SFTConfig(**common)
+
+    class Clock(TrainerCallback):
+        tokens = 0
+        start = None
+
+        def on_step_begin(self, a, state, control, **kw):
+            if state.global_step == warmup and self.start is None:
+                torch.cuda.synchronize()
+                self.start = time.perf_counter()
+
+    clock = Clock()
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[clock])
+    counted = {"tokens": 0}
+    original = trainer.compute_loss
+
+    def compute_loss(model, inputs, *a, **kw):
+        if trainer.state.global_step >= warmup:
+            mask = inputs.get("attention_mask")
+            counted["tokens"] += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+        return original(model, inputs, *a, **kw)
+
+    trainer.compute_loss = compute_loss
+    trainer.train()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - clock.start
+    tps = counted["tokens"] / elapsed
+    peak = peak_for(torch.cuda.get_device_name(0))
+    per_token = flops_per_token(n_params, config.num_hidden_layers, config.hidden_size, SEQ)
+    return {
+        "settings": settings,
+        "tokens_per_s": tps,
+        "mfu": mfu(tps, per_token, 1, peak) if peak else None,
+        "params": n_params,
+        "memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "liger": bool(getattr(args, "use_liger_kernel", False)),
+        "attention": model.config._attn_implementation,
+    }
+
+
+def main(argv: list[str]) -> int:
+    try:
+        import torch
+    except ImportError:
+        print("gpu-check: error: torch is not installed here; run `make install` first", file=sys.stderr)
+        return 2
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        print(
+            "gpu-check: error: no CUDA GPU on this machine (torch.cuda.device_count() is 0, torch "
+            f"{torch.__version__}); run it on a GPU machine",
+            file=sys.stderr,
+        )
+        return 2
+    import accelerate
+    import transformers
+    import trl
+
+    name = torch.cuda.get_device_name(0)
+    print(
+        f"gpu-check {time.strftime('%Y-%m-%d')}: {gpus} x {name}, torch {torch.__version__} (CUDA "
+        f"{torch.version.cuda}), transformers {transformers.__version__}, trl {trl.__version__}, accelerate "
+        f"{accelerate.__version__}",
+        flush=True,
+    )
+    only = argv[1:] or list(STRATEGIES)
+    work = Path(tempfile.mkdtemp(prefix="orch-gpu-check-"))
+    for label in only:
+        if label in STRATEGIES:
+            print(check_strategy(label, STRATEGIES[label], gpus, work), flush=True)
+    if "throughput" in only or not argv[1:]:
+        base = throughput("trl-defaults")
+        ours = throughput("recipe")
+        for r in (base, ours):
+            mfu_text = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else "MFU n/a (GPU not in the peak table)"
+            print(
+                f"throughput {r['settings']:12}: {r['tokens_per_s']:,.0f} tokens/s (padding excluded), {mfu_text}, "
+                f"peak memory {r['memory_gb']:.1f} GB, attention {r['attention']}, liger {r['liger']} "
+                f"(Qwen2.5-0.5B shapes, {r['params'] / 1e6:.0f}M params, random weights, seq {SEQ})",
+                flush=True,
+            )
+        print(f"throughput ratio recipe / trl-defaults: {ours['tokens_per_s'] / base['tokens_per_s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
