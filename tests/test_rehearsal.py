@@ -51,9 +51,11 @@ def copies(project):
     """Edited copies made with `orch cp`: another Accelerate config, a TRL profile swapped in, DeepSpeed configs with
     an accumulation of their own (pinned in the Accelerate config; "auto" in a DeepSpeed JSON)."""
     made = {}
-    assert orch("cp", "phi3_dpo_fsdp", "dpo_profile", cwd=project).returncode == 0
-    edit_env(project / "recipes" / "dpo_profile.yaml", ACCELERATE_CONFIG="fsdp2")  # TRL's profile instead
-    made["dpo_profile"] = 2
+    # TRL's fsdp2 profile instead (on SFT: with DPO its cpu_ram_efficient_loading is refused, see
+    # test_cpu_strategies.py's reference-model test)
+    assert orch("cp", "llama3_sft_fsdp", "sft_profile", cwd=project).returncode == 0
+    edit_env(project / "recipes" / "sft_profile.yaml", ACCELERATE_CONFIG="fsdp2")
+    made["sft_profile"] = 2
     assert orch("cp", "qwen25_dpo_zero2", "zero2_pinned", cwd=project).returncode == 0
     edit_accel(project / "recipes" / "accelerate" / "zero2_pinned.yaml", gradient_accumulation_steps=2)
     made["zero2_pinned"] = 1
