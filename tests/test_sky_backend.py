@@ -172,13 +172,7 @@ raise SystemExit(main(sys.argv[1:]))
 
 
 def test_dry_run_runs_skypilots_optimizer_on_a_local_catalog(tmp_path):
-    catalogs = tmp_path / "runtime" / ".sky" / "catalogs" / "v8"
-    (catalogs / "aws").mkdir(parents=True)
-    (catalogs / "common").mkdir(parents=True)
-    (catalogs / "aws" / "vms.csv").write_text(VMS_CSV)
-    (catalogs / "common" / "accelerators.csv").write_text(ACCELERATORS_CSV)
-    (catalogs / "common" / "metadata.csv").write_text(METADATA_CSV)
-    env = {**os.environ, "SKY_RUNTIME_DIR": str(tmp_path / "runtime"), "SKYPILOT_DISABLE_LOCAL_API_SERVER": "1"}
+    env = seeded_catalog(tmp_path)
     argv = ["run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "--dry-run"]
     result = subprocess.run(
         [sys.executable, "-c", DRY_RUN, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300

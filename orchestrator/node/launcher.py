@@ -95,10 +95,10 @@ def flags(
         "--rdzv_backend", "static",
         "--same_network",
     ]  # fmt: skip
-    if sharded == "DEEPSPEED" or (device == "gpu" and asked == "DEEPSPEED"):
+    if sharded == "DEEPSPEED":  # on GPUs, and on CPU where ZeRO runs for real
         argv += ["--deepspeed_multinode_launcher", "standard"]
     if sizes is not None:
         argv += sizes.flags()
-    if sharded == "DEEPSPEED" or (device == "gpu" and asked == "DEEPSPEED"):
+    if sharded == "DEEPSPEED":  # on GPUs, and on CPU where ZeRO runs for real
         argv += ["--gradient_accumulation_steps", str(accumulation)]
     return Flags(argv, runs_as, tuple(notes), script_args)

@@ -120,6 +120,15 @@ def _min_over_ranks(step: int) -> int:
     return int(value.item())
 
 
+def _reference_facts(trainer, sharded) -> dict:
+    """DPO/KTO's frozen reference model (prepared by TRL): how many of its parameters `sharded(p)` holds."""
+    ref = getattr(trainer, "ref_model", None)
+    if ref is None:
+        return {}
+    params = list(ref.parameters())
+    return {"ref_sharded_params": sum(map(sharded, params)), "ref_params": len(params)}
+
+
 def strategy_facts(trainer) -> dict:
     """What sharding really ran, read from the trained model and the engine, never from a config: FSDP's version,
     how many parameters are DTensors (sharded by fully_shard) and the state dict type; DeepSpeed's ZeRO stage and
@@ -138,12 +147,7 @@ def strategy_facts(trainer) -> dict:
             "params": len(params),
             "state_dict_type": str(plugin.state_dict_type).rsplit(".", 1)[-1],
         }
-        ref = getattr(trainer, "ref_model", None)  # DPO/KTO's frozen reference model, prepared by TRL
-        if ref is not None:
-            ref_params = list(ref.parameters())
-            facts["ref_sharded_params"] = sum(isinstance(p, DTensor) for p in ref_params)
-            facts["ref_params"] = len(ref_params)
-        return facts
+        return {**facts, **_reference_facts(trainer, lambda p: isinstance(p, DTensor))}
     if acc.distributed_type == DistributedType.DEEPSPEED:
         engine = acc.deepspeed_engine_wrapped.engine if acc.deepspeed_engine_wrapped else trainer.model_wrapped
         facts = {
@@ -154,12 +158,7 @@ def strategy_facts(trainer) -> dict:
         parallelism = getattr(acc, "parallelism_config", None)  # the live accelerator's, as the ranks built it
         if parallelism is not None and (parallelism.sp_size or 1) > 1:
             facts["sp_size"] = int(parallelism.sp_size)
-        ref = getattr(trainer, "ref_model", None)
-        if ref is not None:
-            ref_params = list(ref.parameters())
-            facts["ref_sharded_params"] = sum(hasattr(p, "ds_tensor") for p in ref_params)
-            facts["ref_params"] = len(ref_params)
-        return facts
+        return {**facts, **_reference_facts(trainer, lambda p: hasattr(p, "ds_tensor"))}
     return {}
 
 
