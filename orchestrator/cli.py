@@ -7,7 +7,9 @@ when it runs.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from orchestrator import __version__
 from orchestrator.core.errors import OrchError
@@ -35,7 +37,14 @@ from the recipe's `run:`) turns SkyPilot's environment into the exact `accelerat
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit code 2, usage hint
+    """Exact option names only: argparse's prefix matching would take `--se` for `--secret`, a spelling no
+    redaction could know. Errors are one line, exit code 2, with a usage hint."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:
         raise OrchError(f"{message} (see `{self.prog} --help`)")
 
 
@@ -57,8 +66,54 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str | None, extra: list[str]) -> None:
+    """One line naming the words argparse left over, a close option name if there is one, and never an option's
+    value (`--se=HF_TOKEN=...` may hold a secret)."""
+    import difflib
+
+    shown = [w.partition("=")[0] + "=..." if w.startswith("-") and "=" in w else w for w in extra]
+    sub = parser._subparsers._group_actions[0].choices.get(command) if command and parser._subparsers else None
+    options = list(sub._option_string_actions) if sub else []
+    hint = ""
+    for word in extra:
+        name = word.partition("=")[0]
+        prefixed = [o for o in options if o.startswith(name) and name.startswith("--")]
+        close = prefixed or (difflib.get_close_matches(name, options, n=1) if word.startswith("-") else [])
+        if close:
+            hint = f"; did you mean {close[0]}?"
+            break
+    where = f"{parser.prog} {command} --help" if sub else f"{parser.prog} --help"
+    raise OrchError(f"unrecognized arguments: {' '.join(shown)}{hint} (see `{where}`)")
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a closed terminal, a laptop lid, `kill`), handled as Ctrl-C is: whatever orch started is
+    stopped and the record says how the run ended."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signame = signal.Signals(signum).name
+        self.code = 128 + signum
+
+
+def _stop(signum, _frame):
+    raise Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    handled = (signal.SIGTERM, signal.SIGHUP)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, _stop) for sig in handled}
+    try:
+        return _main(argv)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv: list[str]) -> int:
     try:
         parser = build_parser(only=argv[0] if argv else None)
         # key=value words may come after options (`orch run R --nodes 2 lr=1e-5`): argparse leaves those over.
@@ -67,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides += [w for w in extra if "=" in w and not w.startswith("-")]
             extra = [w for w in extra if not ("=" in w and not w.startswith("-"))]
         if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            _unrecognized(parser, getattr(args, "command", None), extra)
         args.argv = list(argv)
         if not getattr(args, "func", None):
             parser.print_help()
@@ -76,9 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     except OrchError as exc:
         print(f"orch: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("orch: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        name = getattr(exc, "signame", "SIGINT")
+        try:
+            print(f"orch: interrupted ({name})", file=sys.stderr)
+        except OSError:  # the terminal is gone
+            pass
+        return getattr(exc, "code", 130)
 
 
 if __name__ == "__main__":

@@ -212,7 +212,7 @@ BAD_INPUT = [
     (["run", "qwen25_kto_ddp", "per_device_train_batch_size=1"], "KTO needs per_device_train_batch_size >= 2"),
     (["run", "phi3_dpo_fsdp", "--env", "X=$(reboot)"], "--env X= holds shell metacharacter(s) $"),
     (["run", "phi3_dpo_fsdp", "--env", "X=a\nb"], "--env X= holds a newline"),
-    (["run", "phi3_dpo_fsdp", "--env", "1X=2"], "'1X' is not an environment variable name"),
+    (["run", "phi3_dpo_fsdp", "--env", "1X=2"], "--env '1X': not an environment variable name"),
     (["run", "phi3_dpo_fsdp", "run_name=a;rm -rf ~"], "override run_name= holds shell metacharacter(s) ;"),
     (["run", "phi3_dpo_fsdp", "run_name=a`id`"], "holds shell metacharacter(s) `"),
     (["run", "phi3_dpo_fsdp", "run_name=a\nb"], "override run_name= holds a newline"),

@@ -29,6 +29,8 @@ TRAINERS = tuple(TRAINER_CLASSES)
 _TRUE = {"true", "t", "yes", "y", "1"}
 _FALSE = {"false", "f", "no", "n", "0"}
 CONFIG_ONLY_KEYS = {"env"}  # TrlParser reads `env:` from a config file and exports it
+SECRET_ARGUMENTS = {"hub_token": "HF_TOKEN"}
+"""TRL arguments that hold a credential -> the secret that replaces them."""
 
 
 @cache
@@ -62,7 +64,17 @@ def _stack() -> str:
     return f"TRL {v['trl']} / transformers {v['transformers']}, the versions the nodes install"
 
 
+def _list_items(value: object) -> list[str]:
+    """A list argument's items: a YAML list, or an override's words, split as the node splits them
+    (overrides.to_argv: `loss_type="sigmoid sft"` is two items, `sigmoid,sft` one)."""
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    return str(value).split()
+
+
 def _kind_ok(kind: object, value: str) -> bool:
+    if isinstance(kind, dict):  # a list whose items have choices
+        return all(item in kind["list"] for item in _list_items(value))
     text = value.strip()
     if isinstance(kind, list):  # choices
         return text in [str(c) for c in kind] or (text in ("None", "none") and None in kind)
@@ -81,6 +93,8 @@ def _kind_ok(kind: object, value: str) -> bool:
 
 
 def _describe(kind: object) -> str:
+    if isinstance(kind, dict):
+        return f"a list of {', '.join(map(str, kind['list']))}"
     if isinstance(kind, list):
         return f"one of {', '.join(map(str, kind))}"
     return {"int": "an integer", "float": "a number", "bool": "true or false"}.get(str(kind), f"a {kind}")
@@ -90,6 +104,11 @@ def check(trainer: str, overrides: Mapping[str, str], source: str = "override") 
     """Unknown names and values of the wrong type are one-line errors with a suggestion."""
     known = fields(trainer)
     for key, value in overrides.items():
+        if key in SECRET_ARGUMENTS:
+            raise OrchError(
+                f"{source} {key}=...: a token in a TRL argument is written to sky_jobs/ and the nodes' argv; pass "
+                f"--secret {SECRET_ARGUMENTS[key]} instead (the Hub libraries read it from the environment)"
+            )
         if key not in known:
             hint = did_you_mean(key, known, cutoff=0.6)
             raise OrchError(
@@ -100,17 +119,39 @@ def check(trainer: str, overrides: Mapping[str, str], source: str = "override") 
             raise OrchError(f"{source} {key}={value}: {key} takes {_describe(known[key])}")
 
 
+def _value_ok(kind: object, value: object) -> bool:
+    """A TRL config file's value (as YAML typed it) fits the argument's kind."""
+    if value is None or kind == "str":
+        return True
+    if kind == "list" or isinstance(kind, dict):
+        return kind == "list" or _kind_ok(kind, value)
+    if isinstance(value, (list, dict)):
+        return False
+    if kind == "bool" and not isinstance(value, bool):
+        return _kind_ok(kind, str(value))
+    return _kind_ok(kind, str(value))
+
+
 def check_config_keys(trainer: str, config: Mapping, path: str) -> None:
-    """Keys of a TRL config file exist for its trainer (values are left to TRL's parser on the node)."""
+    """Keys of a TRL config file exist for its trainer, and their values fit TRL's types and choices (what TRL's
+    parser would refuse on the node, and DPO's loss_type that TRL checks only at the first step)."""
     known = fields(trainer)
-    for key in config:
+    for key, value in config.items():
         if key not in known and key not in CONFIG_ONLY_KEYS:
             hint = did_you_mean(str(key), known, cutoff=0.6)
             raise OrchError(f"TRL config {path}: {trainer} has no argument {key!r}; {hint}({_stack()})")
+        if key in SECRET_ARGUMENTS and value:
+            raise OrchError(
+                f"TRL config {path}: {key} holds a credential that would travel in files and argv; delete it and "
+                f"pass --secret {SECRET_ARGUMENTS[key]}"
+            )
+        if key in known and not _value_ok(known[key], value):
+            raise OrchError(f"TRL config {path}: {key}: {value!r}: {key} takes {_describe(known[key])}")
 
 
 def is_list(trainer: str, key: str) -> bool:
-    return fields(trainer).get(key) == "list"
+    kind = fields(trainer).get(key)
+    return kind == "list" or isinstance(kind, dict)
 
 
 def render(schema: dict) -> str:

@@ -20,6 +20,8 @@ from orchestrator.core.errors import OrchError
 from orchestrator.launch.recipe import Recipe
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+SECRET_LIKE = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)$", re.I)
+"""Env names that hold credentials: they go as --secret (never written), not --env (written to sky_jobs/)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +96,12 @@ def parse_env_assignments(words: Iterable[str], environ: Mapping[str, str] = os.
     for word in words:
         key, sep, value = word.partition("=")
         if not _ENV_NAME.match(key):
-            raise OrchError(f"--env {word!r}: {key!r} is not an environment variable name (letters, digits, _)")
+            raise OrchError(f"--env {key!r}: not an environment variable name (letters, digits, _)")
+        if SECRET_LIKE.search(key):
+            raise OrchError(
+                f"--env {key}: {key} looks like a credential and --env values are written to sky_jobs/; "
+                f"pass it as --secret {key} (read from your environment, never written)"
+            )
         if not sep:
             if key not in environ:
                 raise OrchError(f"--env {key}: {key} is not set here; give a value with --env {key}=VALUE")

@@ -7,6 +7,7 @@ in shell history and in orch's own argv. Recorded commands keep secret names and
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from orchestrator.core.errors import OrchError
 from orchestrator.launch.recipe import Recipe
@@ -30,8 +31,10 @@ def parse_secrets(words: list[str]) -> dict[str, str]:
     return out
 
 
-def redacted_command(argv: list[str]) -> str:
-    """The command as typed, with secret values removed (names kept)."""
+def redacted_command(argv: list[str], values: Iterable[str] = ()) -> str:
+    """The command as typed, with secret values removed (names kept). Two layers: the value after `--secret NAME=`
+    is dropped, and any secret value found anywhere else in the command is masked, so no spelling of a flag (the
+    parsers take no abbreviations either) carries one to disk."""
     import shlex
 
     out, after_secret = [], False
@@ -41,6 +44,8 @@ def redacted_command(argv: list[str]) -> str:
         elif word.startswith("--secret="):
             word = "--secret=" + word[len("--secret=") :].partition("=")[0]
         after_secret = word == "--secret"
+        for value in sorted((v for v in values if v), key=len, reverse=True):
+            word = word.replace(value, "***")
         out.append(word)
     return "orch " + " ".join(shlex.quote(w) for w in out)
 

@@ -40,6 +40,8 @@ def from_env(env: Mapping[str, str]) -> Topology:
     if "SKYPILOT_NODE_IPS" not in env:
         _int_var(env, "SKYPILOT_NODE_IPS")  # raises the "is not set" error
     ips = tuple(line.strip() for line in env["SKYPILOT_NODE_IPS"].splitlines() if line.strip())
+    for ip in ips:
+        check_address(ip, "SKYPILOT_NODE_IPS")
     if nodes < 1:
         raise OrchError(f"SKYPILOT_NUM_NODES={nodes}: a cluster has at least 1 node")
     if gpus < 1:
@@ -63,6 +65,61 @@ def env_port(env: Mapping[str, str], name: str, default: int) -> str:
     if not raw.isdigit() or not 0 < int(raw) < 65536:
         raise OrchError(f"{name}={raw!r} is not a TCP port (1-65535)")
     return raw
+
+
+def check_address(text: str, source: str) -> str:
+    """A node address: an IPv4 or IPv6 address (SkyPilot writes IPs; a host name would need DNS on every node)."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        raise OrchError(f"{source}: {text!r} is not an IPv4 or IPv6 address (one per line, head node first)") from None
+    return text.strip("[]")
+
+
+def _seconds(raw: str) -> float:
+    value = float(raw)
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(raw)
+    return value
+
+
+def _count(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError(raw)
+    return value
+
+
+# orch's own env knobs read on the nodes: name -> (parser, what it takes). plan() parses every one that is set, so
+# the launch side (which computes every node's plan before sending anything) refuses a bad one first. (ORCH_DEVICE,
+# DDP_TIMEOUT and the TRL/Accelerate variables are parsed by plan() itself.)
+KNOBS = {
+    "ORCH_RENDEZVOUS_TIMEOUT": (_seconds, "a number of seconds > 0"),
+    "ORCH_STOP_GRACE": (_seconds, "a number of seconds > 0"),
+    "ORCH_VLLM_POLL_SECONDS": (_seconds, "a number of seconds > 0"),
+    "ORCH_VLLM_CLOSED_POLLS": (_count, "a whole number >= 1"),
+}
+
+
+def knob(env: Mapping[str, str], name: str, default=None):
+    """An orch env knob's parsed value (default when unset or empty), or one error naming what it takes."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    parse, takes = KNOBS[name]
+    try:
+        return parse(raw)
+    except (ValueError, KeyError):
+        raise OrchError(f"{name}={raw!r}: {name} takes {takes}") from None
+
+
+def check_knobs(env: Mapping[str, str]) -> None:
+    for name in KNOBS:
+        knob(env, name)
+    for name in ("MAIN_PROCESS_PORT", "ORCH_BARRIER_PORT", "VLLM_SERVER_PORT"):
+        env_port(env, name, 1)
 
 
 SETUP_VARS = ("SKYPILOT_SETUP_NODE_RANK", "SKYPILOT_SETUP_NODE_IPS", "SKYPILOT_SETUP_NUM_GPUS_PER_NODE")

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from orchestrator.core.errors import OrchError
 from orchestrator.core.topology import Topology
 from orchestrator.node import vllm
-from orchestrator.node.env import env_port, from_env
+from orchestrator.node.env import env_port, from_env, knob
 from orchestrator.node.plan import DEFAULT_PORT, plan_from_env, render
 
 
@@ -130,11 +130,7 @@ def _barrier(env: Mapping[str, str], cluster: Topology) -> None:
 
     main_port = int(env_port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT))
     port = int(env_port(env, "ORCH_BARRIER_PORT", main_port + 1))
-    raw = env.get("ORCH_RENDEZVOUS_TIMEOUT", "").strip() or str(barrier.DEFAULT_TIMEOUT)
-    try:
-        timeout = float(raw)
-    except ValueError:
-        raise OrchError(f"ORCH_RENDEZVOUS_TIMEOUT={raw!r} is not a number of seconds") from None
+    timeout = knob(env, "ORCH_RENDEZVOUS_TIMEOUT", barrier.DEFAULT_TIMEOUT)
     print(
         f"[orch] node {cluster.node_rank}: waiting for all {cluster.nodes} nodes at {cluster.head_ip}:{port} "
         f"(timeout {timeout:g} s)",

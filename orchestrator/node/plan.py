@@ -36,7 +36,7 @@ from orchestrator.core.errors import OrchError
 from orchestrator.core.topology import Topology
 from orchestrator.core.trl_schema import check_trainer
 from orchestrator.node import launcher, rules, script, vllm
-from orchestrator.node.env import env_port, from_env
+from orchestrator.node.env import check_knobs, env_port, from_env
 
 DEFAULT_PORT = 29500
 
@@ -107,6 +107,7 @@ def plan(
     cluster: the topology, when the caller has read it from the env already.
     """
     cluster = cluster or from_env(env)
+    check_knobs(env)
     recipe = read_recipe_env(env)
     settings = overrides.effective(trl_config, recipe.overrides)
     accelerate_schema.check_config(accelerate_config, recipe.accel_path)

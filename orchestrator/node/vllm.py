@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from orchestrator.core.errors import OrchError
 from orchestrator.core.topology import Topology
-from orchestrator.node.env import env_port
+from orchestrator.node.env import env_port, knob
 
 DEFAULT_PORT = 8000
 
@@ -73,8 +73,8 @@ def serve_until_training_ends(
     import time
 
     env = os.environ if env is None else env
-    poll = float(env.get("ORCH_VLLM_POLL_SECONDS", "10"))
-    grace = int(env.get("ORCH_VLLM_CLOSED_POLLS", "3"))
+    poll = knob(env, "ORCH_VLLM_POLL_SECONDS", 10.0)
+    grace = knob(env, "ORCH_VLLM_CLOSED_POLLS", 3)
     try:
         server = subprocess.Popen(argv)
     except FileNotFoundError:

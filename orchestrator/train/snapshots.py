@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from orchestrator.core import accelerate_schema, trl_schema
@@ -50,6 +51,20 @@ def _kind(tp) -> object:
     return "str"
 
 
+_VALUES = re.compile(r"(?:Possible|Supported|Valid) values are:?\s*(.+?)\.(?:\s|$)")
+
+
+def help_choices(help_text: str) -> list[str]:
+    """The values a field's help lists ("Possible values are: `'sigmoid'`, `'hinge'` ..."): TRL checks some of them
+    only at the first loss computation (DPO's loss_type), so the launch side needs the list."""
+    match = _VALUES.search(help_text or "")
+    if not match:
+        return []
+    segment = match.group(1)
+    rest = re.sub(r"`?'[A-Za-z0-9_.-]+'`?|\band\b|\bor\b|[\s,]", "", segment)
+    return re.findall(r"'([A-Za-z0-9_.-]+)'", segment) if not rest else []  # a plain list, nothing else
+
+
 def generate_trl() -> dict[str, dict[str, object]]:
     import dataclasses
     import importlib
@@ -67,8 +82,12 @@ def generate_trl() -> dict[str, dict[str, object]]:
             for f in dataclasses.fields(dtype):
                 if f.init:
                     kind = _kind(hints.get(f.name, str))
-                    choices = (f.metadata or {}).get("choices")
-                    names[f.name] = list(choices) if choices and kind == "str" else kind
+                    choices = (f.metadata or {}).get("choices") or help_choices((f.metadata or {}).get("help", ""))
+                    if choices and kind == "str":
+                        kind = list(choices)
+                    elif choices and kind == "list":
+                        kind = {"list": list(choices)}
+                    names[f.name] = kind
         out[trainer] = dict(sorted(names.items()))
     import yaml
 
