@@ -50,6 +50,23 @@ def _is_local(record: records.Record) -> bool:  # noqa: F821 - annotation only
     return record.get("backend").startswith("local")
 
 
+def local_state(record: records.Record) -> str:  # noqa: F821 - annotation only
+    """A local run's state. One recorded `running` whose lock nobody holds lost its orch (SIGKILL, a crash): what
+    is left of it is killed (processes carrying its launch token) and the record says so."""
+    from orchestrator.launch import records, runlock
+
+    state = record.get("state", "?")
+    if state != "running" or runlock.held(record.get("output_dir")):
+        return state
+    reaped = runlock.reap(record.get("token"))
+    state = f"interrupted (orch pid {record.get('pid', '?')} ended without recording it" + (
+        f"; reaped {len(reaped)} leftover process(es))" if reaped else "; no process of it was left)"
+    )
+    record.meta["state"] = state
+    records.write(record)
+    return state
+
+
 def status(args: argparse.Namespace) -> int:
     from orchestrator.launch import records
 
@@ -60,15 +77,15 @@ def status(args: argparse.Namespace) -> int:
     table = [("RUN", "BACKEND", "STATE", "STARTED", "RECIPE")]
     for record in rows:
         state = record.get("state", "?")
-        if not _is_local(record):
+        if _is_local(record):
+            state = local_state(record)
+        elif record.get("job_id", "").isdigit():
             from orchestrator.launch.backends import sky as sky_backend
 
             try:
                 state = sky_backend.state(record)
-            except OrchError:
-                raise
-            except Exception as exc:  # SkyPilot API unreachable, no credentials, ...
-                state = f"{state} (live state unavailable: {type(exc).__name__})"
+            except OrchError as exc:  # SkyPilot API unreachable, no credentials, ...: the recorded state
+                state = f"{state} (live state unavailable: {str(exc).split(': ')[1] if ': ' in str(exc) else exc})"
         table.append((record.run, record.get("backend"), state, record.get("time"), record.get("recipe")))
     print_table(table)
     return 0
@@ -91,16 +108,35 @@ def logs(args: argparse.Namespace) -> int:
     return sky_backend.logs(record, follow=args.follow)
 
 
-def _cloud_only(record: records.Record, verb: str) -> None:  # noqa: F821 - annotation only
-    if _is_local(record):
-        raise OrchError(f"run {record.run} ran locally: there is nothing to {verb}; a local run stops with Ctrl-C")
+def _stop_local(record: records.Record, verb: str) -> int:  # noqa: F821 - annotation only
+    """cancel/down of a local run: SIGTERM to its orch, which stops every node and records `interrupted`."""
+    import os
+    import signal
+    import time
+
+    state = local_state(record)
+    if state != "running":
+        raise OrchError(f"run {record.run} ran locally and is not running ({state}): there is nothing to {verb}")
+    pid = int(record.get("pid"))
+    os.kill(pid, signal.SIGTERM)
+    print(f"[orch] sent SIGTERM to orch (pid {pid}) of {record.run}; it stops its nodes", flush=True)
+    from orchestrator.launch import runlock
+
+    deadline = time.monotonic() + 30
+    while runlock.held(record.get("output_dir")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if runlock.held(record.get("output_dir")):
+        raise OrchError(f"run {record.run} is still stopping after 30 s; `orch status` shows when it has ended")
+    print(f"[orch] stopped {record.run}")
+    return 0
 
 
 def cancel(args: argparse.Namespace) -> int:
     from orchestrator.launch import records
 
     record = records.find(args.run)
-    _cloud_only(record, "cancel")
+    if _is_local(record):
+        return _stop_local(record, "cancel")
     from orchestrator.launch.backends import sky as sky_backend
 
     sky_backend.cancel(record)
@@ -114,7 +150,8 @@ def down(args: argparse.Namespace) -> int:
     from orchestrator.launch import records
 
     record = records.find(args.run)
-    _cloud_only(record, "tear down")
+    if _is_local(record):
+        return _stop_local(record, "tear down")
     from orchestrator.launch.backends import sky as sky_backend
 
     sky_backend.down(record)

@@ -221,7 +221,7 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
         run,
         task,
         launch.recipe.path,
-        secrets.redacted_command(args.argv),
+        secrets.redacted_command(args.argv, secret_values.values()),
         backend=sky_backend.BACKEND_MANAGED if args.managed else sky_backend.BACKEND_CLUSTER,
         cluster="" if args.managed else cluster,
         state="launching",
@@ -238,17 +238,33 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
         records.write(record)
         print(f"[orch] submitted: {', '.join(f'{k}={v}' for k, v in meta.items() if v)}", flush=True)
 
-    return sky_backend.launch(
-        task,
-        secret_values,
-        run=run,
-        managed=args.managed,
-        cluster=cluster,
-        idle_minutes=args.idle_minutes,
-        down=args.down,
-        detach=args.detach,
-        on_submitted=submitted,
-    )
+    try:
+        return sky_backend.launch(
+            task,
+            secret_values,
+            run=run,
+            managed=args.managed,
+            cluster=cluster,
+            idle_minutes=args.idle_minutes,
+            down=args.down,
+            detach=args.detach,
+            on_submitted=submitted,
+        )
+    except OrchError as exc:
+        if record.get("state") == "launching":  # never submitted: the record says why
+            record.meta.update(state="failed to launch", error=str(exc))
+            records.write(record)
+        raise
+    except KeyboardInterrupt:
+        if record.get("state") == "launching":
+            record.meta["state"] = "interrupted while launching"
+            records.write(record)
+            print(
+                f"[orch] interrupted before SkyPilot answered: the request may still provision; `orch status` and "
+                f"`sky status` show it, `orch down {run}` tears it down",
+                flush=True,
+            )
+        raise
 
 
 def _confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
@@ -281,9 +297,10 @@ def _confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
 def _local(args, launch: Launch, user_envs, user_overrides, secret_values: dict[str, str]) -> int:
     import hashlib
     import json
+    import secrets as secrets_module
 
     from orchestrator.core import smoke
-    from orchestrator.launch import records, secrets
+    from orchestrator.launch import records, runlock, secrets
     from orchestrator.launch.backends import local
     from orchestrator.launch.checks import check
 
@@ -316,21 +333,41 @@ def _local(args, launch: Launch, user_envs, user_overrides, secret_values: dict[
     # The recipe's own consistency (memory is a GPU matter), batch math and env errors, before anything
     # starts: bad input builds no smoke model either.
     check(launch, task_id=run, device="cpu")
-    if artifacts is not None:
-        smoke.ensure(artifacts)
-    record = records.new(
-        run,
-        launch.task(recipe_accelerators=True),  # the record stays a cloud task; its header says what ran here
-        recipe.path,
-        secrets.redacted_command(args.argv),
-        backend=f"local ({launch.nodes} emulated node(s) x {launch.gpus.count} CPU process(es))",
-        state="running",
-        output_dir=local.output_dir_of(launch, run),
-    )
-    records.write(record)
-    if args.fresh:
-        local.forget(launch, run)
-    code = local.launch(launch, run, secrets=secret_values)
-    record.meta["state"] = "succeeded" if code == 0 else f"failed (exit {code})"
-    records.write(record)
-    return code
+    command = secrets.redacted_command(args.argv, secret_values.values())
+    output_dir = local.output_dir_of(launch, run)
+    lock = runlock.acquire(run, recipe.workdir / output_dir, command)  # one owner; refused while another lives
+    try:
+        if artifacts is not None:
+            smoke.ensure(artifacts)
+        token = secrets_module.token_hex(8)
+        record = records.new(
+            run,
+            launch.task(recipe_accelerators=True),  # the record stays a cloud task; its header says what ran here
+            recipe.path,
+            command,
+            backend=f"local ({launch.nodes} emulated node(s) x {launch.gpus.count} CPU process(es))",
+            state="running",
+            output_dir=output_dir,
+            pid=str(os.getpid()),
+            token=token,
+        )
+        records.write(record)
+        try:
+            if args.fresh:
+                local.forget(launch, run)
+            result = local.launch(launch, run, secrets=secret_values, token=token, hold_fds=(lock,))
+        except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: the nodes are stopped by now
+            record.meta["state"] = f"interrupted ({getattr(exc, 'signame', 'SIGINT')})"
+            records.write(record)
+            raise
+        except BaseException as exc:
+            record.meta["state"] = f"failed ({type(exc).__name__})"
+            records.write(record)
+            raise
+        record.meta["state"] = "succeeded" if result.returncode == 0 else f"failed (exit {result.returncode})"
+        if result.error:
+            record.meta["error"] = result.error
+        records.write(record)
+        return result.returncode
+    finally:
+        os.close(lock)

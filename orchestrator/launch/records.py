@@ -21,7 +21,10 @@ from orchestrator.core.errors import OrchError
 from orchestrator.core.yamlio import dump_task
 
 SKY_JOBS = Path("sky_jobs")
-HEADER_KEYS = ("run", "recipe", "command", "time", "git", "backend", "cluster", "job_id", "state", "output_dir")
+HEADER_KEYS = (
+    "run", "recipe", "command", "time", "git", "backend", "cluster", "job_id", "state", "error", "output_dir", "pid",
+    "token",
+)  # fmt: skip
 """The record's fields, in the order the header lists them."""
 _LINE = re.compile(r"^# ([a-z_]+): (.*)$")
 
@@ -109,19 +112,38 @@ def read(path: Path) -> Record:
 
 
 def all_records() -> list[Record]:
+    """Every readable record, oldest first; a file that is not one (truncated, binary, hand-edited) is skipped with
+    a warning on stderr."""
+    import sys
+
     if not SKY_JOBS.is_dir():
         return []
-    records = [read(p) for p in sorted(SKY_JOBS.glob("*.yaml"))]
+    records = []
+    for path in sorted(SKY_JOBS.glob("*.yaml")):
+        try:
+            record = read(path)
+            if not isinstance(record.task, dict):
+                raise ValueError("its body is not a task mapping")
+        except Exception as exc:  # YAML errors, bad bytes, a directory named *.yaml
+            reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+            print(f"[orch] warning: skipping {path}: not a readable run record ({reason})", file=sys.stderr)
+            continue
+        records.append(record)
     return sorted(records, key=lambda r: r.get("time"))
 
 
 def find(run: str) -> Record:
     path = SKY_JOBS / f"{run}.yaml"
     if path.is_file():
-        return read(path)
+        try:
+            return read(path)
+        except Exception as exc:  # YAML errors, bad bytes
+            raise OrchError(
+                f"{path} is not a readable run record ({type(exc).__name__}); delete it or restore it"
+            ) from None
     runs = [r.run for r in all_records()]
     prefixed = [r for r in runs if r.startswith(run)]
     if len(prefixed) == 1:
-        return read(SKY_JOBS / f"{prefixed[0]}.yaml")
+        return find(prefixed[0])
     hint = f"; matches {', '.join(prefixed)}" if prefixed else ""
     raise OrchError(f"no run {run!r} in {SKY_JOBS}/{hint}; `orch status` lists the runs")

@@ -9,6 +9,7 @@ between the processes (OMP_NUM_THREADS), since oversubscribed threads make a tin
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,9 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.core.timeline import time_to_first_step
+from orchestrator.launch.backends.summary import summary
 
 STOP_GRACE_SECONDS = 10.0
+GUARD = "orchestrator.launch.backends.guard"
 
 
 @dataclass
@@ -31,6 +33,23 @@ class LocalResult:
     returncode: int
     failed_node: int | None
     """Rank of the first node that exited non-zero, if any."""
+    error: str = ""
+    """The first real error line of the failing node (a Python exception, an orch error), not a launcher's summary."""
+
+
+# `ValueError: ...`, `torch.OutOfMemoryError: ...`, `[rank1]: RuntimeError: ...`, `orch: error: ...`
+_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)|orch: error): .*\S)")
+# what the launchers say after a rank failed: they quote nothing the user can act on
+_SUMMARIES = ("ChildFailedError", "CalledProcessError", "SignalException", "DistBackendError: [", "orch: error: node")
+MAX_ERROR_LINES = 50
+
+
+def first_error(lines: list[str]) -> str:
+    """The first error a rank raised, from a node's output: launchers' summaries skipped."""
+    for line in lines:
+        if not any(summary in line for summary in _SUMMARIES):
+            return line
+    return lines[0] if lines else ""
 
 
 def free_port() -> int:
@@ -85,9 +104,13 @@ def node_envs(
 TAIL_LINES = 15
 
 
-def _pump(stream, prefix: str, lock: threading.Lock, sink, tail: deque) -> None:
+def _pump(stream, prefix: str, lock: threading.Lock, sink, tail: deque, errors: list[str]) -> None:
     for line in iter(stream.readline, ""):
         tail.append(line)
+        if len(errors) < MAX_ERROR_LINES:
+            match = _ERROR.match(line.strip())
+            if match:
+                errors.append(match.group(1)[:500])
         with lock:
             sink.write(prefix + line)
             sink.flush()
@@ -106,8 +129,11 @@ def run_nodes(
     envs: list[dict[str, str]],
     workdir: Path,
     sink=None,
+    hold_fds: tuple[int, ...] = (),
 ) -> LocalResult:
-    """Start one `bash -c run_script` per node env; return when all finish or the first one fails."""
+    """Start one `bash -c run_script` per node env, each under a guard (orchestrator/launch/backends/guard.py) that
+    ends the node's whole process tree when orch stops it or dies; return when all finish or the first one fails.
+    hold_fds (the run lock) stay open in the guards, so they are held until the last node is gone."""
     sink = sink or sys.stdout
     lock = threading.Lock()
     base = dict(os.environ)
@@ -116,10 +142,12 @@ def run_nodes(
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     tails: list[deque] = []
+    errors: list[list[str]] = []
+    watch, alive = os.pipe()  # orch holds `alive` (close-on-exec): its end closes when orch ends, however it ends
     try:
         for rank, env in enumerate(envs):
             proc = subprocess.Popen(
-                ["bash", "-c", run_script],
+                [sys.executable, "-m", GUARD, str(watch), "--", "bash", "-c", run_script],
                 cwd=workdir,
                 env={**base, **env},
                 stdout=subprocess.PIPE,
@@ -127,12 +155,14 @@ def run_nodes(
                 stdin=subprocess.DEVNULL,
                 text=True,
                 errors="replace",
-                start_new_session=True,  # its own process group, so the gang stop reaches torchrun's children
+                start_new_session=True,  # its own process group: a terminal's Ctrl-C reaches orch only
+                pass_fds=(watch, *hold_fds),
             )
             procs.append(proc)
             tails.append(deque(maxlen=TAIL_LINES))
+            errors.append([])
             pump = threading.Thread(
-                target=_pump, args=(proc.stdout, f"(node{rank}) ", lock, sink, tails[-1]), daemon=True
+                target=_pump, args=(proc.stdout, f"(node{rank}) ", lock, sink, tails[-1], errors[-1]), daemon=True
             )
             pump.start()
             pumps.append(pump)
@@ -152,9 +182,12 @@ def run_nodes(
                 sink.flush()
             _stop_all(procs)
     except BaseException:
-        _stop_all(procs)
+        with _signals_held():  # a second Ctrl-C must not cut the stop short (the guards would still end the nodes)
+            _stop_all(procs)
         raise
     finally:
+        os.close(watch)
+        os.close(alive)
         for pump in pumps:
             pump.join(timeout=5)
     if failed is None:
@@ -164,14 +197,31 @@ def run_nodes(
     for line in tails[failed]:
         sink.write(f"  (node{failed}) {line}")
     sink.flush()
-    return LocalResult(procs[failed].returncode or 1, failed)
+    return LocalResult(procs[failed].returncode or 1, failed, first_error(errors[failed]))
+
+
+class _signals_held:
+    """Ignore SIGINT/SIGTERM/SIGHUP for a block (main thread only), then restore the handlers."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __enter__(self):
+        self.saved = {}
+        if threading.current_thread() is threading.main_thread():
+            self.saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in self.SIGNALS}
+
+    def __exit__(self, *exc):
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
 
 
 def _stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every node's process group; each guard then ends its tree (SIGKILL after its grace). A guard
+    that outlives its grace and a margin is killed with its group."""
     for proc in procs:
         if proc.poll() is None:
             _stop(proc, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    deadline = time.monotonic() + STOP_GRACE_SECONDS + 10
     for proc in procs:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -190,108 +240,17 @@ class _Tee:
 
     def write(self, text: str) -> None:
         for stream in self.streams:
-            stream.write(text)
+            try:
+                stream.write(text)
+            except (OSError, ValueError):  # the terminal is gone (SIGHUP, a closed pipe): the log file goes on
+                pass
 
     def flush(self) -> None:
         for stream in self.streams:
-            stream.flush()
-
-
-def ran_as(report: dict) -> str:
-    """`FSDP2`, `DeepSpeed ZeRO-3`, `MULTI_CPU` (DDP): a rank's report, read back from the training process."""
-    facts = report.get("strategy") or {}
-    if "fsdp_version" in facts:
-        return f"FSDP{facts['fsdp_version']}"
-    if "zero_stage" in facts:
-        sp = f" + Ulysses SP{facts['sp_size']}" if facts.get("sp_size") else ""
-        return f"DeepSpeed ZeRO-{facts['zero_stage']}{sp}"
-    return report["distributed_type"]
-
-
-def sharding_line(ranks: list[dict]) -> str | None:
-    """How many parameters each rank held sharded (DTensor under FSDP2, ZeRO-3 partitions), per the ranks."""
-    facts = [r.get("strategy") or {} for r in ranks]
-    if not facts or "params" not in facts[0]:
-        return None
-    head = facts[0]
-    what = "DTensor" if "fsdp_version" in head else "ZeRO-3 partitions"
-    sharded = min(f["sharded_params"] for f in facts)
-    text = f"[orch] sharded: {sharded}/{head['params']} parameters on every rank ({what})"
-    stage = head.get("zero_stage", 3)
-    if stage < 3:
-        states = "optimizer states and gradients" if stage == 2 else "optimizer states"
-        text = f"[orch] sharded: {states} (ZeRO-{stage}); parameters replicated on every rank"
-    if "ref_params" in head:
-        text += f", reference model {min(f['ref_sharded_params'] for f in facts)}/{head['ref_params']}"
-    if "state_dict_type" in head:
-        text += f"; checkpoints as {head['state_dict_type']}"
-    return text
-
-
-def checkpoint_format(checkpoint: Path) -> str:
-    """What the files say: FSDP's distributed checkpoint shards, DeepSpeed's per-rank ZeRO states, or nothing."""
-    shards = sorted(checkpoint.glob("pytorch_model_fsdp_*/*.distcp"))
-    if shards:
-        return f" (sharded: {len(shards)} distcp shard file(s) in {shards[0].parent.name}/)"
-    states = sorted(checkpoint.glob("global_step*/*optim_states.pt"))  # one per rank at every ZeRO stage
-    if states:
-        return f" (DeepSpeed: {len(states)} per-rank optimizer state file(s) in {states[0].parent.name}/)"
-    return ""
-
-
-def _summary(output_dir: Path) -> list[str]:
-    """What really ran, from the per-rank reports the training processes wrote (orchestrator/train.py)."""
-    import json
-
-    reports = sorted((output_dir / "orch").glob("rank*.json"))
-    if not reports:
-        return [f"[orch] no training report in {output_dir / 'orch'}: the training did not finish"]
-    ranks = [json.loads(p.read_text()) for p in reports]
-    head = ranks[0]
-    world = head["world_size"]
-    lines = [
-        f"[orch] ran: {ran_as(head)} over {head['backend'] or 'no process group'}, world size {world} "
-        f"(ranks reporting: {', '.join(str(r['rank']) for r in ranks)})"
-    ]
-    sharding = sharding_line(ranks)
-    if sharding:
-        lines.append(sharding)
-    steps = head["optimizer_steps_this_run"]
-    if not steps and head.get("resumed_from"):
-        lines.append(
-            f"[orch] resumed from {head['resumed_from']} at step {head['optimizer_steps']}, already the last step: "
-            f"nothing left to train (rerun with --fresh to start over)"
-        )
-    if steps:
-        per_step = head["total_samples"] / steps
-        lines.append(
-            f"[orch] {steps} optimizer steps x {per_step:g} samples "
-            f"(= {head['per_device_train_batch_size']} per device x {head.get('data_parallel_ranks', world)} "
-            "data-parallel ranks x "
-            f"{head['gradient_accumulation_steps']} accumulation)"
-        )
-    log = output_dir / "orch" / "log.jsonl"
-    losses = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
-    losses = [r for r in losses if "loss" in r]
-    if losses:
-        lines.append(
-            f"[orch] loss: step {losses[0]['step']} {losses[0]['loss']:.4f} -> step {losses[-1]['step']} "
-            f"{losses[-1]['loss']:.4f}"
-        )
-    checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    if checkpoints:
-        lines.append(f"[orch] checkpoint: {checkpoints[-1]}{checkpoint_format(checkpoints[-1])}")
-    if head.get("timeline", {}).get("first_step"):
-        lines.append(f"[orch] time to first step: {time_to_first_step(head['timeline'])}")
-    final = head.get("final_model")
-    if final and final["loadable"]:
-        lines.append(
-            f"[orch] final model: {final['path']} ({', '.join(final['weights'])}, {final['bytes'] / 1e6:.1f} MB), "
-            "Hugging Face format: transformers' from_pretrained loads it"
-        )
-    else:
-        lines.append(f"[orch] final model: NOT written in Hugging Face format in {output_dir}")
-    return lines
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
 
 
 def output_dir_of(launch, run_id: str) -> str:
@@ -314,9 +273,9 @@ def forget(launch, run_id: str) -> None:
         shutil.rmtree(path)
 
 
-def launch(resolved, run_id: str, secrets: dict | None = None) -> int:
+def launch(resolved, run_id: str, secrets: dict | None = None, token: str = "", hold_fds=()) -> LocalResult:
     """Run a resolved launch (orchestrator.launch.resolved.Launch) on emulated nodes and print what ran.
-    Returns the exit code for the CLI."""
+    token marks every process of the run (ORCH_RUN_TOKEN) for `orch status` to reap; hold_fds go to the guards."""
     import shutil
 
     recipe = resolved.recipe
@@ -338,7 +297,7 @@ def launch(resolved, run_id: str, secrets: dict | None = None) -> int:
     started = time.monotonic()
     # Secrets travel in the node processes' environment only (as SkyPilot secrets do), never in files or argv.
     node_env = node_envs(
-        {**envs, **(secrets or {})},
+        {**envs, **(secrets or {}), **({"ORCH_RUN_TOKEN": token} if token else {})},
         nodes,
         procs_per_node,
         task_id=run_id,
@@ -348,16 +307,16 @@ def launch(resolved, run_id: str, secrets: dict | None = None) -> int:
     )
     (output_dir / "orch").mkdir(parents=True, exist_ok=True)
     with open(output_dir / "orch" / "run.log", "w") as log:
-        result = run_nodes(str(recipe.task["run"]), node_env, workdir, sink=_Tee(sys.stdout, log))
+        result = run_nodes(str(recipe.task["run"]), node_env, workdir, sink=_Tee(sys.stdout, log), hold_fds=hold_fds)
     elapsed = time.monotonic() - started
     if result.returncode != 0:
         print(
-            f"[orch] failed after {elapsed:.1f} s: node {result.failed_node} exited with code "
-            f"{result.returncode} (its log lines are prefixed (node{result.failed_node}))",
+            f"[orch] failed after {elapsed:.1f} s: node {result.failed_node} exited with code {result.returncode}"
+            + (f": {result.error}" if result.error else f" (its log lines are prefixed (node{result.failed_node}))"),
             flush=True,
         )
-        return result.returncode
+        return result
     print(f"[orch] finished in {elapsed:.1f} s", flush=True)
-    for line in _summary(output_dir):
+    for line in summary(output_dir):
         print(line, flush=True)
-    return 0
+    return result

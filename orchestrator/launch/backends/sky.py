@@ -23,6 +23,52 @@ def _sky():
     return sky
 
 
+# SkyPilot's exception class name -> what to do about it (one line each).
+FIXES = {
+    "ApiServerConnectionError": "start the SkyPilot API server with `sky api start` (or `sky api login` to a team's)",
+    "ApiServerAuthenticationError": "log in to the API server again with `sky api login`",
+    "APIVersionMismatchError": "upgrade SkyPilot here or on the API server so that their versions match",
+    "NoCloudAccessError": "enable a cloud with credentials: run `sky check`",
+    "CloudUserIdentityError": "your cloud credentials did not work: run `sky check`",
+    "ResourcesUnavailableError": "no capacity or quota for these GPUs: try another region or cloud, drop --spot, "
+    "or ask the cloud for quota (`sky show-gpus` lists where they exist)",
+    "ProvisionPrechecksError": "the cloud refused the request (quota, permissions): see `sky check` and your quotas",
+    "ClusterNotUpError": "the cluster is not up: `orch status` shows it; relaunch with `orch run`",
+    "ClusterDoesNotExist": "the cluster is gone (torn down or autostopped away): nothing to do there",
+    "ClusterOwnerIdentityMismatchError": "the cluster belongs to another cloud identity: switch with `sky check`",
+    "ManagedJobStatusError": "the managed job is in a state that does not allow this: `orch status` shows it",
+    "PermissionDeniedError": "your SkyPilot user may not do this in that workspace",
+    "NetworkError": "the network to the API server or the cloud failed: retry",
+    "ServerTemporarilyUnavailableError": "the API server is busy or restarting: retry in a minute",
+}
+
+
+def _reason(exc: BaseException) -> str:
+    import re
+
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split())  # SkyPilot colours its messages
+    return text[:300] or type(exc).__name__
+
+
+def sdk_error(what: str, exc: Exception) -> OrchError:
+    """One line for a failed SDK call: what failed, SkyPilot's reason, and the fix for its kind of failure."""
+    name = type(exc).__name__
+    fix = next((FIXES[n] for n in [c.__name__ for c in type(exc).__mro__] if n in FIXES), "")
+    if not fix and isinstance(exc, (ConnectionError, TimeoutError)):
+        fix = FIXES["ApiServerConnectionError"]
+    return OrchError(f"SkyPilot {what} failed: {name}: {_reason(exc)}" + (f"; {fix}" if fix else ""))
+
+
+def _call(what: str, fn, *args, **kwargs):
+    """An SDK call whose failure (any exception SkyPilot raises) becomes one OrchError line."""
+    try:
+        return fn(*args, **kwargs)
+    except OrchError:
+        raise
+    except Exception as exc:
+        raise sdk_error(what, exc) from None
+
+
 def to_task(task: dict, secrets: dict[str, str] | None = None):
     """A sky.Task from a task mapping; secret values go in as secrets (redacted by SkyPilot), never envs."""
     sky = _sky()
@@ -87,15 +133,9 @@ def show_server_plan(task: dict) -> None:
     """Ask the API server's optimizer (where credentials live in a team setup); SkyPilot prints its own table of
     the chosen resources and their $/h, as `sky launch` does before its prompt."""
     sky = _sky()
-    try:
-        dag = sky.Dag()
-        dag.add(to_task(task))
-        sky.stream_and_get(sky.optimize(dag))
-    except OrchError:
-        raise
-    except Exception as exc:  # no API server, no enabled cloud, ...
-        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
-        raise OrchError(f"{type(exc).__name__}: {reason}") from None
+    dag = sky.Dag()
+    dag.add(to_task(task))
+    _call("optimize", lambda: sky.stream_and_get(sky.optimize(dag)))
 
 
 def launch(
@@ -110,24 +150,42 @@ def launch(
     detach: bool,
     on_submitted,
 ) -> int:
-    """Submit, call on_submitted(meta) with the ids to record, then follow the logs unless detach."""
+    """Submit, call on_submitted(meta) with the ids to record, then follow the logs unless detach. A failed
+    submission raises OrchError (the caller records `failed to launch`). Ctrl-C or a closed terminal while
+    following stops following only: the job goes on."""
     sky = _sky()
     sky_task = to_task(task, secrets)
     if managed:
-        job_ids, _handle = sky.stream_and_get(sky.jobs.launch(sky_task, name=run))
+        job_ids, _handle = _call(
+            "launch (sky jobs launch)", lambda: sky.stream_and_get(sky.jobs.launch(sky_task, name=run))
+        )
         job_id = (job_ids or [None])[0]
         on_submitted({"backend": BACKEND_MANAGED, "job_id": str(job_id), "state": "submitted"})
-        if detach:
-            return 0
-        code = sky.jobs.tail_logs(job_id=job_id, follow=True)
+        follow = lambda: sky.jobs.tail_logs(job_id=job_id, follow=True)  # noqa: E731
     else:
-        job_id, _handle = sky.stream_and_get(
-            sky.launch(sky_task, cluster_name=cluster, idle_minutes_to_autostop=idle_minutes, down=down)
+        job_id, _handle = _call(
+            "launch (sky launch)",
+            lambda: sky.stream_and_get(
+                sky.launch(sky_task, cluster_name=cluster, idle_minutes_to_autostop=idle_minutes, down=down)
+            ),
         )
         on_submitted({"backend": BACKEND_CLUSTER, "cluster": cluster, "job_id": str(job_id), "state": "submitted"})
-        if detach:
-            return 0
-        code = sky.tail_logs(cluster, job_id, follow=True)
+        follow = lambda: sky.tail_logs(cluster, job_id, follow=True)  # noqa: E731
+    if detach:
+        print(f"[orch] detached: `orch logs {run} --follow` follows it, `orch cancel {run}` cancels it", flush=True)
+        return 0
+    try:
+        code = _call("log streaming", follow)
+    except KeyboardInterrupt:
+        try:
+            print(
+                f"\n[orch] stopped following the logs; the job goes on: `orch logs {run} --follow` follows it again, "
+                f"`orch cancel {run}` cancels it",
+                flush=True,
+            )
+        except OSError:  # the terminal is gone (SIGHUP)
+            pass
+        raise
     return int(code or 0)
 
 
@@ -135,18 +193,28 @@ def _field(obj, name: str):
     return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
 
 
+def _job_id(record) -> int:
+    job_id = record.get("job_id")
+    if not job_id.isdigit():
+        raise OrchError(
+            f"run {record.run} has no job id (state: {record.get('state', '?')}): it was never submitted"
+            + (f"; `orch down {record.run}` tears down its cluster if one was made" if record.get("cluster") else "")
+        )
+    return int(job_id)
+
+
 def state(record) -> str:
-    """Live state of a recorded run, as SkyPilot reports it."""
+    """Live state of a recorded run, as SkyPilot reports it (OrchError when SkyPilot cannot say)."""
     sky = _sky()
     backend = record.get("backend")
     if backend == BACKEND_MANAGED:
-        job_id = int(record.get("job_id"))
-        jobs = sky.get(sky.jobs.queue(refresh=False, job_ids=[job_id]))
+        job_id = _job_id(record)
+        jobs = _call("queue (sky jobs queue)", lambda: sky.get(sky.jobs.queue(refresh=False, job_ids=[job_id])))
         for job in jobs or []:
             if _field(job, "job_id") == job_id:
                 return str(_field(job, "status")).split(".")[-1]
         return "not found"
-    clusters = sky.get(sky.status(cluster_names=[record.get("cluster")]))
+    clusters = _call("status (sky status)", lambda: sky.get(sky.status(cluster_names=[record.get("cluster")])))
     for cluster in clusters or []:
         return f"cluster {str(_field(cluster, 'status')).split('.')[-1]}"
     return "cluster down"
@@ -154,23 +222,31 @@ def state(record) -> str:
 
 def logs(record, follow: bool) -> int:
     sky = _sky()
-    job_id = record.get("job_id")
-    if record.get("backend") == BACKEND_MANAGED:
-        return int(sky.jobs.tail_logs(job_id=int(job_id), follow=follow) or 0)
-    return int(sky.tail_logs(record.get("cluster"), int(job_id) if job_id.isdigit() else None, follow=follow) or 0)
+    job_id = _job_id(record)
+    try:
+        if record.get("backend") == BACKEND_MANAGED:
+            return int(_call("logs (sky jobs logs)", lambda: sky.jobs.tail_logs(job_id=job_id, follow=follow)) or 0)
+        return int(_call("logs (sky logs)", lambda: sky.tail_logs(record.get("cluster"), job_id, follow=follow)) or 0)
+    except KeyboardInterrupt:
+        print(f"\n[orch] stopped following; the job goes on (`orch cancel {record.run}` cancels it)", flush=True)
+        raise
 
 
 def cancel(record) -> None:
     sky = _sky()
+    job_id = _job_id(record)
     if record.get("backend") == BACKEND_MANAGED:
-        sky.stream_and_get(sky.jobs.cancel(job_ids=[int(record.get("job_id"))]))
+        _call("cancel (sky jobs cancel)", lambda: sky.stream_and_get(sky.jobs.cancel(job_ids=[job_id])))
     else:
-        sky.stream_and_get(sky.cancel(record.get("cluster"), job_ids=[int(record.get("job_id"))]))
+        _call("cancel (sky cancel)", lambda: sky.stream_and_get(sky.cancel(record.get("cluster"), job_ids=[job_id])))
 
 
 def down(record) -> None:
     sky = _sky()
     if record.get("backend") == BACKEND_MANAGED:  # SkyPilot owns the cluster of a managed job: cancel frees it
-        sky.stream_and_get(sky.jobs.cancel(job_ids=[int(record.get("job_id"))]))
+        job_id = _job_id(record)
+        _call("cancel (sky jobs cancel)", lambda: sky.stream_and_get(sky.jobs.cancel(job_ids=[job_id])))
+    elif record.get("cluster"):
+        _call("down (sky down)", lambda: sky.stream_and_get(sky.down(record.get("cluster"))))
     else:
-        sky.stream_and_get(sky.down(record.get("cluster")))
+        raise OrchError(f"run {record.run} names no cluster (state: {record.get('state', '?')}): nothing to tear down")

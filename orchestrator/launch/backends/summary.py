@@ -1,0 +1,105 @@
+"""What a local run really did, read back from the files its training processes wrote (per-rank reports in
+<output_dir>/orch/, the loss log, the checkpoints): never from a config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrator.core.timeline import time_to_first_step
+
+
+def ran_as(report: dict) -> str:
+    """`FSDP2`, `DeepSpeed ZeRO-3`, `MULTI_CPU` (DDP): a rank's report, read back from the training process."""
+    facts = report.get("strategy") or {}
+    if "fsdp_version" in facts:
+        return f"FSDP{facts['fsdp_version']}"
+    if "zero_stage" in facts:
+        sp = f" + Ulysses SP{facts['sp_size']}" if facts.get("sp_size") else ""
+        return f"DeepSpeed ZeRO-{facts['zero_stage']}{sp}"
+    return report["distributed_type"]
+
+
+def sharding_line(ranks: list[dict]) -> str | None:
+    """How many parameters each rank held sharded (DTensor under FSDP2, ZeRO-3 partitions), per the ranks."""
+    facts = [r.get("strategy") or {} for r in ranks]
+    if not facts or "params" not in facts[0]:
+        return None
+    head = facts[0]
+    what = "DTensor" if "fsdp_version" in head else "ZeRO-3 partitions"
+    sharded = min(f["sharded_params"] for f in facts)
+    text = f"[orch] sharded: {sharded}/{head['params']} parameters on every rank ({what})"
+    stage = head.get("zero_stage", 3)
+    if stage < 3:
+        states = "optimizer states and gradients" if stage == 2 else "optimizer states"
+        text = f"[orch] sharded: {states} (ZeRO-{stage}); parameters replicated on every rank"
+    if "ref_params" in head:
+        text += f", reference model {min(f['ref_sharded_params'] for f in facts)}/{head['ref_params']}"
+    if "state_dict_type" in head:
+        text += f"; checkpoints as {head['state_dict_type']}"
+    return text
+
+
+def checkpoint_format(checkpoint: Path) -> str:
+    """What the files say: FSDP's distributed checkpoint shards, DeepSpeed's per-rank ZeRO states, or nothing."""
+    shards = sorted(checkpoint.glob("pytorch_model_fsdp_*/*.distcp"))
+    if shards:
+        return f" (sharded: {len(shards)} distcp shard file(s) in {shards[0].parent.name}/)"
+    states = sorted(checkpoint.glob("global_step*/*optim_states.pt"))  # one per rank at every ZeRO stage
+    if states:
+        return f" (DeepSpeed: {len(states)} per-rank optimizer state file(s) in {states[0].parent.name}/)"
+    return ""
+
+
+def summary(output_dir: Path) -> list[str]:
+    """What really ran, from the per-rank reports the training processes wrote (orchestrator/train.py)."""
+    import json
+
+    reports = sorted((output_dir / "orch").glob("rank*.json"))
+    if not reports:
+        return [f"[orch] no training report in {output_dir / 'orch'}: the training did not finish"]
+    ranks = [json.loads(p.read_text()) for p in reports]
+    head = ranks[0]
+    world = head["world_size"]
+    lines = [
+        f"[orch] ran: {ran_as(head)} over {head['backend'] or 'no process group'}, world size {world} "
+        f"(ranks reporting: {', '.join(str(r['rank']) for r in ranks)})"
+    ]
+    sharding = sharding_line(ranks)
+    if sharding:
+        lines.append(sharding)
+    steps = head["optimizer_steps_this_run"]
+    if not steps and head.get("resumed_from"):
+        lines.append(
+            f"[orch] resumed from {head['resumed_from']} at step {head['optimizer_steps']}, already the last step: "
+            f"nothing left to train (rerun with --fresh to start over)"
+        )
+    if steps:
+        per_step = head["total_samples"] / steps
+        lines.append(
+            f"[orch] {steps} optimizer steps x {per_step:g} samples "
+            f"(= {head['per_device_train_batch_size']} per device x {head.get('data_parallel_ranks', world)} "
+            "data-parallel ranks x "
+            f"{head['gradient_accumulation_steps']} accumulation)"
+        )
+    log = output_dir / "orch" / "log.jsonl"
+    losses = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+    losses = [r for r in losses if "loss" in r]
+    if losses:
+        lines.append(
+            f"[orch] loss: step {losses[0]['step']} {losses[0]['loss']:.4f} -> step {losses[-1]['step']} "
+            f"{losses[-1]['loss']:.4f}"
+        )
+    checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    if checkpoints:
+        lines.append(f"[orch] checkpoint: {checkpoints[-1]}{checkpoint_format(checkpoints[-1])}")
+    if head.get("timeline", {}).get("first_step"):
+        lines.append(f"[orch] time to first step: {time_to_first_step(head['timeline'])}")
+    final = head.get("final_model")
+    if final and final["loadable"]:
+        lines.append(
+            f"[orch] final model: {final['path']} ({', '.join(final['weights'])}, {final['bytes'] / 1e6:.1f} MB), "
+            "Hugging Face format: transformers' from_pretrained loads it"
+        )
+    else:
+        lines.append(f"[orch] final model: NOT written in Hugging Face format in {output_dir}")
+    return lines
