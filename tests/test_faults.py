@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 from conftest import orch
 
-from orchestrator.train.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint
+from orchestrator.train.checkpoints import (
+    MANIFEST,
+    choose_resume,
+    latest_complete_checkpoint,
+    quarantine,
+    verify,
+    write_manifest,
+)
 
 SECRET = "hf_FaultTest_0123456789abcdef"
 
@@ -41,15 +48,84 @@ def node_pids(run: str, rank: int) -> list[int]:
 # ---------------------------------------------------------------- checkpoints
 
 
-def test_incomplete_checkpoint_is_never_picked(tmp_path):
-    for step, complete in ((4, True), (8, True), (12, False)):
-        ckpt = tmp_path / f"checkpoint-{step}"
-        ckpt.mkdir()
-        if complete:
-            (ckpt / COMPLETE_MARKER).write_text("{}")
+def _checkpoint(root: Path, step: int, nodes: int = 2, manifests=None) -> Path:
+    ckpt = root / f"checkpoint-{step}"
+    (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(os.urandom(4096))
+    (ckpt / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(os.urandom(1000))
+    (ckpt / "trainer_state.json").write_text("{}")
+    for node in range(nodes) if manifests is None else manifests:
+        write_manifest(ckpt, node, nodes, step)
+    return ckpt
+
+
+def test_only_checkpoints_whose_manifests_verify_are_picked(tmp_path):
+    _checkpoint(tmp_path, 4)
+    _checkpoint(tmp_path, 8)
+    _checkpoint(tmp_path, 12, manifests=[0])  # node 1 never finished its save
     (tmp_path / "checkpoint-x").mkdir()
     assert latest_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-8"
+    assert verify(tmp_path / "checkpoint-12") == "node(s) 1 wrote no manifest"
     assert latest_complete_checkpoint(tmp_path / "missing") is None
+    # a marker alone (as a bucket upload may deliver it before the shards) is not a manifest
+    ckpt = _checkpoint(tmp_path, 16, manifests=[])
+    (ckpt / "orch_complete").write_text("{}")
+    assert verify(ckpt) == "no manifest (the save did not finish)"
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda c: (c / "model.safetensors").write_bytes(b"x" * 100), "model.safetensors has 100 bytes"),
+        (lambda c: (c / "pytorch_model_fsdp_0" / "__0_0.distcp").unlink(), "__0_0.distcp is missing"),
+        (lambda c: (c / "orch_manifest.node1.json").write_text("{trunc"), "unreadable manifest"),
+    ],
+)
+def test_damaged_newest_checkpoint_is_skipped_and_quarantined(tmp_path, damage, reason):
+    _checkpoint(tmp_path, 4)
+    damage(_checkpoint(tmp_path, 8))
+    chosen, skipped = choose_resume(tmp_path, 0, lambda x: x)
+    assert chosen == tmp_path / "checkpoint-4"
+    assert [p.name for p, _ in skipped] == ["checkpoint-8"] and reason in skipped[0][1]
+    listed = quarantine(tmp_path, skipped)
+    assert json.loads(listed.read_text())["checkpoint"] == "checkpoint-8"
+    assert (tmp_path / "checkpoint-8").is_dir()  # never renamed or deleted: on a bucket that copies terabytes
+
+
+def test_same_size_corruption_is_caught_by_the_node_that_hashed_the_file(tmp_path):
+    _checkpoint(tmp_path, 4)
+    ckpt = _checkpoint(tmp_path, 8)
+    (ckpt / "model.safetensors").write_bytes(os.urandom(4096))  # same size, other bytes
+    hashed = {n: json.loads((ckpt / MANIFEST.format(n)).read_text())["sha256"] for n in (0, 1)}
+    owner = next(n for n in (0, 1) if "model.safetensors" in hashed[n])
+    assert verify(ckpt) == "" and verify(ckpt, node=1 - owner) == ""  # sizes match; the other node hashed others
+    assert "does not match its SHA-256" in verify(ckpt, node=owner)
+
+    # two ranks agree through a min over ranks (threads here, the all-reduce in a run): the owner's verdict counts
+    assert _two_ranks(tmp_path) == [tmp_path / "checkpoint-4"] * 2
+
+
+def _two_ranks(output_dir: Path) -> list:
+    import threading
+
+    barrier, values, chosen = threading.Barrier(2), [0, 0], [None, None]
+
+    def min_over_ranks(rank: int, value: int) -> int:
+        values[rank] = value
+        barrier.wait()
+        result = min(values)
+        barrier.wait()
+        return result
+
+    def rank(node: int) -> None:
+        chosen[node] = choose_resume(output_dir, node, lambda v: min_over_ranks(node, v))[0]
+
+    threads = [threading.Thread(target=rank, args=(n,)) for n in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return chosen
 
 
 def test_checkpoint_dir_is_keyed_by_task_id_under_checkpoint_root(node_env):
@@ -97,7 +173,7 @@ def test_killed_node_stops_the_gang_and_the_rerun_resumes_exactly(project):
     assert run, "orch did not announce its run"
     output_dir = project / "outputs" / run
     deadline = time.monotonic() + 120
-    while not any(output_dir.glob(f"checkpoint-*/{COMPLETE_MARKER}")):
+    while not any(output_dir.glob("checkpoint-*/orch_manifest.node1.json")):
         assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint before the run ended"
         time.sleep(0.02)
     victims = node_pids(run, 1)

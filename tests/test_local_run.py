@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, orch
 
+from orchestrator.train.checkpoints import verify
+
 pytestmark = pytest.mark.slow
 SECRET = "tok_0123456789abcdef"
 
@@ -54,7 +56,7 @@ def test_two_node_smoke_is_one_process_group(project):
     assert re.search(r"\[orch\] step 8/8 loss=\d", out)
     logged = [json.loads(x) for x in (output_dir / "orch" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "loss" in r] == list(range(1, 9))
-    assert (output_dir / "checkpoint-8" / "orch_complete").is_file()
+    assert not verify(output_dir / "checkpoint-8", node=0) and not verify(output_dir / "checkpoint-8", node=1)
     shards = sorted(p.name for p in (output_dir / "checkpoint-8" / "pytorch_model_fsdp_0").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]  # one shard per rank: a sharded checkpoint
     assert "checkpoint-8 (sharded: 2 distcp shard file(s) in pytorch_model_fsdp_0/)" in out

@@ -6,6 +6,8 @@ import re
 import pytest
 from conftest import orch
 
+from orchestrator.train.checkpoints import verify
+
 pytestmark = pytest.mark.slow
 
 # One recipe per trainer and per strategy that runs for real on CPU, and between them every model family orch
@@ -31,7 +33,7 @@ def check_one_group(result, project, trainer: str, ran: str = "FSDP2"):
     head = ranks[0]
     assert head["optimizer_steps"] == 8
     assert head["total_samples"] == 16 * 8, head  # smoke global batch 16 x 8 steps
-    assert (output_dir / "checkpoint-8" / "orch_complete").is_file()
+    assert not verify(output_dir / "checkpoint-8", node=0) and not verify(output_dir / "checkpoint-8", node=1)
     losses = [json.loads(x) for x in (output_dir / "orch" / "log.jsonl").read_text().splitlines()]
     assert len([r for r in losses if "loss" in r]) == 8
 

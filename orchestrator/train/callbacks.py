@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from transformers import TrainerCallback
 
 from orchestrator.core.timeline import time_to_first_step
-from orchestrator.train.checkpoints import COMPLETE_MARKER
+from orchestrator.train.checkpoints import write_manifest
 
 # Preference collators stack chosen rows then rejected rows into one input_ids batch: 2 rows per sample.
 ROWS_PER_SAMPLE = {"dpo": 2, "reward": 2}
@@ -24,6 +25,13 @@ def _rows_in(inputs, trainer_name: str) -> int:
         if value is not None and hasattr(value, "shape"):
             return int(value.shape[0]) // ROWS_PER_SAMPLE.get(trainer_name, 1)
     raise RuntimeError(f"orch cannot count samples in a {trainer_name} batch of {type(inputs).__name__}")
+
+
+def node_of_process() -> tuple[int, int]:
+    """(this node's rank, the number of nodes), as torchrun set them for the training process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return int(os.environ.get("GROUP_RANK", "0")), max(1, world // max(1, local))
 
 
 def dist():
@@ -50,10 +58,11 @@ class OrchCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if dist():
             dist().barrier()  # every rank has written its part of the checkpoint
-        if state.is_local_process_zero:  # each node marks its own copy (node-local disks included)
+        if state.is_local_process_zero:  # each node writes its manifest last (node-local disks included)
             ckpt = self.output_dir / f"checkpoint-{state.global_step}"
             if ckpt.is_dir():
-                (ckpt / COMPLETE_MARKER).write_text(json.dumps({"step": state.global_step, "time": time.time()}))
+                node, nodes = node_of_process()
+                write_manifest(ckpt, node, nodes, state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:

@@ -1,38 +1,134 @@
 """Checkpoints and the final model, as the training process writes and finds them.
 
-A checkpoint counts once `orch_complete` is written in it (after every rank saved); every start resumes from the
-newest step complete on every node. The final model is written in Hugging Face format at the end.
+A checkpoint counts as complete only when its manifests say so: after every rank saved, each node writes
+`orch_manifest.node<N>.json` last, listing every file it sees with its size, and the SHA-256 of the files assigned
+to that node (by a hash of the name, so the nodes share the hashing). A marker file alone is not enough: a bucket
+mount uploads in the background, and a marker can arrive before the shards. At start every rank agrees on the
+newest checkpoint that verifies everywhere (`choose_resume`); a newer one that does not verify is skipped and
+recorded in <output_dir>/orch_quarantine.jsonl, never renamed (on a bucket a rename copies the whole checkpoint).
+The final model is written in Hugging Face format at the end.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-COMPLETE_MARKER = "orch_complete"
+MANIFEST = "orch_manifest.node{}.json"
+QUARANTINE = "orch_quarantine.jsonl"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model.bin")
 
 
-def latest_complete_checkpoint(output_dir: Path) -> Path | None:
-    """The checkpoint-N with the highest N that orch marked complete; interrupted saves are skipped."""
-    best: tuple[int, Path] | None = None
+def _owner(name: str, nodes: int) -> int:
+    """The node that hashes a file: stable whatever order or subset of the files a node sees."""
+    return int(hashlib.sha1(name.encode()).hexdigest(), 16) % max(1, nodes)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _files(ckpt: Path) -> dict[str, int]:
+    return {
+        p.relative_to(ckpt).as_posix(): p.stat().st_size
+        for p in sorted(ckpt.rglob("*"))
+        if p.is_file() and not p.name.startswith("orch_manifest.")
+    }
+
+
+def write_manifest(ckpt: Path, node: int, nodes: int, step: int) -> Path:
+    """This node's manifest of a saved checkpoint, written last and atomically (temp file + rename)."""
+    files = _files(ckpt)
+    hashes = {name: _sha256(ckpt / name) for name in files if _owner(name, nodes) == node}
+    path = ckpt / MANIFEST.format(node)
+    tmp = ckpt / f".{path.name}.tmp"
+    tmp.write_text(json.dumps({"step": step, "node": node, "nodes": nodes, "time": time.time(), "sizes": files,
+                               "sha256": hashes}, indent=0))  # fmt: skip
+    os.replace(tmp, path)
+    return path
+
+
+def verify(ckpt: Path, node: int | None = None) -> str:
+    """ "" when the checkpoint is complete, else why not. Every caller checks that all nodes' manifests are there and
+    every listed file has its size; `node` also re-hashes the files that node hashed when it saved."""
+    manifests = sorted(ckpt.glob("orch_manifest.node*.json"))
+    if not manifests:
+        return "no manifest (the save did not finish)"
+    try:
+        loaded = [json.loads(p.read_text()) for p in manifests]
+    except (OSError, ValueError) as exc:
+        return f"unreadable manifest ({exc})"
+    nodes = loaded[0]["nodes"]
+    missing = sorted(set(range(nodes)) - {m["node"] for m in loaded})
+    if missing:
+        return f"node(s) {', '.join(map(str, missing))} wrote no manifest"
+    for manifest in loaded:
+        for name, size in manifest["sizes"].items():
+            path = ckpt / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != size:
+                return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+        if manifest["node"] == node:
+            for name, digest in manifest["sha256"].items():
+                if _sha256(ckpt / name) != digest:
+                    return f"{name} does not match its SHA-256 in the manifest"
+    return ""
+
+
+def steps(output_dir: Path) -> list[int]:
+    """Steps of the checkpoint-N directories, newest first."""
     if not output_dir.is_dir():
-        return None
-    for child in output_dir.iterdir():
-        name = child.name
-        if name.startswith("checkpoint-") and name[11:].isdigit() and (child / COMPLETE_MARKER).is_file():
-            if best is None or int(name[11:]) > best[0]:
-                best = (int(name[11:]), child)
-    return best[1] if best else None
+        return []
+    names = [p.name for p in output_dir.iterdir() if p.name.startswith("checkpoint-")]
+    return sorted((int(n[11:]) for n in names if n[11:].isdigit()), reverse=True)
 
 
-def resume_choice(output_dir: Path, local: Path | None, min_over_ranks) -> Path | None:
-    """The checkpoint every rank resumes from: the newest step complete on every node.
+def latest_complete_checkpoint(output_dir: Path, node: int | None = None) -> Path | None:
+    """The newest checkpoint that verifies (one process's view; a run agrees through `choose_resume`)."""
+    for step in steps(output_dir):
+        if not verify(output_dir / f"checkpoint-{step}", node):
+            return output_dir / f"checkpoint-{step}"
+    return None
 
-    local: this rank's newest complete checkpoint; min_over_ranks(step) returns the smallest step any rank
-    passed (-1 = none), a collective in a real run. Nodes with their own disks may hold different newest steps.
-    """
-    step = min_over_ranks(int(local.name.split("-")[1]) if local else -1)
-    return output_dir / f"checkpoint-{step}" if step >= 0 else None
+
+def choose_resume(
+    output_dir: Path, node: int | None, min_over_ranks: Callable[[int], int]
+) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The checkpoint every rank resumes from, the newest that verifies on every node, and the newer ones skipped
+    as (path, reason). min_over_ranks(x) is the smallest x over all ranks (a collective in a real run): every rank
+    runs the same rounds, so they agree even where their disks or their share of the hashing differ."""
+    reasons: dict[int, str] = {}
+
+    def why(step: int) -> str:
+        if step not in reasons:
+            reasons[step] = verify(output_dir / f"checkpoint-{step}", node)
+        return reasons[step]
+
+    excluded: set[int] = set()
+    while True:
+        local = next((s for s in steps(output_dir) if s not in excluded and not why(s)), -1)
+        chosen = min_over_ranks(local)
+        if chosen < 0 or min_over_ranks(0 if why(chosen) else 1):
+            break
+        excluded.add(chosen)
+    newer = sorted(s for s in steps(output_dir) if s > chosen)
+    skipped = [(output_dir / f"checkpoint-{s}", why(s) or "not complete on every node") for s in newer]
+    return (output_dir / f"checkpoint-{chosen}" if chosen >= 0 else None), skipped
+
+
+def quarantine(output_dir: Path, skipped: list[tuple[Path, str]]) -> Path:
+    """Append the skipped checkpoints to the run's quarantine list (one JSON line each)."""
+    path = output_dir / QUARANTINE
+    with open(path, "a") as fh:
+        for ckpt, reason in skipped:
+            fh.write(json.dumps({"checkpoint": ckpt.name, "reason": reason, "time": time.time()}) + "\n")
+    return path
 
 
 def final_model_files(output_dir: Path) -> dict:

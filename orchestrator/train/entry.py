@@ -29,8 +29,8 @@ import torch
 
 from orchestrator.core.trl_schema import TRAINER_CLASSES
 from orchestrator.train import cpu_fsdp
-from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist
-from orchestrator.train.checkpoints import latest_complete_checkpoint, resume_choice, save_final_model
+from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, node_of_process
+from orchestrator.train.checkpoints import choose_resume, quarantine, save_final_model
 
 # ---------------------------------------------------------------- parse and build, as TRL's scripts do
 
@@ -231,7 +231,16 @@ def main(argv: list[str] | None = None) -> None:
     acc = trainer.accelerator
     resume = parsed.training_args.resume_from_checkpoint
     if not resume:
-        resume = resume_choice(output_dir, latest_complete_checkpoint(output_dir), _min_over_ranks)
+        node = node_of_process()[0] if acc.is_local_main_process else None  # node-local mains re-hash their share
+        resume, skipped = choose_resume(output_dir, node, _min_over_ranks)
+        if skipped and acc.is_main_process:
+            listed = quarantine(output_dir, skipped)
+            for ckpt, reason in skipped:
+                print(
+                    f"[orch] skipping {ckpt.name}: {reason}; quarantined in {listed}, resuming from "
+                    f"{resume.name if resume else 'step 0'}",
+                    flush=True,
+                )
     print(
         f"[orch] rank {acc.process_index}/{acc.num_processes}: distributed_type={acc.distributed_type.value} "
         f"device={acc.device} backend={dist().get_backend() if dist() else 'none'}"

@@ -267,9 +267,14 @@ def forget(launch, run_id: str) -> None:
     """--fresh: delete the run's output directory (its checkpoints), so that it starts from step 0."""
     import shutil
 
+    from orchestrator.train.checkpoints import steps
+
     path = Path(output_dir_of(launch, run_id))
     if path.is_dir():
-        print(f"[orch] --fresh: deleting {path} (earlier checkpoints of this run)", flush=True)
+        found = [f"checkpoint-{s}" for s in reversed(steps(path))] or ["no checkpoint"]
+        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        final = " and the final model" if (path / "config.json").is_file() else ""
+        print(f"[orch] --fresh: deleting {path}: {', '.join(found)} ({size / 1e6:.1f} MB){final}", flush=True)
         shutil.rmtree(path)
 
 
