@@ -260,6 +260,17 @@ def main() -> int:
                 f">= 10x, <= 5x: {'PASS' if ok else 'FAIL'}",
             )
         )
+    huge = ["run", "phi3_dpo_fsdp", "--gpus", "H100:8", "--nodes", "10000", "--env", "GLOBAL_BATCH_SIZE=320000"]
+    huge_s, huge_mb = median_of([str(BIN / "orch"), *huge, "--dry-run", "--skip-optimizer"])
+    rows.append(
+        (
+            "orch run --nodes 10000 --dry-run (optimizer skipped, rehearsal cached)",
+            huge_s,
+            huge_mb,
+            "ranks beyond the first few are summarised: linear in the node count",
+            f"< 2 s: {'PASS' if huge_s < 2 else 'FAIL'}",
+        )
+    )
     node_s, node_mb, py_ref = interleaved(python, [str(BIN / "orch"), "node", "--print"], env=NODE_ENV)
     startup = node_s / py_ref
     rows.append(

@@ -131,6 +131,16 @@ def _main(argv: list[str]) -> int:
     except OrchError as exc:
         print(f"orch: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # the last net: a full disk, a path orch could not foresee; one line, no traceback
+        import errno
+
+        where = f" ({exc.filename})" if exc.filename else ""
+        if exc.errno == errno.ENOSPC:
+            print(f"orch: error: no space left on the device{where}: free some and rerun (a run resumes from "
+                  "its last complete checkpoint)", file=sys.stderr)  # fmt: skip
+            return 1
+        print(f"orch: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as exc:
         name = getattr(exc, "signame", "SIGINT")
         try:

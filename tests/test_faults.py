@@ -398,3 +398,38 @@ def test_secret_never_reaches_files_logs_or_argv(project):
             assert SECRET not in path.read_text(errors="replace"), path
     record = next((project / "sky_jobs").glob("*.yaml")).read_text()
     assert "HF_TOKEN: null" in record and "--secret HF_TOKEN" in record
+
+
+@pytest.mark.parametrize("head_ip", ["127.0.0.1", "::1"])
+def test_barrier_listens_on_ipv4_and_ipv6(head_ip):
+    import socket
+    import threading
+
+    from orchestrator.node import barrier
+
+    if head_ip == "::1":
+        try:
+            with socket.socket(socket.AF_INET6) as probe:
+                probe.bind(("::1", 0))
+        except OSError:
+            pytest.skip("this machine has no IPv6 loopback")
+    port = _free_port()
+    done = []
+    head = threading.Thread(target=lambda: done.append(barrier.head_wait(2, port, 20)))
+    head.start()
+    assert barrier.worker_join(1, head_ip, port, 20) < 20
+    head.join(timeout=20)
+    assert done, "the head did not release the worker"
+
+
+@pytest.mark.parametrize("ips", ["not an ip\n127.0.0.1\n", "10.0.0.1\n10.0.0.256\n", "fe80::1::2\n10.0.0.1\n"])
+def test_node_addresses_must_be_ip_addresses(node_env, ips):
+    result = orch("node", "--print", env={**node_env(2, 8, 0), "SKYPILOT_NODE_IPS": ips})
+    assert result.returncode == 2 and "is not an IPv4 or IPv6 address" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_ipv6_node_addresses_are_accepted(node_env):
+    result = orch("node", "--print", env={**node_env(2, 8, 1), "SKYPILOT_NODE_IPS": "fd00::1\nfd00::2\n"})
+    assert result.returncode == 0, result.stderr
+    assert "--main_process_ip fd00::1" in result.stdout

@@ -17,8 +17,9 @@ from orchestrator.core.errors import OrchError
 EPILOG = """\
 examples:
   orch cp phi3_dpo_fsdp my_dpo          # recipes/my_dpo.yaml + recipes/trl/my_dpo.yaml + recipes/accelerate/my_dpo.yaml
-  orch cp phi3_dpo_fsdp exp/dpo_a.yaml  # a path: configs go to exp/trl/ and exp/accelerate/
-  orch cp phi3_dpo_fsdp my_dpo --force  # overwrite an earlier copy
+  orch cp phi3_dpo_fsdp recipes/exp/dpo_a.yaml  # configs go to recipes/exp/trl/ and recipes/exp/accelerate/
+  orch cp phi3_dpo_fsdp my_dpo --force  # overwrite an earlier copy (never a config another recipe uses)
+Copies go only inside ./recipes/ and never overwrite a file another recipe uses.
 then edit the copies and run: orch run my_dpo --local --nodes 2 --smoke
 """
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
@@ -38,17 +39,46 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=main)
 
 
+MAX_NAME = 100
+
+
 def destinations(dest: str) -> tuple[Path, Path, Path]:
-    """(task, TRL config, Accelerate config) paths for a DEST name or path."""
+    """(task, TRL config, Accelerate config) paths for a DEST name or path, all inside ./recipes/."""
     if dest.endswith((".yaml", ".yml")):
         task = Path(dest)
     elif _NAME.match(dest) and "/" not in dest:
         task = Path("recipes") / f"{dest}.yaml"
     else:
-        raise OrchError(f"DEST {dest!r} must be a name like my_dpo (letters, digits, _ . -) or a path ending in .yaml")
+        raise OrchError(
+            f"DEST {dest[:80]!r} must be a name like my_dpo (letters, digits, _ . -) or a path ending in .yaml"
+        )
+    if len(task.stem) > MAX_NAME:
+        raise OrchError(f"DEST name is {len(task.stem)} characters, too long: use at most {MAX_NAME}")
     if not _NAME.match(task.stem):
         raise OrchError(f"DEST file name {task.name!r} must start with a letter (letters, digits, _ . -)")
+    recipes = Path("recipes").resolve()
+    if not task.resolve().is_relative_to(recipes):
+        raise OrchError(f"DEST {dest!r}: copies go inside recipes/ (e.g. my_dpo or recipes/exp/my_dpo.yaml)")
     return task, task.parent / "trl" / f"{task.stem}.yaml", task.parent / "accelerate" / f"{task.stem}.yaml"
+
+
+def users_of_configs(skip: Path | None = None) -> dict[Path, list[str]]:
+    """Every TRL/Accelerate config file a recipe names -> the recipes that name it (the recipe at `skip` left out)."""
+    from orchestrator.core import yamlio
+    from orchestrator.launch.recipe import all_recipe_paths
+
+    users: dict[Path, list[str]] = {}
+    for path in all_recipe_paths():
+        if skip is not None and path.resolve() == skip.resolve():
+            continue
+        try:
+            envs = (yamlio.load(path.read_text()) or {}).get("envs") or {}
+        except Exception:  # an unreadable recipe names nothing (orch ls reports it)
+            continue
+        for key in ("TRL_CONFIG", "ACCELERATE_CONFIG"):
+            if isinstance(envs, dict) and envs.get(key):
+                users.setdefault(Path(str(envs[key])).resolve(), []).append(path.stem)
+    return users
 
 
 def _relative(path: Path) -> str:
@@ -62,15 +92,25 @@ def _relative(path: Path) -> str:
 def _write_all(files: dict[Path, str]) -> None:
     """Write every file or none: temp files first, then renames."""
     staged = []
+    made: list[Path] = []
     try:
         for path, text in files.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
+            for parent in reversed([path.parent, *path.parent.parents]):
+                if not parent.exists():
+                    parent.mkdir()
+                    made.append(parent)
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            staged.append((tmp, path))
             with os.fdopen(fd, "w") as fh:
                 fh.write(text)
-            staged.append((tmp, path))
         for tmp, path in staged:
             os.replace(tmp, path)
+    except OSError as exc:
+        for tmp, _ in staged:
+            Path(tmp).unlink(missing_ok=True)
+        for folder in reversed(made):
+            folder.rmdir()
+        raise OrchError(f"cannot write {exc.filename or path}: {exc.strerror}") from None
     finally:
         for tmp, _ in staged:
             Path(tmp).unlink(missing_ok=True)
@@ -96,6 +136,15 @@ def main(args: argparse.Namespace) -> int:
         accel_text = f"# TRL's {accel_value} profile, copied by `orch cp`\n" + yaml.safe_dump(
             accel_config, sort_keys=False
         )
+    if task_dst.resolve() == source.path.resolve():
+        raise OrchError(f"{args.dest} is the recipe itself; pick another name")
+    users = users_of_configs(skip=task_dst)
+    for path, what in ((trl_dst, "TRL config"), (accel_dst, "Accelerate config")):
+        if users.get(path.resolve()):
+            raise OrchError(
+                f"{path} is the {what} of {', '.join(users[path.resolve()])}: a copy must not overwrite it, even "
+                "with --force; pick another name"
+            )
     wanted = [task_dst, trl_dst, accel_dst]
     taken = [p for p in wanted if p.exists()]
     if taken and not args.force:
@@ -103,8 +152,6 @@ def main(args: argparse.Namespace) -> int:
             f"{taken[0]} already exists; pass --force to overwrite it, or pick another name "
             "(`orch ls` shows the names in use)"
         )
-    if task_dst.resolve() == source.path.resolve():
-        raise OrchError(f"{args.dest} is the recipe itself; pick another name")
 
     old, old_sky, new_sky = source.name, source.name.replace("_", "-"), new.replace("_", "-")
     text = source.path.read_text()
@@ -125,6 +172,13 @@ def main(args: argparse.Namespace) -> int:
     check_paired_files(copied)
     for path in files:
         print(f"wrote {path}")
+    shared = {source.paired("TRL_CONFIG"): "TRL config"}
+    if accel_value not in PROFILES:
+        shared[source.workdir / accel_file] = "Accelerate config"
+    for path, what in shared.items():
+        others = [r for r in users.get(path.resolve(), []) if r != source.name]
+        if others:
+            print(f"note: {source.name}'s {what} {path} is shared with {', '.join(others)}; your copy has its own")
     print(
         f"next: edit them, then `orch run {new if task_dst.parent == Path('recipes') else task_dst} "
         "--local --nodes 2 --smoke` or `sky launch " + _relative(task_dst) + "`"

@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.commands import add
@@ -118,6 +119,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="start over: delete this run's earlier checkpoints instead of resuming from them",
     )
     local.add_argument(
+        "--auto-fit",
+        action="store_true",
+        help="on out of memory, retry once with the per-device batch halved and accumulation doubled (same global "
+        "batch)",
+    )
+    local.add_argument(
         "--smoke",
         action="store_true",
         help="tiny model of the recipe's architecture + synthetic data, built here offline; 8 steps",
@@ -143,7 +150,7 @@ def main(args: argparse.Namespace) -> int:
         raise OrchError(f"--idle-minutes {args.idle_minutes}: give 0 or more minutes")
     if args.cluster and not _CLUSTER.match(args.cluster):
         raise OrchError(f"--cluster {args.cluster!r}: use letters, digits, '-', '_' or '.', starting with a letter")
-    gpus = accelerators.parse(args.gpus) if args.gpus else None
+    gpus = accelerators.parse(args.gpus) if args.gpus is not None else None
     user_envs = parse_env_assignments(args.env)
     user_overrides = overrides.parse(args.overrides)
     secret_values = secrets.values_for(recipe, secrets.parse_secrets(args.secret), smoke=args.smoke)
@@ -294,7 +301,48 @@ def _confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
     return answer.strip().lower() in ("y", "yes")
 
 
+def check_writable(path: Path, what: str) -> None:
+    """A directory orch will create and write: every name fits the file system, and the nearest existing folder
+    above it takes a new folder (tried for real, then removed: permissions, read-only mounts, /proc)."""
+    import errno
+    import tempfile
+
+    for part in path.parts:
+        if len(part.encode()) > 255:
+            raise OrchError(f"{what} {str(path)[:80]}...: a name of {len(part)} characters is too long (255 at most)")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OrchError(f"{what} {path}: {existing} is a file, not a directory; choose another {what}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".orch-write-test-", dir=existing))
+    except OSError as exc:
+        reason = "read-only file system" if exc.errno == errno.EROFS else exc.strerror
+        raise OrchError(f"{what} {path}: cannot write under {existing} ({reason}); choose another {what}") from None
+
+
 def _local(args, launch: Launch, user_envs, user_overrides, secret_values: dict[str, str]) -> int:
+    """A local run; on out of memory, one line with the fix that keeps the math, and with --auto-fit one retry
+    with that fix applied."""
+    from orchestrator.launch import memory_fix
+
+    result, ran = _local_once(args, launch, user_envs, user_overrides, secret_values)
+    if result.returncode == 0 or not memory_fix.is_oom(result.error):
+        return result.returncode
+    fix = memory_fix.propose(ran.settings, ran.envs)
+    print(f"[orch] out of memory: {fix.describe()}", flush=True)
+    if fix.overrides is None:
+        return result.returncode
+    if not args.auto_fit:
+        print(f"[orch] rerun with {fix.words()}, or add --auto-fit to do it by itself", flush=True)
+        return result.returncode
+    print(f"[orch] --auto-fit: retrying once with {fix.words()}", flush=True)
+    retry = launch.replace(overrides={**launch.overrides, **fix.overrides})
+    return _local_once(args, retry, user_envs, {**user_overrides, **fix.overrides}, secret_values)[0].returncode
+
+
+def _local_once(args, launch: Launch, user_envs, user_overrides, secret_values: dict[str, str]):
     import hashlib
     import json
     import secrets as secrets_module
@@ -335,6 +383,7 @@ def _local(args, launch: Launch, user_envs, user_overrides, secret_values: dict[
     check(launch, task_id=run, device="cpu")
     command = secrets.redacted_command(args.argv, secret_values.values())
     output_dir = local.output_dir_of(launch, run)
+    check_writable(recipe.workdir / output_dir, "output_dir")
     lock = runlock.acquire(run, recipe.workdir / output_dir, command)  # one owner; refused while another lives
     try:
         if artifacts is not None:
@@ -368,6 +417,6 @@ def _local(args, launch: Launch, user_envs, user_overrides, secret_values: dict[
         if result.error:
             record.meta["error"] = result.error
         records.write(record)
-        return result.returncode
+        return result, launch
     finally:
         os.close(lock)

@@ -28,7 +28,7 @@ class Checked(NamedTuple):
 
 def placeholder_ips(nodes: int) -> str:
     """SKYPILOT_NODE_IPS as SkyPilot writes it (one per line, a newline at the end), for `nodes` nodes."""
-    return "".join(f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256 + 1}\n" for i in range(nodes))
+    return "".join(f"10.{n // 65536 % 256}.{n // 256 % 256}.{n % 256}\n" for n in range(1, nodes + 1))
 
 
 def representative_ranks(nodes: int) -> list[int]:

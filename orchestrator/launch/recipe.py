@@ -66,6 +66,13 @@ def all_recipe_paths() -> list[Path]:
 
 
 def find(name_or_path: str) -> Path:
+    try:
+        return _find(name_or_path)
+    except OSError as exc:  # a name longer than the file system allows, a path through a file
+        raise OrchError(f"recipe {name_or_path[:80]!r}: {exc.strerror}; `orch ls` lists the recipes") from None
+
+
+def _find(name_or_path: str) -> Path:
     candidate = Path(name_or_path)
     if candidate.suffix in (".yaml", ".yml") or "/" in name_or_path:
         if candidate.is_file():
@@ -84,6 +91,10 @@ def load(name_or_path: str) -> Recipe:
     path = find(name_or_path)
     try:
         task = yamlio.load(path.read_text())
+    except UnicodeDecodeError:
+        raise OrchError(f"recipe {path} is not a text file; a recipe is a SkyPilot task YAML") from None
+    except OSError as exc:
+        raise OrchError(f"recipe {path} cannot be read ({exc.strerror})") from None
     except yamlio.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

@@ -111,7 +111,7 @@ def read(path: Path) -> Record:
     return Record(run=meta.get("run", path.stem), task=task, meta=meta)
 
 
-def all_records() -> list[Record]:
+def all_records(warn: bool = True) -> list[Record]:
     """Every readable record, oldest first; a file that is not one (truncated, binary, hand-edited) is skipped with
     a warning on stderr."""
     import sys
@@ -126,7 +126,8 @@ def all_records() -> list[Record]:
                 raise ValueError("its body is not a task mapping")
         except Exception as exc:  # YAML errors, bad bytes, a directory named *.yaml
             reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
-            print(f"[orch] warning: skipping {path}: not a readable run record ({reason})", file=sys.stderr)
+            if warn:
+                print(f"[orch] warning: skipping {path}: not a readable run record ({reason})", file=sys.stderr)
             continue
         records.append(record)
     return sorted(records, key=lambda r: r.get("time"))
@@ -134,6 +135,8 @@ def all_records() -> list[Record]:
 
 def find(run: str) -> Record:
     path = SKY_JOBS / f"{run}.yaml"
+    if len(path.name) > 255 or "/" in run:
+        raise OrchError(f"no run {run[:80]!r} in {SKY_JOBS}/; `orch status` lists the runs")
     if path.is_file():
         try:
             return read(path)
@@ -141,7 +144,7 @@ def find(run: str) -> Record:
             raise OrchError(
                 f"{path} is not a readable run record ({type(exc).__name__}); delete it or restore it"
             ) from None
-    runs = [r.run for r in all_records()]
+    runs = [r.run for r in all_records(warn=False)]
     prefixed = [r for r in runs if r.startswith(run)]
     if len(prefixed) == 1:
         return find(prefixed[0])

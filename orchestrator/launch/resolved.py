@@ -19,6 +19,8 @@ from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError
 from orchestrator.launch.recipe import Recipe
 
+MAX_NODES = 16384
+"""A bound on --nodes: torch's rendezvous and SkyPilot's gang scheduling are not made for more."""
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SECRET_LIKE = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)$", re.I)
 """Env names that hold credentials: they go as --secret (never written), not --env (written to sky_jobs/)."""
@@ -124,6 +126,8 @@ def resolve(
     count alone keeps its type), --env, key=value. Reads the paired configs once."""
     if nodes is not None and nodes < 1:
         raise OrchError(f"--nodes {nodes}: a run needs at least 1 node")
+    if nodes is not None and nodes > MAX_NODES:
+        raise OrchError(f"--nodes {nodes}: orch launches at most {MAX_NODES} nodes in one run")
     task_envs = {**recipe.envs, **(envs or {})}
     trl_schema.check_trainer(task_envs.get("TRL_TRAINER", ""))
     merged = overrides.loads(task_envs.get("TRL_OVERRIDES", ""))

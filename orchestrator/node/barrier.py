@@ -23,7 +23,10 @@ def head_wait(nodes: int, port: int, timeout: float) -> float:
     deadline = started + timeout
     joined: dict[int, socket.socket] = {}
     try:
-        server = socket.create_server(("", port), reuse_port=False)
+        if socket.has_dualstack_ipv6():  # one socket for IPv4 and IPv6 heads alike
+            server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        else:
+            server = socket.create_server(("", port))
     except OSError as exc:
         raise OrchError(
             f"the head node cannot listen on barrier port {port} ({exc.strerror}); set ORCH_BARRIER_PORT to a free port"

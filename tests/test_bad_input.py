@@ -1,0 +1,149 @@
+"""Bad input through the real CLI (issue 15, point 10): each of these exits 2 with one `orch: error:` line, no
+traceback, and writes nothing. The table is orch's own, by class: flags, env knobs, TRL values and lists, secrets,
+recipe and config files (binary, empty, wrong shape), paths (outside the repository, under a file, unwritable, too
+long), `orch cp` onto what others use, run records."""
+
+import os
+import sys
+
+import pytest
+from conftest import ROOT
+
+from orchestrator import cli
+
+LONG = "r" * 300
+BAD = [
+    # flags and their values
+    (["run", "phi3_dpo_fsdp", "--gpus", ""], "--gpus"),
+    (["run", "phi3_dpo_fsdp", "--gpus", "A100:8:2"], "unknown accelerator 'A100:8'"),
+    (["run", "phi3_dpo_fsdp", "--gpus", "CPU:2"], "CPU processes are for --local"),
+    (["run", "phi3_dpo_fsdp", "--nodes", "-3"], "at least 1 node"),
+    (["run", "phi3_dpo_fsdp", "--nodes", "20000"], "at most 16384 nodes"),
+    (["run", "phi3_dpo_fsdp", "--nodes", "1.5"], "invalid int value"),
+    (["run", "phi3_dpo_fsdp", "--nodes"], "expected one argument"),
+    (["run", "phi3_dpo_fsdp", "--idle-minutes", "soon"], "invalid int value"),
+    (["run", "phi3_dpo_fsdp", "--cluster", "1abc"], "--cluster '1abc'"),
+    (["run", "phi3_dpo_fsdp", "--gpu", "A100:8"], "did you mean --gpus?"),
+    (["run", "phi3_dpo_fsdp", "--loc"], "did you mean --local?"),
+    (["run", "phi3_dpo_fsdp", "--local", "--gpus", "CPU:0"], "positive"),
+    (["run", "phi3_dpo_fsdp", "--local", "--detach"], "not --local"),
+    (["status", "extra"], "unrecognized arguments: extra"),
+    (["--frob"], "unrecognized arguments: --frob"),
+    # secrets: no spelling of --secret or --env carries a value to disk
+    (["run", "phi3_dpo_fsdp", "--se", "HF_TOKEN=hf_v4lue"], "did you mean --secret?"),
+    (["run", "phi3_dpo_fsdp", "--secr=HF_TOKEN=hf_v4lue"], "--secr=..."),
+    (["run", "phi3_dpo_fsdp", "--env", "WANDB_API_KEY=k"], "pass it as --secret WANDB_API_KEY"),
+    (["run", "phi3_dpo_fsdp", "--env", "AWS_SECRET_ACCESS_KEY=k"], "looks like a credential"),
+    (["run", "phi3_dpo_fsdp", "--env", "DB_PASSWORD=k"], "looks like a credential"),
+    (["run", "phi3_dpo_fsdp", "hub_token=hf_v4lue"], "pass --secret HF_TOKEN"),
+    (["run", "phi3_dpo_fsdp", "--secret", "HF-TOKEN"], "not an environment variable name"),
+    # orch's env knobs, parsed as the nodes parse them
+    (["run", "phi3_dpo_fsdp", "--env", "ORCH_RENDEZVOUS_TIMEOUT=-5"], "takes a number of seconds > 0"),
+    (["run", "phi3_dpo_fsdp", "--env", "ORCH_RENDEZVOUS_TIMEOUT=nan"], "takes a number of seconds > 0"),
+    (["run", "phi3_dpo_fsdp", "--env", "ORCH_VLLM_CLOSED_POLLS=0"], "a whole number >= 1"),
+    (["run", "phi3_dpo_fsdp", "--env", "ORCH_BARRIER_PORT=70000"], "is not a TCP port"),
+    (["run", "phi3_dpo_fsdp", "--env", "MAIN_PROCESS_PORT=http"], "is not a TCP port"),
+    (["run", "phi3_dpo_fsdp", "--env", "DDP_TIMEOUT=1.5"], "DDP_TIMEOUT"),
+    (["run", "phi3_dpo_fsdp", "--env", "ORCH_DEVICE=tpu"], "ORCH_DEVICE"),
+    (["run", "phi3_dpo_fsdp", "--env", "GLOBAL_BATCH_SIZE=abc"], "GLOBAL_BATCH_SIZE"),
+    (["run", "phi3_dpo_fsdp", "--env", "GLOBAL_BATCH_SIZE=0"], "GLOBAL_BATCH_SIZE"),
+    (["run", "phi3_dpo_fsdp", "--env", "ACCELERATE_CONFIG=nope.yaml"], "cannot be read (No such file"),
+    (["run", "phi3_dpo_fsdp", "--env", "TRL_CONFIG=/nonexistent/trl.yaml"], "cannot be read (No such file"),
+    # TRL values, types, choices and list items, as TRL (or its trainer at the first step) would refuse them
+    (["run", "phi3_dpo_fsdp", "beta=strong"], "beta takes a number"),
+    (["run", "phi3_dpo_fsdp", "learning_rate=fast"], "learning_rate takes a number"),
+    (["run", "phi3_dpo_fsdp", "bf16=maybe"], "bf16 takes true or false"),
+    (["run", "phi3_dpo_fsdp", "max_steps="], "max_steps takes an integer"),
+    (["run", "phi3_dpo_fsdp", "loss_type=sigmoid,ipo"], "loss_type takes a list of sigmoid"),
+    (["run", "qwen25_grpo_ddp", "loss_type=ppo"], "loss_type takes one of grpo"),
+    (["run", "qwen25_kto_ddp", "loss_type=sigmoid"], "loss_type takes one of kto"),
+    (["run", "qwen25_sft_ddp", "loss_type=dpo"], "loss_type takes one of nll"),
+    (["run", "phi3_dpo_fsdp", "=5"], "is not key=value"),
+    # recipe and config files
+    (["run", LONG], "File name too long"),
+    (["run", f"recipes/{LONG}.yaml"], "File name too long"),
+    (["run", "binary"], "is not a text file"),
+    (["run", "empty"], "must be a YAML mapping"),
+    (["run", "listed"], "must be a YAML mapping"),
+    (["run", "no_run"], "has no `run:` command"),
+    (["run", "beta_high"], "beta: 'high': beta takes a number"),
+    (["run", "trl_binary"], "is not a text file"),
+    (["run", "trl_listed"], "must be a YAML mapping"),
+    (["run", "accel_broken"], "not valid YAML"),
+    # output paths of a local run
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir=recipes/phi3_dpo_fsdp.yaml/out"], "is a file, not a directory"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir=/proc/orch-out"], "cannot write"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", f"output_dir=outputs/{LONG}"], "too long"),
+    # orch cp: only inside recipes/, never onto a config another recipe uses
+    (["cp", "phi3_dpo_fsdp", "../outside.yaml"], "inside recipes/"),
+    (["cp", "phi3_dpo_fsdp", "/tmp/orch-elsewhere.yaml"], "inside recipes/"),
+    (["cp", "phi3_dpo_fsdp", "qwen25_grpo", "--force"], "recipes/trl/qwen25_grpo.yaml is the TRL config of"),
+    (["cp", "phi3_dpo_fsdp", "recipes/phi3_dpo_fsdp.yaml/x.yaml"], "Not a directory"),
+    (["cp", "phi3_dpo_fsdp", LONG], "too long"),
+    (["cp", "phi3_dpo_fsdp", "phi3_dpo_fsdp", "--force"], "is the recipe itself"),
+    (["cp", "nope", "mine"], "unknown recipe 'nope'"),
+    # records and runs
+    (["logs", LONG], "no run"),
+    (["cancel", "nope"], "no run 'nope'"),
+    (["down", "nope"], "no run 'nope'"),
+    (["logs", "corrupt"], "is not a readable run record"),
+    (["cancel", "never-submitted"], "was never submitted"),
+    (["show", "phi3_dpo_fsdp", "max_steps=ten"], "max_steps takes an integer"),
+]
+
+
+def _tree(root):
+    return sorted((p.relative_to(root).as_posix(), p.stat().st_size) for p in root.rglob("*") if p.is_file())
+
+
+@pytest.fixture
+def bad_project(project):
+    recipes = project / "recipes"
+    phi3 = (recipes / "phi3_dpo_fsdp.yaml").read_text()
+    (recipes / "binary.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe" + os.urandom(64))
+    (recipes / "empty.yaml").write_text("")
+    (recipes / "listed.yaml").write_text("- a\n- b\n")
+    (recipes / "no_run.yaml").write_text(phi3.split("\nrun:")[0] + "\n")
+    (recipes / "trl" / "beta_high.yaml").write_text((recipes / "trl" / "phi3_dpo.yaml").read_text() + "beta: high\n")
+    (recipes / "beta_high.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/beta_high.yaml"))
+    (recipes / "trl" / "binary.yaml").write_bytes(b"\xff\xfe\x00binary" + os.urandom(32))
+    (recipes / "trl_binary.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/binary.yaml"))
+    (recipes / "trl" / "listed.yaml").write_text("- beta\n")
+    (recipes / "trl_listed.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/listed.yaml"))
+    (recipes / "accelerate" / "broken.yaml").write_text("distributed_type: [FSDP\n")
+    accel = phi3.replace("recipes/accelerate/fsdp2_phi3.yaml", "recipes/accelerate/broken.yaml")
+    (recipes / "accel_broken.yaml").write_text(accel)
+    jobs = project / "sky_jobs"
+    jobs.mkdir()
+    (jobs / "corrupt.yaml").write_bytes(b"# run: corrupt\n\xff\xfe: [\n")
+    (jobs / "never-submitted.yaml").write_text(
+        "# run: never-submitted\n# backend: sky-cluster\n# cluster: c1\n# state: failed to launch\n\nname: x\n"
+    )
+    return project
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a)[:50] for a, _ in BAD])
+def test_bad_input(bad_project, monkeypatch, capsys, argv, message):
+    assert len(BAD) >= 60
+    monkeypatch.chdir(bad_project)
+    monkeypatch.setenv("SKYPILOT_DISABLE_LOCAL_API_SERVER", "1")
+    before = _tree(bad_project)
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert code == 2, out.out + out.err
+    assert len(lines) == 1 and lines[0].startswith("orch: error: "), out.err
+    assert message in lines[0], lines[0]
+    assert "hf_v4lue" not in out.out + out.err  # a secret's value is never echoed
+    assert _tree(bad_project) == before  # nothing written
+
+
+def test_the_table_runs_through_the_installed_cli(bad_project):
+    """One row through `python -m orchestrator`, to show the in-process rows are the CLI's own exits."""
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", "binary"], cwd=bad_project, capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert ROOT.is_dir()

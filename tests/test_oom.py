@@ -1,0 +1,82 @@
+"""Out of memory on a rank (issue 15, point 9): the run ends with the rank's error and one line naming the fix that
+keeps the math; --auto-fit retries once with it. The error is injected on node 1 the way a rank prints it."""
+
+import re
+
+import pytest
+from conftest import orch
+
+from orchestrator.launch import memory_fix
+from orchestrator.launch.backends.local import _ERROR, first_error
+
+CUDA_OOM = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
+    "of which 1.12 GiB is free."
+)
+
+
+def test_the_first_error_is_the_ranks_not_the_launchers():
+    lines = [
+        f"[rank1]: {CUDA_OOM}",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "subprocess.CalledProcessError: Command '['torchrun', ...]' returned non-zero exit status 1.",
+    ]
+    extracted = [_ERROR.match(line).group(1) for line in lines[1:] + lines[:1]]  # as the node output pump does
+    assert first_error(extracted) == CUDA_OOM  # the launchers' summaries come first in the log and are skipped
+    assert memory_fix.is_oom(first_error(lines))
+    assert memory_fix.is_oom(
+        "RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"
+    )
+    assert not memory_fix.is_oom("ValueError: Unknown loss type: nonsense")
+
+
+@pytest.mark.parametrize(
+    "settings, envs, words",
+    [
+        ({"per_device_train_batch_size": 8}, {"GLOBAL_BATCH_SIZE": "128"}, "per_device_train_batch_size=4"),
+        ({"per_device_train_batch_size": "4", "gradient_accumulation_steps": 2}, {}, "per_device_train_batch_size=2 "
+         "gradient_accumulation_steps=4"),
+        ({}, {}, "per_device_train_batch_size=4 gradient_accumulation_steps=2"),  # TrainingArguments' default 8
+    ],
+)  # fmt: skip
+def test_the_fix_keeps_the_global_batch(settings, envs, words):
+    assert memory_fix.propose(settings, envs).words() == words
+
+
+def test_at_batch_one_the_fix_is_to_shard_more():
+    fix = memory_fix.propose({"per_device_train_batch_size": 1}, {})
+    assert fix.overrides is None and "shard more" in fix.describe()
+
+
+@pytest.fixture
+def oom_recipe(project):
+    """qwen25_sft_ddp whose node 1 fails as a rank out of memory does, while the per-device batch is 2."""
+    recipe = project / "recipes" / "qwen25_sft_oom.yaml"
+    text = (project / "recipes" / "qwen25_sft_ddp.yaml").read_text()
+    inject = (
+        '  case "$TRL_OVERRIDES" in *per_device_train_batch_size=2*) if [ "$SKYPILOT_NODE_RANK" = 1 ]; then '
+        f"python -c 'import sys; print(\"[rank1]: {CUDA_OOM}\"); sys.exit(1)'; exit 1; fi;; esac\n  orch node\n"
+    )
+    recipe.write_text(text.replace("\n  orch node\n", "\n" + inject))
+    return project
+
+
+@pytest.mark.slow
+def test_out_of_memory_names_the_fix_and_auto_fit_retries_once(oom_recipe):
+    command = ["run", "qwen25_sft_oom", "--local", "--nodes", "2", "--smoke", "per_device_train_batch_size=2"]
+    failed = orch(*command, cwd=oom_recipe, timeout=300)
+    assert failed.returncode == 1, failed.stdout[-3000:]
+    lines = failed.stdout.strip().splitlines()
+    assert re.match(
+        r"\[orch\] failed after [\d.]+ s: node 1 exited with code 1: torch.OutOfMemoryError: CUDA out", lines[-3]
+    )
+    assert lines[-2].startswith("[orch] out of memory: halve the per-device batch (2 -> 1) and double the accumulation")
+    assert lines[-1] == "[orch] rerun with per_device_train_batch_size=1, or add --auto-fit to do it by itself"
+
+    fitted = orch(*command, "--auto-fit", cwd=oom_recipe, timeout=300)
+    assert fitted.returncode == 0, fitted.stdout[-3000:]
+    assert "[orch] --auto-fit: retrying once with per_device_train_batch_size=1" in fitted.stdout
+    summary = re.search(
+        r"\[orch\] (\d+) optimizer steps x 16 samples \(= 1 per device x 2 data-parallel ranks x 8", fitted.stdout
+    )
+    assert summary, fitted.stdout[-2000:]  # the smoke global batch of 16 kept: accumulation 4 -> 8
