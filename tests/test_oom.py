@@ -21,7 +21,8 @@ def test_the_first_error_is_the_ranks_not_the_launchers():
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
         "subprocess.CalledProcessError: Command '['torchrun', ...]' returned non-zero exit status 1.",
     ]
-    extracted = [_ERROR.match(line).group(1) for line in lines[1:] + lines[:1]]  # as the node output pump does
+    matches = [_ERROR.match(line) for line in lines[1:] + lines[:1]]  # as the node output pump does
+    extracted = [m.group(1) for m in matches if m]
     assert first_error(extracted) == CUDA_OOM  # the launchers' summaries come first in the log and are skipped
     assert memory_fix.is_oom(first_error(lines))
     assert memory_fix.is_oom(
