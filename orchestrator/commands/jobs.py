@@ -19,13 +19,14 @@ EXAMPLES = {
     "status": "  orch status                       # every recorded run with its live state",
     "logs": "  orch logs phi3-dpo-fsdp-20261122-101500 --follow   # stream a run's logs\n"
     "  orch logs phi3_dpo_fsdp-8a463d72                   # a local run's log",
-    "cancel": "  orch cancel phi3-dpo-fsdp-20261122-101500   # cancel the job (the cluster stays up)",
+    "cancel": "  orch cancel phi3-dpo-fsdp-20261122-101500   # cancel the job (the cluster stays up)\n"
+    "  orch cancel phi3_dpo_fsdp-8a463d72          # a live local run: its orch stops every node",
     "down": "  orch down phi3-dpo-fsdp-20261122-101500     # tear the cluster down (a managed job: cancel it)",
 }
 HELP = {
     "status": "list recorded runs and their state",
     "logs": "print (or --follow) a run's logs",
-    "cancel": "cancel a run's job",
+    "cancel": "cancel a run's job (a local run: stop it)",
     "down": "tear down a run's cluster",
 }
 
