@@ -71,7 +71,10 @@ BAD = [
     (["run", "trl_listed"], "must be a YAML mapping"),
     (["run", "accel_broken"], "not valid YAML"),
     # output paths of a local run
-    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir=recipes/phi3_dpo_fsdp.yaml/out"], "is a file, not a directory"),
+    (
+        ["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir=recipes/phi3_dpo_fsdp.yaml/out"],
+        "is a file, not a directory",
+    ),
     (["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir=/proc/orch-out"], "cannot write"),
     (["run", "phi3_dpo_fsdp", "--local", "--smoke", f"output_dir=outputs/{LONG}"], "too long"),
     # orch cp: only inside recipes/, never onto a config another recipe uses

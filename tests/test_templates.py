@@ -58,7 +58,7 @@ def test_cp_refuses_to_overwrite_without_force(project):
     [
         (["cp", "phi3_dpo_fsd", "x"], "unknown recipe 'phi3_dpo_fsd'; did you mean phi3_dpo_fsdp? `orch ls` lists"),
         (["cp", "phi3_dpo_fsdp", "a b"], "DEST 'a b' must be a name like my_dpo"),
-        (["cp", "phi3_dpo_fsdp", "phi3_dpo_fsdp"], "recipes/phi3_dpo_fsdp.yaml already exists"),
+        (["cp", "phi3_dpo_fsdp", "phi3_dpo_fsdp"], "phi3_dpo_fsdp is the recipe itself"),
     ],
 )
 def test_cp_errors_name_the_next_step(project, argv, message):

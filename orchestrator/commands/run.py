@@ -7,7 +7,6 @@ import os
 import re
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.commands import add
@@ -301,27 +300,6 @@ def _confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
     return answer.strip().lower() in ("y", "yes")
 
 
-def check_writable(path: Path, what: str) -> None:
-    """A directory orch will create and write: every name fits the file system, and the nearest existing folder
-    above it takes a new folder (tried for real, then removed: permissions, read-only mounts, /proc)."""
-    import errno
-    import tempfile
-
-    for part in path.parts:
-        if len(part.encode()) > 255:
-            raise OrchError(f"{what} {str(path)[:80]}...: a name of {len(part)} characters is too long (255 at most)")
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise OrchError(f"{what} {path}: {existing} is a file, not a directory; choose another {what}")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".orch-write-test-", dir=existing))
-    except OSError as exc:
-        reason = "read-only file system" if exc.errno == errno.EROFS else exc.strerror
-        raise OrchError(f"{what} {path}: cannot write under {existing} ({reason}); choose another {what}") from None
-
-
 def _local(args, launch: Launch, user_envs, user_overrides, secret_values: dict[str, str]) -> int:
     """A local run; on out of memory, one line with the fix that keeps the math, and with --auto-fit one retry
     with that fix applied."""
@@ -348,7 +326,7 @@ def _local_once(args, launch: Launch, user_envs, user_overrides, secret_values: 
     import secrets as secrets_module
 
     from orchestrator.core import smoke
-    from orchestrator.launch import records, runlock, secrets
+    from orchestrator.launch import records, runlock, secrets, storage
     from orchestrator.launch.backends import local
     from orchestrator.launch.checks import check
 
@@ -383,7 +361,7 @@ def _local_once(args, launch: Launch, user_envs, user_overrides, secret_values: 
     check(launch, task_id=run, device="cpu")
     command = secrets.redacted_command(args.argv, secret_values.values())
     output_dir = local.output_dir_of(launch, run)
-    check_writable(recipe.workdir / output_dir, "output_dir")
+    storage.check_writable(recipe.workdir / output_dir, "output_dir")
     lock = runlock.acquire(run, recipe.workdir / output_dir, command)  # one owner; refused while another lives
     try:
         if artifacts is not None:

@@ -90,3 +90,25 @@ def personal_bucket(recipe_name: str, user: str) -> str:
     """orch-<recipe>-<user id>: unique to the user and the recipe, within S3/GCS naming rules (3-63 characters)."""
     stem = re.sub(r"[^a-z0-9-]", "-", recipe_name.lower()).strip("-")
     return f"orch-{stem}"[: 63 - len(user) - 1].rstrip("-") + f"-{user}"
+
+
+def check_writable(path: Path, what: str) -> None:
+    """A directory orch will create and write: every name fits the file system, and the nearest existing folder
+    above it takes a new folder (tried for real, then removed: permissions, read-only mounts, /proc)."""
+    import errno
+    import os
+    import tempfile
+
+    for part in path.parts:
+        if len(part.encode()) > 255:
+            raise OrchError(f"{what} {str(path)[:80]}...: a name of {len(part)} characters is too long (255 at most)")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OrchError(f"{what} {path}: {existing} is a file, not a directory; choose another {what}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".orch-write-test-", dir=existing))
+    except OSError as exc:
+        reason = "read-only file system" if exc.errno == errno.EROFS else exc.strerror
+        raise OrchError(f"{what} {path}: cannot write under {existing} ({reason}); choose another {what}") from None

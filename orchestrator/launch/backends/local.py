@@ -267,11 +267,10 @@ def forget(launch, run_id: str) -> None:
     """--fresh: delete the run's output directory (its checkpoints), so that it starts from step 0."""
     import shutil
 
-    from orchestrator.train.checkpoints import steps
-
     path = Path(output_dir_of(launch, run_id))
     if path.is_dir():
-        found = [f"checkpoint-{s}" for s in reversed(steps(path))] or ["no checkpoint"]
+        numbered = [p.name for p in path.glob("checkpoint-*") if p.name[11:].isdigit()]
+        found = sorted(numbered, key=lambda name: int(name[11:])) or ["no checkpoint"]
         size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
         final = " and the final model" if (path / "config.json").is_file() else ""
         print(f"[orch] --fresh: deleting {path}: {', '.join(found)} ({size / 1e6:.1f} MB){final}", flush=True)
