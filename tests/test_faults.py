@@ -16,7 +16,6 @@ from conftest import orch
 from orchestrator.train.checkpoints import (
     MANIFEST,
     choose_resume,
-    latest_complete_checkpoint,
     quarantine,
     verify,
     write_manifest,
@@ -38,6 +37,26 @@ def processes_with(env_entry: str) -> list[int]:
         if env_entry.encode() in environ:
             found.append(int(proc.name))
     return found
+
+
+def start_orch(project: Path, argv: list[str], until: str = "") -> tuple[subprocess.Popen, str]:
+    """`orch ARGV` in the background; returns it and its run id once it announced the run (and then printed a line
+    holding `until`, when given)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *argv],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    run = None
+    for line in proc.stdout:
+        match = re.match(r"^\[orch\] run (\S+):", line)
+        run = run or (match.group(1) if match else None)
+        if run and until in line:
+            break
+    assert run, "orch did not announce its run"
+    return proc, run
 
 
 def node_pids(run: str, rank: int) -> list[int]:
@@ -64,9 +83,9 @@ def test_only_checkpoints_whose_manifests_verify_are_picked(tmp_path):
     _checkpoint(tmp_path, 8)
     _checkpoint(tmp_path, 12, manifests=[0])  # node 1 never finished its save
     (tmp_path / "checkpoint-x").mkdir()
-    assert latest_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-8"
+    assert choose_resume(tmp_path, None, lambda step: step)[0] == tmp_path / "checkpoint-8"
     assert verify(tmp_path / "checkpoint-12") == "node(s) 1 wrote no manifest"
-    assert latest_complete_checkpoint(tmp_path / "missing") is None
+    assert choose_resume(tmp_path / "missing", None, lambda step: step) == (None, [])
     # a marker alone (as a bucket upload may deliver it before the shards) is not a manifest
     ckpt = _checkpoint(tmp_path, 16, manifests=[])
     (ckpt / "orch_complete").write_text("{}")
@@ -157,20 +176,7 @@ def test_killed_node_stops_the_gang_and_the_rerun_resumes_exactly(project):
     expected = loss_log(project / "outputs" / "reference")
     assert sorted(expected) == list(range(1, 25))
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", *command],
-        cwd=project,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    run = None
-    for line in proc.stdout:
-        match = re.match(r"^\[orch\] run (\S+):", line)
-        if match:
-            run = match.group(1)
-            break
-    assert run, "orch did not announce its run"
+    proc, run = start_orch(project, command)
     output_dir = project / "outputs" / run
     deadline = time.monotonic() + 120
     while not any(output_dir.glob("checkpoint-*/orch_manifest.node1.json")):

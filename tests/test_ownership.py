@@ -11,27 +11,15 @@ from pathlib import Path
 
 import pytest
 from conftest import orch
-from test_faults import processes_with
+from test_faults import processes_with, start_orch
 
 COMMAND = ["run", "phi3_dpo_fsdp", "--local", "--nodes", "2", "--smoke", "max_steps=400", "save_steps=1000"]
 
 
 def start(project: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     """orch running a 2-node smoke run, once its ranks train; returns it and its run id."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", *COMMAND, *extra],
-        cwd=project,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    run = None
-    for line in proc.stdout:
-        match = re.match(r"^\[orch\] run (\S+):", line)
-        run = run or (match.group(1) if match else None)
-        if "[orch] step " in line:
-            break
-    assert run and proc.poll() is None, "the run did not start training"
+    proc, run = start_orch(project, [*COMMAND, *extra], until="[orch] step ")
+    assert proc.poll() is None, "the run did not start training"
     return proc, run
 
 

@@ -121,14 +121,12 @@ def check(trainer: str, overrides: Mapping[str, str], source: str = "override") 
 
 def _value_ok(kind: object, value: object) -> bool:
     """A TRL config file's value (as YAML typed it) fits the argument's kind."""
-    if value is None or kind == "str":
+    if value is None or kind in ("str", "list"):
         return True
-    if kind == "list" or isinstance(kind, dict):
-        return kind == "list" or _kind_ok(kind, value)
+    if isinstance(kind, dict):  # a list whose items have choices
+        return _kind_ok(kind, value)
     if isinstance(value, (list, dict)):
         return False
-    if kind == "bool" and not isinstance(value, bool):
-        return _kind_ok(kind, str(value))
     return _kind_ok(kind, str(value))
 
 

@@ -89,14 +89,6 @@ def steps(output_dir: Path) -> list[int]:
     return sorted((int(n[11:]) for n in names if n[11:].isdigit()), reverse=True)
 
 
-def latest_complete_checkpoint(output_dir: Path, node: int | None = None) -> Path | None:
-    """The newest checkpoint that verifies (one process's view; a run agrees through `choose_resume`)."""
-    for step in steps(output_dir):
-        if not verify(output_dir / f"checkpoint-{step}", node):
-            return output_dir / f"checkpoint-{step}"
-    return None
-
-
 def choose_resume(
     output_dir: Path, node: int | None, min_over_ranks: Callable[[int], int]
 ) -> tuple[Path | None, list[tuple[Path, str]]]:

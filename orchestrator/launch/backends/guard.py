@@ -11,7 +11,7 @@ guard holds. Three kernel mechanisms make sure nothing of the node outlives orch
 On EOF, on SIGTERM/SIGINT/SIGHUP, and after CMD exits, the guard ends its whole tree (SIGTERM, then SIGKILL after
 ORCH_STOP_GRACE seconds) and exits with CMD's code (128 + signal when it was stopped).
 
-Standard library only: it starts in ~30 ms and never imports the training stack.
+Standard library and orch's env-knob parser only: it starts in ~30 ms and never imports the training stack.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from orchestrator.node.env import knob
 
 PR_SET_CHILD_SUBREAPER = 36
 DEFAULT_GRACE = 10.0
@@ -97,7 +99,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m orchestrator.launch.backends.guard FD -- CMD [ARGS...]", file=sys.stderr)
         return 2
     watch, cmd = int(argv[0]), argv[2:]
-    grace = float(os.environ.get("ORCH_STOP_GRACE") or DEFAULT_GRACE)
+    grace = knob(os.environ, "ORCH_STOP_GRACE", DEFAULT_GRACE)  # parsed (and refused) on the launch side first
     _subreaper()
     stopped: list[int] = []
 

@@ -22,9 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.launch.backends.guard import DEFAULT_GRACE
 from orchestrator.launch.backends.summary import summary
+from orchestrator.node.env import knob
 
-STOP_GRACE_SECONDS = 10.0
 GUARD = "orchestrator.launch.backends.guard"
 
 
@@ -143,6 +144,7 @@ def run_nodes(
     pumps: list[threading.Thread] = []
     tails: list[deque] = []
     errors: list[list[str]] = []
+    grace = knob(envs[0] if envs else {}, "ORCH_STOP_GRACE", DEFAULT_GRACE)  # what the guards will wait
     watch, alive = os.pipe()  # orch holds `alive` (close-on-exec): its end closes when orch ends, however it ends
     try:
         for rank, env in enumerate(envs):
@@ -180,10 +182,10 @@ def run_nodes(
             with lock:
                 sink.write(f"[orch] node {failed} exited with code {code}: stopping the other nodes\n")
                 sink.flush()
-            _stop_all(procs)
+            _stop_all(procs, grace)
     except BaseException:
         with _signals_held():  # a second Ctrl-C must not cut the stop short (the guards would still end the nodes)
-            _stop_all(procs)
+            _stop_all(procs, grace)
         raise
     finally:
         os.close(watch)
@@ -215,13 +217,13 @@ class _signals_held:
             signal.signal(sig, handler)
 
 
-def _stop_all(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM to every node's process group; each guard then ends its tree (SIGKILL after its grace). A guard
-    that outlives its grace and a margin is killed with its group."""
+def _stop_all(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM to every node's process group; each guard then ends its tree (SIGKILL after its grace, the same
+    ORCH_STOP_GRACE). A guard that outlives its grace and a margin is killed with its group."""
     for proc in procs:
         if proc.poll() is None:
             _stop(proc, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS + 10
+    deadline = time.monotonic() + grace + 10
     for proc in procs:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
