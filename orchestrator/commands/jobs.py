@@ -27,7 +27,7 @@ HELP = {
     "status": "list recorded runs and their state",
     "logs": "print (or --follow) a run's logs",
     "cancel": "cancel a run's job (a local run: stop it)",
-    "down": "tear down a run's cluster",
+    "down": "tear down a run's cluster (a local run: stop it)",
 }
 
 
