@@ -38,6 +38,20 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(project):
     assert [x["checkpoint"] for x in listed] == ["checkpoint-12"]
     assert (output_dir / "checkpoint-12" / "model.safetensors").stat().st_size == size  # saved again, whole
 
-    fresh = orch(*COMMAND, "--fresh", cwd=project)
-    assert fresh.returncode == 0, fresh.stdout[-3000:]
-    assert re.search(r"^\[orch\] --fresh: deleting \S+: checkpoint-8, checkpoint-12 \(.* MB\)", fresh.stdout, re.M)
+
+def test_fresh_says_what_it_deletes(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from orchestrator.launch.backends.local import forget
+
+    run = tmp_path / "run-1"
+    for step in (12, 8):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"x" * 500_000)
+    (run / "config.json").write_text("{}")
+    forget(SimpleNamespace(envs={"CHECKPOINT_ROOT": str(tmp_path)}, overrides={}), "run-1")
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^\[orch\] --fresh: deleting \S+: checkpoint-8, checkpoint-12 \(1.0 MB\) and the final model$", out, re.M
+    )
+    assert not run.exists()
