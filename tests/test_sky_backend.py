@@ -303,3 +303,66 @@ def test_without_a_local_plan_the_api_servers_optimizer_is_asked(in_project, fak
     assert cli.main(["run", "phi3_dpo_fsdp", "--detach"]) == 0
     assert fake.names() == ["optimize", "launch"]
     assert "SkyPilot's plan and price: above (its optimizer, run by your API server)" in capsys.readouterr().out
+
+
+def test_ctrl_c_while_following_stops_following_only(in_project, fake, capsys, monkeypatch):
+    """A cloud run's job belongs to SkyPilot: Ctrl-C (or a closed terminal) while following the logs cancels
+    nothing, and orch says how to follow it again or cancel it."""
+
+    def interrupted(cluster_name, job_id, follow, **kw):
+        fake.calls.append(("tail_logs", None, {"cluster_name": cluster_name}))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fake, "tail_logs", interrupted)
+    code = cli.main(["run", "phi3_dpo_fsdp", "--cluster", "c1", "-y"])
+    out = capsys.readouterr()
+    assert code == 130
+    assert fake.names() == ["launch", "tail_logs"]  # no cancel, no down
+    (record,) = run_files(in_project)
+    assert f"`orch logs {record.stem} --follow` follows it again" in out.out
+    assert f"`orch cancel {record.stem}` cancels it" in out.out
+    assert "# state: submitted" in record.read_text() and "# job_id: 7" in record.read_text()
+
+    def logs_interrupted(name=None, job_id=None, follow=True, **kw):
+        raise KeyboardInterrupt
+
+    assert cli.main(["run", "phi3_dpo_fsdp", "--managed", "--detach", "-y"]) == 0
+    managed = next(p for p in run_files(in_project) if "sky-managed" in p.read_text())
+    monkeypatch.setattr(fake.jobs, "tail_logs", logs_interrupted)
+    capsys.readouterr()
+    assert cli.main(["logs", managed.stem, "--follow"]) == 130
+    assert f"the job goes on (`orch cancel {managed.stem}` cancels it)" in capsys.readouterr().out
+    assert "jobs.cancel" not in fake.names()
+
+
+@pytest.mark.parametrize("where", ["launch", "interrupt"])
+def test_a_failed_or_interrupted_submission_is_recorded_and_every_verb_answers(
+    in_project, fake, capsys, monkeypatch, where
+):
+    def failing(task, cluster_name=None, **kw):
+        if where == "interrupt":
+            raise KeyboardInterrupt
+        raise sky.exceptions.ResourcesUnavailableError("Failed to acquire resources in all zones of us-east-1")
+
+    monkeypatch.setattr(fake, "launch", failing)
+    code = cli.main(["run", "phi3_dpo_fsdp", "--cluster", "c2", "-y"])
+    out = capsys.readouterr()
+    (record,) = run_files(in_project)
+    text = record.read_text()
+    if where == "launch":
+        assert code == 2
+        (line,) = out.err.strip().splitlines()
+        assert line.startswith("orch: error: SkyPilot launch (sky launch) failed: ResourcesUnavailableError")
+        assert "no capacity or quota" in line
+        assert "# state: failed to launch" in text and "Failed to acquire resources" in text
+    else:
+        assert code == 130
+        assert "# state: interrupted while launching" in text and f"`orch down {record.stem}`" in out.out
+    assert cli.main(["status"]) == 0
+    assert record.stem in capsys.readouterr().out
+    for verb in ("logs", "cancel"):
+        assert cli.main([verb, record.stem]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "has no job id" in line and f"`orch down {record.stem}`" in line
+    assert cli.main(["down", record.stem]) == 0
+    assert fake.names()[-1] == "down" and "cancel" not in fake.names()
