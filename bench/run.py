@@ -12,6 +12,8 @@ stay in the table for information.
     on a GPU image), cold installer cache, beside the plain `pip install -e '.[train]'` it replaces into the same
     kind of environment; both install from one local directory of the same downloaded packages (DeepSpeed built
     from its sdist by both), so the figure measures the installers, not the registry.   target: >= 3x faster
+(f) the same smoke run with the progress watchdog and the network check, against itself without them
+    (ORCH_WATCHDOG=off ORCH_NETCHECK=off), interleaved.                                target: <= 1.05
 (e) peak memory: max RSS of the largest process of each command (from wait4).
 
 Writes bench/results.md and prints the same table. Timing uses time.perf_counter around subprocesses.
@@ -62,7 +64,7 @@ def interleaved(reference: list[str], argv: list[str], runs=RUNS, **kw) -> tuple
     """(median seconds, peak MiB, median reference seconds), alternating reference and subject runs."""
     ref_times, times, peaks = [], [], []
     for _ in range(runs):
-        ref_times.append(median_of(reference, runs=1)[0])
+        ref_times.append(median_of(reference, runs=1, **kw)[0])
         seconds, peak = median_of(argv, runs=1, **kw)
         times.append(seconds)
         peaks.append(peak)
@@ -87,8 +89,8 @@ def local_run_commands(project: Path) -> tuple[list[str], list[list[str]], Path]
     out = subprocess.run(orch, cwd=project, capture_output=True, text=True, check=True).stdout
     pair = []
     for rank in (0, 1):
-        line = next(x for x in out.splitlines() if x.startswith(f"(node{rank}) [orch] exec: "))
-        argv = line.split("[orch] exec: ", 1)[1].split()
+        line = next(x for x in out.splitlines() if x.startswith(f"(node{rank}) [orch] launch: "))
+        argv = line.split("[orch] launch: ", 1)[1].split()
         i = argv.index("--module")
         # The hand-written version runs TRL's own script for the trainer, not orch's wrapper.
         argv[i : i + 3] = ["--module", "trl.scripts.dpo"]
@@ -328,6 +330,20 @@ def main() -> int:
             orch_mb,
             f"{ratio:.2f}x the hand-written pair; {orch_s / own_s:.2f}x the same-entry pair",
             f"<= 1.15: {'PASS' if ratio <= 1.15 else 'FAIL'}",
+        )
+    )
+    # The watchdog (progress files, the node launcher's polls) and the network check, on and off, interleaved.
+    off = [*orch_cmd, "--env", "ORCH_WATCHDOG=off", "--env", "ORCH_NETCHECK=off"]
+    on_s, on_mb, off_s = interleaved(off, orch_cmd, runs=TRAIN_RUNS, cwd=project)
+    rows.append(("the same without the watchdog and the network check (reference)", off_s, 0, "", ""))
+    cost = on_s / off_s
+    rows.append(
+        (
+            "orch run --local --nodes 2 --smoke with the watchdog and the network check",
+            on_s,
+            on_mb,
+            f"{cost:.3f}x without them",
+            f"<= 1.05: {'PASS' if cost <= 1.05 else 'FAIL'}",
         )
     )
     shutil.rmtree(project, ignore_errors=True)

@@ -87,7 +87,10 @@ RULES = {
     # room: (orch rooms it may import, third-party it may import)
     "core": ({"core"}, {"yaml"}),
     "node": ({"core", "node", "rehearsal.driver"}, set()),
-    "launch": ({"core", "launch", "node.plan", "node.env", "node.script", "rehearsal.driver"}, {"yaml", "sky"}),
+    "launch": (
+        {"core", "launch", "node.plan", "node.env", "node.script", "node.output", "node.procs", "rehearsal.driver"},
+        {"yaml", "sky"},
+    ),
     "train": ({"core", "train"}, HEAVY - {"sky", "vllm"} | {"yaml", "huggingface_hub"}),
     "rehearsal": ({"core", "node.plan", "train", "rehearsal"}, HEAVY - {"sky", "vllm"} | {"huggingface_hub"}),
     "commands": ({"core", "launch", "node", "commands"}, {"yaml"}),

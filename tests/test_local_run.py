@@ -29,7 +29,7 @@ def test_two_node_smoke_is_one_process_group(project):
     out = result.stdout
     # each node printed its own accelerate command, with the TOTAL process count
     for rank in (0, 1):
-        line = next(x for x in out.splitlines() if x.startswith(f"(node{rank}) [orch] exec: accelerate launch"))
+        line = next(x for x in out.splitlines() if x.startswith(f"(node{rank}) [orch] launch: accelerate launch"))
         assert "--num_processes 2 --num_machines 2" in line and f"--machine_rank {rank}" in line
         assert "--config_file recipes/accelerate/fsdp2_phi3.yaml --mixed_precision no" in line
         assert line.endswith("--use_cpu true") and "--multi_gpu" not in line
@@ -80,7 +80,7 @@ def test_two_node_smoke_is_one_process_group(project):
     sky = pytest.importorskip("sky")
     assert sky.Task.from_yaml(str(record)).num_nodes == 2
     logs = orch("logs", record.stem, cwd=project)
-    assert logs.returncode == 0 and "(node1) [orch] exec: accelerate launch" in logs.stdout
+    assert logs.returncode == 0 and "(node1) [orch] launch: accelerate launch" in logs.stdout
 
 
 def _recipe_with_run(project: Path, run: str) -> Path:

@@ -7,7 +7,7 @@ import pytest
 from conftest import orch
 
 from orchestrator.launch import memory_fix
-from orchestrator.launch.backends.local import _ERROR, first_error
+from orchestrator.node.output import error_of, first_error
 
 CUDA_OOM = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
@@ -21,8 +21,7 @@ def test_the_first_error_is_the_ranks_not_the_launchers():
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
         "subprocess.CalledProcessError: Command '['torchrun', ...]' returned non-zero exit status 1.",
     ]
-    matches = [_ERROR.match(line) for line in lines[1:] + lines[:1]]  # as the node output pump does
-    extracted = [m.group(1) for m in matches if m]
+    extracted = [e for e in map(error_of, lines[1:] + lines[:1]) if e]  # as the node output pumps do
     assert first_error(extracted) == CUDA_OOM  # the launchers' summaries come first in the log and are skipped
     assert memory_fix.is_oom(first_error(lines))
     assert memory_fix.is_oom(

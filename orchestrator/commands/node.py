@@ -1,4 +1,5 @@
-"""`orch node`: on a node, turn SkyPilot's environment into the `accelerate launch` command and exec it."""
+"""`orch node`: on a node, turn SkyPilot's environment into the `accelerate launch` command and run it under the
+progress watchdog."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from orchestrator.commands import add
 
 EPILOG = """\
 examples:
-  orch node            # in a recipe's `run:`: exec accelerate with this node's rank, IPs and GPU count
+  orch node            # in a recipe's `run:`: run accelerate with this node's rank, IPs and GPU count
   orch node --print    # print that command and exit (identical env -> identical argv)
   orch node --rehearse # in a recipe's setup: the owners' code on this cluster's roles, before any download
 
@@ -23,7 +24,10 @@ GLOBAL_BATCH_SIZE, TRL_OVERRIDES, MAIN_PROCESS_PORT, CHECKPOINT_ROOT, VLLM_SERVE
 DDP_TIMEOUT, OMP_NUM_THREADS (set to cores / processes when the recipe offloads to CPU); ORCH_DEVICE=cpu runs
 CPU processes (the local backend sets it). Before starting, every node of a
 multi-node run reports to the head (ORCH_BARRIER_PORT, ORCH_RENDEZVOUS_TIMEOUT): a node that never joins is
-named.
+named. While it trains, a watchdog ends a stalled node (no step for max(10 x median step, ORCH_STALL_FLOOR=300 s);
+ORCH_STALL_FIRST=1800 s before the first step; ORCH_WATCHDOG=off) after dumping every rank's stack with py-spy
+into <output_dir>/orch/hang/, and exits 75. ORCH_NETCHECK=warn|error|off and ORCH_MIN_BUS_GBPS set the network
+check before the model loads.
 """
 
 
@@ -31,8 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = add(
         sub,
         "node",
-        help="on a node: exec the accelerate launch command for this node",
-        description="Build this node's `accelerate launch` command from SkyPilot's environment and exec it.",
+        help="on a node: run the accelerate launch command for this node under the progress watchdog",
+        description="Build this node's `accelerate launch` command from SkyPilot's environment and run it under "
+        "the progress watchdog.",
         epilog=EPILOG,
     )
     parser.add_argument("--print", action="store_true", help="print the command and exit instead of running it")

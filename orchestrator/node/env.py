@@ -92,6 +92,15 @@ def _count(raw: str) -> int:
     return value
 
 
+def _choice(*choices: str):
+    def parse(raw: str) -> str:
+        if raw.lower() not in choices:
+            raise ValueError(raw)
+        return raw.lower()
+
+    return parse
+
+
 # orch's own env knobs read on the nodes: name -> (parser, what it takes). plan() parses every one that is set, so
 # the launch side (which computes every node's plan before sending anything) refuses a bad one first. (ORCH_DEVICE,
 # DDP_TIMEOUT and the TRL/Accelerate variables are parsed by plan() itself.)
@@ -100,6 +109,13 @@ KNOBS = {
     "ORCH_STOP_GRACE": (_seconds, "a number of seconds > 0"),
     "ORCH_VLLM_POLL_SECONDS": (_seconds, "a number of seconds > 0"),
     "ORCH_VLLM_CLOSED_POLLS": (_count, "a whole number >= 1"),
+    # the progress watchdog (node/watchdog.py) and the network check (train/netcheck.py)
+    "ORCH_WATCHDOG": (_choice("on", "off"), "on or off"),
+    "ORCH_STALL_FLOOR": (_seconds, "a number of seconds > 0"),
+    "ORCH_STALL_FIRST": (_seconds, "a number of seconds > 0"),
+    "ORCH_STALL_BUSY": (_seconds, "a number of seconds > 0"),
+    "ORCH_NETCHECK": (_choice("warn", "error", "off"), "warn, error or off"),
+    "ORCH_MIN_BUS_GBPS": (_seconds, "a number of GB/s > 0"),
 }
 
 

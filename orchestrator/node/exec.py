@@ -1,5 +1,5 @@
-"""Node side, with effects: `orch node` prints or execs its plan (node/plan.py) after orch's barrier; a vLLM
-server node serves until the trainers are done (node/vllm.py)."""
+"""Node side, with effects: `orch node` prints its plan (node/plan.py), or passes orch's barrier and runs it under
+the progress watchdog (node/supervise.py); a vLLM server node serves until the trainers are done (node/vllm.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from orchestrator.core.topology import Topology
 from orchestrator.node import vllm
 from orchestrator.node.env import env_port, from_env, knob
 from orchestrator.node.plan import DEFAULT_PORT, plan_from_env, render
+from orchestrator.node.supervise import supervise
 
 
 def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
-    """`orch node`: print the plan, then exec accelerate (replacing this process) unless print_only."""
+    """`orch node`: print the plan; unless print_only, pass the barrier and run accelerate under the watchdog."""
     env = os.environ if env is None else env
     started = time.time()
     node_plan = plan_from_env(env, cpus=usable_cpus())
@@ -40,18 +41,24 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     )
     for note in node_plan.notes:
         print(f"[orch] note: {note}", flush=True)
-    print("[orch] exec: " + render(node_plan.argv, node_plan.env), flush=True)
-    sys.stdout.flush()
+    print("[orch] launch: " + render(node_plan.argv, node_plan.env), flush=True)
     # The training processes finish the time-to-first-step record (orchestrator/train/callbacks.py).
-    exec_env = {**env, **node_plan.env, "ORCH_TIMELINE": json.dumps(timeline)}
-    exec_env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # this environment's tools
+    child_env = {**env, **node_plan.env, "ORCH_TIMELINE": json.dumps(timeline)}
+    child_env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # this environment's tools
+    main_port = int(env_port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT))
     try:
-        os.execvpe(node_plan.argv[0], node_plan.argv, exec_env)
+        return supervise(
+            node_plan.argv,
+            child_env,
+            node_rank=node_plan.cluster.node_rank,
+            ips=node_plan.cluster.node_ips,
+            probe_port=int(env_port(env, "ORCH_BARRIER_PORT", main_port + 1)),
+            gpus=env.get("ORCH_DEVICE", "").lower() != "cpu",
+        )
     except FileNotFoundError:
         raise OrchError(
             "`accelerate` is not on PATH on this node; the recipe's setup must pip install '.[train]'"
         ) from None
-    return 0  # not reached
 
 
 def rehearse(env: Mapping[str, str] | None = None) -> int:

@@ -23,6 +23,8 @@ Variables read (all set by SkyPilot or by the recipe's `envs:`):
                      offloads to CPU (DeepSpeed's CPU Adam, FSDP offload), where torchrun would set 1
   ORCH_RENDEZVOUS_TIMEOUT, ORCH_BARRIER_PORT  optional: orch's pre-launch barrier (default 600 s, port + 1)
   ORCH_DEVICE        optional: `cpu` makes every process a CPU process (the local backend sets it)
+  ORCH_WATCHDOG, ORCH_STALL_FLOOR, ORCH_STALL_FIRST, ORCH_STALL_BUSY  optional: the progress watchdog
+                     (node/watchdog.py); ORCH_NETCHECK, ORCH_MIN_BUS_GBPS: the network check (train/netcheck.py)
 """
 
 from __future__ import annotations

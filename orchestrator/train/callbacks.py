@@ -42,14 +42,18 @@ class OrchCallback(TrainerCallback):
     """Marks complete checkpoints, counts optimizer steps run here, logs one line per logging step, and prints
     the time to the first step."""
 
-    def __init__(self, output_dir: Path, timeline: dict[str, float] | None = None):
+    def __init__(self, output_dir: Path, timeline: dict[str, float] | None = None, progress=None):
         self.output_dir = output_dir
+        self.progress = progress  # train/progress.py: what the node's watchdog reads (None: no watchdog)
         self.report_dir = output_dir / "orch"
         self.steps_run = 0
         self.timeline = dict(timeline or {})
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps_run += 1
+        if self.progress:  # DefaultFlowCallback ran first: control says whether a save or an evaluation follows
+            busy = "save" if control.should_save else "eval" if control.should_evaluate else ""
+            self.progress.stepped(state.global_step, busy)
         if self.steps_run == 1:
             self.timeline["first_step"] = time.time()
             if state.is_world_process_zero:
@@ -63,6 +67,12 @@ class OrchCallback(TrainerCallback):
             if ckpt.is_dir():
                 node, nodes = node_of_process()
                 write_manifest(ckpt, node, nodes, state.global_step)
+        if self.progress:
+            self.progress.idle()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self.progress:
+            self.progress.idle()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:

@@ -28,9 +28,10 @@ from typing import NamedTuple
 import torch
 
 from orchestrator.core.trl_schema import TRAINER_CLASSES
-from orchestrator.train import cpu_fsdp
+from orchestrator.train import cpu_fsdp, netcheck
 from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, node_of_process
 from orchestrator.train.checkpoints import choose_resume, quarantine, save_final_model
+from orchestrator.train.progress import Progress
 
 # ---------------------------------------------------------------- parse and build, as TRL's scripts do
 
@@ -225,7 +226,11 @@ def main(argv: list[str] | None = None) -> None:
     if cpu_fsdp.wanted():
         cpu_fsdp.install()
     output_dir = Path(parsed.training_args.output_dir)
-    callback = OrchCallback(output_dir, json.loads(os.environ.get("ORCH_TIMELINE") or "{}"))
+    progress = Progress.from_env()
+    if progress:
+        progress.output_dir = str(output_dir.resolve())
+    netcheck.run(parsed.training_args)  # sets up the process group (TrainingArguments' own way) and times it
+    callback = OrchCallback(output_dir, json.loads(os.environ.get("ORCH_TIMELINE") or "{}"), progress)
     trainer = build(parsed, [callback])
     callback.timeline["model_loaded"] = time.time()
     acc = trainer.accelerator
@@ -248,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    if progress:
+        progress.busy("final")
     strategy = strategy_facts(trainer)  # before the final save switches FSDP to a full state dict
     final = save_final_model(trainer, parsed.training_args.output_dir)
     _print_final(final)

@@ -16,82 +16,16 @@ Standard library and orch's env-knob parser only: it starts in ~30 ms and never 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import select
 import signal
 import subprocess
 import sys
-import time
 
 from orchestrator.node.env import knob
+from orchestrator.node.procs import end_tree, reap, subreaper
 
-PR_SET_CHILD_SUBREAPER = 36
 DEFAULT_GRACE = 10.0
-
-
-def _subreaper() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the process-group signal is all there is
-        pass
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process below `root`, from /proc (ppid links)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) "
-        if fields[0] == "Z":
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _reap(child: subprocess.Popen | None = None) -> None:
-    """Collect exited descendants (orphans re-parented here), keeping CMD's own exit status for Popen."""
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        if child is not None and pid == child.pid:
-            child.returncode = os.waitstatus_to_exitcode(status)
-
-
-def end_tree(grace: float, child: subprocess.Popen | None = None) -> None:
-    """SIGTERM to every descendant, then SIGKILL to whatever is left after `grace` seconds."""
-    me = os.getpid()
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        pids = descendants(me)
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            _reap(child)
-            if not descendants(me):
-                return
-            time.sleep(0.1)
 
 
 def main(argv: list[str]) -> int:
@@ -100,7 +34,7 @@ def main(argv: list[str]) -> int:
         return 2
     watch, cmd = int(argv[0]), argv[2:]
     grace = knob(os.environ, "ORCH_STOP_GRACE", DEFAULT_GRACE)  # parsed (and refused) on the launch side first
-    _subreaper()
+    subreaper()
     stopped: list[int] = []
 
     def on_signal(signum, _frame):
@@ -119,7 +53,7 @@ def main(argv: list[str]) -> int:
             stopped.append(signal.SIGHUP)
     end_tree(grace, child)
     child.wait()
-    _reap()
+    reap()
     if stopped and child.returncode in (0, None):
         return 128 + stopped[0]
     return child.returncode if child.returncode >= 0 else 128 - child.returncode

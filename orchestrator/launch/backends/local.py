@@ -9,7 +9,6 @@ between the processes (OMP_NUM_THREADS), since oversubscribed threads make a tin
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -22,9 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.launch.backends import netns
 from orchestrator.launch.backends.guard import DEFAULT_GRACE
 from orchestrator.launch.backends.summary import summary
 from orchestrator.node.env import knob
+from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error
 
 GUARD = "orchestrator.launch.backends.guard"
 
@@ -36,21 +37,6 @@ class LocalResult:
     """Rank of the first node that exited non-zero, if any."""
     error: str = ""
     """The first real error line of the failing node (a Python exception, an orch error), not a launcher's summary."""
-
-
-# `ValueError: ...`, `torch.OutOfMemoryError: ...`, `[rank1]: RuntimeError: ...`, `orch: error: ...`
-_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)|orch: error): .*\S)")
-# what the launchers say after a rank failed: they quote nothing the user can act on
-_SUMMARIES = ("ChildFailedError", "CalledProcessError", "SignalException", "DistBackendError: [", "orch: error: node")
-MAX_ERROR_LINES = 50
-
-
-def first_error(lines: list[str]) -> str:
-    """The first error a rank raised, from a node's output: launchers' summaries skipped."""
-    for line in lines:
-        if not any(summary in line for summary in _SUMMARIES):
-            return line
-    return lines[0] if lines else ""
 
 
 def free_port() -> int:
@@ -72,15 +58,19 @@ def node_envs(
     port: int,
     barrier_port: int,
     launched_at: float = 0.0,
+    ips: list[str] | None = None,
+    iface: str = "",
 ) -> list[dict[str, str]]:
-    """The environment of each emulated node (pure: the caller adds os.environ)."""
+    """The environment of each emulated node (pure: the caller adds os.environ). ips: each node's own address
+    (--netns, gloo bound to `iface`), else every node is 127.0.0.1."""
     threads = threads_per_process(nodes * procs_per_node)
+    node_ips = "".join(f"{ip}\n" for ip in ips) if ips else "127.0.0.1\n" * nodes
     envs = []
     for rank in range(nodes):
         env = dict(task_envs)
         env.update(
             SKYPILOT_NODE_RANK=str(rank),
-            SKYPILOT_NODE_IPS="127.0.0.1\n" * nodes,
+            SKYPILOT_NODE_IPS=node_ips,
             SKYPILOT_NUM_NODES=str(nodes),
             SKYPILOT_NUM_GPUS_PER_NODE=str(procs_per_node),
             SKYPILOT_TASK_ID=task_id,
@@ -98,6 +88,8 @@ def node_envs(
             PYTHONWARNINGS="ignore::FutureWarning",
             PYTHONUNBUFFERED="1",
         )
+        if iface:
+            env["GLOO_SOCKET_IFNAME"] = iface
         envs.append(env)
     return envs
 
@@ -108,10 +100,8 @@ TAIL_LINES = 15
 def _pump(stream, prefix: str, lock: threading.Lock, sink, tail: deque, errors: list[str]) -> None:
     for line in iter(stream.readline, ""):
         tail.append(line)
-        if len(errors) < MAX_ERROR_LINES:
-            match = _ERROR.match(line.strip())
-            if match:
-                errors.append(match.group(1)[:500])
+        if len(errors) < MAX_ERROR_LINES and (error := error_of(line)):
+            errors.append(error)
         with lock:
             sink.write(prefix + line)
             sink.flush()
@@ -131,10 +121,12 @@ def run_nodes(
     workdir: Path,
     sink=None,
     hold_fds: tuple[int, ...] = (),
+    prefixes: list[list[str]] | None = None,
 ) -> LocalResult:
     """Start one `bash -c run_script` per node env, each under a guard (orchestrator/launch/backends/guard.py) that
     ends the node's whole process tree when orch stops it or dies; return when all finish or the first one fails.
-    hold_fds (the run lock) stay open in the guards, so they are held until the last node is gone."""
+    hold_fds (the run lock) stay open in the guards, so they are held until the last node is gone; prefixes[i] runs
+    node i's guard (`ip netns exec NS` for --netns)."""
     sink = sink or sys.stdout
     lock = threading.Lock()
     base = dict(os.environ)
@@ -149,7 +141,17 @@ def run_nodes(
     try:
         for rank, env in enumerate(envs):
             proc = subprocess.Popen(
-                [sys.executable, "-m", GUARD, str(watch), "--", "bash", "-c", run_script],
+                [
+                    *(prefixes[rank] if prefixes else []),
+                    sys.executable,
+                    "-m",
+                    GUARD,
+                    str(watch),
+                    "--",
+                    "bash",
+                    "-c",
+                    run_script,
+                ],  # fmt: skip
                 cwd=workdir,
                 env={**base, **env},
                 stdout=subprocess.PIPE,
@@ -279,9 +281,12 @@ def forget(launch, run_id: str) -> None:
         shutil.rmtree(path)
 
 
-def launch(resolved, run_id: str, secrets: dict | None = None, token: str = "", hold_fds=()) -> LocalResult:
+def launch(
+    resolved, run_id: str, secrets: dict | None = None, token: str = "", hold_fds=(), network=None
+) -> LocalResult:
     """Run a resolved launch (orchestrator.launch.resolved.Launch) on emulated nodes and print what ran.
-    token marks every process of the run (ORCH_RUN_TOKEN) for `orch status` to reap; hold_fds go to the guards."""
+    token marks every process of the run (ORCH_RUN_TOKEN) for `orch status` to reap; hold_fds go to the guards;
+    network (netns.Network, entered) puts each node in its own namespace."""
     import shutil
 
     recipe = resolved.recipe
@@ -310,10 +315,16 @@ def launch(resolved, run_id: str, secrets: dict | None = None, token: str = "", 
         port=free_port(),
         barrier_port=free_port(),
         launched_at=time.time(),
+        ips=network.ips if network else None,
+        iface=netns.IFACE if network else "",
     )
+    if network:
+        print(f"[orch] network: node i in namespace {network.namespaces[0][:-1]}<i>, at {', '.join(network.ips)}",
+              flush=True)  # fmt: skip
     (output_dir / "orch").mkdir(parents=True, exist_ok=True)
     with open(output_dir / "orch" / "run.log", "w") as log:
-        result = run_nodes(str(recipe.task["run"]), node_env, workdir, sink=_Tee(sys.stdout, log), hold_fds=hold_fds)
+        prefixes = [network.prefix(i) for i in range(nodes)] if network else None
+        result = run_nodes(str(recipe.task["run"]), node_env, workdir, _Tee(sys.stdout, log), hold_fds, prefixes)
     elapsed = time.monotonic() - started
     if result.returncode != 0:
         print(

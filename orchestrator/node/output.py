@@ -1,0 +1,25 @@
+"""What a node's output says: the first real error a rank raised, not the launchers' summaries after it. Read by the
+node launcher (node/supervise.py) and by the local backend over every emulated node's output."""
+
+from __future__ import annotations
+
+import re
+
+# `ValueError: ...`, `torch.OutOfMemoryError: ...`, `[rank1]: RuntimeError: ...`, `orch: error: ...`
+ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)|orch: error): .*\S)")
+# what the launchers say after a rank failed: they quote nothing the user can act on
+SUMMARIES = ("ChildFailedError", "CalledProcessError", "SignalException", "DistBackendError: [", "orch: error: node")
+MAX_ERROR_LINES = 50
+
+
+def first_error(lines: list[str]) -> str:
+    """The first error a rank raised, from a node's output: launchers' summaries skipped."""
+    for line in lines:
+        if not any(summary in line for summary in SUMMARIES):
+            return line
+    return lines[0] if lines else ""
+
+
+def error_of(line: str) -> str:
+    match = ERROR.match(line.strip())
+    return match.group(1)[:500] if match else ""

@@ -1,0 +1,229 @@
+"""`orch node` keeps its `accelerate launch` as a child instead of exec-ing it: it relays the output, watches the
+ranks' progress (node/watchdog.py) and, on a stall, dumps every rank's stack (node/stacks.py), names the rank that is
+not where the others are and any node it cannot reach, and ends the node's processes with EXIT_STALLED. A failure
+ends with one line quoting the first real error of the node, not the launcher's summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from orchestrator.node import stacks as stack_dump
+from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error
+from orchestrator.node.procs import end_tree, subreaper
+from orchestrator.node.watchdog import EXIT_STALLED, Bounds, Watchdog, hang_tools
+
+POLL = 1.0
+PEERS_PROBED = 256
+HEAD_WAITS_FOR_NODES = 15.0  # for the other nodes' stack summaries, when the output dir is shared
+STALL_GRACE = 3.0  # a hung rank has nothing left to save: SIGTERM, then SIGKILL soon after
+
+
+class Peers:
+    """Each node's launcher answers TCP connects on one port, so a stalled node can tell an unreachable node (a cut
+    link, a dead host) from one that is only waiting. On emulated nodes sharing one address there is no network to
+    fail, and no probe."""
+
+    def __init__(self, rank: int, ips: tuple[str, ...], port: int):
+        self.rank, self.ips, self.port = rank, ips, port
+        self.sock: socket.socket | None = None
+        if len(set(ips)) < len(ips):
+            return
+        family = socket.AF_INET6 if ":" in ips[rank] else socket.AF_INET
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((ips[rank], port))
+            sock.listen(64)
+        except OSError:
+            return
+        self.sock = sock
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+                conn.close()
+            except OSError:
+                return
+
+    def _probe(self, rank: int) -> str:
+        try:
+            socket.create_connection((self.ips[rank], self.port), timeout=3).close()
+            return ""
+        except ConnectionRefusedError:
+            return f"node {rank} ({self.ips[rank]}): reachable, but its node launcher is gone"
+        except OSError:
+            return f"node {rank} ({self.ips[rank]}): unreachable"
+
+    def unreachable(self) -> list[str]:
+        if self.sock is None:
+            return []
+        others = [r for r in range(len(self.ips)) if r != self.rank][:PEERS_PROBED]
+        with ThreadPoolExecutor(max_workers=32) as pool:
+            return [line for line in pool.map(self._probe, others) if line]
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+
+def read_progress(directory: str) -> dict[int, dict]:
+    ranks = {}
+    for path in Path(directory).glob("rank*.json"):
+        try:
+            record = json.loads(path.read_text())
+            ranks[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError):
+            continue  # being replaced: read it at the next poll
+    return ranks
+
+
+class _Relay:
+    """The child's output to ours, its first error lines kept; muted once a stall is declared (what the killed ranks
+    print then is noise)."""
+
+    def __init__(self, stream):
+        self.errors: list[str] = []
+        self.muted = False
+        self.thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _run(self, stream) -> None:
+        for line in iter(stream.readline, ""):
+            if len(self.errors) < MAX_ERROR_LINES and (error := error_of(line)):
+                self.errors.append(error)
+            if not self.muted:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+        stream.close()
+
+
+def supervise(
+    argv: list[str], env: Mapping[str, str], node_rank: int, ips: tuple[str, ...], probe_port: int, gpus: bool
+) -> int:
+    """Run `argv` (accelerate launch) under the watchdog; return its exit code, or EXIT_STALLED."""
+    from orchestrator.node.env import knob
+
+    bounds = Bounds.from_env(env)
+    progress_dir = tempfile.mkdtemp(prefix="orch-progress-")
+    home = env.get("ORCH_HOME") or os.path.join(os.path.expanduser("~"), ".orch")
+    traces = os.path.join(home, "nccl-traces", env.get("SKYPILOT_TASK_ID", "run"))
+    child_env = {
+        **env,
+        **({"ORCH_PROGRESS_DIR": progress_dir, "ORCH_NODE_PID": str(os.getpid())} if bounds.on else {}),
+        **hang_tools(env, gpus, os.path.join(traces, "rank_")),
+    }
+    if gpus:
+        os.makedirs(traces, exist_ok=True)
+    subreaper()
+    stopped: list[int] = []
+    handlers = {
+        sig: signal.signal(sig, lambda signum, _f: stopped.append(signum)) for sig in (signal.SIGTERM, signal.SIGHUP)
+    }
+    peers = Peers(node_rank, ips, probe_port)
+    child = subprocess.Popen(argv, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             errors="replace")  # fmt: skip
+    relay = _Relay(child.stdout)
+    dog = Watchdog(bounds, started=time.time())
+    grace = knob(env, "ORCH_STOP_GRACE", 10.0)
+    try:
+        while child.poll() is None and not stopped:
+            time.sleep(POLL)
+            reason = dog.observe(read_progress(progress_dir), time.time()) if bounds.on else ""
+            if reason and child.poll() is None:
+                relay.muted = True
+                line = _stalled(reason, node_rank, progress_dir, peers, traces)
+                end_tree(STALL_GRACE, child)
+                print(line, file=sys.stderr, flush=True)
+                return EXIT_STALLED
+    except KeyboardInterrupt:
+        stopped.append(signal.SIGINT)
+    finally:
+        if child.poll() is None:
+            end_tree(grace, child)
+        child.wait()
+        relay.thread.join(timeout=5)
+        peers.close()
+        shutil.rmtree(progress_dir, ignore_errors=True)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if stopped:
+        return 128 + stopped[0]
+    code = child.returncode if child.returncode >= 0 else 128 - child.returncode
+    if code:
+        error = first_error(relay.errors)
+        said = f": {error}" if error else ""
+        print(f"[orch] failed on node {node_rank}: accelerate exited with code {code}{said}", flush=True)
+    return code
+
+
+def _stalled(reason: str, node: int, progress_dir: str, peers: Peers, traces: str) -> str:
+    """Dump, print and save where every rank of this node waits; return the one `orch: error:` line."""
+    ranks = read_progress(progress_dir)
+    tool = "py-spy" if stack_dump.py_spy() else "faulthandler"
+    print(f"[orch] node {node}: stalled: {reason}; dumping the stacks of {len(ranks)} rank(s) with {tool}", flush=True)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        dumps = list(pool.map(lambda r: stack_dump.dump(r["rank"], r["pid"], r["step"], progress_dir),
+                              sorted(ranks.values(), key=lambda r: r["rank"])))  # fmt: skip
+    output_dir = next((r["output_dir"] for r in ranks.values() if r.get("output_dir")), "")
+    hang_dir = Path(output_dir) / "orch" / "hang" if output_dir else Path(traces).parent.parent / "hang"
+    try:
+        hang_dir.mkdir(parents=True, exist_ok=True)
+        for d in dumps:
+            (hang_dir / f"node{node}-rank{d.rank}.txt").write_text(f"# {d.line()} ({d.tool})\n{d.text}")
+        summary = [{"rank": d.rank, "step": d.step, "state": d.state, "frames": d.frames} for d in dumps]
+        (hang_dir / f"node{node}.json").write_text(json.dumps(summary))
+        for trace in Path(traces).glob("rank_*"):  # the NCCL flight recorder's dumps, if NCCL's watchdog fired
+            shutil.copy(trace, hang_dir / trace.name)
+    except OSError as exc:
+        print(f"[orch] node {node}: could not write the stacks under {hang_dir}: {exc.strerror}", flush=True)
+    for d in dumps:
+        print(f"[orch] node {node}: {d.line()}", flush=True)
+    lost = peers.unreachable()
+    for line in lost:
+        print(f"[orch] node {node}: {line}", flush=True)
+    everyone = dumps + (_other_nodes(hang_dir, node, len(peers.ips)) if node == 0 else [])
+    odd = stack_dump.odd_ones(everyone)
+    culprit = (
+        "not where the others are: " + "; ".join(d.line() for d in odd)
+        if odd
+        else "every rank waits at the same place"
+        if len(everyone) > 1
+        else ""
+    )
+    parts = [f"orch: error: stalled on node {node}: {reason}", *lost, culprit, f"stacks in {hang_dir}"]
+    return "; ".join(p for p in parts if p)
+
+
+def _other_nodes(hang_dir: Path, node: int, nodes: int) -> list[stack_dump.RankStack]:
+    """The head names the odd rank over every node whose summary reaches the shared output dir in time."""
+    found: dict[int, list] = {}
+    deadline = time.monotonic() + (HEAD_WAITS_FOR_NODES if nodes > 1 else 0)
+    while len(found) < nodes - 1 and time.monotonic() < deadline:
+        for other in range(nodes):
+            path = hang_dir / f"node{other}.json"
+            if other != node and other not in found and path.is_file() and path.stat().st_mtime > time.time() - 120:
+                try:
+                    found[other] = json.loads(path.read_text())
+                except ValueError:
+                    continue
+        time.sleep(0.5)
+    return [
+        stack_dump.RankStack(r["rank"], 0, r["step"], r["state"], [tuple(f) for f in r["frames"]], "", "")
+        for summaries in found.values()
+        for r in summaries
+    ]

@@ -1,0 +1,254 @@
+"""Hangs are found, explained and ended (issue 16): the progress watchdog's rule, the stack summaries, and a frozen
+rank in a real 2-node run."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from test_faults import processes_with, start_orch
+
+from orchestrator.launch.backends import netns
+from orchestrator.node.stacks import RankStack, odd_ones, parse_faulthandler, parse_py_spy
+from orchestrator.node.watchdog import Bounds, Watchdog, hang_tools
+
+# ---------------------------------------------------------------- the rule
+
+
+def _rec(step, phase="train", t=0.0):
+    return {"step": step, "phase": phase, "t": t}
+
+
+def test_before_the_first_step_the_long_bound_applies():
+    dog = Watchdog(Bounds(floor=30, first=100), started=0.0)
+    assert dog.observe({0: _rec(0, "load")}, 99.0) == ""
+    assert "first step within 101 s (ORCH_STALL_FIRST=100)" in dog.observe({0: _rec(0, "load")}, 101.0)
+
+
+def test_after_it_ten_median_steps_or_the_floor():
+    dog = Watchdog(Bounds(floor=30, first=1000), started=0.0)
+    for i in range(1, 11):  # one step every 5 s: 10 x median = 50 s > floor 30 s
+        assert dog.observe({0: _rec(i), 1: _rec(i)}, 5.0 * i) == ""
+    assert dog.bound() == 50.0
+    assert dog.observe({0: _rec(10), 1: _rec(10)}, 99.0) == ""
+    reason = dog.observe({0: _rec(10), 1: _rec(10)}, 101.0)
+    assert "no rank progressed for 51 s after step 10 (bound 50 s: 10 x the median step time)" in reason
+    fast = Watchdog(Bounds(floor=30, first=1000), started=0.0)
+    for i in range(1, 11):
+        fast.observe({0: _rec(i)}, 0.1 * i)
+    assert fast.bound() == 30.0 and "ORCH_STALL_FLOOR=30" in fast.observe({0: _rec(10)}, 40.0)
+
+
+def test_a_save_heartbeat_counts_for_the_busy_bound_only():
+    dog = Watchdog(Bounds(floor=10, first=1000, busy=60), started=0.0)
+    dog.observe({0: _rec(1), 1: _rec(1)}, 1.0)
+    for now in range(3, 60, 2):  # rank 0 saves for a minute, beating every 2 s; rank 1 waits at the barrier
+        assert dog.observe({0: _rec(1, "save", now), 1: _rec(1)}, float(now)) == "", now
+    for now in range(61, 81, 2):  # still "saving" past the busy bound: a hang inside the save is found
+        reason = dog.observe({0: _rec(1, "save", now), 1: _rec(1)}, float(now))
+    assert "no rank progressed" in reason
+
+
+def test_watchdog_off_and_knobs_parsed():
+    assert Watchdog(Bounds(on=False), started=0.0).observe({}, 1e9) == ""
+    assert Bounds.from_env({"ORCH_STALL_FLOOR": "12", "ORCH_WATCHDOG": "OFF"}) == Bounds(12.0, 1800.0, 3600.0, False)
+
+
+def test_hang_tools_on_gpus_only_and_never_over_the_users():
+    assert hang_tools({}, gpus=False, trace_prefix="/x/rank_") == {}
+    tools = hang_tools({"TORCH_FR_BUFFER_SIZE": "50"}, gpus=True, trace_prefix="/x/rank_")
+    assert "TORCH_FR_BUFFER_SIZE" not in tools
+    assert tools["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and tools["TORCH_FR_DUMP_TEMP_FILE"] == "/x/rank_"
+
+
+# ---------------------------------------------------------------- the stacks
+
+PY_SPY = """Process 4242: python -m orchestrator.train dpo
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 4242 (idle): "MainThread"
+    all_reduce (/v/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:2810)
+    wrapper (/v/lib/python3.11/site-packages/torch/distributed/c10d_logger.py:81)
+    training_step (/v/lib/python3.11/site-packages/transformers/trainer.py:4020)
+Thread 4300 (idle): "orch-heartbeat"
+    _heartbeat (/w/orchestrator/train/progress.py:80)
+"""
+
+FAULTHANDLER = """Thread 0x00007f (most recent call first):
+  File "/w/orchestrator/train/progress.py", line 80 in _heartbeat
+
+Current thread 0x00007e (most recent call first):
+  File "/v/site-packages/torch/nn/functional.py", line 2100 in linear
+  File "/v/site-packages/transformers/trainer.py", line 4020 in training_step
+"""
+
+
+def test_parsers_take_the_main_threads_innermost_frame():
+    frames = parse_py_spy(PY_SPY)
+    assert frames[0] == ("all_reduce", "torch/distributed/distributed_c10d.py:2810") and len(frames) == 3
+    assert parse_faulthandler(FAULTHANDLER)[0] == ("linear", "torch/nn/functional.py:2100")
+
+
+def _stack(rank, state="", where=("all_reduce", "torch/distributed/distributed_c10d.py:2810"), step=41):
+    return RankStack(rank, 0, step, state, [where], "", "")
+
+
+def test_the_rank_not_where_the_others_are():
+    waiting = [_stack(r) for r in range(4)]
+    assert odd_ones(waiting) == []
+    assert [s.rank for s in odd_ones(waiting[:3] + [_stack(3, "stopped (SIGSTOP)")])] == [3]
+    computing = _stack(2, where=("linear", "torch/nn/functional.py:2100"))
+    assert [s.rank for s in odd_ones([waiting[0], waiting[1], computing, waiting[3]])] == [2]
+    assert [s.rank for s in odd_ones([waiting[0], _stack(1, step=40)])] == [1]
+    assert odd_ones([waiting[0], _stack(1, step=40)])[0].line() == (
+        "rank 1: in all_reduce (torch/distributed/distributed_c10d.py:2810), step 40"
+    )
+
+
+# ---------------------------------------------------------------- a frozen rank in a real run
+
+COMMAND = ["run", "phi3_dpo_fsdp", "--local", "--nodes", "2", "--smoke", "max_steps=400", "save_steps=1000"]
+FLOOR = 8
+
+
+def rank_pid(run: str, rank: int) -> int:
+    (pid,) = (
+        set(processes_with(f"SKYPILOT_TASK_ID={run}"))
+        & set(processes_with(f"RANK={rank}"))
+        & set(processes_with("LOCAL_RANK=0"))
+    )
+    return pid
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named_and_the_gang_ends(project):
+    proc, run = start_orch(project, [*COMMAND, "--env", f"ORCH_STALL_FLOOR={FLOOR}"], until="[orch] step 3/")
+    frozen = rank_pid(run, 1)
+    os.kill(frozen, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        out = proc.communicate(timeout=FLOOR + 90)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            os.kill(frozen, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    took = time.monotonic() - stopped_at
+    assert proc.returncode != 0
+    assert took < FLOOR + 60 + 15, took  # the bound, 60 s to end the gang, a poll and the stop's grace
+    assert "(node1) [orch] node 1: rank 1: stopped (SIGSTOP) in " in out, out[-3000:]
+    assert re.search(r"\(node0\) \[orch\] node 0: rank 0: in \S+ \(torch/distributed/", out), out[-3000:]
+    final = out.strip().splitlines()[-1]
+    assert final.startswith("[orch] failed after") and "stalled on node" in final, final
+    assert "not where the others are: rank 1: stopped (SIGSTOP)" in out
+    hang = next(project.glob(f"outputs/{run}/orch/hang"))
+    assert "MainThread" in (hang / "node1-rank1.txt").read_text()
+    assert json.loads((hang / "node0.json").read_text())[0]["rank"] == 0
+    deadline = time.monotonic() + 30
+    while processes_with(f"SKYPILOT_TASK_ID={run}"):
+        assert time.monotonic() < deadline, "processes of the run outlived it"
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------- nodes on a real (virtual) network
+
+needs_root = pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="network namespaces need root (CI runs as root)"
+)
+
+
+def orch_namespaces(owner: int) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [n for n in out.split() if n.startswith(f"orch-{owner}-")]
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_cut_link_is_found_named_and_every_rank_ends(project):
+    proc, run = start_orch(project, [*COMMAND, "--netns", "--env", f"ORCH_STALL_FLOOR={FLOOR}"], until="[orch] step 3/")
+    assert len(orch_namespaces(proc.pid)) == 2
+    netns.Network(2, owner=proc.pid).cut(1)
+    cut_at = time.monotonic()
+    try:
+        out = proc.communicate(timeout=FLOOR + 90)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    took = time.monotonic() - cut_at
+    assert proc.returncode != 0 and took < FLOOR + 60 + 15, (took, out[-3000:])
+    assert re.search(r"\(node0\) \[orch\] node 0: node 1 \(10\.213\.\d+\.2\): unreachable", out), out[-3000:]
+    assert re.search(r"\(node1\) \[orch\] node 1: node 0 \(10\.213\.\d+\.1\): unreachable", out), out[-3000:]
+    final = out.strip().splitlines()[-1]
+    assert final.startswith("[orch] failed after") and "stalled on node" in final and "unreachable" in final
+    assert not processes_with(f"SKYPILOT_TASK_ID={run}")  # every rank of every node
+    assert orch_namespaces(proc.pid) == []  # and the network is gone
+
+
+@needs_root
+def test_a_node_that_never_joins_is_named_by_the_barrier(project, monkeypatch, capsys):
+    from orchestrator import cli
+
+    entered = netns.Network.__enter__
+
+    def then_cut(self):
+        entered(self)
+        self.cut(1)  # node 1's link is down from the start: it never reaches the head
+        return self
+
+    monkeypatch.setattr(netns.Network, "__enter__", then_cut)
+    monkeypatch.chdir(project)
+    started = time.monotonic()
+    code = cli.main([*COMMAND, "--netns", "--env", "ORCH_RENDEZVOUS_TIMEOUT=10"])
+    out = capsys.readouterr().out
+    assert code != 0 and time.monotonic() - started < 60
+    assert "node(s) 1 never joined the head within 10 s" in out, out[-2000:]
+    final = out.strip().splitlines()[-1]
+    assert final.startswith("[orch] failed after") and "never joined" in final, final
+    assert orch_namespaces(os.getpid()) == []
+
+
+@needs_root
+def test_leftovers_of_a_killed_owner_are_swept(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer exists
+    net = netns.Network(2, owner=dead.pid).__enter__()  # never exited, as when orch is killed with SIGKILL
+    assert len(orch_namespaces(dead.pid)) == 2
+    removed = netns.sweep()
+    assert orch_namespaces(dead.pid) == [] and net.bridge in removed
+    assert not Path(f"/etc/netns/{net.namespaces[0]}").exists()
+
+
+def test_netns_needs_root_says_so(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert netns.available() == "--netns needs root (it creates network namespaces); run as root or drop --netns"
+
+
+# ---------------------------------------------------------------- the network check
+
+
+def test_bus_bandwidth_and_what_is_expected():
+    from orchestrator.train import netcheck
+
+    assert netcheck.bus_gbps(64 * 2**20, 0.01, 16) == pytest.approx(64 * 2**20 * 2 * 15 / 16 / 0.01 / 1e9)
+    assert netcheck.expectation({}, gpus=True, nodes=2) == netcheck.MULTI_NODE_GPU_GBPS
+    assert netcheck.expectation({}, gpus=True, nodes=1) is None and netcheck.expectation({}, False, 4) is None
+    assert netcheck.expectation({"ORCH_MIN_BUS_GBPS": "2.5"}, gpus=False, nodes=2) == 2.5
+
+
+@pytest.mark.slow
+def test_a_network_below_expectation_warns_or_stops_before_the_model_loads(project):
+    from conftest import orch
+
+    slow = ["--env", "ORCH_MIN_BUS_GBPS=100000"]  # no loopback reaches 100 TB/s
+    failed = orch(*COMMAND[:-2], "max_steps=2", *slow, "--env", "ORCH_NETCHECK=error", cwd=project)
+    assert failed.returncode != 0
+    assert "[orch] network check: all-reduce of 4 MiB over 2 ranks on 2 node(s) (gloo):" in failed.stdout
+    final = failed.stdout.strip().splitlines()[-1]
+    assert final.startswith("[orch] failed after") and "network check:" in final and "usual causes" in final, final
+    assert "[orch] step 1/" not in failed.stdout  # it stopped before training
