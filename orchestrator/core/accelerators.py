@@ -28,6 +28,34 @@ KNOWN_GIB = {
 }
 CPU = "CPU"
 
+# Peak dense BF16 tensor throughput per device, TFLOPS, for MFU (orchestrator/train/throughput.py): the vendors'
+# datasheets, which print "with sparsity" figures for NVIDIA parts; dense is half of those. Matched against
+# torch.cuda.get_device_name(), most specific first. Parts without a published BF16 figure (A10G, V100, T4) are
+# left out: MFU is then not shown, with the reason.
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),  # NVIDIA H100 datasheet: BF16 1,513 TFLOPS with sparsity (PCIe)
+    ("H100 NVL", 835.0),  # NVIDIA H100 datasheet: BF16 1,671 TFLOPS with sparsity (NVL)
+    ("H100", 989.4),  # NVIDIA H100 datasheet: BF16 1,979 TFLOPS with sparsity (SXM)
+    ("H200", 989.4),  # NVIDIA H200 datasheet: BF16 1,979 TFLOPS with sparsity (SXM)
+    ("GH200", 989.4),  # NVIDIA GH200 datasheet: BF16 1,979 TFLOPS with sparsity
+    ("A100", 312.0),  # NVIDIA A100 datasheet: BF16 312 TFLOPS dense (624 with sparsity)
+    ("L40S", 362.05),  # NVIDIA L40S datasheet: BF16 733 TFLOPS with sparsity (362.05 dense)
+    ("L4", 121.0),  # NVIDIA L4 datasheet: BF16 242 TFLOPS with sparsity
+    ("A10", 125.0),  # NVIDIA A10 datasheet: BF16 125 TFLOPS dense (250 with sparsity); not the A10G
+    ("MI300X", 1307.4),  # AMD Instinct MI300X datasheet: BF16 1307.4 TFLOPS dense
+)
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """Peak dense BF16 TFLOPS of a device, from its name as torch reports it (None when orch has no figure)."""
+    name = device_name.upper()
+    if "A10G" in name:
+        return None
+    for part, tflops in PEAK_BF16_TFLOPS:
+        if part.upper() in name:
+            return tflops
+    return None
+
 
 @dataclass(frozen=True)
 class Gpus:

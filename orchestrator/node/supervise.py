@@ -92,6 +92,15 @@ def read_progress(directory: str) -> dict[int, dict]:
     return ranks
 
 
+def say(line: str, stream=None) -> None:
+    """Print, and go on when no one reads our output any more (the local backend's orch was killed: its guard is
+    ending this node, and a BrokenPipeError must not cut that short)."""
+    try:
+        print(line, file=stream or sys.stdout, flush=True)
+    except OSError:
+        pass
+
+
 class _Relay:
     """The child's output to ours, its first error lines kept; muted once a stall is declared (what the killed ranks
     print then is noise)."""
@@ -107,8 +116,11 @@ class _Relay:
             if len(self.errors) < MAX_ERROR_LINES and (error := error_of(line)):
                 self.errors.append(error)
             if not self.muted:
-                sys.stdout.write(line)
-                sys.stdout.flush()
+                try:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                except OSError:  # no reader: keep draining the child, so that it never blocks on a full pipe
+                    self.muted = True
         stream.close()
 
 
@@ -148,7 +160,7 @@ def supervise(
                 relay.muted = True
                 line = _stalled(reason, node_rank, progress_dir, peers, traces)
                 end_tree(STALL_GRACE, child)
-                print(line, file=sys.stderr, flush=True)
+                say(line, sys.stderr)
                 return EXIT_STALLED
     except KeyboardInterrupt:
         stopped.append(signal.SIGINT)
@@ -167,7 +179,7 @@ def supervise(
     if code:
         error = first_error(relay.errors)
         said = f": {error}" if error else ""
-        print(f"[orch] failed on node {node_rank}: accelerate exited with code {code}{said}", flush=True)
+        say(f"[orch] failed on node {node_rank}: accelerate exited with code {code}{said}")
     return code
 
 
@@ -175,7 +187,7 @@ def _stalled(reason: str, node: int, progress_dir: str, peers: Peers, traces: st
     """Dump, print and save where every rank of this node waits; return the one `orch: error:` line."""
     ranks = read_progress(progress_dir)
     tool = "py-spy" if stack_dump.py_spy() else "faulthandler"
-    print(f"[orch] node {node}: stalled: {reason}; dumping the stacks of {len(ranks)} rank(s) with {tool}", flush=True)
+    say(f"[orch] node {node}: stalled: {reason}; dumping the stacks of {len(ranks)} rank(s) with {tool}")
     with ThreadPoolExecutor(max_workers=8) as pool:
         dumps = list(pool.map(lambda r: stack_dump.dump(r["rank"], r["pid"], r["step"], progress_dir),
                               sorted(ranks.values(), key=lambda r: r["rank"])))  # fmt: skip
@@ -190,12 +202,12 @@ def _stalled(reason: str, node: int, progress_dir: str, peers: Peers, traces: st
         for trace in Path(traces).glob("rank_*"):  # the NCCL flight recorder's dumps, if NCCL's watchdog fired
             shutil.copy(trace, hang_dir / trace.name)
     except OSError as exc:
-        print(f"[orch] node {node}: could not write the stacks under {hang_dir}: {exc.strerror}", flush=True)
+        say(f"[orch] node {node}: could not write the stacks under {hang_dir}: {exc.strerror}")
     for d in dumps:
-        print(f"[orch] node {node}: {d.line()}", flush=True)
+        say(f"[orch] node {node}: {d.line()}")
     lost = peers.unreachable()
     for line in lost:
-        print(f"[orch] node {node}: {line}", flush=True)
+        say(f"[orch] node {node}: {line}")
     everyone = dumps + (_other_nodes(hang_dir, node, len(peers.ips)) if node == 0 else [])
     odd = stack_dump.odd_ones(everyone)
     culprit = (

@@ -49,7 +49,10 @@ def main(argv: list[str]) -> int:
         except InterruptedError:
             continue
         if ready and not os.read(watch, 1):  # EOF: orch is gone
-            print("[orch] orch exited: stopping this node's processes", file=sys.stderr, flush=True)
+            try:  # orch read our output: with it gone the pipe is broken, and the message may go nowhere
+                print("[orch] orch exited: stopping this node's processes", file=sys.stderr, flush=True)
+            except OSError:
+                pass
             stopped.append(signal.SIGHUP)
     end_tree(grace, child)
     child.wait()
