@@ -300,7 +300,10 @@ BAD_INPUT = [
     (["run", "phi3_dpo_fsdp", "run_name=a\nb"], "override run_name= holds a newline"),
     (["run", "phi3_dpo_fsdp", "--env", "TRL_TRAINER=ppo"], "TRL_TRAINER='ppo' is not a trainer orch runs"),
     (["run", "phi3_dpo_fsdp", "--local", "--gpus", "A100:2"], "--local runs CPU processes; use --gpus CPU:2"),
-    (["run", "phi3_dpo_fsdp", "--smoke"], "--smoke, --fresh, --netns and --auto-fit are for runs on this machine: add --local"),
+    (
+        ["run", "phi3_dpo_fsdp", "--smoke"],
+        "--smoke, --fresh, --netns and --auto-fit are for runs on this machine: add --local",
+    ),
     (["run", "phi3_dpo_fsdp", "--local", "--managed"], "are for SkyPilot launches, not --local"),
     (["run", "phi3_dpo_fsdp", "--cluster", "bad name!"], "--cluster 'bad name!'"),
     (["run", "phi3_dpo_fsdp", "--idle-minutes", "-1"], "--idle-minutes -1: give 0 or more minutes"),

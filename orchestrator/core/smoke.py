@@ -82,6 +82,7 @@ def trl_overrides(smoke: SmokePlan) -> dict[str, str]:
             max_completion_length="8",
             use_vllm="false",
             reward_funcs=f"{BUILDER}.digit_reward",
+            log_completions="false",  # tables of random tokens from the tiny model: noise in the log
         )
     else:
         out["max_length"] = "64"

@@ -116,6 +116,8 @@ KNOBS = {
     "ORCH_STALL_BUSY": (_seconds, "a number of seconds > 0"),
     "ORCH_NETCHECK": (_choice("warn", "error", "off"), "warn, error or off"),
     "ORCH_MIN_BUS_GBPS": (_seconds, "a number of GB/s > 0"),
+    # the cluster's price in $/h (train/throughput.py: dollars spent and projected)
+    "ORCH_PRICE_PER_HOUR": (_seconds, "a price in dollars per hour > 0"),
 }
 
 

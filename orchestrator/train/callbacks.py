@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 
 from orchestrator.core.timeline import time_to_first_step
 from orchestrator.train.checkpoints import write_manifest
+from orchestrator.train.throughput import Meter, tokens_in
 
 # Preference collators stack chosen rows then rejected rows into one input_ids batch: 2 rows per sample.
 ROWS_PER_SAMPLE = {"dpo": 2, "reward": 2}
@@ -44,13 +45,22 @@ class OrchCallback(TrainerCallback):
 
     def __init__(self, output_dir: Path, timeline: dict[str, float] | None = None, progress=None):
         self.output_dir = output_dir
+        self.timeline = dict(timeline or {})
         self.progress = progress  # train/progress.py: what the node's watchdog reads (None: no watchdog)
+        self.trainer = None  # set once built: its token count and models feed the meter
+        self.meter = Meter(started=min(self.timeline.values()) if self.timeline else None)
         self.report_dir = output_dir / "orch"
         self.steps_run = 0
-        self.timeline = dict(timeline or {})
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        trainer = self.trainer
+        self.meter.begin(trainer.model if trainer else model, getattr(trainer, "ref_model", None), args.device)
+        if state.is_world_process_zero:
+            print(f"[orch] training: up to step {state.max_steps}, logging every {args.logging_steps}", flush=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps_run += 1
+        self.meter.stepped()
         if self.progress:  # DefaultFlowCallback ran first: control says whether a save or an evaluation follows
             busy = "save" if control.should_save else "eval" if control.should_evaluate else ""
             self.progress.stepped(state.global_step, busy)
@@ -75,15 +85,38 @@ class OrchCallback(TrainerCallback):
             self.progress.idle()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
+        if not logs:
+            return
+        figures = {}
+        if "loss" in logs and self.trainer is not None:  # a training log: every rank is here (one all-reduce)
+            self.meter.padding_excluded = self.trainer.orch_padding_excluded
+            world = self.trainer.accelerator.num_processes
+            figures = self.meter.sample(self.trainer.orch_tokens, state.global_step, state.max_steps, world, dist())
+        if not state.is_world_process_zero:
             return
         record = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
+        record.update(figures)
         self.report_dir.mkdir(parents=True, exist_ok=True)
         with open(self.report_dir / "log.jsonl", "a") as fh:
             fh.write(json.dumps(record) + "\n")
         shown = " ".join(f"{k}={v:.6g}" for k, v in record.items() if k in ("loss", "learning_rate", "grad_norm"))
         if shown:
-            print(f"[orch] step {state.global_step}/{state.max_steps} {shown}", flush=True)
+            speed = f" | {self.meter.describe(figures)}" if figures else ""
+            print(f"[orch] step {state.global_step}/{state.max_steps} {shown}{speed}", flush=True)
+            if figures and self.steps_run <= args.logging_steps:
+                counted = "non-padding" if self.meter.padding_excluded else "all (padding included)"
+                mfu = f"; MFU {self.meter.peak_note}" if self.meter.peak_note else ""
+                print(f"[orch] note: tok/s counts the {counted} tokens of every rank's batches{mfu}", flush=True)
+
+    def throughput(self) -> dict:
+        """The run's figures for the rank report (the summary repeats them)."""
+        latest = self.meter.latest
+        keep = ("tokens", "tokens_per_s_run", "mfu_run", "elapsed_s", "spent_usd")
+        return {
+            **{k: latest[k] for k in keep if k in latest},
+            "padding_excluded": self.meter.padding_excluded,
+            "mfu_note": self.meter.peak_note,
+        }
 
 
 def _load_to_plain_cpu(original):
@@ -103,6 +136,8 @@ class OrchTrainerMixin:
 
     orch_trainer_name = ""
     orch_samples = 0
+    orch_tokens = 0
+    orch_padding_excluded = True
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if not checkpoint or self.args.device.type != "cpu":
@@ -118,4 +153,7 @@ class OrchTrainerMixin:
         # Counted here, after the trainer prepared the micro-batch (GRPO generates inside training_step).
         if model.training:
             self.orch_samples += _rows_in(inputs, self.orch_trainer_name)
+            tokens, excluded = tokens_in(inputs)
+            self.orch_tokens += tokens
+            self.orch_padding_excluded &= excluded
         return super().compute_loss(model, inputs, *args, **kwargs)

@@ -190,6 +190,7 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "resumed_from": str(resume) if resume else None,
         "final_model": final,
         "timeline": callback.timeline,
+        "throughput": callback.throughput(),
         "pid": os.getpid(),
     }
 
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     netcheck.run(parsed.training_args)  # sets up the process group (TrainingArguments' own way) and times it
     callback = OrchCallback(output_dir, json.loads(os.environ.get("ORCH_TIMELINE") or "{}"), progress)
     trainer = build(parsed, [callback])
+    callback.trainer = trainer
     callback.timeline["model_loaded"] = time.time()
     acc = trainer.accelerator
     resume = parsed.training_args.resume_from_checkpoint

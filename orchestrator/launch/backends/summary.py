@@ -50,6 +50,23 @@ def checkpoint_format(checkpoint: Path) -> str:
     return ""
 
 
+def throughput_line(figures: dict) -> str | None:
+    """Tokens/s over the run (all ranks), MFU (or why not), elapsed time and dollars, from rank 0's report."""
+    if "tokens_per_s_run" not in figures:
+        return None
+    padding = "padding excluded" if figures.get("padding_excluded", True) else "padding included"
+    parts = [f"{figures['tokens_per_s_run']:,.0f} tok/s over the run ({figures['tokens']:,} tokens, {padding})"]
+    if "mfu_run" in figures:
+        parts.append(f"MFU {100 * figures['mfu_run']:.1f}%")
+    elif figures.get("mfu_note"):
+        parts.append(f"MFU {figures['mfu_note']}")
+    if "elapsed_s" in figures:
+        parts.append(f"elapsed {figures['elapsed_s']:.0f} s")
+    if "spent_usd" in figures:
+        parts.append(f"${figures['spent_usd']:,.2f} spent")
+    return "[orch] throughput: " + "; ".join(parts)
+
+
 def summary(output_dir: Path) -> list[str]:
     """What really ran, from the per-rank reports the training processes wrote (orchestrator/train.py)."""
     import json
@@ -89,6 +106,9 @@ def summary(output_dir: Path) -> list[str]:
             f"[orch] loss: step {losses[0]['step']} {losses[0]['loss']:.4f} -> step {losses[-1]['step']} "
             f"{losses[-1]['loss']:.4f}"
         )
+    speed = throughput_line(head.get("throughput") or {})
+    if speed:
+        lines.append(speed)
     checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     if checkpoints:
         lines.append(f"[orch] checkpoint: {checkpoints[-1]}{checkpoint_format(checkpoints[-1])}")

@@ -1,0 +1,86 @@
+"""See the run (issue 17): tokens/s, ETA, MFU and dollars on every step, checked against a count made without orch's
+code: the smoke dataset's tokens, recounted with its tokenizer, over wall time measured outside the training."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from orchestrator.core.accelerators import peak_tflops
+from orchestrator.train.throughput import Meter, tokens_in
+
+
+def test_peak_figures_by_device_name():
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("NVIDIA L40S") == 362.05 and peak_tflops("NVIDIA L4") == 121.0
+    assert peak_tflops("NVIDIA A10G") is None and peak_tflops("Tesla T4") is None
+
+
+def test_tokens_exclude_padding_and_say_when_they_cannot():
+    import torch
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    assert tokens_in({"input_ids": torch.ones(2, 4), "attention_mask": mask}) == (5, True)
+    grpo = {"prompt_ids": torch.ones(2, 3), "prompt_mask": torch.ones(2, 3), "completion_mask": mask}
+    assert tokens_in(grpo) == (11, True)
+    assert tokens_in({"input_ids": torch.ones(1, 9), "position_ids": torch.ones(1, 9)}) == (9, True)  # packed
+    assert tokens_in({"input_ids": torch.ones(2, 4)}) == (8, False)
+
+
+def test_figures_and_dollars():
+    meter = Meter({"ORCH_PRICE_PER_HOUR": "36"}, started=time.time() - 100)
+    meter.flops_per_token, meter.peak = 6e9, 1000.0  # 1B parameters, 1 PFLOPS per device
+    meter.train_started = time.time() - 10
+    meter.last = (meter.train_started, 0)
+    meter.step_times = [1.0, 2.0, 3.0]
+    figures = meter.sample(200_000, step=3, max_steps=13, world=4, dist=None)
+    assert figures["tokens_per_s"] == pytest.approx(20_000, rel=0.05)
+    assert figures["mfu"] == pytest.approx(20_000 * 6e9 / (1000e12 * 4), rel=0.05)
+    assert figures["eta_s"] == 10.0 and figures["spent_usd"] == pytest.approx(1.0, rel=0.05)
+    assert figures["projected_usd"] == pytest.approx(36 * 110 / 3600, rel=0.05)
+    line = meter.describe(figures)
+    assert "tok/s" in line and "MFU 3.0%" in line and "ETA 0m10s" in line and "$1.00 spent, $1.10 at the end" in line
+
+
+@pytest.mark.slow
+def test_throughput_matches_an_independent_count(project):
+    """A 2-node SFT smoke run sees every row of the 128-row smoke dataset once (8 steps x 16 samples). Its tokens,
+    recounted here with the dataset's own tokenizer and chat template, over the time between the line rank 0 prints
+    when training begins and the last step's line (both timestamped here, outside the training), must match
+    orch's figure."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke"],
+        cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    seen, lines = {}, []
+    for line in proc.stdout:
+        lines.append(line)
+        if "[orch] training: up to step 8" in line:
+            seen.setdefault("start", time.monotonic())
+        if "[orch] step 8/8" in line:
+            seen["end"] = time.monotonic()
+    assert proc.wait() == 0, "".join(lines[-30:])
+    out = "".join(lines)
+    assert "tok/s" in out and "ETA" in out and "[orch] time to first step:" in out
+    assert "MFU not shown on CPU" in out
+    output_dir = project / next(x.split("output: ", 1)[1].strip() for x in lines if x.startswith("[orch] output: "))
+    report = json.loads((output_dir / "orch" / "rank0.json").read_text())
+    figures = report["throughput"]
+
+    from transformers import AutoTokenizer
+
+    launch = next(x for x in lines if "[orch] launch: " in x).split()
+    model = launch[launch.index("--model_name_or_path") + 1]
+    smoke = model.rsplit("/", 1)[0]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = [json.loads(r) for r in open(f"{smoke}/data/train.jsonl")]
+    ids = [tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=True)["input_ids"] for r in rows]
+    counted = sum(min(64, len(row)) for row in ids)
+    assert figures["padding_excluded"] and figures["tokens"] == pytest.approx(counted, rel=0.02), (figures, counted)
+    outside = counted / (seen["end"] - seen["start"])
+    assert figures["tokens_per_s_run"] == pytest.approx(outside, rel=0.25), (figures, outside)
+    assert f"[orch] throughput: {figures['tokens_per_s_run']:,.0f} tok/s over the run" in out
