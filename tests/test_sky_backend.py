@@ -186,6 +186,15 @@ def test_dry_run_runs_skypilots_optimizer_on_a_local_catalog(tmp_path):
         [sys.executable, "-c", DRY_RUN, *argv, "--spot"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert "p4d.24xlarge x 2 node(s), spot: $9.83/h per node" in spot.stdout, spot.stderr
+    capped = subprocess.run(
+        [sys.executable, "-c", DRY_RUN, *argv, "--max-cost", "150"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert capped.returncode == 2
+    assert capped.stderr.strip().splitlines()[-1] == (
+        "orch: error: the estimated cost $163.86 exceeds --max-cost $150.00: raise the cap, use fewer or cheaper GPUs "
+        "(--gpus, --spot), or lower max_steps / num_train_epochs"
+    )
 
 
 def test_dry_run_without_cloud_access_says_why_and_prints_the_rest(tmp_path):
@@ -366,3 +375,14 @@ def test_a_failed_or_interrupted_submission_is_recorded_and_every_verb_answers(
         assert "has no job id" in line and f"`orch down {record.stem}`" in line
     assert cli.main(["down", record.stem]) == 0
     assert fake.names()[-1] == "down" and "cancel" not in fake.names()
+
+
+def test_a_cost_cap_without_a_price_is_refused_before_anything_is_sent(in_project, fake, capsys):
+    code = cli.main(["run", "phi3_dpo_fsdp", "--cluster", "c3", "--max-cost", "500", "-y"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and line.startswith("orch: error: --max-cost needs the cluster's price")
+    assert "--env ORCH_PRICE_PER_HOUR=" in line and fake.names() == [] and run_files(in_project) == []
+    assert cli.main(["run", "phi3_dpo_fsdp", "--cluster", "c3", "--max-cost", "500", "--env",
+                     "ORCH_PRICE_PER_HOUR=65.5", "--detach", "-y"]) == 0  # fmt: skip
+    _, task, _ = fake.calls[0]
+    assert task.envs["ORCH_MAX_COST"] == "500" and task.envs["ORCH_PRICE_PER_HOUR"] == "65.5"

@@ -84,3 +84,27 @@ def test_throughput_matches_an_independent_count(project):
     outside = counted / (seen["end"] - seen["start"])
     assert figures["tokens_per_s_run"] == pytest.approx(outside, rel=0.25), (figures, outside)
     assert f"[orch] throughput: {figures['tokens_per_s_run']:,.0f} tok/s over the run" in out
+
+
+@pytest.mark.slow
+def test_the_cost_cap_stops_after_a_checkpoint_and_says_why(project):
+    """$1 per second and a $100 cap: the run stops cleanly (exit 0) with a checkpoint at the step where one more
+    step and a save (60 s before one was timed) would cross the cap, long before max_steps."""
+    import re
+
+    from conftest import orch
+
+    run = orch(
+        "run", "phi3_dpo_fsdp", "--local", "--nodes", "2", "--smoke", "max_steps=400", "save_steps=1000",
+        "--env", "ORCH_PRICE_PER_HOUR=3600", "--max-cost", "100", cwd=project,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr
+    step = int(re.search(r"\[orch\] stopping at step (\d+): cost cap: \$", run.stdout).group(1))
+    assert 0 < step < 400
+    assert f"[orch] stopped early at step {step}: cost cap:" in run.stdout
+    output = next(x.split("output: ", 1)[1].strip() for x in run.stdout.splitlines() if x.startswith("[orch] output:"))
+    assert (project / output / f"checkpoint-{step}").is_dir()
+    spent = float(re.search(r"\$([\d.]+) spent", run.stdout.split("[orch] stopping at step")[1]).group(1))
+    assert spent + 60 <= 100 + 1  # the room kept for a step and a save
+    record = next((project / "sky_jobs").glob("*.yaml")).read_text()
+    assert "# state: stopped early (cost cap)" in record and "# stopped: cost cap:" in record

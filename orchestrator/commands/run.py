@@ -81,6 +81,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="pass a secret (repeatable); without =VALUE it is read from your environment. "
         "Secrets travel as SkyPilot secrets and are never written to sky_jobs/ or logs",
     )
+    p.add_argument(
+        "--max-cost",
+        metavar="DOLLARS",
+        help="stop the run cleanly, after a final checkpoint, before its spend crosses DOLLARS (needs the cluster's "
+        "price: SkyPilot's plan on a cloud, ORCH_PRICE_PER_HOUR otherwise); a launch whose estimate exceeds it is "
+        "refused. Same as --env ORCH_MAX_COST=DOLLARS",
+    )
     cloud = p.add_argument_group("SkyPilot launch (without --local)")
     cloud.add_argument(
         "--managed", action="store_true", help="launch as a managed job (sky jobs launch): relaunched after preemption"
@@ -156,6 +163,8 @@ def main(args: argparse.Namespace) -> int:
         raise OrchError(f"--cluster {args.cluster!r}: use letters, digits, '-', '_' or '.', starting with a letter")
     gpus = accelerators.parse(args.gpus) if args.gpus is not None else None
     user_envs = parse_env_assignments(args.env)
+    if args.max_cost is not None:
+        user_envs["ORCH_MAX_COST"] = args.max_cost  # parsed with the other knobs by plan()
     user_overrides = overrides.parse(args.overrides)
     secret_values = secrets.values_for(recipe, secrets.parse_secrets(args.secret), smoke=args.smoke)
     check_paired_files(recipe)
@@ -230,6 +239,8 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
     if not args.yes and not _confirm(launch, task, checked.plans, args.managed):
         print("[orch] not launched", flush=True)
         return 1
+    if task["envs"].get("ORCH_MAX_COST") and not task["envs"].get("ORCH_PRICE_PER_HOUR"):
+        _price(task, checked.plans[0].topology.total_gpus)
     record = records.new(
         run,
         task,
@@ -280,6 +291,22 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
         raise
 
 
+def _price(task: dict, total_gpus: int) -> None:
+    """--max-cost needs the cluster's $/h on the nodes: SkyPilot's plan, computed here (-y skipped the question)."""
+    from orchestrator.launch import dryrun
+    from orchestrator.launch.backends import sky as sky_backend
+
+    try:
+        plan = sky_backend.optimize(task)
+    except OrchError as exc:
+        raise OrchError(
+            f"--max-cost needs the cluster's price and SkyPilot's optimizer could not compute it here ({exc}); give "
+            "it with --env ORCH_PRICE_PER_HOUR=<$/h for all nodes>"
+        ) from None
+    dryrun.check_cap(task, plan, total_gpus)
+    task["envs"]["ORCH_PRICE_PER_HOUR"] = f"{plan.dollars_per_hour:.4f}"
+
+
 def _confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
     """Show what SkyPilot would launch and its price, then ask. SkyPilot's optimizer runs in this process when the
     catalogs and credentials are here, else on the API server (which prints its own table of choices)."""
@@ -292,14 +319,19 @@ def _confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
     print(f"[orch] checkpoints and final model: {storage.durable_checkpoints(task) or 'on the nodes (not durable)'}")
     try:
         plan = sky_backend.optimize(task)
+    except OrchError as local:
+        plan, reason = None, local
+    if plan is not None:
         print(f"[orch] SkyPilot's plan: {dryrun.describe(plan)}")
         print(f"[orch] {dryrun.estimate(task, plan, total)}")
-    except OrchError as local:
+        dryrun.check_cap(task, plan, total)
+        task["envs"].setdefault("ORCH_PRICE_PER_HOUR", f"{plan.dollars_per_hour:.4f}")  # spend on every step
+    else:
         try:
             sky_backend.show_server_plan(task)
             print("[orch] SkyPilot's plan and price: above (its optimizer, run by your API server)")
         except OrchError:
-            print(f"[orch] SkyPilot's plan: not computed here ({local}); SkyPilot picks the cheapest match at launch")
+            print(f"[orch] SkyPilot's plan: not computed here ({reason}); SkyPilot picks the cheapest match at launch")
     try:
         answer = input("Launch? [y/N] ")
     except EOFError:

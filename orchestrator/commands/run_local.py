@@ -111,6 +111,8 @@ def _local_once(args, launch: Launch, user_envs, user_overrides, secret_values: 
             records.write(record)
             raise
         record.meta["state"] = "succeeded" if result.returncode == 0 else f"failed (exit {result.returncode})"
+        if result.returncode == 0 and result.stopped:
+            record.meta.update(state="stopped early (cost cap)", stopped=result.stopped)
         if result.error:
             record.meta["error"] = result.error
         records.write(record)

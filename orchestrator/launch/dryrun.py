@@ -60,6 +60,7 @@ def show(launch: Launch, task: dict, checked: Checked, skip_optimizer: bool, reh
         return 0
     print(describe(plan))
     print(estimate(task, plan, head.topology.total_gpus))
+    check_cap(task, plan, head.topology.total_gpus)
     return 0
 
 
@@ -70,6 +71,25 @@ def describe(plan) -> str:
         f"{plan.cloud} {plan.region} {plan.instance_type} x {plan.nodes} node(s), {kind}: "
         f"${plan.node_dollars_per_hour:.2f}/h per node, ${plan.dollars_per_hour:.2f}/h in all"
     )
+
+
+def dollars(task: dict, plan, total_gpus: int) -> float | None:
+    """The recipe's EXPECTED_GPU_HOURS at the plan's price (ideal scaling), None when the recipe does not say."""
+    try:
+        return float(str(task["envs"].get("EXPECTED_GPU_HOURS", ""))) / total_gpus * plan.dollars_per_hour
+    except ValueError:
+        return None
+
+
+def check_cap(task: dict, plan, total_gpus: int) -> None:
+    """Refuse a launch whose estimated cost exceeds ORCH_MAX_COST (--max-cost)."""
+    cap = str(task["envs"].get("ORCH_MAX_COST", "")).strip()
+    cost = dollars(task, plan, total_gpus)
+    if cap and cost is not None and cost > float(cap):
+        raise OrchError(
+            f"the estimated cost ${cost:,.2f} exceeds --max-cost ${float(cap):,.2f}: raise the cap, use fewer or "
+            "cheaper GPUs (--gpus, --spot), or lower max_steps / num_train_epochs"
+        )
 
 
 def estimate(task: dict, plan, total_gpus: int) -> str:

@@ -22,8 +22,8 @@ from orchestrator.core.yamlio import dump_task
 
 SKY_JOBS = Path("sky_jobs")
 HEADER_KEYS = (
-    "run", "recipe", "command", "time", "git", "backend", "cluster", "job_id", "state", "error", "output_dir", "pid",
-    "token",
+    "run", "recipe", "command", "time", "git", "backend", "cluster", "job_id", "state", "error", "stopped",
+    "output_dir", "pid", "token",
 )  # fmt: skip
 """The record's fields, in the order the header lists them."""
 _LINE = re.compile(r"^# ([a-z_]+): (.*)$")

@@ -118,6 +118,7 @@ KNOBS = {
     "ORCH_MIN_BUS_GBPS": (_seconds, "a number of GB/s > 0"),
     # the cluster's price in $/h (train/throughput.py: dollars spent and projected)
     "ORCH_PRICE_PER_HOUR": (_seconds, "a price in dollars per hour > 0"),
+    "ORCH_MAX_COST": (_seconds, "a number of dollars > 0"),
 }
 
 

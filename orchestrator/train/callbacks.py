@@ -15,6 +15,7 @@ from orchestrator.core.timeline import time_to_first_step
 from orchestrator.train.checkpoints import write_manifest
 from orchestrator.train.throughput import Meter, tokens_in
 
+DEFAULT_SAVE_SECONDS = 60.0  # what the cost cap keeps for a checkpoint before one was timed here
 # Preference collators stack chosen rows then rejected rows into one input_ids batch: 2 rows per sample.
 ROWS_PER_SAMPLE = {"dpo": 2, "reward": 2}
 
@@ -51,6 +52,11 @@ class OrchCallback(TrainerCallback):
         self.meter = Meter(started=min(self.timeline.values()) if self.timeline else None)
         self.report_dir = output_dir / "orch"
         self.steps_run = 0
+        cap = os.environ.get("ORCH_MAX_COST", "").strip()
+        self.cap = float(cap) if cap else None  # dollars (--max-cost), parsed on the launch side first
+        self.saves: list[float] = []  # seconds each checkpoint took here: the cap keeps room for one more
+        self.save_began = 0.0
+        self.stopped = ""  # why the run stopped before max_steps (the cost cap), for the report
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         trainer = self.trainer
@@ -61,6 +67,10 @@ class OrchCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.steps_run += 1
         self.meter.stepped()
+        if self.cap is not None and self.meter.price is not None and not control.should_training_stop:
+            self._within_budget(state, control)
+        if control.should_save:
+            self.save_began = time.time()
         if self.progress:  # DefaultFlowCallback ran first: control says whether a save or an evaluation follows
             busy = "save" if control.should_save else "eval" if control.should_evaluate else ""
             self.progress.stepped(state.global_step, busy)
@@ -69,7 +79,32 @@ class OrchCallback(TrainerCallback):
             if state.is_world_process_zero:
                 print(f"[orch] time to first step: {time_to_first_step(self.timeline)}", flush=True)
 
+    def _within_budget(self, state, control) -> None:
+        """Stop after a final checkpoint when the spend so far, one more step and one more save would cross the cap.
+        Every rank decides the same (MAX over ranks of each one's verdict)."""
+        meter, now = self.meter, time.time()
+        times = meter.step_times
+        step = (times[-1] - times[-2]) if len(times) >= 2 else now - meter.train_started
+        save = max(self.saves) if self.saves else DEFAULT_SAVE_SECONDS
+        spent = meter.price * (now - meter.run_started) / 3600
+        over = torch.tensor([int(spent + meter.price * (step + save) / 3600 > self.cap)])
+        if dist():
+            dist().all_reduce(over, op=torch.distributed.ReduceOp.MAX)
+        if not over.item():
+            return
+        control.should_save = True
+        control.should_training_stop = True
+        self.stopped = (
+            f"cost cap: ${spent:,.2f} spent at ${meter.price:,.2f}/h; one more step and a checkpoint "
+            f"(~{step + save:.0f} s) would cross --max-cost ${self.cap:,.2f}"
+        )
+        if state.is_world_process_zero:
+            print(f"[orch] stopping at step {state.global_step}: {self.stopped}; saving a last checkpoint", flush=True)
+
     def on_save(self, args, state, control, **kwargs):
+        if self.save_began:
+            self.saves.append(time.time() - self.save_began)
+            self.save_began = 0.0
         if dist():
             dist().barrier()  # every rank has written its part of the checkpoint
         if state.is_local_process_zero:  # each node writes its manifest last (node-local disks included)

@@ -191,6 +191,7 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "final_model": final,
         "timeline": callback.timeline,
         "throughput": callback.throughput(),
+        "stopped": callback.stopped,
         "pid": os.getpid(),
     }
 

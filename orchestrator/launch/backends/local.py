@@ -23,7 +23,7 @@ from pathlib import Path
 
 from orchestrator.launch.backends import netns
 from orchestrator.launch.backends.guard import DEFAULT_GRACE
-from orchestrator.launch.backends.summary import summary
+from orchestrator.launch.backends.summary import stop_reason, summary
 from orchestrator.node.env import knob
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error
 
@@ -35,6 +35,8 @@ class LocalResult:
     returncode: int
     failed_node: int | None
     """Rank of the first node that exited non-zero, if any."""
+    stopped: str = ""
+    """Why a successful run stopped before its last step (the cost cap), from rank 0's report."""
     error: str = ""
     """The first real error line of the failing node (a Python exception, an orch error), not a launcher's summary."""
 
@@ -336,4 +338,5 @@ def launch(
     print(f"[orch] finished in {elapsed:.1f} s", flush=True)
     for line in summary(output_dir):
         print(line, flush=True)
+    result.stopped = stop_reason(output_dir)
     return result

@@ -67,6 +67,16 @@ def throughput_line(figures: dict) -> str | None:
     return "[orch] throughput: " + "; ".join(parts)
 
 
+def stop_reason(output_dir: Path) -> str:
+    """Why the run stopped before its last step (the cost cap), from rank 0's report; "" otherwise."""
+    import json
+
+    try:
+        return json.loads((output_dir / "orch" / "rank0.json").read_text()).get("stopped") or ""
+    except (OSError, ValueError):
+        return ""
+
+
 def summary(output_dir: Path) -> list[str]:
     """What really ran, from the per-rank reports the training processes wrote (orchestrator/train.py)."""
     import json
@@ -98,6 +108,8 @@ def summary(output_dir: Path) -> list[str]:
             "data-parallel ranks x "
             f"{head['gradient_accumulation_steps']} accumulation)"
         )
+    if head.get("stopped"):
+        lines.append(f"[orch] stopped early at step {head['optimizer_steps']}: {head['stopped']}")
     log = output_dir / "orch" / "log.jsonl"
     losses = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
     losses = [r for r in losses if "loss" in r]
