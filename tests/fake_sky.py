@@ -59,8 +59,13 @@ class FakeSky(types.ModuleType):
         self.calls.append(("tail_logs", None, {"cluster_name": cluster_name, "job_id": job_id, "follow": follow}))
         return 0
 
+    def queue(self, cluster_name, skip_finished=False, **kw):
+        jobs = self.cluster_jobs if hasattr(self, "cluster_jobs") else [{"job_id": 7, "status": "JobStatus.RUNNING"}]
+        return self._request(("queue", None, {"cluster_name": cluster_name}), jobs)
+
     def status(self, cluster_names=None, **kw):
-        return self._request(("status", None, {"cluster_names": cluster_names}), [{"status": "ClusterStatus.UP"}])
+        clusters = self.clusters if hasattr(self, "clusters") else [{"status": "ClusterStatus.UP"}]
+        return self._request(("status", None, {"cluster_names": cluster_names}), clusters)
 
     def cancel(self, cluster_name, job_ids=None, **kw):
         return self._request(("cancel", None, {"cluster_name": cluster_name, "job_ids": job_ids}), None)

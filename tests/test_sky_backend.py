@@ -115,7 +115,7 @@ def test_cluster_commands_map_to_cluster_calls(in_project, fake, capsys):
     assert "cluster UP" in capsys.readouterr().out
     for verb in ("logs", "cancel", "down"):
         assert cli.main([verb, record.stem[:12]]) == 0  # a unique prefix is enough
-    assert fake.names() == ["launch", "status", "tail_logs", "cancel", "down"]
+    assert fake.names() == ["launch", "status", "queue", "tail_logs", "cancel", "down"]
     assert fake.calls[-2][2] == {"cluster_name": "my-dpo", "job_ids": [7]}
     assert fake.calls[-1][2] == {"cluster_name": "my-dpo"}
 
@@ -386,3 +386,31 @@ def test_a_cost_cap_without_a_price_is_refused_before_anything_is_sent(in_projec
                      "ORCH_PRICE_PER_HOUR=65.5", "--detach", "-y"]) == 0  # fmt: skip
     _, task, _ = fake.calls[0]
     assert task.envs["ORCH_MAX_COST"] == "500" and task.envs["ORCH_PRICE_PER_HOUR"] == "65.5"
+
+
+def test_a_launched_cluster_stops_by_itself_unless_asked(in_project, fake, capsys):
+    assert cli.main(["run", "phi3_dpo_fsdp", "--cluster", "a1", "--detach", "-y"]) == 0
+    assert fake.calls[-1][2]["idle_minutes_to_autostop"] == 10 and fake.calls[-1][2]["down"] is False
+    assert "[orch] cluster a1: stops by itself after 10 idle minutes (autostop" in capsys.readouterr().out
+    assert cli.main(["run", "phi3_dpo_fsdp", "--cluster", "a2", "--detach", "--keep-up", "-y"]) == 0
+    assert fake.calls[-1][2]["idle_minutes_to_autostop"] is None
+    assert "kept up after the job (--keep-up)" in capsys.readouterr().out
+    assert cli.main(["run", "phi3_dpo_fsdp", "--cluster", "a3", "--keep-up", "--down", "-y"]) == 2
+    assert "--keep-up keeps the cluster up" in capsys.readouterr().err
+
+
+def test_status_marks_an_idle_cluster_and_its_price(in_project, fake, capsys):
+    class Resources:
+        def get_cost(self, seconds):
+            return 32.77 * seconds / 3600
+
+    handle = type("Handle", (), {"launched_resources": Resources(), "launched_nodes": 2})()
+    assert cli.main(["run", "phi3_dpo_fsdp", "--cluster", "idle1", "--detach", "-y"]) == 0
+    fake.clusters = [{"status": "ClusterStatus.UP", "handle": handle, "autostop": 10, "to_down": False}]
+    fake.cluster_jobs = [{"job_id": 7, "status": "JobStatus.SUCCEEDED"}]
+    capsys.readouterr()
+    assert cli.main(["status"]) == 0
+    assert "cluster UP, IDLE at $65.54/h (stops after 10 idle min)" in capsys.readouterr().out
+    fake.clusters[0]["autostop"] = -1
+    assert cli.main(["status"]) == 0
+    assert "no autostop: `orch down " in capsys.readouterr().out

@@ -34,6 +34,7 @@ Before a cloud launch orch shows SkyPilot's choice and its $/h (and the recipe's
 (InfiniBand/EFA where the cloud has it) unless the recipe sets a tier.
 """
 
+DEFAULT_IDLE_MINUTES = 10  # a cluster `orch run` launched stops by itself: no idle GPUs on the bill
 _CLUSTER = re.compile(r"^[a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?$")
 
 
@@ -96,6 +97,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     cloud.add_argument("--cluster", metavar="NAME", help="cluster name (default: the run name)")
     cloud.add_argument("--idle-minutes", type=int, metavar="M", help="autostop the cluster after M idle minutes")
     cloud.add_argument("--down", action="store_true", help="tear the cluster down when the job finishes")
+    cloud.add_argument(
+        "--keep-up",
+        action="store_true",
+        help=f"no autostop: keep the cluster up after the job (by default it stops after {DEFAULT_IDLE_MINUTES} idle "
+        "minutes)",
+    )
     cloud.add_argument("--detach", action="store_true", help="return once submitted; `orch logs RUN` follows later")
     cloud.add_argument(
         "-y",
@@ -157,6 +164,8 @@ def main(args: argparse.Namespace) -> int:
     recipe = load(name)
     if why:
         print(f"[orch] recipe: {recipe.name} ({why}; name another as the first word)", flush=True)
+    if args.keep_up and (args.down or args.idle_minutes is not None):
+        raise OrchError("--keep-up keeps the cluster up: it does not go with --down or --idle-minutes")
     if args.idle_minutes is not None and args.idle_minutes < 0:
         raise OrchError(f"--idle-minutes {args.idle_minutes}: give 0 or more minutes")
     if args.cluster and not _CLUSTER.match(args.cluster):
@@ -169,7 +178,7 @@ def main(args: argparse.Namespace) -> int:
     secret_values = secrets.values_for(recipe, secrets.parse_secrets(args.secret), smoke=args.smoke)
     check_paired_files(recipe)
     if args.local:
-        if args.managed or args.spot or args.cluster or args.dry_run or args.detach:
+        if args.managed or args.spot or args.cluster or args.dry_run or args.detach or args.keep_up:
             raise OrchError(
                 "--managed, --spot, --cluster, --detach and --dry-run are for SkyPilot launches, not --local"
             )
@@ -257,6 +266,19 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
         flush=True,
     )
 
+    idle = args.idle_minutes
+    if not args.managed:  # SkyPilot owns a managed job's cluster and ends it with the job
+        if idle is None and not args.down and not args.keep_up:
+            idle = DEFAULT_IDLE_MINUTES
+        if args.down:
+            after = f"after {idle} idle minutes" if idle is not None else "when the job ends"
+            print(f"[orch] cluster {cluster}: torn down {after} (--down)", flush=True)
+        elif idle is not None:
+            print(f"[orch] cluster {cluster}: stops by itself after {idle} idle minutes (autostop; --down tears it "
+                  "down instead, --keep-up keeps it up)", flush=True)  # fmt: skip
+        else:
+            print(f"[orch] cluster {cluster}: kept up after the job (--keep-up): `orch down {run}` ends it", flush=True)
+
     def submitted(meta: dict) -> None:
         record.meta.update(meta)
         records.write(record)
@@ -269,7 +291,7 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
             run=run,
             managed=args.managed,
             cluster=cluster,
-            idle_minutes=args.idle_minutes,
+            idle_minutes=idle,
             down=args.down,
             detach=args.detach,
             on_submitted=submitted,

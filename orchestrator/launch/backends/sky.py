@@ -214,10 +214,36 @@ def state(record) -> str:
             if _field(job, "job_id") == job_id:
                 return str(_field(job, "status")).split(".")[-1]
         return "not found"
-    clusters = _call("status (sky status)", lambda: sky.get(sky.status(cluster_names=[record.get("cluster")])))
+    name = record.get("cluster")
+    clusters = _call("status (sky status)", lambda: sky.get(sky.status(cluster_names=[name])))
     for cluster in clusters or []:
-        return f"cluster {str(_field(cluster, 'status')).split('.')[-1]}"
+        status = str(_field(cluster, "status")).split(".")[-1]
+        if status != "UP":
+            return f"cluster {status}"
+        jobs = _call("queue (sky queue)", lambda: sky.get(sky.queue(name, skip_finished=False)))
+        if any(str(_field(job, "status")).split(".")[-1] in BUSY for job in jobs or []):
+            return "cluster UP"
+        price = _price_per_hour(cluster)
+        autostop, down = _field(cluster, "autostop"), _field(cluster, "to_down")
+        stops = (
+            f"{'torn down' if down else 'stops'} after {autostop} idle min"
+            if isinstance(autostop, int) and autostop >= 0
+            else f"no autostop: `orch down {record.run}`"
+        )
+        return f"cluster UP, IDLE{f' at ${price:,.2f}/h' if price else ''} ({stops})"
     return "cluster down"
+
+
+BUSY = ("INIT", "PENDING", "SETTING_UP", "RUNNING")
+
+
+def _price_per_hour(cluster) -> float | None:
+    """What an UP cluster costs per hour: its launched resources' price x its nodes (None when unknown)."""
+    handle = _field(cluster, "handle")
+    try:
+        return float(handle.launched_resources.get_cost(3600)) * int(handle.launched_nodes)
+    except Exception:  # noqa: BLE001 - an API server's handle may lack either; the state is still worth showing
+        return None
 
 
 def logs(record, follow: bool) -> int:
