@@ -50,7 +50,9 @@ def start_orch(project: Path, argv: list[str], until: str = "") -> tuple[subproc
         text=True,
     )
     run = None
+    proc.seen = []  # the lines read here
     for line in proc.stdout:
+        proc.seen.append(line)
         match = re.match(r"^\[orch\] run (\S+):", line)
         run = run or (match.group(1) if match else None)
         if run and until in line:

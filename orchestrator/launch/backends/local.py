@@ -203,7 +203,7 @@ def run_nodes(
     for line in tails[failed]:
         sink.write(f"  (node{failed}) {line}")
     sink.flush()
-    return LocalResult(procs[failed].returncode or 1, failed, first_error(errors[failed]))
+    return LocalResult(procs[failed].returncode or 1, failed, error=first_error(errors[failed]))
 
 
 class _signals_held:
