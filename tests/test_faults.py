@@ -80,6 +80,17 @@ def _checkpoint(root: Path, step: int, nodes: int = 2, manifests=None) -> Path:
     return ckpt
 
 
+def test_a_manifest_never_lists_another_nodes_manifest_in_progress(tmp_path):
+    """Nodes write their manifests at the same time into a shared checkpoint: node 0's temp file, present while node
+    1 lists the directory, must not become a file node 1's manifest requires (seen once in a 2-node run)."""
+    ckpt = _checkpoint(tmp_path, 8, manifests=[])
+    (ckpt / ".orch_manifest.node0.json.tmp").write_text("{}")  # node 0 is writing its manifest
+    write_manifest(ckpt, 1, 2, 8)
+    (ckpt / ".orch_manifest.node0.json.tmp").unlink()  # ... and renames it
+    write_manifest(ckpt, 0, 2, 8)
+    assert verify(ckpt, node=0) == "" and verify(ckpt, node=1) == ""
+
+
 def test_only_checkpoints_whose_manifests_verify_are_picked(tmp_path):
     _checkpoint(tmp_path, 4)
     _checkpoint(tmp_path, 8)

@@ -34,11 +34,18 @@ def _sha256(path: Path) -> str:
 
 
 def _files(ckpt: Path) -> dict[str, int]:
-    return {
-        p.relative_to(ckpt).as_posix(): p.stat().st_size
-        for p in sorted(ckpt.rglob("*"))
-        if p.is_file() and not p.name.startswith("orch_manifest.")
-    }
+    """The checkpoint's files and sizes, manifests left out: the nodes write theirs at the same time (each through a
+    `.orch_manifest.nodeN.json.tmp` that another node may see, or see vanish, while it lists the directory)."""
+    files = {}
+    for p in sorted(ckpt.rglob("*")):
+        if p.name.startswith(("orch_manifest.", ".orch_manifest.")):
+            continue
+        try:
+            if p.is_file():
+                files[p.relative_to(ckpt).as_posix()] = p.stat().st_size
+        except FileNotFoundError:
+            continue
+    return files
 
 
 def write_manifest(ckpt: Path, node: int, nodes: int, step: int) -> Path:
