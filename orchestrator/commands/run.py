@@ -23,6 +23,8 @@ examples:
   orch run llama3_sft_fsdp --managed --spot --secret HF_TOKEN # managed job: SkyPilot recovers preemptions
   orch run phi3_dpo_fsdp --local --nodes 2 --smoke            # 2 emulated nodes, CPU, tiny Phi-3
   orch run phi3_dpo_fsdp --local --nodes 1 --gpus CPU:2 --smoke max_steps=4   # key=value overrides TRL
+  orch run phi3_dpo_fsdp --local --nodes 2 --smoke --netns    # root: each node in its own network namespace
+  orch run phi3_dpo_fsdp --gpus H100:8 --nodes 2 --max-cost 250  # stop cleanly before $250 are spent
 
 Which side wins: flags you give override the recipe (--gpus beats resources.accelerators, --nodes beats
 num_nodes, --env beats envs); key=value words override the TRL config. Every run is recorded as
