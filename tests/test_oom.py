@@ -80,3 +80,10 @@ def test_out_of_memory_names_the_fix_and_auto_fit_retries_once(oom_recipe):
         r"\[orch\] (\d+) optimizer steps x 16 samples \(= 1 per device x 2 data-parallel ranks x 8", fitted.stdout
     )
     assert summary, fitted.stdout[-2000:]  # the smoke global batch of 16 kept: accumulation 4 -> 8
+
+
+def test_node_output_keeps_no_raw_control_bytes():
+    from orchestrator.node.output import printable
+
+    line = "completion: \x00\x07ab\x1b[31mred\x1b[0m\tcol\r\x7f\x1f\n"
+    assert printable(line) == "completion: \ufffd\ufffdab\x1b[31mred\x1b[0m\tcol\r\ufffd\ufffd\n"

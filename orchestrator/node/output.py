@@ -23,3 +23,13 @@ def first_error(lines: list[str]) -> str:
 def error_of(line: str) -> str:
     match = ERROR.match(line.strip())
     return match.group(1)[:500] if match else ""
+
+
+# C0 controls and DEL, but tab, newline, carriage return (progress bars) and ESC (colours): a tiny model's random
+# tokens, or a binary file printed by mistake, must not put raw bytes in the log. Undecodable bytes are already
+# U+FFFD (the pipes are read with errors="replace").
+_CONTROLS = {c: "\ufffd" for c in [*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x1B), *range(0x1C, 0x20), 0x7F]}
+
+
+def printable(line: str) -> str:
+    return line.translate(_CONTROLS)

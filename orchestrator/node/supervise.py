@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from orchestrator.node import stacks as stack_dump
-from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error
+from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, printable
 from orchestrator.node.procs import end_tree, subreaper
 from orchestrator.node.watchdog import EXIT_STALLED, Bounds, Watchdog, hang_tools
 
@@ -117,7 +117,7 @@ class _Relay:
                 self.errors.append(error)
             if not self.muted:
                 try:
-                    sys.stdout.write(line)
+                    sys.stdout.write(printable(line))
                     sys.stdout.flush()
                 except OSError:  # no reader: keep draining the child, so that it never blocks on a full pipe
                     self.muted = True

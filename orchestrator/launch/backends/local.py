@@ -25,7 +25,7 @@ from orchestrator.launch.backends import netns
 from orchestrator.launch.backends.guard import DEFAULT_GRACE
 from orchestrator.launch.backends.summary import stop_reason, summary
 from orchestrator.node.env import knob
-from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error
+from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, printable
 
 GUARD = "orchestrator.launch.backends.guard"
 
@@ -101,6 +101,7 @@ TAIL_LINES = 15
 
 def _pump(stream, prefix: str, lock: threading.Lock, sink, tail: deque, errors: list[str]) -> None:
     for line in iter(stream.readline, ""):
+        line = printable(line)
         tail.append(line)
         if len(errors) < MAX_ERROR_LINES and (error := error_of(line)):
             errors.append(error)
