@@ -108,3 +108,12 @@ def test_the_cost_cap_stops_after_a_checkpoint_and_says_why(project):
     assert spent <= 600 and step == 1  # the room kept for a step and a save: $600
     record = next((project / "sky_jobs").glob("*.yaml")).read_text()
     assert "# state: stopped early (cost cap)" in record and "# stopped: cost cap:" in record
+
+
+def test_orchs_own_collectives_use_the_groups_device():
+    """NCCL (GPU runs) takes only CUDA tensors: orch's all-reduces (tokens, the cost cap, resume step, samples) must
+    put theirs on the GPU there; gloo (CPU runs, where every other test runs) takes only CPU ones."""
+    from orchestrator.train.callbacks import collective_device
+
+    assert collective_device("nccl") == "cuda" and collective_device("cpu:gloo,cuda:nccl") == "cuda"
+    assert collective_device("gloo") == "cpu"

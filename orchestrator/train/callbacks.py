@@ -40,6 +40,17 @@ def dist():
     return torch.distributed if torch.distributed.is_available() and torch.distributed.is_initialized() else None
 
 
+def collective_device(backend: str) -> str:
+    """Where a tensor for one of orch's own collectives lives: NCCL takes only GPU tensors, gloo only CPU ones."""
+    return "cuda" if "nccl" in backend else "cpu"
+
+
+def for_collective(values: list, dtype: torch.dtype) -> torch.Tensor:
+    where = collective_device(str(dist().get_backend())) if dist() else "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if where == "cuda" else torch.device("cpu")
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 class OrchCallback(TrainerCallback):
     """Marks complete checkpoints, counts optimizer steps run here, logs one line per logging step, and prints
     the time to the first step."""
@@ -87,7 +98,7 @@ class OrchCallback(TrainerCallback):
         step = (times[-1] - times[-2]) if len(times) >= 2 else now - meter.train_started
         save = max(self.saves) if self.saves else DEFAULT_SAVE_SECONDS
         spent = meter.price * (now - meter.run_started) / 3600
-        over = torch.tensor([int(spent + meter.price * (step + save) / 3600 > self.cap)])
+        over = for_collective([int(spent + meter.price * (step + save) / 3600 > self.cap)], torch.long)
         if dist():
             dist().all_reduce(over, op=torch.distributed.ReduceOp.MAX)
         if not over.item():
@@ -126,7 +137,8 @@ class OrchCallback(TrainerCallback):
         if "loss" in logs and self.trainer is not None:  # a training log: every rank is here (one all-reduce)
             self.meter.padding_excluded = self.trainer.orch_padding_excluded
             world = self.trainer.accelerator.num_processes
-            figures = self.meter.sample(self.trainer.orch_tokens, state.global_step, state.max_steps, world, dist())
+            total = for_collective([self.trainer.orch_tokens], torch.float64)
+            figures = self.meter.sample(total, state.global_step, state.max_steps, world, dist())
         if not state.is_world_process_zero:
             return
         record = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}

@@ -29,7 +29,7 @@ import torch
 
 from orchestrator.core.trl_schema import TRAINER_CLASSES
 from orchestrator.train import cpu_fsdp, netcheck
-from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, node_of_process
+from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, for_collective, node_of_process
 from orchestrator.train.checkpoints import choose_resume, quarantine, save_final_model
 from orchestrator.train.progress import Progress
 
@@ -116,7 +116,7 @@ def build(parsed: Parsed, callbacks: list, *mixins: type):
 def _min_over_ranks(step: int) -> int:
     if not dist():
         return step
-    value = torch.tensor([step], dtype=torch.long)
+    value = for_collective([step], torch.long)
     dist().all_reduce(value, op=torch.distributed.ReduceOp.MIN)
     return int(value.item())
 
@@ -165,7 +165,7 @@ def strategy_facts(trainer) -> dict:
 
 def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | None, strategy: dict) -> dict:
     acc = trainer.accelerator
-    local = torch.tensor([trainer.orch_samples], dtype=torch.long)
+    local = for_collective([trainer.orch_samples], torch.long)
     total = local.clone()
     if dist():
         dist().all_reduce(total)
