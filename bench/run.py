@@ -220,6 +220,7 @@ def setup_figures(runs: int) -> tuple[float, float]:
                     "ORCH_VENV": str(env_dir),
                     "ORCH_HOME": str(scratch / "home"),
                     "ORCH_SKIP_PREFETCH": "1",
+                    "ORCH_REHEARSAL": "off",  # the install is measured, not the rehearsal (no SkyPilot env here)
                     "UV_CACHE_DIR": str(scratch / "uv-cache"),  # cold
                     "UV_NO_INDEX": "1",
                     "UV_FIND_LINKS": str(house),
