@@ -14,7 +14,6 @@ from orchestrator.core.topology import Topology
 from orchestrator.node import vllm
 from orchestrator.node.env import env_port, from_env, knob
 from orchestrator.node.plan import DEFAULT_PORT, plan_from_env, render
-from orchestrator.node.supervise import supervise
 
 
 def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
@@ -46,6 +45,8 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     child_env = {**env, **node_plan.env, "ORCH_TIMELINE": json.dumps(timeline)}
     child_env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # this environment's tools
     main_port = int(env_port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT))
+    from orchestrator.node.supervise import supervise  # not for --print: it costs a third of its start-up
+
     try:
         return supervise(
             node_plan.argv,
