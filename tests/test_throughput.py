@@ -37,7 +37,9 @@ def test_figures_and_dollars():
     meter.train_started = time.time() - 10
     meter.last = (meter.train_started, 0)
     meter.step_times = [1.0, 2.0, 3.0]
-    figures = meter.sample(200_000, step=3, max_steps=13, world=4, dist=None)
+    import torch
+
+    figures = meter.sample(torch.tensor([200_000.0]), step=3, max_steps=13, world=4, dist=None)
     assert figures["tokens_per_s"] == pytest.approx(20_000, rel=0.05)
     assert figures["mfu"] == pytest.approx(20_000 * 6e9 / (1000e12 * 4), rel=0.05)
     assert figures["eta_s"] == 10.0 and figures["spent_usd"] == pytest.approx(1.0, rel=0.05)

@@ -74,8 +74,8 @@ def _local_once(args, launch: Launch, user_envs, user_overrides, secret_values: 
     # The recipe's own consistency (memory is a GPU matter), batch math and env errors, before anything
     # starts: bad input builds no smoke model either.
     check(launch, task_id=run, device="cpu")
-    if args.netns and netns.available():
-        raise OrchError(netns.available())
+    if args.netns and (why := netns.available()):
+        raise OrchError(why)
     command = secrets.redacted_command(args.argv, secret_values.values())
     output_dir = local.output_dir_of(launch, run)
     storage.check_writable(recipe.workdir / output_dir, "output_dir")

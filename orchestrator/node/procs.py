@@ -11,6 +11,17 @@ import subprocess
 import time
 
 PR_SET_CHILD_SUBREAPER = 36
+DEFAULT_GRACE = 10.0  # ORCH_STOP_GRACE: seconds between SIGTERM and SIGKILL when a tree is ended
+
+
+def stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat after "pid (comm) ": state, ppid, ... (None when the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2 :].split()
 
 
 def subreaper() -> None:
@@ -27,13 +38,8 @@ def descendants(root: int) -> list[int]:
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) "
-        if fields[0] == "Z":
+        fields = stat_fields(entry)
+        if fields is None or fields[0] == "Z":
             continue
         children.setdefault(int(fields[1]), []).append(int(entry))
     out, todo = [], [root]

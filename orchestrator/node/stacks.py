@@ -8,11 +8,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+
+from orchestrator.node.procs import stat_fields
 
 _FRAME = re.compile(r"^\s+(\S+) \((.+?)(?::(\d+))?\)\s*$")
 STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a tracer", "D": "in uninterruptible I/O (D state)"}
@@ -79,13 +82,10 @@ def parse_faulthandler(text: str) -> list[tuple[str, str]]:
 
 
 def process_state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
+    fields = stat_fields(pid)
+    if fields is None:
         return "gone"
-    code = stat[stat.rfind(")") + 2 :].split()[0]
-    return STATES.get(code, "gone" if code in "ZX" else "")
+    return STATES.get(fields[0], "gone" if fields[0] in "ZX" else "")
 
 
 def py_spy() -> str:
@@ -110,7 +110,7 @@ def dump(rank: int, pid: int, step: int, progress_dir: str) -> RankStack:
                          "process", "none")  # fmt: skip
     path = os.path.join(progress_dir, f"rank{rank}.stack")
     try:
-        os.kill(pid, __import__("signal").SIGUSR1)  # train/progress.py registered faulthandler on it
+        os.kill(pid, signal.SIGUSR1)  # train/progress.py registered faulthandler on it
         time.sleep(2)
         with open(path) as fh:
             text = fh.read()

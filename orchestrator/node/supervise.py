@@ -22,7 +22,7 @@ from pathlib import Path
 
 from orchestrator.node import stacks as stack_dump
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, printable
-from orchestrator.node.procs import end_tree, subreaper
+from orchestrator.node.procs import DEFAULT_GRACE, end_tree, subreaper
 from orchestrator.node.watchdog import EXIT_STALLED, Bounds, Watchdog, hang_tools
 
 POLL = 1.0
@@ -151,7 +151,7 @@ def supervise(
                              errors="replace")  # fmt: skip
     relay = _Relay(child.stdout)
     dog = Watchdog(bounds, started=time.time())
-    grace = knob(env, "ORCH_STOP_GRACE", 10.0)
+    grace = knob(env, "ORCH_STOP_GRACE", DEFAULT_GRACE)
     try:
         while child.poll() is None and not stopped:
             time.sleep(POLL)

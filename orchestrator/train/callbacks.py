@@ -16,6 +16,7 @@ from orchestrator.train.checkpoints import write_manifest
 from orchestrator.train.throughput import Meter, tokens_in
 
 DEFAULT_SAVE_SECONDS = 60.0  # what the cost cap keeps for a checkpoint before one was timed here
+
 # Preference collators stack chosen rows then rejected rows into one input_ids batch: 2 rows per sample.
 ROWS_PER_SAMPLE = {"dpo": 2, "reward": 2}
 

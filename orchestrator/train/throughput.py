@@ -71,10 +71,9 @@ class Meter:
     def stepped(self) -> None:
         self.step_times = (self.step_times + [time.time()])[-50:]
 
-    def sample(self, tokens, step: int, max_steps: int, world: int, dist) -> dict:
+    def sample(self, total: torch.Tensor, step: int, max_steps: int, world: int, dist) -> dict:
         """Every rank calls it at a logging step with its token count (a 1-element tensor where the group's
         collectives take it: one all-reduce); returns the figures (rank 0 prints them)."""
-        total = tokens if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], dtype=torch.float64)
         if dist is not None:
             dist.all_reduce(total)
         now, tokens = time.time(), int(total.item())

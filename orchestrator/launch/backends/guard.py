@@ -23,9 +23,7 @@ import subprocess
 import sys
 
 from orchestrator.node.env import knob
-from orchestrator.node.procs import end_tree, reap, subreaper
-
-DEFAULT_GRACE = 10.0
+from orchestrator.node.procs import DEFAULT_GRACE, end_tree, reap, subreaper
 
 
 def main(argv: list[str]) -> int:

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.launch.backends import netns
-from orchestrator.launch.backends.guard import DEFAULT_GRACE
 from orchestrator.launch.backends.summary import stop_reason, summary
 from orchestrator.node.env import knob
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, printable
+from orchestrator.node.procs import DEFAULT_GRACE
 
 GUARD = "orchestrator.launch.backends.guard"
 
