@@ -235,6 +235,31 @@ def setup_figures(runs: int) -> tuple[float, float]:
     return statistics.median(ours), statistics.median(theirs)
 
 
+def status_project(count: int) -> Path:
+    """A project with `count` run records: half local runs with a 400-line log each, half finished cloud runs."""
+
+    project = Path(tempfile.mkdtemp(prefix="orch-bench-status-"))
+    code = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from orchestrator.launch import records\n"
+        "for i in range(int(sys.argv[1])):\n"
+        "    task = {'name': f'r{i}', 'run': 'orch node', 'envs': {'TRL_TRAINER': 'sft'}}\n"
+        "    if i % 2:\n"
+        "        meta = dict(backend='sky-cluster', cluster=f'c{i}', job_id='7', state='SUCCEEDED', step='400/400')\n"
+        "    else:\n"
+        "        out = Path(f'outputs/r{i}/orch'); out.mkdir(parents=True)\n"
+        "        rows = [{'step': s, 'loss': 1 / s, 'tokens_per_s': 1e4, 'eta_s': 400 - s, 'max_steps': 400}\n"
+        "                for s in range(1, 401)]\n"
+        "        (out / 'log.jsonl').write_text(''.join(json.dumps(r) + '\\n' for r in rows))\n"
+        "        meta = dict(backend='local (2 emulated node(s) x 1 CPU process(es))', state='succeeded',\n"
+        "                    output_dir=f'outputs/r{i}')\n"
+        "    records.write(records.new(f'r{i}', task, 'recipes/x.yaml', 'orch run x', **meta))\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(count)], cwd=project, check=True)
+    return project
+
+
 def main() -> int:
     rows = []
     sky = [str(BIN / "sky"), "--help"]
@@ -283,6 +308,17 @@ def main() -> int:
             node_mb,
             f"{startup:.1f}x python -c pass (+{(node_s - py_ref) * 1000:.0f} ms)",
             f"<= 4x: {'PASS' if startup <= 4 else 'FAIL'}",
+        )
+    )
+
+    status_s, status_mb = median_of([str(BIN / "orch"), "status"], cwd=status_project(100))
+    rows.append(
+        (
+            "orch status, 100 recorded runs (50 local with their logs, 50 finished cloud runs)",
+            status_s,
+            status_mb,
+            "from the records and local logs: SkyPilot is not asked about runs known to be over",
+            f"< 1 s: {'PASS' if status_s < 1 else 'FAIL'}",
         )
     )
 

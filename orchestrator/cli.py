@@ -18,7 +18,7 @@ from orchestrator.core.errors import OrchError
 COMMANDS = {
     "run": "run", "ls": "ls", "show": "show", "cp": "cp",
     "status": "jobs", "logs": "jobs", "cancel": "jobs", "down": "jobs",
-    "node": "node",
+    "node": "node", "dashboard": "dashboard",
 }  # fmt: skip
 
 EPILOG = """\
@@ -29,6 +29,7 @@ examples:
   orch ls                                                     # the recipes: trainer, strategy, model, GPUs
   orch cp phi3_dpo_fsdp my_dpo                                # an editable copy with its configs
   orch status                                                 # recorded runs and their state
+  orch dashboard RUN                                          # a --track run's curves, every node, in Trackio
   orch node --print                                           # on a node: the accelerate command it would run
 
 The two sides: `orch run` (laptop/CI) resolves a recipe and launches it; `orch node` (on every node,

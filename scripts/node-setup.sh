@@ -14,10 +14,15 @@
 # 4. On the head node, a rehearsal of the cluster's rank roles against accelerate, TRL and transformers (orch node
 #    --rehearse; ORCH_REHEARSAL=off skips it); then the recipe's model and dataset, downloaded once per node in
 #    parallel into the Hugging Face cache the training processes read (python -m orchestrator.train.prefetch).
+# With ORCH_TRACK set (orch run --track), the `track` extra (Trackio) is added to EXTRAS.
 # Timings go to $ORCH_HOME/setup.times for the time-to-first-step breakdown.
 set -euo pipefail
 
 extras="${1:-train}"
+# --track (ORCH_TRACK=<project>): the nodes log to Trackio; only then is its extra installed
+if [ -n "${ORCH_TRACK:-}" ] && [ "${ORCH_TRACK,,}" != off ] && [[ ",$extras," != *,track,* ]]; then
+  extras="$extras,track"
+fi
 ORCH_HOME="${ORCH_HOME:-$HOME/.orch}"
 ORCH_VENV="${ORCH_VENV:-$ORCH_HOME/venv}"
 mkdir -p "$ORCH_HOME"

@@ -22,8 +22,10 @@ class FakeSky(types.ModuleType):
             def launch(self, task, name=None, **kw):
                 return fake._request(("jobs.launch", task, {"name": name, **kw}), ([42], None))
 
-            def tail_logs(self, name=None, job_id=None, follow=True, **kw):
+            def tail_logs(self, name=None, job_id=None, follow=True, output_stream=None, **kw):
                 fake.calls.append(("jobs.tail_logs", None, {"job_id": job_id, "follow": follow}))
+                if output_stream is not None:
+                    output_stream.write(getattr(fake, "log_text", ""))
                 return 0
 
             def cancel(self, name=None, job_ids=None, **kw):
@@ -55,8 +57,10 @@ class FakeSky(types.ModuleType):
     def launch(self, task, cluster_name=None, **kw):
         return self._request(("launch", task, {"cluster_name": cluster_name, **kw}), (7, None))
 
-    def tail_logs(self, cluster_name, job_id, follow, **kw):
+    def tail_logs(self, cluster_name, job_id, follow, output_stream=None, **kw):
         self.calls.append(("tail_logs", None, {"cluster_name": cluster_name, "job_id": job_id, "follow": follow}))
+        if output_stream is not None:  # what the job printed (a test sets log_text)
+            output_stream.write(getattr(self, "log_text", ""))
         return 0
 
     def queue(self, cluster_name, skip_finished=False, **kw):

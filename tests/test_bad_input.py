@@ -26,6 +26,8 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "--local", "--env", "ORCH_PRICE_PER_HOUR=free"], "ORCH_PRICE_PER_HOUR takes a price"),
     (["run", "phi3_dpo_fsdp", "--local", "--env", "ORCH_STALL_FLOOR=0"], "ORCH_STALL_FLOOR takes a number of seconds"),
     (["run", "phi3_dpo_fsdp", "--local", "--env", "ORCH_NETCHECK=maybe"], "ORCH_NETCHECK takes warn, error or off"),
+    (["run", "phi3_dpo_fsdp", "--local", "--env", "ORCH_TRACK=my project"], "ORCH_TRACK takes off or a Trackio"),
+    (["dashboard", "no-such-run"], "no-such-run"),
     (["run", "phi3_dpo_fsdp", "--local", "--env", "ORCH_WATCHDOG=1"], "ORCH_WATCHDOG takes on or off"),
     (["run", "phi3_dpo_fsdp", "--idle-minutes", "soon"], "invalid int value"),
     (["run", "phi3_dpo_fsdp", "--cluster", "1abc"], "--cluster '1abc'"),

@@ -91,7 +91,7 @@ RULES = {
         {"core", "launch", "node.plan", "node.env", "node.script", "node.output", "node.procs", "rehearsal.driver"},
         {"yaml", "sky"},
     ),
-    "train": ({"core", "train"}, HEAVY - {"sky", "vllm"} | {"yaml", "huggingface_hub"}),
+    "train": ({"core", "train"}, HEAVY - {"sky", "vllm"} | {"yaml", "huggingface_hub", "trackio"}),  # trackio: --track
     "rehearsal": ({"core", "node.plan", "train", "rehearsal"}, HEAVY - {"sky", "vllm"} | {"huggingface_hub"}),
     "commands": ({"core", "launch", "node", "commands"}, {"yaml"}),
 }

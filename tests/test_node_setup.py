@@ -114,6 +114,7 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
         "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": "2",
         "ORCH_REHEARSAL": "on",
         "ORCH_CACHE_DIR": str(tmp_path / "orch-cache"),
+        "ORCH_TRACK": "tiny_phi3",  # --track: the nodes also get the `track` extra (Trackio)
     }
     first = subprocess.run(
         ["bash", "scripts/node-setup.sh", "train"], cwd=project, env=env, capture_output=True, text=True, timeout=900
@@ -121,7 +122,7 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     out = first.stdout
     assert f"torch {LOCKED['torch']} is there: kept" in out
-    assert re.search(r"installing uv\.lock's orch\[train\] \(\d+ packages\)", out)
+    assert re.search(r"installing uv\.lock's orch\[train,track\] \(\d+ packages\)", out)
     assert "[orch] prefetch: model org/tiny-phi3:" in out and "[orch] prefetch: dataset org/prefs:" in out
     assert re.search(r"^\[orch\] rehearsed 2 role\(s\) of 4 rank\(s\) with transformers ", out, re.M), out[-3000:]
     # the environment holds the lock's versions, and orch from this checkout
@@ -130,7 +131,8 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     installed = dict(line.split("==", 1) for line in freeze.splitlines() if "==" in line)
-    for package in ("trl", "transformers", "accelerate", "deepspeed", "datasets", "huggingface-hub", "tokenizers"):
+    for package in ("trl", "transformers", "accelerate", "deepspeed", "datasets", "huggingface-hub", "tokenizers",
+                    "trackio"):  # fmt: skip
         assert installed[package] == LOCKED[package], package
     assert installed["torch"].split("+")[0] == LOCKED["torch"]
     # the training processes read the prefetched cache: with the Hub switched off, the model and data load
@@ -148,7 +150,7 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
         ["bash", "scripts/node-setup.sh", "train"], cwd=project, env=env, capture_output=True, text=True
     )
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "already holds uv.lock's orch[train] (a reused cluster): nothing to install" in again.stdout
+    assert "already holds uv.lock's orch[train,track] (a reused cluster): nothing to install" in again.stdout
     assert "installing" not in again.stdout
     assert re.search(r"^\[orch\] rehearsed 2 role\(s\) .*\(cached\)$", again.stdout, re.M)
 

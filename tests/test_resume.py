@@ -1,14 +1,33 @@
 """A damaged newest checkpoint is skipped, quarantined and training goes on from the previous one, with the losses of
-an uninterrupted run (issue 15)."""
+an uninterrupted run (issue 15); its Trackio curves (--track) continue from that checkpoint (issue 17)."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 from conftest import orch
 from test_faults import loss_log
 
-COMMAND = ["run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "max_steps=12"]
+COMMAND = ["run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "max_steps=12", "--track"]
+
+READ_BACK = """
+import json, sys
+from trackio.api import Api
+from trackio.sqlite_storage import SQLiteStorage
+runs = list(Api().runs(sys.argv[1]))
+print(json.dumps({r.name: SQLiteStorage.get_logs(sys.argv[1], r.name) for r in runs}))
+"""
+
+
+def trackio_runs(trackio_dir, project: str) -> dict:
+    """{run: [rows]} through Trackio's own API (its TRACKIO_DIR is read at import: a process of its own)."""
+    env = {**os.environ, "TRACKIO_DIR": str(trackio_dir)}
+    done = subprocess.run([sys.executable, "-c", READ_BACK, project], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -37,6 +56,28 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(project):
     listed = [json.loads(x) for x in (output_dir / "orch_quarantine.jsonl").read_text().splitlines()]
     assert [x["checkpoint"] for x in listed] == ["checkpoint-12"]
     assert (output_dir / "checkpoint-12" / "model.safetensors").stat().st_size == size  # saved again, whole
+
+    # Trackio: one run, every node's rows, and the loss curve of the uninterrupted run (steps 9-12 of the first
+    # attempt were not in checkpoint-8's copy, so none is there twice)
+    run = output_dir.name
+    shown = orch("dashboard", run, "--no-open", cwd=project, env={"ORCH_CACHE_DIR": str(project / "cache")})
+    assert shown.returncode == 0, shown.stderr
+    assert f"[orch] merged 2 node(s) of project 'qwen25_sft_ddp' into {project / 'cache'}" in shown.stdout
+    runs = trackio_runs(project / "cache" / "dashboards" / run / "trackio", "qwen25_sft_ddp")
+    assert list(runs) == [run]
+    rows = runs[run]
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert sorted(losses) == list(range(1, 13)) and len([r for r in rows if "loss" in r]) == 12
+    for step, loss in losses.items():
+        assert loss == pytest.approx(expected[step], abs=1e-4), step
+    for node in (0, 1):
+        steps = sorted(r["step"] for r in rows if f"node{node}/tokens" in r)
+        assert steps == list(range(1, 13)), (node, steps)
+    last = {k: v for r in rows if r["step"] == 12 for k, v in r.items()}
+    assert last["node0/tokens"] + last["node1/tokens"] == last["tokens"]  # the nodes' shares add up
+    assert last["node1/tokens_per_s"] > 0
+    assert "(node1) [orch] tracking node 1 in Trackio project 'qwen25_sft_ddp'" in rerun.stdout
+    assert "(continuing from step 8)" in rerun.stdout
 
 
 def test_fresh_says_what_it_deletes(tmp_path, capsys):

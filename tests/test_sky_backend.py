@@ -1,5 +1,6 @@
 """The SkyPilot side, with no network: SkyPilot's own parser, a fake SDK, the real optimizer in-process."""
 
+import json
 import os
 import re
 import subprocess
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import ROOT
 from fake_sky import FakeSky
 
@@ -151,11 +153,13 @@ def test_dry_run_prints_every_rank_and_sends_nothing(in_project, fake, capsys):
     assert fake.calls == [] and run_files(in_project) == []
 
 
-# Public on-demand list prices (USD/h, us-east-1) of the instances in this small catalog.
+# Public on-demand list prices (USD/h, us-east-1) of the instances in this small catalog; a made-up dearer
+# us-west-2 row for failover.
 VMS_CSV = """\
 InstanceType,AcceleratorName,AcceleratorCount,vCPUs,MemoryGiB,GpuInfo,Price,SpotPrice,Region,AvailabilityZone,Arch
 p4d.24xlarge,A100,8.0,96.0,1152.0,"{'Gpus': [{'Name': 'A100', 'Manufacturer': 'NVIDIA', 'Count': 8, 'MemoryInfo': {'SizeInMiB': 40960}}], 'TotalGpuMemoryInMiB': 327680}",32.7726,9.8318,us-east-1,us-east-1a,x86_64
 p4de.24xlarge,A100-80GB,8.0,96.0,1152.0,"{'Gpus': [{'Name': 'A100-80GB', 'Manufacturer': 'NVIDIA', 'Count': 8, 'MemoryInfo': {'SizeInMiB': 81920}}], 'TotalGpuMemoryInMiB': 655360}",40.9657,12.2897,us-east-1,us-east-1a,x86_64
+p4d.24xlarge,A100,8.0,96.0,1152.0,"{'Gpus': [{'Name': 'A100', 'Manufacturer': 'NVIDIA', 'Count': 8, 'MemoryInfo': {'SizeInMiB': 40960}}], 'TotalGpuMemoryInMiB': 327680}",35.0,10.5,us-west-2,us-west-2a,x86_64
 g5.48xlarge,A10G,8.0,192.0,768.0,"{'Gpus': [{'Name': 'A10G', 'Manufacturer': 'NVIDIA', 'Count': 8, 'MemoryInfo': {'SizeInMiB': 24576}}], 'TotalGpuMemoryInMiB': 196608}",16.288,4.8864,us-east-1,us-east-1a,x86_64
 m6i.2xlarge,,,8.0,32.0,,0.384,0.1152,us-east-1,us-east-1a,x86_64
 """
@@ -287,7 +291,11 @@ def test_launch_shows_plan_and_price_and_asks_first(project, tmp_path):
     code, out, err = launch_in_a_terminal(project, env, "y", *argv)
     assert code == 0, out + err
     assert "CALLS ['launch', 'tail_logs']" in out
-    assert len(list((project / "sky_jobs").glob("*.yaml"))) == 1
+    (record,) = (project / "sky_jobs").glob("*.yaml")
+    envs = yaml.safe_load(record.read_text())["envs"]
+    # the plan's price, and every region's for the head node to pick where failover really put it (node/price.py)
+    assert envs["ORCH_PRICE_PER_HOUR"] == "65.5452"
+    assert json.loads(envs["ORCH_PRICES"]) == {"AWS/us-east-1": 65.5452, "AWS/us-west-2": 70.0}
 
 
 def test_non_interactive_launch_needs_yes(project):
@@ -414,3 +422,29 @@ def test_status_marks_an_idle_cluster_and_its_price(in_project, fake, capsys):
     fake.clusters[0]["autostop"] = -1
     assert cli.main(["status"]) == 0
     assert "no autostop: `orch down " in capsys.readouterr().out
+
+
+def test_status_refreshes_one_run_from_skypilots_logs_and_lists_from_records(in_project, fake, capsys):
+    assert cli.main(["run", "phi3_dpo_fsdp", "--cluster", "prog1", "--detach", "-y"]) == 0
+    (record,) = run_files(in_project)
+    fake.log_text = (
+        "(head, rank=0, pid=1) [orch] step 40/400 loss=0.6931 grad_norm=1.2 learning_rate=1e-06 | 12,345 tok/s | "
+        "MFU 41.0% | elapsed 5m00s | ETA 45m00s | $5.46 spent, $54.60 at the end\n"
+        "(head, rank=0, pid=1) [orch] step 41/400 loss=0.6812 grad_norm=1.1 learning_rate=1e-06 | 12,400 tok/s | "
+        "elapsed 5m07s | ETA 44m53s | $5.60 spent, $54.60 at the end\n(head, rank=0, pid=1) saving...\n"
+    )
+    capsys.readouterr()
+    assert cli.main(["status", record.stem[:12]]) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split()[:8] == ["RUN", "BACKEND", "STATE", "STEP", "LOSS", "TOK/S", "ETA", "SPENT"]
+    for cell in ("cluster UP", " 41/400 ", " 0.6812 ", " 12,400 ", " 44m53s ", " $5.60 "):
+        assert cell in row, (cell, row)
+    assert ("tail_logs", None, {"cluster_name": "prog1", "job_id": 7, "follow": False}) in fake.calls
+    text = record.read_text()
+    assert "# step: 41/400" in text and "# spent: $5.60" in text
+    # the listing answers from the record; a run known to be over is not asked about again
+    record.write_text(text.replace("# state: cluster UP", "# state: SUCCEEDED"))
+    fake.calls.clear()
+    assert cli.main(["status"]) == 0
+    row = capsys.readouterr().out.splitlines()[1]
+    assert " SUCCEEDED " in row and " 41/400 " in row and fake.calls == []

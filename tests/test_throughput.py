@@ -86,6 +86,13 @@ def test_throughput_matches_an_independent_count(project):
     outside = counted / (seen["end"] - seen["start"])
     assert figures["tokens_per_s_run"] == pytest.approx(outside, rel=0.25), (figures, outside)
     assert f"[orch] throughput: {figures['tokens_per_s_run']:,.0f} tok/s over the run" in out
+    # `orch status` lists it with its last step, loss and rate, read from what the run wrote
+    from conftest import orch
+
+    last = [json.loads(x) for x in (output_dir / "orch" / "log.jsonl").read_text().splitlines() if '"loss"' in x][-1]
+    listed = orch("status", cwd=project)
+    row = next(x for x in listed.stdout.splitlines() if x.startswith(output_dir.name)).split()
+    assert row[row.index("succeeded") + 1 :][:3] == ["8/8", f"{last['loss']:.4g}", f"{last['tokens_per_s']:,.0f}"]
 
 
 @pytest.mark.slow
@@ -119,3 +126,27 @@ def test_orchs_own_collectives_use_the_groups_device():
 
     assert collective_device("nccl") == "cuda" and collective_device("cpu:gloo,cuda:nccl") == "cuda"
     assert collective_device("gloo") == "cpu"
+
+
+def test_the_head_node_takes_the_price_of_where_the_cluster_was_provisioned():
+    """SkyPilot sets SKYPILOT_CLUSTER_INFO at each start (failover, a managed job's recovery): the price follows it."""
+    from orchestrator.node.price import provisioned
+
+    table = json.dumps({"AWS/us-east-1": 65.5452, "AWS/us-west-2": 70.0})
+
+    def where(region):
+        return json.dumps({"cluster_name": "c", "cloud": "AWS", "region": region, "zone": None})
+
+    env = {"ORCH_PRICE_PER_HOUR": "65.5452", "ORCH_PRICES": table}
+    assert provisioned({**env, "SKYPILOT_CLUSTER_INFO": where("us-west-2")}) == (
+        "70.0000",
+        "price: $70.00/h for the cluster as provisioned in AWS/us-west-2 (the plan said $65.55/h)",
+    )
+    assert provisioned({**env, "SKYPILOT_CLUSTER_INFO": where("us-east-1")}) == (
+        "65.5452",
+        "price: $65.55/h for the cluster as provisioned in AWS/us-east-1",
+    )
+    price, said = provisioned({**env, "SKYPILOT_CLUSTER_INFO": where("eu-north-1")})
+    assert price == "65.5452" and "AWS/eu-north-1 is not in the launch's price table" in said
+    assert provisioned({"ORCH_PRICE_PER_HOUR": "3"}) == ("3", "")  # local runs: the price given
+    assert provisioned({}) == ("", "")

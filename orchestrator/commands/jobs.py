@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from orchestrator.launch import records
 
 EXAMPLES = {
-    "status": "  orch status                       # every recorded run with its live state",
+    "status": "  orch status                       # every recorded run: state, step, loss, tok/s, ETA, spend\n"
+    "  orch status phi3-dpo-fsdp-20261122-101500   # one run, refreshed from SkyPilot's state and logs",
     "logs": "  orch logs phi3-dpo-fsdp-20261122-101500 --follow   # stream a run's logs\n"
     "  orch logs phi3_dpo_fsdp-8a463d72                   # a local run's log",
     "cancel": "  orch cancel phi3-dpo-fsdp-20261122-101500   # cancel the job (the cluster stays up)\n"
@@ -40,7 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             description=HELP[name].capitalize() + ".",
             epilog="examples:\n" + EXAMPLES[name],
         )
-        if name != "status":
+        if name == "status":
+            parser.add_argument("run", nargs="?", help="refresh this run (or a unique prefix) from its live source")
+        else:
             parser.add_argument("run", help="run name (or a unique prefix), as `orch status` lists it")
         if name == "logs":
             parser.add_argument("--follow", "-f", action="store_true", help="keep streaming until the job ends")
@@ -68,26 +71,52 @@ def local_state(record: records.Record) -> str:  # noqa: F821 - annotation only
     return state
 
 
-def status(args: argparse.Namespace) -> int:
-    from orchestrator.launch import records
+# A cloud run in one of these states stays there: `orch status` answers from its record without asking SkyPilot.
+FINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "cluster down", "failed to launch", "interrupted while launching",
+         "cancelled", "down", "not found")  # fmt: skip
 
-    rows = records.all_records()
+
+def _cloud_state(record: records.Record, refresh: bool) -> str:  # noqa: F821 - annotation only
+    """A cloud run's state: SkyPilot's live answer for a run not known to be over (kept in its record), else the
+    recorded one. With `refresh`, also its progress, from the last step line in SkyPilot's logs."""
+    from orchestrator.launch import progress, records
+    from orchestrator.launch.backends import sky as sky_backend
+
+    state = record.get("state", "?")
+    if not record.get("job_id", "").isdigit() or (state.startswith(FINAL) and not refresh):
+        return state
+    try:
+        state = sky_backend.state(record)
+        if refresh:
+            record.meta.update(progress.from_lines(sky_backend.recent_output(record)))
+    except OrchError as exc:  # SkyPilot API unreachable, no credentials, ...: the recorded state
+        return f"{state} (live state unavailable: {str(exc).split(': ')[1] if ': ' in str(exc) else exc})"
+    record.meta["state"] = state
+    records.write(record)
+    return state
+
+
+def status(args: argparse.Namespace) -> int:
+    """Every recorded run from its record (and a local run's log); SkyPilot is asked only about cloud runs not known
+    to be over. `orch status RUN` refreshes that one run from its live source."""
+    from pathlib import Path
+
+    from orchestrator.launch import progress, records
+
+    rows = [records.find(args.run)] if args.run else records.all_records()
     if not rows:
         print("no runs recorded in sky_jobs/ yet; start one with `orch run`")
         return 0
-    table = [("RUN", "BACKEND", "STATE", "STARTED", "RECIPE")]
+    table = [("RUN", "BACKEND", "STATE", "STEP", "LOSS", "TOK/S", "ETA", "SPENT", "STARTED", "RECIPE")]
     for record in rows:
-        state = record.get("state", "?")
         if _is_local(record):
             state = local_state(record)
-        elif record.get("job_id", "").isdigit():
-            from orchestrator.launch.backends import sky as sky_backend
-
-            try:
-                state = sky_backend.state(record)
-            except OrchError as exc:  # SkyPilot API unreachable, no credentials, ...: the recorded state
-                state = f"{state} (live state unavailable: {str(exc).split(': ')[1] if ': ' in str(exc) else exc})"
-        table.append((record.run, record.get("backend"), state, record.get("time"), record.get("recipe")))
+            shown = progress.from_log(Path(record.get("output_dir")) / "orch" / "log.jsonl")
+        else:
+            state = _cloud_state(record, refresh=bool(args.run))
+            shown = {key: record.get(key) for key in progress.KEYS}
+        cells = [shown.get(key) or "-" for key in progress.KEYS]
+        table.append((record.run, record.get("backend"), state, *cells, record.get("time"), record.get("recipe")))
     print_table(table)
     return 0
 

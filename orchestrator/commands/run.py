@@ -25,6 +25,7 @@ examples:
   orch run phi3_dpo_fsdp --local --nodes 1 --gpus CPU:2 --smoke max_steps=4   # key=value overrides TRL
   orch run phi3_dpo_fsdp --local --nodes 2 --smoke --netns    # root: each node in its own network namespace
   orch run phi3_dpo_fsdp --gpus H100:8 --nodes 2 --max-cost 250  # stop cleanly before $250 are spent
+  orch run phi3_dpo_fsdp --local --nodes 2 --smoke --track    # curves in Trackio; then: orch dashboard RUN
 
 Which side wins: flags you give override the recipe (--gpus beats resources.accelerators, --nodes beats
 num_nodes, --env beats envs); key=value words override the TRL config. Every run is recorded as
@@ -90,6 +91,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="stop the run cleanly, after a final checkpoint, before its spend crosses DOLLARS (needs the cluster's "
         "price: SkyPilot's plan on a cloud, ORCH_PRICE_PER_HOUR otherwise); a launch whose estimate exceeds it is "
         "refused. Same as --env ORCH_MAX_COST=DOLLARS",
+    )
+    p.add_argument(
+        "--track",
+        action="store_true",
+        help="log curves to Trackio (TRL's recommended tracker, local-first): each node writes its own database, "
+        "copied next to the checkpoints; `orch dashboard RUN` merges and shows them. Project: the recipe's name. Same "
+        "as --env ORCH_TRACK=<project>",
     )
     cloud = p.add_argument_group("SkyPilot launch (without --local)")
     cloud.add_argument(
@@ -176,6 +184,8 @@ def main(args: argparse.Namespace) -> int:
     user_envs = parse_env_assignments(args.env)
     if args.max_cost is not None:
         user_envs["ORCH_MAX_COST"] = args.max_cost  # parsed with the other knobs by plan()
+    if args.track:
+        user_envs["ORCH_TRACK"] = re.sub(r"[^A-Za-z0-9_-]", "-", recipe.name)[:100]
     user_overrides = overrides.parse(args.overrides)
     secret_values = secrets.values_for(recipe, secrets.parse_secrets(args.secret), smoke=args.smoke)
     check_paired_files(recipe)
@@ -329,6 +339,17 @@ def _price(task: dict, total_gpus: int) -> None:
         ) from None
     dryrun.check_cap(task, plan, total_gpus)
     task["envs"]["ORCH_PRICE_PER_HOUR"] = f"{plan.dollars_per_hour:.4f}"
+    _price_table(task, plan)
+
+
+def _price_table(task: dict, plan) -> None:
+    """Every region's price of the planned cluster, for the head node to pick where it really runs (node/price.py)."""
+    import json
+
+    from orchestrator.launch.backends import sky as sky_backend
+
+    if table := sky_backend.region_prices(plan):
+        task["envs"]["ORCH_PRICES"] = json.dumps(table, separators=(",", ":"), sort_keys=True)
 
 
 def _confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
@@ -349,7 +370,9 @@ def _confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
         print(f"[orch] SkyPilot's plan: {dryrun.describe(plan)}")
         print(f"[orch] {dryrun.estimate(task, plan, total)}")
         dryrun.check_cap(task, plan, total)
-        task["envs"].setdefault("ORCH_PRICE_PER_HOUR", f"{plan.dollars_per_hour:.4f}")  # spend on every step
+        if not task["envs"].get("ORCH_PRICE_PER_HOUR"):  # spend on every step (a price the user gave stays)
+            task["envs"]["ORCH_PRICE_PER_HOUR"] = f"{plan.dollars_per_hour:.4f}"
+            _price_table(task, plan)
     else:
         try:
             sky_backend.show_server_plan(task)

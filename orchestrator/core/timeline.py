@@ -31,3 +31,10 @@ def time_to_first_step(timeline: dict[str, float]) -> str:
     start = min((t[k] for k in ("setup_started", "launched", "node_started") if k in t), default=None)
     total = f"{t['first_step'] - start:.1f} s" if start is not None and "first_step" in t else "?"
     return f"{total} = " + " + ".join(parts) + " (seconds)"
+
+
+def duration(seconds: float) -> str:
+    """2h05m, or 4m07s under an hour (ETA and elapsed time in step lines, `orch status`)."""
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"

@@ -6,6 +6,7 @@ SkyPilot's. Callers pass the mapping in (never os.environ deep inside), so every
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from orchestrator.core.errors import OrchError
@@ -101,6 +102,12 @@ def _choice(*choices: str):
     return parse
 
 
+def _project(raw: str) -> str:
+    if raw.lower() != "off" and not re.fullmatch(r"[A-Za-z0-9_-]{1,100}", raw):
+        raise ValueError(raw)
+    return raw
+
+
 # orch's own env knobs read on the nodes: name -> (parser, what it takes). plan() parses every one that is set, so
 # the launch side (which computes every node's plan before sending anything) refuses a bad one first. (ORCH_DEVICE,
 # DDP_TIMEOUT and the TRL/Accelerate variables are parsed by plan() itself.)
@@ -119,6 +126,8 @@ KNOBS = {
     # the cluster's price in $/h (train/throughput.py: dollars spent and projected)
     "ORCH_PRICE_PER_HOUR": (_seconds, "a price in dollars per hour > 0"),
     "ORCH_MAX_COST": (_seconds, "a number of dollars > 0"),
+    # Trackio (train/tracking.py): the project the nodes log to, or off
+    "ORCH_TRACK": (_project, "off or a Trackio project name (letters, digits, _ and -, at most 100)"),
 }
 
 

@@ -14,6 +14,7 @@ from orchestrator.core.topology import Topology
 from orchestrator.node import vllm
 from orchestrator.node.env import env_port, from_env, knob
 from orchestrator.node.plan import DEFAULT_PORT, plan_from_env, render
+from orchestrator.node.price import provisioned
 
 
 def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
@@ -43,6 +44,11 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     print("[orch] launch: " + render(node_plan.argv, node_plan.env), flush=True)
     # The training processes finish the time-to-first-step record (orchestrator/train/callbacks.py).
     child_env = {**env, **node_plan.env, "ORCH_TIMELINE": json.dumps(timeline)}
+    price, said = provisioned(env)
+    if price:
+        child_env["ORCH_PRICE_PER_HOUR"] = price
+    if said and topo.node_rank == 0:
+        print(f"[orch] {said}", flush=True)
     child_env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # this environment's tools
     main_port = int(env_port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT))
     from orchestrator.node.supervise import supervise  # not for --print: it costs a third of its start-up

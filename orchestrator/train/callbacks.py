@@ -69,6 +69,7 @@ class OrchCallback(TrainerCallback):
         self.saves: list[float] = []  # seconds each checkpoint took here: the cap keeps room for one more
         self.save_began = 0.0
         self.stopped = ""  # why the run stopped before max_steps (the cost cap), for the report
+        self.tracker = None  # train/tracking.NodeTracker under --track
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         trainer = self.trainer
@@ -117,6 +118,8 @@ class OrchCallback(TrainerCallback):
         if self.save_began:
             self.saves.append(time.time() - self.save_began)
             self.save_began = 0.0
+        if self.tracker:  # before the barrier: the manifests written after it list the copies whole
+            self.tracker.copy_to(self.output_dir / f"checkpoint-{state.global_step}", self.output_dir)
         if dist():
             dist().barrier()  # every rank has written its part of the checkpoint
         if state.is_local_process_zero:  # each node writes its manifest last (node-local disks included)
@@ -140,13 +143,15 @@ class OrchCallback(TrainerCallback):
             world = self.trainer.accelerator.num_processes
             total = for_collective([self.trainer.orch_tokens], torch.float64)
             figures = self.meter.sample(total, state.global_step, state.max_steps, world, dist())
-        if not state.is_world_process_zero:
-            return
         record = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
         record.update(figures)
+        if self.tracker and "loss" in logs and self.trainer is not None:
+            self.tracker.log(state.global_step, record, self.trainer.orch_tokens, dist(), time.time())
+        if not state.is_world_process_zero:
+            return
         self.report_dir.mkdir(parents=True, exist_ok=True)
         with open(self.report_dir / "log.jsonl", "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+            fh.write(json.dumps({**record, "max_steps": state.max_steps}) + "\n")  # `orch status` reads the last
         shown = " ".join(f"{k}={v:.6g}" for k, v in record.items() if k in ("loss", "learning_rate", "grad_norm"))
         if shown:
             speed = f" | {self.meter.describe(figures)}" if figures else ""

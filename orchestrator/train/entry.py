@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from orchestrator.core.trl_schema import TRAINER_CLASSES
-from orchestrator.train import cpu_fsdp, netcheck
+from orchestrator.train import cpu_fsdp, netcheck, tracking
 from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, for_collective, node_of_process
 from orchestrator.train.checkpoints import choose_resume, quarantine, save_final_model
 from orchestrator.train.progress import Progress
@@ -249,6 +249,11 @@ def main(argv: list[str] | None = None) -> None:
                     f"{resume.name if resume else 'step 0'}",
                     flush=True,
                 )
+    if project := tracking.project_of():
+        node, nodes = node_of_process()
+        run = os.environ.get("SKYPILOT_TASK_ID") or output_dir.resolve().name
+        callback.tracker = tracking.NodeTracker(project, run, node, nodes, acc.is_local_main_process)
+        callback.tracker.start(output_dir, Path(resume) if resume else None)
     print(
         f"[orch] rank {acc.process_index}/{acc.num_processes}: distributed_type={acc.distributed_type.value} "
         f"device={acc.device} backend={dist().get_backend() if dist() else 'none'}"
@@ -256,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    if callback.tracker:
+        callback.tracker.copy_to(output_dir)
     if progress:
         progress.busy("final")
     strategy = strategy_facts(trainer)  # before the final save switches FSDP to a full state dict

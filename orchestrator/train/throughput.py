@@ -18,6 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from orchestrator.core.accelerators import peak_tflops
+from orchestrator.core.timeline import duration
 
 
 def tokens_in(inputs) -> tuple[int, bool]:
@@ -33,12 +34,6 @@ def tokens_in(inputs) -> tuple[int, bool]:
             # padding-free batches (packing) hold no padding: their length is the tokens
             return int(value.numel()), get("position_ids") is not None or int(value.shape[0]) == 1
     return 0, False
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
 class Meter:
@@ -102,9 +97,9 @@ class Meter:
         parts = [f"{figures['tokens_per_s']:,.0f} tok/s" + ("" if self.padding_excluded else " (padding included)")]
         if "mfu" in figures:
             parts.append(f"MFU {100 * figures['mfu']:.1f}%")
-        parts.append(f"elapsed {_duration(figures['elapsed_s'])}")
+        parts.append(f"elapsed {duration(figures['elapsed_s'])}")
         if "eta_s" in figures:
-            parts.append(f"ETA {_duration(figures['eta_s'])}")
+            parts.append(f"ETA {duration(figures['eta_s'])}")
         if "spent_usd" in figures:
             parts.append(
                 f"${figures['spent_usd']:,.2f} spent"

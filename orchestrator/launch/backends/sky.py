@@ -129,6 +129,26 @@ def optimize(task: dict) -> PlanResult:
     )
 
 
+def region_prices(plan: PlanResult) -> dict[str, float]:
+    """The whole cluster's $/h in every region SkyPilot's catalog offers the planned instance type, keyed
+    "<cloud>/<region>" as SKYPILOT_CLUSTER_INFO names them on the nodes. Failover may provision another region than
+    the plan's, and a managed job's recovery yet another: the head node looks up where it really runs
+    (node/price.py). Empty when the catalog cannot answer (the plan's own price still travels)."""
+    from sky import catalog
+
+    cloud = plan.cloud.lower()
+    try:
+        regions = catalog.get_region_zones_for_instance_type(plan.instance_type, plan.use_spot, clouds=cloud)
+        return {
+            f"{plan.cloud}/{r.name}": round(
+                plan.nodes * catalog.get_hourly_cost(plan.instance_type, plan.use_spot, r.name, None, clouds=cloud), 4
+            )
+            for r in regions
+        }
+    except Exception:  # noqa: BLE001 - a catalog without that cloud's table: the plan's price alone
+        return {}
+
+
 def show_server_plan(task: dict) -> None:
     """Ask the API server's optimizer (where credentials live in a team setup); SkyPilot prints its own table of
     the chosen resources and their $/h, as `sky launch` does before its prompt."""
@@ -256,6 +276,22 @@ def logs(record, follow: bool) -> int:
     except KeyboardInterrupt:
         print(f"\n[orch] stopped following; the job goes on (`orch cancel {record.run}` cancels it)", flush=True)
         raise
+
+
+def recent_output(record, lines: int = 300) -> str:
+    """The last `lines` lines of the run's logs, without following (for `orch status RUN`)."""
+    import io
+
+    sky = _sky()
+    job_id = _job_id(record)
+    out = io.StringIO()
+    if record.get("backend") == BACKEND_MANAGED:
+        _call("logs (sky jobs logs)", lambda: sky.jobs.tail_logs(job_id=job_id, follow=False, tail=lines,
+                                                                  output_stream=out))  # fmt: skip
+    else:
+        _call("logs (sky logs)", lambda: sky.tail_logs(record.get("cluster"), job_id, follow=False, tail=lines,
+                                                       output_stream=out))  # fmt: skip
+    return out.getvalue()
 
 
 def cancel(record) -> None:

@@ -1,0 +1,108 @@
+"""Curves in Trackio (`orch run --track`, ORCH_TRACK=<project>), written by every node, not only rank 0.
+
+transformers' Trackio callback logs from world rank 0 only, and one SQLite file written by several nodes over a
+bucket mount would be corrupted. So each node's first process writes its own local database
+($ORCH_HOME/trackio/<run>/<project>.db, Trackio's own format through its storage layer), in the Trackio run named
+after the orch run (SKYPILOT_TASK_ID, stable across a managed job's recoveries):
+  - node 0: the step record orch logs (loss, learning rate, grad norm, tok/s, MFU, ETA, dollars);
+  - every node: `node<N>/tokens_per_s` and, on GPUs, `node<N>/gpu_mem_gb` (the most any of its ranks allocated)
+    and `node<N>/gpu_util` (when NVML answers).
+At each checkpoint the node copies its database into the checkpoint (`checkpoint-S/trackio/node<N>/`) and next to
+the checkpoints (`<output_dir>/trackio/node<N>/`, refreshed at every save and at the end); both are written before
+the save's barrier, so the manifests (written after it) list them whole. A resumed run starts from the copy in the
+checkpoint it resumes from, so its curves continue where that checkpoint left them, without the steps it redoes.
+`orch dashboard RUN` merges the nodes' copies (core/trackio_files.merge) and opens Trackio's dashboard on the result.
+
+We write through trackio.sqlite_storage.SQLiteStorage.bulk_log, not trackio.init/log: init's background sender
+thread gives no public flush, and a checkpoint's copy must hold every row up to its step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from orchestrator.core.trackio_files import backup as _backup
+from orchestrator.core.trackio_files import node_copy
+
+
+def project_of(env=os.environ) -> str:
+    """The Trackio project when tracking is on (ORCH_TRACK: a project name; `off` or unset: no tracking)."""
+    value = env.get("ORCH_TRACK", "").strip()
+    return "" if value.lower() in ("", "off") else value
+
+
+class NodeTracker:
+    """One per training process; only each node's first process (local rank 0) writes."""
+
+    def __init__(self, project: str, run: str, node: int, nodes: int, local_main: bool, env=os.environ):
+        self.project, self.run, self.node, self.nodes = project, run, node, nodes
+        self.local_main = local_main
+        home = env.get("ORCH_HOME") or os.path.join(os.path.expanduser("~"), ".orch")
+        self.dir = Path(home) / "trackio" / run
+        self.storage = None
+        self.last = None  # (time, this node's tokens) at the previous log
+
+    def start(self, output_dir: Path, resume: Path | None) -> None:
+        """Open this node's database: the resumed checkpoint's copy when there is one, else an empty one."""
+        if not self.local_main:
+            return
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True)
+        os.environ["TRACKIO_DIR"] = str(self.dir)  # read once, when trackio is first imported
+        copy = node_copy(resume, self.node, self.project) if resume else None
+        if copy is not None and copy.is_file():
+            _backup(copy, self.dir / f"{self.project}.db")
+        from trackio import utils
+        from trackio.sqlite_storage import SQLiteStorage
+
+        if Path(utils.TRACKIO_DIR) != self.dir:
+            raise RuntimeError(f"trackio was imported before orch set TRACKIO_DIR={self.dir}")
+        self.storage = SQLiteStorage
+        restored = self.storage.get_last_step(project=self.project, run=self.run) if copy and copy.is_file() else None
+        print(
+            f"[orch] tracking node {self.node} in Trackio project {self.project!r}, run {self.run!r}"
+            + (f" (continuing from step {restored})" if restored is not None else ""),
+            flush=True,
+        )
+
+    def log(self, step: int, record: dict, tokens: int, dist, now: float) -> None:
+        """Every rank calls it at a training log (one all-gather of [tokens, GPU bytes]); node mains write."""
+        mem = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+        from orchestrator.train.callbacks import for_collective
+
+        mine = for_collective([float(tokens), float(mem)], torch.float64)
+        if dist is not None:
+            gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, mine)
+        else:
+            gathered = [mine]
+        if not self.local_main:
+            return
+        per_node = max(1, len(gathered) // self.nodes)
+        ours = [g.tolist() for g in gathered[self.node * per_node : (self.node + 1) * per_node]]
+        node_tokens = sum(t for t, _ in ours)
+        prefix = f"node{self.node}/"
+        row = {f"{prefix}tokens": node_tokens}
+        if self.last is not None and now > self.last[0]:
+            row[f"{prefix}tokens_per_s"] = (node_tokens - self.last[1]) / (now - self.last[0])
+        self.last = (now, node_tokens)
+        if torch.cuda.is_available():
+            row[f"{prefix}gpu_mem_gb"] = max(m for _, m in ours) / 1e9
+            try:
+                row[f"{prefix}gpu_util"] = float(torch.cuda.utilization())
+            except Exception:  # noqa: BLE001 - NVML missing or refusing: the row goes without it
+                pass
+        if self.node == 0:
+            row = {**{k: v for k, v in record.items() if k != "step"}, **row}
+        self.storage.bulk_log(self.project, self.run, [row], steps=[step])
+
+    def copy_to(self, *roots: Path) -> None:
+        """This node's database into each root's trackio/node<N>/ (before the save's barrier)."""
+        db = self.dir / f"{self.project}.db"
+        if self.local_main and db.is_file():
+            for root in roots:
+                _backup(db, node_copy(root, self.node, self.project))
