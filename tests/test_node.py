@@ -108,7 +108,9 @@ def test_bad_node_env(node_env, extra, message):
 def test_cli_print_reads_real_config_files(node_env):
     result = orch("node", "--print", env=node_env(2, 8, 1))
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("accelerate launch --config_file recipes/accelerate/fsdp2_phi3.yaml")
+    where, command = result.stdout.split("\n", 1)
+    assert where == "# SkyPilot: node 1 of 2, 8 process(es) per node, head 10.0.0.1"
+    assert command.startswith("accelerate launch --config_file recipes/accelerate/fsdp2_phi3.yaml")
     assert "--num_processes 16 --num_machines 2 --machine_rank 1 --main_process_ip 10.0.0.1" in result.stdout
     # 64 global / (4 per device x 16 ranks)
     assert result.stdout.rstrip().endswith("--gradient_accumulation_steps 1")

@@ -19,7 +19,12 @@ class Topology(NamedTuple):
     node_rank: int
     """This machine's rank, 0 for the head node (SKYPILOT_NODE_RANK)."""
     node_ips: tuple[str, ...]
-    """IP address of every node, head first (SKYPILOT_NODE_IPS)."""
+    """Address of every node, head first (SKYPILOT_NODE_IPS; Slurm's host names). A torchrun-style environment names
+    the head only: the head's address then stands for every node."""
+    source: str = "SkyPilot"
+    """The environment it was read from (node/env.py's detectors): SkyPilot, Slurm, Kubeflow or torchrun."""
+    port: int = 0
+    """The rendezvous port that environment dictates (PET_MASTER_PORT, MASTER_PORT); 0: the recipe's."""
 
     @property
     def total_gpus(self) -> int:

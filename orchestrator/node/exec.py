@@ -13,7 +13,7 @@ from orchestrator.core.errors import OrchError
 from orchestrator.core.topology import Topology
 from orchestrator.node import vllm
 from orchestrator.node.env import env_port, from_env, knob
-from orchestrator.node.plan import DEFAULT_PORT, plan_from_env, render
+from orchestrator.node.plan import DEFAULT_PORT, describe, plan_from_env, render
 from orchestrator.node.price import provisioned
 
 
@@ -23,6 +23,7 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     started = time.time()
     node_plan = plan_from_env(env, cpus=usable_cpus())
     if print_only:
+        print(describe(node_plan.cluster))
         print(render(node_plan.argv, node_plan.env))
         return 0
     topo = node_plan.topology
@@ -36,7 +37,8 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
         )
     print(
         f"[orch] node {topo.node_rank}/{topo.nodes}: {topo.gpus_per_node} process(es) here, "
-        f"{topo.total_gpus} in all, head {topo.head_ip}, running {node_plan.runs_as}",
+        f"{topo.total_gpus} in all, head {topo.head_ip}, running {node_plan.runs_as}"
+        + ("" if node_plan.cluster.source == "SkyPilot" else f" ({node_plan.cluster.source})"),
         flush=True,
     )
     for note in node_plan.notes:
@@ -50,7 +52,7 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     if said and topo.node_rank == 0:
         print(f"[orch] {said}", flush=True)
     child_env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # this environment's tools
-    main_port = int(env_port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT))
+    main_port = node_plan.cluster.port or int(env_port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT))
     from orchestrator.node.supervise import supervise  # not for --print: it costs a third of its start-up
 
     try:
@@ -142,7 +144,7 @@ def _barrier(env: Mapping[str, str], cluster: Topology) -> None:
         return
     from orchestrator.node import barrier
 
-    main_port = int(env_port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT))
+    main_port = cluster.port or int(env_port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT))
     port = int(env_port(env, "ORCH_BARRIER_PORT", main_port + 1))
     timeout = knob(env, "ORCH_RENDEZVOUS_TIMEOUT", barrier.DEFAULT_TIMEOUT)
     print(

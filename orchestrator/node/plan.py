@@ -121,6 +121,11 @@ def plan(
     if serving and cluster.node_rank >= cluster.nodes - serving:
         argv = vllm.server_argv(env, settings, cluster.gpus_per_node)
         return NodePlan(argv=argv, topology=cluster, cluster=cluster, runs_as="vLLM server", role="vllm-server")
+    if serving and len(set(cluster.node_ips)) < cluster.nodes and cluster.source in ("Kubeflow", "torchrun"):
+        raise OrchError(
+            f"VLLM_SERVER_NODES={serving}: a vLLM server node needs its own address, and {cluster.source}'s variables "
+            "name the head node only; run GRPO with vLLM colocated (VLLM_SERVER_NODES=0) there"
+        )
     trainers = cluster._replace(nodes=cluster.nodes - serving, node_ips=cluster.node_ips[: cluster.nodes - serving])
     decided = vllm.trainer_arguments(env, cluster) if serving else []
 
@@ -140,8 +145,9 @@ def plan(
         else batch.positive_int(settings.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps")
     )
     config_file = accelerate_file or Path(recipe.accel_path)
+    port = str(cluster.port) if cluster.port else recipe.port  # Kubeflow/torchrun dictate theirs
     flags = launcher.flags(
-        accelerate_config, config_file, recipe.accel_path, recipe.device, trainers, recipe.port, sizes, accumulation
+        accelerate_config, config_file, recipe.accel_path, recipe.device, trainers, port, sizes, accumulation
     )
     node_env, note = {}, None
     if recipe.device == "gpu":
@@ -172,6 +178,14 @@ def plan_from_env(env: Mapping[str, str], cpus: int | None = None) -> NodePlan:
     """Read the config files named by the env, then `plan()`."""
     cluster = from_env(env)  # SkyPilot variable problems are reported before file problems
     return plan(env, *configs.load(env), cpus=cpus, cluster=cluster)
+
+
+def describe(cluster: Topology) -> str:
+    """One line saying where this node is, as its environment told it (`orch node --print` starts with it)."""
+    return (
+        f"# {cluster.source}: node {cluster.node_rank} of {cluster.nodes}, {cluster.gpus_per_node} process(es) per "
+        f"node, head {cluster.head_ip}" + (f":{cluster.port}" if cluster.port else "")
+    )
 
 
 def render(argv: list[str], env: Mapping[str, str] | None = None) -> str:

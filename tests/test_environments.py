@@ -1,0 +1,129 @@
+"""Where `orch node` runs (issue 18): SkyPilot, Slurm (srun), Kubeflow's PyTorchJob and torchrun-style variables,
+each read by its own pure detector into the same topology, then the same argv contract and the same checks."""
+
+import pytest
+from conftest import check_snapshot, orch
+
+from orchestrator.core.errors import OrchError
+from orchestrator.node import env as node_env_module
+from orchestrator.node import plan as node
+
+FSDP = {"distributed_type": "FSDP"}
+TRL = {"per_device_train_batch_size": 2}
+RECIPE = {
+    "TRL_TRAINER": "dpo",
+    "TRL_CONFIG": "recipes/trl/phi3_dpo.yaml",
+    "ACCELERATE_CONFIG": "recipes/accelerate/fsdp2_phi3.yaml",
+    "GLOBAL_BATCH_SIZE": "96",  # 96 = 2 per device x 1, 16 or 12 ranks x accumulation
+}
+
+
+def skypilot(nodes, gpus, rank):
+    ips = "".join(f"10.0.0.{i + 1}\n" for i in range(nodes))
+    return {"SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NODE_IPS": ips, "SKYPILOT_NUM_NODES": str(nodes),
+            "SKYPILOT_NUM_GPUS_PER_NODE": str(gpus)}  # fmt: skip
+
+
+def slurm(nodes, gpus, rank):
+    return {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": ",".join(f"gpu-{i + 1:02d}" for i in range(nodes)),
+            "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NNODES": str(nodes), "SLURM_NODEID": str(rank),
+            "SLURM_PROCID": str(rank), "SLURM_GPUS_ON_NODE": str(gpus)}  # fmt: skip
+
+
+def kubeflow(nodes, gpus, rank):
+    return {"PET_NNODES": str(nodes), "PET_NPROC_PER_NODE": str(gpus), "PET_NODE_RANK": str(rank),
+            "PET_MASTER_ADDR": "train-master-0", "PET_MASTER_PORT": "23456"}  # fmt: skip
+
+
+def torchrun(nodes, gpus, rank):
+    return {"MASTER_ADDR": "10.1.0.5", "MASTER_PORT": "29400", "NODE_RANK": str(rank), "NNODES": str(nodes),
+            "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpus)))}  # fmt: skip
+
+
+ENVIRONMENTS = {"SkyPilot": skypilot, "Slurm": slurm, "Kubeflow": kubeflow, "torchrun": torchrun}
+
+
+@pytest.mark.parametrize("source", ENVIRONMENTS)
+@pytest.mark.parametrize("nodes, gpus", [(1, 1), (2, 8), (3, 4)])
+def test_every_environment_gives_the_same_contract(source, nodes, gpus):
+    lines = []
+    for rank in range(nodes):
+        env = {**RECIPE, **ENVIRONMENTS[source](nodes, gpus, rank)}
+        assert node_env_module.detect(env) == source
+        plan = node.plan(env, FSDP, TRL)
+        argv = plan.argv
+        assert argv[argv.index("--num_processes") + 1] == str(nodes * gpus)
+        assert argv[argv.index("--num_machines") + 1] == str(nodes)
+        assert argv[argv.index("--machine_rank") + 1] == str(rank)
+        assert plan.gradient_accumulation_steps == 96 // (2 * nodes * gpus)
+        lines.append(node.describe(plan.cluster))
+        lines.append(" ".join(argv))
+    check_snapshot(f"env_{source.lower()}_{nodes}x{gpus}.txt", "\n".join(lines) + "\n")
+
+
+def test_skypilot_comes_first_where_it_runs_on_slurm_or_kubernetes():
+    """SkyPilot on Slurm or Kubernetes leaves the scheduler's variables in the environment too."""
+    env = {**RECIPE, **slurm(2, 8, 1), **torchrun(2, 8, 0), **kubeflow(4, 8, 3), **skypilot(2, 8, 0)}
+    cluster = node.plan(env, FSDP, TRL).cluster
+    assert (cluster.source, cluster.node_rank, cluster.head_ip, cluster.port) == ("SkyPilot", 0, "10.0.0.1", 0)
+    mixed = {**RECIPE, **slurm(2, 8, 1), "MASTER_ADDR": "10.9.9.9", "NODE_RANK": "0"}  # Slurm before torchrun
+    assert node.plan(mixed, FSDP, TRL).cluster.source == "Slurm"
+
+
+def test_slurm_host_ranges_are_expanded_by_slurm():
+    env = {**slurm(3, 4, 2), "SLURM_JOB_NODELIST": "gpu-[07-08],cpu1"}
+    asked = []
+
+    def expand(nodelist):
+        asked.append(nodelist)
+        return ["gpu-07", "gpu-08", "cpu1"]
+
+    cluster = node_env_module.slurm(env, expand=expand)
+    assert asked == ["gpu-[07-08],cpu1"] and cluster.node_ips == ("gpu-07", "gpu-08", "cpu1")
+    assert cluster.head_ip == "gpu-07" and cluster.node_rank == 2
+
+
+def test_gpu_count_sources():
+    slurm_env = {**slurm(2, 8, 0)}
+    del slurm_env["SLURM_GPUS_ON_NODE"]
+    assert node_env_module.slurm({**slurm_env, "CUDA_VISIBLE_DEVICES": "0,1,2,3"}).gpus_per_node == 4
+    assert node_env_module.slurm({**slurm_env, "ORCH_GPUS_PER_NODE": "2"}).gpus_per_node == 2
+    with pytest.raises(OrchError, match="this node's GPU count is unknown: set ORCH_GPUS_PER_NODE"):
+        node_env_module.slurm(slurm_env)
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (slurm(2, 8, 2), "SLURM_NODEID=2 is outside 0..1 (SLURM_JOB_NUM_NODES=2)"),
+        ({**slurm(2, 8, 0), "SLURM_JOB_NODELIST": "gpu-01"}, "SLURM_JOB_NODELIST lists 1 address(es)"),
+        ({**slurm(2, 8, 0), "SLURM_JOB_NODELIST": ""}, "SLURM_JOB_NODELIST is not set"),
+        (kubeflow(2, 8, 5), "PET_NODE_RANK=5 is outside 0..1 (PET_NNODES=2)"),
+        ({**kubeflow(2, 8, 0), "PET_MASTER_ADDR": ""}, "PET_MASTER_ADDR is not set"),
+        ({**kubeflow(2, 8, 0), "PET_NNODES": "1:4"}, "PET_NNODES='1:4' is an elastic range"),
+        ({**kubeflow(2, 8, 0), "PET_MASTER_PORT": "99999"}, "PET_MASTER_PORT='99999' is not a TCP port"),
+        (torchrun(3, 4, 3), "NODE_RANK=3 is outside 0..2 (NNODES=3)"),
+        ({**torchrun(2, 4, 0), "MASTER_ADDR": "bad host!"}, "MASTER_ADDR: 'bad host!' is not an IPv4"),
+        ({"TRL_TRAINER": "dpo"}, "no cluster environment here: `orch node` runs where SkyPilot"),
+    ],
+)
+def test_an_inconsistent_environment_is_one_line_and_exit_2(env, message):
+    result = orch("node", "--print", env={**RECIPE, **env})
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("source", ["Slurm", "Kubeflow", "torchrun"])
+def test_print_says_which_environment(source):
+    env = {**RECIPE, **ENVIRONMENTS[source](2, 8, 1), "GLOBAL_BATCH_SIZE": "64"}  # the real config: 4 per device
+    result = orch("node", "--print", env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"# {source}: node 1 of 2, 8 process(es) per node, head ")
+
+
+def test_a_vllm_server_node_needs_every_nodes_address():
+    env = {**RECIPE, **kubeflow(2, 8, 0), "TRL_TRAINER": "grpo", "TRL_CONFIG": "recipes/trl/qwen25_grpo.yaml",
+           "VLLM_SERVER_NODES": "1"}  # fmt: skip
+    with pytest.raises(OrchError, match="a vLLM server node needs its own address"):
+        node.plan(env, {"distributed_type": "MULTI_GPU"}, {"per_device_train_batch_size": 2})
