@@ -66,3 +66,11 @@ def node_env():
         return env
 
     return make
+
+
+def pytest_collection_finish(session):
+    """Slurm's packages install in the background while the tests before test_slurm.py run (apt takes a minute)."""
+    if any(item.module.__name__ == "test_slurm" for item in session.items):
+        from slurm_cluster import start_install
+
+        start_install()

@@ -98,6 +98,14 @@ def test_managed_job_and_its_commands(in_project, fake, capsys, monkeypatch):
     assert list(task.resources)[0].use_spot
     assert task.envs["TRL_OVERRIDES"] == "learning_rate=1e-6"
     assert "# job_id: 42" in record.read_text() and "# backend: sky-managed" in record.read_text()
+    # recovery on orch's retryable exit (a hang, a lost node, NCCL), and a checkpoint on the preemption notice
+    (resources,) = list(task.resources)
+    assert {k: v for k, v in resources.job_recovery.items() if v is not None} == {
+        "max_restarts_on_errors": 3, "recover_on_exit_codes": [75]}  # as SkyPilot parsed it
+    saved = yaml.safe_load(record.read_text())
+    assert saved["config"]["hooks"] == [{"run": '"${ORCH_VENV:-$HOME/.orch/venv}/bin/orch" node --checkpoint-now '
+                                         "--wait 150", "events": ["preemption"], "timeout": 180}]  # fmt: skip
+    assert task.envs["ORCH_SAVE_ON_REQUEST"] == "on"
 
     run = record.stem
     assert cli.main(["status"]) == 0
@@ -448,3 +456,26 @@ def test_status_refreshes_one_run_from_skypilots_logs_and_lists_from_records(in_
     assert cli.main(["status"]) == 0
     row = capsys.readouterr().out.splitlines()[1]
     assert " SUCCEEDED " in row and " 41/400 " in row and fake.calls == []
+
+
+def test_dry_run_places_and_recovers_in_skypilots_spellings(tmp_path):
+    """Issue 18's acceptance: the task SkyPilot's own parser accepts, with infra, network_tier and job_recovery."""
+    env = {**os.environ, "SKY_RUNTIME_DIR": str(tmp_path), "SKYPILOT_DISABLE_LOCAL_API_SERVER": "1", "HF_TOKEN": "x"}
+    argv = ["run", "llama3_sft_fsdp", "--gpus", "H100:8", "--nodes", "2", "--infra", "k8s", "--network-tier", "best",
+            "--managed", "--dry-run", "--secret", "HF_TOKEN", "--image-id", "docker:nvcr.io/nvidia/pytorch:25.01-py3"]
+    result = subprocess.run([sys.executable, "-m", "orchestrator", *argv], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    shown = result.stdout.split("--- resolved task (what sky_jobs/<run>.yaml will hold) ---\n")[1].split("\n--- ")[0]
+    task = sky.Task.from_yaml_config(yaml.safe_load(shown))  # SkyPilot's own parser
+    (resources,) = list(task.resources)
+    assert str(resources.cloud) == "Kubernetes" and resources.network_tier.value == "best"
+    assert {k: v for k, v in resources.job_recovery.items() if v is not None} == {
+        "max_restarts_on_errors": 3, "recover_on_exit_codes": [75]}  # as SkyPilot parsed it
+    assert resources.image_id and "nvcr.io/nvidia/pytorch:25.01-py3" in str(resources.image_id)
+    assert "infra: k8s" in shown and "network_tier: best" in shown and "job_recovery:" in shown
+    assert "SkyPilot's task parser and schema: accepted" in result.stdout
+    bad = subprocess.run([sys.executable, "-m", "orchestrator", *argv[:7], "nowhere/x", *argv[8:]], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.startswith("orch: error: SkyPilot rejects the task:")
+    assert "$.infra" in bad.stderr and "--- resolved task" not in bad.stdout

@@ -37,6 +37,11 @@ Before a cloud launch orch shows SkyPilot's choice and its $/h (and the recipe's
 (InfiniBand/EFA where the cloud has it) unless the recipe sets a tier.
 """
 
+EXIT_RETRYABLE = 75  # core/errors.EXIT_RETRYABLE: what `orch node` exits with on a failure a restart may not hit
+DEFAULT_RESTARTS = 3
+PREEMPTION_HOOK = (
+    '"${ORCH_VENV:-$HOME/.orch/venv}/bin/orch" node --checkpoint-now --wait 150'  # SkyPilot's hook: save first
+)
 DEFAULT_IDLE_MINUTES = 10  # a cluster `orch run` launched stops by itself: no idle GPUs on the bill
 _CLUSTER = re.compile(r"^[a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?$")
 
@@ -103,7 +108,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     cloud.add_argument(
         "--managed", action="store_true", help="launch as a managed job (sky jobs launch): relaunched after preemption"
     )
-    cloud.add_argument("--spot", action="store_true", help="use spot instances (resources.use_spot)")
+    cloud.add_argument(
+        "--spot", "--use-spot", dest="spot", action="store_true", help="use spot instances (resources.use_spot)"
+    )
+    cloud.add_argument(
+        "--infra",
+        metavar="INFRA",
+        help="where SkyPilot may place it (resources.infra): aws, aws/us-east-1, k8s, k8s/<context>, "
+        "slurm/<cluster>/<partition>...",
+    )
+    cloud.add_argument(
+        "--network-tier",
+        choices=("best", "standard"),
+        help="resources.network_tier (default: best for several nodes: InfiniBand/EFA where the cloud has it)",
+    )
+    cloud.add_argument("--image-id", metavar="IMAGE", help="resources.image_id (an AMI, docker:<image>, ...)")
+    cloud.add_argument(
+        "--max-restarts",
+        type=int,
+        default=DEFAULT_RESTARTS,
+        metavar="N",
+        help=f"a managed job's restarts after a retryable failure, exit {EXIT_RETRYABLE} (a hang, a lost node, a "
+        f"network or NCCL error), besides preemptions (job_recovery.max_restarts_on_errors; default "
+        f"{DEFAULT_RESTARTS})",
+    )
     cloud.add_argument("--cluster", metavar="NAME", help="cluster name (default: the run name)")
     cloud.add_argument("--idle-minutes", type=int, metavar="M", help="autostop the cluster after M idle minutes")
     cloud.add_argument("--down", action="store_true", help="tear the cluster down when the job finishes")
@@ -190,9 +218,11 @@ def main(args: argparse.Namespace) -> int:
     secret_values = secrets.values_for(recipe, secrets.parse_secrets(args.secret), smoke=args.smoke)
     check_paired_files(recipe)
     if args.local:
-        if args.managed or args.spot or args.cluster or args.dry_run or args.detach or args.keep_up:
+        if (args.managed or args.spot or args.cluster or args.dry_run or args.detach or args.keep_up or args.infra
+                or args.network_tier or args.image_id):  # fmt: skip
             raise OrchError(
-                "--managed, --spot, --cluster, --detach and --dry-run are for SkyPilot launches, not --local"
+                "--managed, --spot, --cluster, --detach, --dry-run, --infra, --network-tier and --image-id are for "
+                "SkyPilot launches, not --local"
             )
         if gpus and gpus.name not in (None, CPU):
             raise OrchError(f"--gpus {args.gpus}: --local runs CPU processes; use --gpus CPU:{gpus.count}")
@@ -218,10 +248,7 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
     from orchestrator.launch import records, secrets, storage
     from orchestrator.launch.checks import check, rehearse
 
-    resources: dict[str, object] = {"use_spot": True} if args.spot else {}
-    if launch.nodes > 1 and not (launch.recipe.task.get("resources") or {}).get("network_tier"):
-        resources["network_tier"] = "best"  # NCCL over InfiniBand/EFA, not plain TCP, between nodes
-    launch = launch.replace(resources=resources)
+    launch = launch.replace(resources=placement(args, launch))
     bucket, note = launch.envs.get("CHECKPOINT_BUCKET", ""), ""
     if "CHECKPOINT_BUCKET" not in user_envs and storage.shipped_bucket(bucket):
         mine = storage.personal_bucket(launch.recipe.name, storage.user_id())
@@ -233,6 +260,8 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
     # Batch math, parallelism, memory and env errors surface here, before anything is sent.
     checked = check(launch)
     task = launch.task()
+    if args.managed or args.spot:
+        _preemption_hook(task)
     nodes = launch.nodes
     reasons = {"a managed job's recovery": args.managed, f"a run on {nodes} nodes": nodes > 1, "--down": args.down}
     if any(reasons.values()):
@@ -323,6 +352,38 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
                 flush=True,
             )
         raise
+
+
+def placement(args, launch: Launch) -> dict[str, object]:
+    """SkyPilot's placement and recovery fields, in SkyPilot's spellings (its schema checks them in to_task)."""
+    recipe = launch.recipe.task.get("resources") or {}
+    resources: dict[str, object] = {"use_spot": True} if args.spot else {}
+    if args.network_tier:
+        resources["network_tier"] = args.network_tier
+    elif launch.nodes > 1 and not recipe.get("network_tier"):
+        resources["network_tier"] = "best"  # NCCL over InfiniBand/EFA, not plain TCP, between nodes
+    if args.infra:
+        resources["infra"] = args.infra
+    if args.image_id:
+        resources["image_id"] = args.image_id
+    if args.max_restarts < 0:
+        raise OrchError(f"--max-restarts {args.max_restarts}: give 0 or more restarts")
+    if args.managed:  # recover on orch's retryable exit too, not only on preemption
+        recovery = recipe.get("job_recovery")
+        recovery = dict(recovery) if isinstance(recovery, dict) else ({"strategy": recovery} if recovery else {})
+        recovery.setdefault("max_restarts_on_errors", args.max_restarts)
+        recovery.setdefault("recover_on_exit_codes", [EXIT_RETRYABLE])
+        resources["job_recovery"] = recovery
+    return resources
+
+
+def _preemption_hook(task: dict) -> None:
+    """Spot and managed runs: on SkyPilot's preemption notice the node asks its trainers for a checkpoint first."""
+    task["envs"]["ORCH_SAVE_ON_REQUEST"] = "on"
+    config = task.setdefault("config", {})
+    hooks = config.setdefault("hooks", [])
+    if not any(PREEMPTION_HOOK in str(h.get("run", "")) for h in hooks if isinstance(h, dict)):
+        hooks.append({"run": PREEMPTION_HOOK, "events": ["preemption"], "timeout": 180})
 
 
 def _price(task: dict, total_gpus: int) -> None:

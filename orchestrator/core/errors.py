@@ -9,6 +9,16 @@ class OrchError(Exception):
     exit_code = 2
 
 
+EXIT_RETRYABLE = 75  # EX_TEMPFAIL: a failure a rerun may not hit (a hang, a lost node, a network or NCCL error);
+# managed jobs recover on it (job_recovery.recover_on_exit_codes)
+
+
+class RetryableError(OrchError):
+    """A node-side failure of the cluster, not of the input: one line, exit code 75."""
+
+    exit_code = EXIT_RETRYABLE
+
+
 def closest(word: str, choices, cutoff: float = 0.5) -> str | None:
     """The choice nearest to a mistyped word, for "did you mean X?" (None when nothing is close)."""
     import difflib

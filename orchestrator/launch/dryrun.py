@@ -16,6 +16,10 @@ def _section(title: str) -> None:
 
 
 def show(launch: Launch, task: dict, checked: Checked, skip_optimizer: bool, rehearsal: str) -> int:
+    if not skip_optimizer:  # SkyPilot's own parser and schema first: one line naming what it rejects, exit 2
+        from orchestrator.launch.backends import sky as sky_backend
+
+        sky_backend.to_task(task)
     print(f"[orch] dry run of {launch.recipe.name}: nothing is launched, nothing is written")
     print(f"[orch] {rehearsal}")
     _section("resolved task (what sky_jobs/<run>.yaml will hold)")
@@ -52,6 +56,7 @@ def show(launch: Launch, task: dict, checked: Checked, skip_optimizer: bool, reh
         return 0
     from orchestrator.launch.backends import sky as sky_backend
 
+    print("SkyPilot's task parser and schema: accepted")
     try:
         plan = sky_backend.optimize(task)
     except OrchError as exc:

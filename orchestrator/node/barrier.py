@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import time
 
-from orchestrator.core.errors import OrchError
+from orchestrator.core.errors import OrchError, RetryableError
 
 DEFAULT_TIMEOUT = 600.0
 
@@ -36,7 +36,7 @@ def head_wait(nodes: int, port: int, timeout: float) -> float:
         while len(joined) < nodes - 1:
             if time.monotonic() > deadline:
                 missing = [r for r in range(1, nodes) if r not in joined]
-                raise OrchError(
+                raise RetryableError(
                     f"node(s) {', '.join(map(str, missing))} never joined the head within {timeout:g} s; check "
                     "their setup logs and that the nodes reach each other "
                     "(raise ORCH_RENDEZVOUS_TIMEOUT to wait longer)"
@@ -75,7 +75,7 @@ def worker_join(rank: int, head_ip: str, port: int, timeout: float) -> float:
             break
         except OSError:
             if time.monotonic() > deadline:
-                raise OrchError(
+                raise RetryableError(
                     f"node {rank} could not reach the head node {head_ip}:{port} within {timeout:g} s; check that "
                     "the head is up and the nodes reach each other (raise ORCH_RENDEZVOUS_TIMEOUT to wait longer)"
                 ) from None
@@ -88,7 +88,7 @@ def worker_join(rank: int, head_ip: str, port: int, timeout: float) -> float:
         except OSError:
             reply = ""
     if reply != "go":
-        raise OrchError(
+        raise RetryableError(
             f"node {rank} joined the head {head_ip}:{port} but was not released: another node never joined "
             "(the head's log names it)"
         )

@@ -248,6 +248,8 @@ KNOBS = {
     # the cluster's price in $/h (train/throughput.py: dollars spent and projected)
     "ORCH_PRICE_PER_HOUR": (_seconds, "a price in dollars per hour > 0"),
     "ORCH_MAX_COST": (_seconds, "a number of dollars > 0"),
+    # a checkpoint on request (`orch node --checkpoint-now`, the preemption hook of spot and managed launches)
+    "ORCH_SAVE_ON_REQUEST": (_choice("on", "off"), "on or off"),
     # Trackio (train/tracking.py): the project the nodes log to, or off
     "ORCH_TRACK": (_project, "off or a Trackio project name (letters, digits, _ and -, at most 100)"),
 }
@@ -289,3 +291,29 @@ def run_env(env: Mapping[str, str]) -> dict[str, str]:
         )
         out.setdefault("SKYPILOT_TASK_ID", "setup")
     return out
+
+
+def run_id(env: Mapping[str, str]) -> str:
+    """The run's id on the nodes, which keys its checkpoints: SkyPilot's task id (kept across a managed job's
+    recoveries), else ORCH_RUN_ID, else slurm-<job id> under Slurm; "" when none is known."""
+    for name in ("SKYPILOT_TASK_ID", "ORCH_RUN_ID"):
+        if env.get(name, "").strip():
+            return env[name].strip()
+    return f"slurm-{env['SLURM_JOB_ID'].strip()}" if env.get("SLURM_JOB_ID", "").strip() else ""
+
+
+def with_recipe(path: str, env: Mapping[str, str]) -> dict[str, str]:
+    """`orch node --recipe FILE`, where no SkyPilot passes the task's envs (Slurm, an operator, by hand): the recipe's
+    `envs:` under this environment's variables (which win, as `--env` does)."""
+    from pathlib import Path
+
+    from orchestrator.core import yamlio
+
+    try:
+        task = yamlio.load(Path(path).read_text()) or {}
+    except (OSError, ValueError) as exc:
+        raise OrchError(f"--recipe {path}: cannot be read ({exc})") from None
+    envs = task.get("envs") if isinstance(task, dict) else None
+    if not isinstance(envs, dict) or "TRL_TRAINER" not in envs:
+        raise OrchError(f"--recipe {path}: not an orch recipe (its `envs:` name no TRL_TRAINER); see `orch ls`")
+    return {**{str(k): "" if v is None else str(v) for k, v in envs.items()}, **env}

@@ -70,6 +70,52 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
         ) from None
 
 
+def checkpoint_now(env: Mapping[str, str], wait: float) -> int:
+    """`orch node --checkpoint-now` (the preemption hook orch adds to spot and managed launches): ask this node's
+    training processes for a checkpoint at their next step ($ORCH_HOME/checkpoint-request, read by
+    train/callbacks.py when ORCH_SAVE_ON_REQUEST=on) and wait until it is written."""
+    from pathlib import Path
+
+    home = Path(env.get("ORCH_HOME") or Path.home() / ".orch")
+    request, done = home / "checkpoint-request", home / "checkpoint-done"
+    home.mkdir(parents=True, exist_ok=True)
+    done.unlink(missing_ok=True)
+    request.write_text(f"{time.time():.3f}\n")
+    print(f"[orch] asked the trainers for a checkpoint at their next step; waiting up to {wait:g} s", flush=True)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if done.exists():
+            step, _, path = done.read_text().strip().partition(" ")
+            print(f"[orch] checkpoint written at step {step}: {path}", flush=True)
+            return 0
+        time.sleep(0.5)
+    print(f"[orch] no checkpoint within {wait:g} s (is a run with ORCH_SAVE_ON_REQUEST=on training here?)", flush=True)
+    return 1
+
+
+SMOKE_GLOBAL_BATCH = "16"  # as `orch run --local --smoke`
+
+
+def smoke_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`orch node --recipe FILE --smoke`: the recipe pointed at its tiny model and data (built here, offline, once;
+    the build is atomic, so nodes sharing a cache may race), 8 steps, as `orch run --local --smoke` does."""
+    from orchestrator.core import configs, overrides, smoke
+
+    paired = configs.load(env)
+    settings = overrides.effective(paired.trl, overrides.loads(env.get("TRL_OVERRIDES", "")))
+    artifacts = smoke.plan(str(settings.get("model_name_or_path", "")), env["TRL_TRAINER"])
+    smoke.ensure(artifacts)
+    words = {**overrides.loads(env.get("TRL_OVERRIDES", "")), **smoke.trl_overrides(artifacts)}
+    return {
+        **env,
+        "TRL_OVERRIDES": overrides.dumps(words),
+        "GLOBAL_BATCH_SIZE": os.environ.get("GLOBAL_BATCH_SIZE", SMOKE_GLOBAL_BATCH),
+        "VLLM_SERVER_NODES": "0",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+
+
 def rehearse(env: Mapping[str, str] | None = None) -> int:
     """`orch node --rehearse` (run by scripts/node-setup.sh before the model is downloaded): on the head node,
     rehearse every distinct role of this cluster against the owners' code (rehearsal/); the other nodes leave it

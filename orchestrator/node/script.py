@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from orchestrator.core import overrides
 from orchestrator.core.errors import OrchError
+from orchestrator.node.env import run_id
 
 TRAIN_MODULE = "orchestrator.train"
 
@@ -35,9 +36,12 @@ def arguments(
     extra = list(decided)
     root = env.get("CHECKPOINT_ROOT", "").strip()
     if root:  # run-keyed: a recovered managed job (same task id) finds its checkpoints
-        task_id = env.get("SKYPILOT_TASK_ID", "").strip()
+        task_id = run_id(env)
         if not task_id:
-            raise OrchError("CHECKPOINT_ROOT is set but SKYPILOT_TASK_ID is not; SkyPilot sets it on every node")
+            raise OrchError(
+                "CHECKPOINT_ROOT is set but no run id is: SkyPilot sets SKYPILOT_TASK_ID on every node (Slurm: the job "
+                "id); elsewhere set ORCH_RUN_ID, the same on every node"
+            )
         user = {k: v for k, v in user.items() if k != "output_dir"}
         extra += ["--output_dir", checkpoint_dir(root, task_id)]
     timeout = env.get("DDP_TIMEOUT", "").strip()

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from orchestrator.node import stacks as stack_dump
-from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, printable
+from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, printable, retryable
 from orchestrator.node.procs import DEFAULT_GRACE, end_tree, subreaper
 from orchestrator.node.watchdog import EXIT_STALLED, Bounds, Watchdog, hang_tools
 
@@ -179,6 +179,10 @@ def supervise(
     if code:
         error = first_error(relay.errors)
         said = f": {error}" if error else ""
+        if retryable(error):  # the cluster's failure: exit 75, which a managed job recovers from
+            say(f"[orch] failed on node {node_rank}: a network or GPU failure (accelerate exited with code {code}, "
+                f"orch exits {EXIT_STALLED}, retryable){said}")  # fmt: skip
+            return EXIT_STALLED
         say(f"[orch] failed on node {node_rank}: accelerate exited with code {code}{said}")
     return code
 

@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from orchestrator.core.errors import EXIT_RETRYABLE
 from orchestrator.node.env import knob
 
 DEFAULT_FLOOR = 300.0
@@ -22,7 +23,7 @@ DEFAULT_FIRST = 1800.0
 DEFAULT_BUSY = 3600.0
 STEP_FACTOR = 10
 BUSY_PHASES = ("save", "eval", "final")  # train/progress.py's, which the launch side may not import
-EXIT_STALLED = 75  # EX_TEMPFAIL: a retryable failure (a managed job may restart on it)
+EXIT_STALLED = EXIT_RETRYABLE  # 75, EX_TEMPFAIL: a retryable failure (a managed job restarts on it)
 
 
 @dataclass

@@ -30,6 +30,14 @@ def _rows_in(inputs, trainer_name: str) -> int:
     raise RuntimeError(f"orch cannot count samples in a {trainer_name} batch of {type(inputs).__name__}")
 
 
+SAVE_REQUEST, SAVE_DONE = "checkpoint-request", "checkpoint-done"  # as node/exec.checkpoint_now writes and reads
+
+
+def save_request_path(env=os.environ) -> Path:
+    """The file `orch node --checkpoint-now` creates on a node ($ORCH_HOME/checkpoint-request)."""
+    return Path(env.get("ORCH_HOME") or Path.home() / ".orch") / SAVE_REQUEST
+
+
 def node_of_process() -> tuple[int, int]:
     """(this node's rank, the number of nodes), as torchrun set them for the training process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -70,8 +78,12 @@ class OrchCallback(TrainerCallback):
         self.save_began = 0.0
         self.stopped = ""  # why the run stopped before max_steps (the cost cap), for the report
         self.tracker = None  # train/tracking.NodeTracker under --track
+        # `orch node --checkpoint-now` (SkyPilot's preemption hook) asks for a checkpoint through a file on the node
+        self.request = save_request_path() if os.environ.get("ORCH_SAVE_ON_REQUEST", "").lower() == "on" else None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.request is not None and state.is_local_process_zero:
+            self.request.unlink(missing_ok=True)  # a request from before this start (a reused node) is stale
         trainer = self.trainer
         self.meter.begin(trainer.model if trainer else model, getattr(trainer, "ref_model", None), args.device)
         if state.is_world_process_zero:
@@ -82,6 +94,15 @@ class OrchCallback(TrainerCallback):
         self.meter.stepped()
         if self.cap is not None and self.meter.price is not None and not control.should_training_stop:
             self._within_budget(state, control)
+        if self.request is not None and not control.should_save:
+            asked = for_collective([int(self.request.exists())], torch.long)
+            if dist():
+                dist().all_reduce(asked, op=torch.distributed.ReduceOp.MAX)
+            if asked.item():
+                control.should_save = True
+                if state.is_world_process_zero:
+                    print(f"[orch] checkpoint asked for (preemption notice): saving at step {state.global_step}",
+                          flush=True)  # fmt: skip
         if control.should_save:
             self.save_began = time.time()
         if self.progress:  # DefaultFlowCallback ran first: control says whether a save or an evaluation follows
@@ -127,6 +148,10 @@ class OrchCallback(TrainerCallback):
             if ckpt.is_dir():
                 node, nodes = node_of_process()
                 write_manifest(ckpt, node, nodes, state.global_step)
+        if self.request is not None and state.is_local_process_zero and self.request.exists():
+            self.request.unlink(missing_ok=True)
+            done = self.request.with_name(SAVE_DONE)
+            done.write_text(f"{state.global_step} {self.output_dir / f'checkpoint-{state.global_step}'}\n")
         if self.progress:
             self.progress.idle()
 

@@ -1,0 +1,175 @@
+"""A real Slurm cluster on this machine for the tests (issue 18): Debian's slurm-wlm with munge, slurmctld in one
+network namespace and one slurmd per emulated node in namespaces of their own (orch's --netns namespaces, each with
+its own address and host name on a bridge), each slurmd with its own spool directory. Root only.
+
+    with SlurmCluster(nodes=2, root=tmp_path) as cluster:
+        cluster.run("sbatch", ...)      # Slurm's commands, from the controller's namespace
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from orchestrator.launch.backends.netns import Network
+
+PACKAGES = ("slurm-wlm", "munge")
+
+
+INSTALLING: list[subprocess.Popen] = []  # apt-get, started in the background when the session collects Slurm tests
+
+
+def start_install() -> None:
+    """Install the packages in the background (conftest calls it once the Slurm tests are collected), so that apt's
+    minute overlaps the tests that run before them."""
+    if os.geteuid() != 0 or (shutil.which("slurmctld") and shutil.which("munged")) or not shutil.which("apt-get"):
+        return
+    script = f"apt-get update -qq && apt-get install -y -qq {' '.join(PACKAGES)}"
+    INSTALLING.append(subprocess.Popen(["bash", "-c", script], env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+
+
+def missing() -> str:
+    """Why a Slurm cluster cannot be made here ("" when it can, after installing the packages if needed)."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, munged, slurmd)"
+    if not shutil.which("ip"):
+        return "needs iproute2's ip"
+    if not INSTALLING:
+        start_install()
+    for proc in INSTALLING:
+        output = proc.communicate(timeout=900)[0] if proc.returncode is None else ""
+        if proc.returncode != 0:
+            return f"installing {' and '.join(PACKAGES)} failed: {(output or '').strip()[-300:]}"
+    if shutil.which("slurmctld") and shutil.which("munged"):
+        return ""
+    return "slurm-wlm and munge are not installed and there is no apt-get to install them"
+
+
+CONF = """\
+ClusterName=orchtest
+SlurmctldHost={controller}({controller_ip})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd-%n.log
+SlurmctldPort=6817
+SlurmdPort=6818
+KillWait=10
+InactiveLimit=0
+MinJobAge=300
+SlurmdTimeout=60
+{nodes}
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class SlurmCluster:
+    def __init__(self, nodes: int, root: Path):
+        self.nodes = nodes
+        self.root = root
+        self.conf = root / "slurm.conf"
+        self.network = Network(nodes + 1)  # namespace 0: slurmctld; 1..nodes: one slurmd each
+        self.daemons: list[subprocess.Popen] = []
+        self.munged: subprocess.Popen | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def names(self) -> list[str]:
+        return [f"orch-node{i}" for i in range(1, self.nodes + 1)]
+
+    def __enter__(self) -> SlurmCluster:
+        self.network.__enter__()
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self) -> None:
+        ips = self.network.ips
+        for sub in ("state", *(f"spool/{name}" for name in self.names())):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        (self.root / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n")
+        lines = "\n".join(f"NodeName={name} NodeAddr={ip} CPUs=1 RealMemory=2000 State=UNKNOWN"
+                          for name, ip in zip(self.names(), ips[1:], strict=True))  # fmt: skip
+        # slurmctld checks that it runs on SlurmctldHost: this machine's name (namespaces share it)
+        controller = socket.gethostname().split(".")[0]
+        self.conf.write_text(CONF.format(controller=controller, controller_ip=ips[0], root=self.root, nodes=lines))
+        socket_dir = self.root / "munge"
+        socket_dir.mkdir(exist_ok=True)
+        self.munge_socket = socket_dir / "munge.socket"
+        if not Path("/run/munge/munge.socket.2").exists():  # one munged serves every namespace (a Unix socket)
+            os.makedirs("/run/munge", exist_ok=True)
+            shutil.chown("/run/munge", "munge", "munge")
+            self.munged = subprocess.Popen(["runuser", "-u", "munge", "--", "munged", "--foreground"],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            self._wait(lambda: Path("/run/munge/munge.socket.2").exists(), "munged's socket")
+        self._daemon(0, ["slurmctld", "-D", "-i", "-f", str(self.conf)])
+        for i, name in enumerate(self.names(), start=1):
+            self._daemon(i, ["slurmd", "-D", "-N", name, "-f", str(self.conf)])
+        self._wait(self._idle, f"{self.nodes} idle node(s) in `sinfo`", timeout=60)
+
+    def _daemon(self, ns: int, argv: list[str]) -> None:
+        self.daemons.append(subprocess.Popen([*self.network.prefix(ns), *argv], env=self.env,
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+
+    def _idle(self) -> bool:
+        out = self.run("sinfo", "-h", "-N", "-o", "%N %t").stdout.split("\n")
+        return sum(1 for line in out if line.split()[1:] == ["idle"]) == self.nodes
+
+    def _wait(self, ready, what: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready():
+                return
+            for proc in self.daemons:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"a Slurm daemon exited ({proc.args}): {self.logs()}")
+            time.sleep(0.5)
+        raise RuntimeError(f"no {what} after {timeout:g} s: {self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(self.root.glob("slurm*.log")))
+
+    def run(self, *argv: str, **kw) -> subprocess.CompletedProcess:
+        """A Slurm command (sbatch, squeue, scancel...) from the controller's namespace."""
+        return subprocess.run([*self.network.prefix(0), *argv], env={**self.env, **kw.pop("env", {})},
+                              capture_output=True, text=True, timeout=kw.pop("timeout", 60), **kw)  # fmt: skip
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for proc in reversed(self.daemons):
+            proc.terminate()
+        for proc in self.daemons:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if self.munged is not None:
+            self.munged.terminate()
+            self.munged.wait(timeout=15)
+        self.network.close()
