@@ -35,7 +35,8 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "--loc"], "did you mean --local?"),
     (["run", "phi3_dpo_fsdp", "--local", "--gpus", "CPU:0"], "positive"),
     (["run", "phi3_dpo_fsdp", "--local", "--detach"], "not --local"),
-    (["status", "extra"], "unrecognized arguments: extra"),
+    (["status", "one", "extra"], "unrecognized arguments: extra"),
+    (["status", "no-such-run"], "no run 'no-such-run' in sky_jobs/"),
     (["--frob"], "unrecognized arguments: --frob"),
     # secrets: no spelling of --secret or --env carries a value to disk
     (["run", "phi3_dpo_fsdp", "--se", "HF_TOKEN=hf_v4lue"], "did you mean --secret?"),

@@ -221,7 +221,7 @@ def test_dry_run_without_cloud_access_says_why_and_prints_the_rest(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "rank 1: accelerate launch" in result.stdout
-    assert "--- SkyPilot plan ---\nnot computed: " in result.stdout
+    assert "--- SkyPilot plan ---\nSkyPilot's task parser and schema: accepted\nnot computed: " in result.stdout
 
 
 def test_launch_side_never_imports_the_training_stack():

@@ -37,11 +37,7 @@ Before a cloud launch orch shows SkyPilot's choice and its $/h (and the recipe's
 (InfiniBand/EFA where the cloud has it) unless the recipe sets a tier.
 """
 
-EXIT_RETRYABLE = 75  # core/errors.EXIT_RETRYABLE: what `orch node` exits with on a failure a restart may not hit
-DEFAULT_RESTARTS = 3
-PREEMPTION_HOOK = (
-    '"${ORCH_VENV:-$HOME/.orch/venv}/bin/orch" node --checkpoint-now --wait 150'  # SkyPilot's hook: save first
-)
+DEFAULT_RESTARTS = 3  # launch/placement.py: job_recovery.max_restarts_on_errors
 DEFAULT_IDLE_MINUTES = 10  # a cluster `orch run` launched stops by itself: no idle GPUs on the bill
 _CLUSTER = re.compile(r"^[a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?$")
 
@@ -128,9 +124,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=DEFAULT_RESTARTS,
         metavar="N",
-        help=f"a managed job's restarts after a retryable failure, exit {EXIT_RETRYABLE} (a hang, a lost node, a "
-        f"network or NCCL error), besides preemptions (job_recovery.max_restarts_on_errors; default "
-        f"{DEFAULT_RESTARTS})",
+        help="a managed job's restarts after a retryable failure, exit 75 (a hang, a lost node, a network or NCCL "
+        f"error), besides preemptions (job_recovery.max_restarts_on_errors; default {DEFAULT_RESTARTS})",
     )
     cloud.add_argument("--cluster", metavar="NAME", help="cluster name (default: the run name)")
     cloud.add_argument("--idle-minutes", type=int, metavar="M", help="autostop the cluster after M idle minutes")
@@ -245,10 +240,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[str, str]) -> int:
-    from orchestrator.launch import records, secrets, storage
+    from orchestrator.launch import placement, records, secrets, storage
     from orchestrator.launch.checks import check, rehearse
 
-    launch = launch.replace(resources=placement(args, launch))
+    launch = launch.replace(resources=placement.resources(args, launch))
     bucket, note = launch.envs.get("CHECKPOINT_BUCKET", ""), ""
     if "CHECKPOINT_BUCKET" not in user_envs and storage.shipped_bucket(bucket):
         mine = storage.personal_bucket(launch.recipe.name, storage.user_id())
@@ -261,7 +256,7 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
     checked = check(launch)
     task = launch.task()
     if args.managed or args.spot:
-        _preemption_hook(task)
+        placement.preemption_hook(task)
     nodes = launch.nodes
     reasons = {"a managed job's recovery": args.managed, f"a run on {nodes} nodes": nodes > 1, "--down": args.down}
     if any(reasons.values()):
@@ -290,7 +285,7 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
         print("[orch] not launched", flush=True)
         return 1
     if task["envs"].get("ORCH_MAX_COST") and not task["envs"].get("ORCH_PRICE_PER_HOUR"):
-        _price(task, checked.plans[0].topology.total_gpus)
+        placement.price(task, checked.plans[0].topology.total_gpus)
     record = records.new(
         run,
         task,
@@ -354,69 +349,10 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
         raise
 
 
-def placement(args, launch: Launch) -> dict[str, object]:
-    """SkyPilot's placement and recovery fields, in SkyPilot's spellings (its schema checks them in to_task)."""
-    recipe = launch.recipe.task.get("resources") or {}
-    resources: dict[str, object] = {"use_spot": True} if args.spot else {}
-    if args.network_tier:
-        resources["network_tier"] = args.network_tier
-    elif launch.nodes > 1 and not recipe.get("network_tier"):
-        resources["network_tier"] = "best"  # NCCL over InfiniBand/EFA, not plain TCP, between nodes
-    if args.infra:
-        resources["infra"] = args.infra
-    if args.image_id:
-        resources["image_id"] = args.image_id
-    if args.max_restarts < 0:
-        raise OrchError(f"--max-restarts {args.max_restarts}: give 0 or more restarts")
-    if args.managed:  # recover on orch's retryable exit too, not only on preemption
-        recovery = recipe.get("job_recovery")
-        recovery = dict(recovery) if isinstance(recovery, dict) else ({"strategy": recovery} if recovery else {})
-        recovery.setdefault("max_restarts_on_errors", args.max_restarts)
-        recovery.setdefault("recover_on_exit_codes", [EXIT_RETRYABLE])
-        resources["job_recovery"] = recovery
-    return resources
-
-
-def _preemption_hook(task: dict) -> None:
-    """Spot and managed runs: on SkyPilot's preemption notice the node asks its trainers for a checkpoint first."""
-    task["envs"]["ORCH_SAVE_ON_REQUEST"] = "on"
-    config = task.setdefault("config", {})
-    hooks = config.setdefault("hooks", [])
-    if not any(PREEMPTION_HOOK in str(h.get("run", "")) for h in hooks if isinstance(h, dict)):
-        hooks.append({"run": PREEMPTION_HOOK, "events": ["preemption"], "timeout": 180})
-
-
-def _price(task: dict, total_gpus: int) -> None:
-    """--max-cost needs the cluster's $/h on the nodes: SkyPilot's plan, computed here (-y skipped the question)."""
-    from orchestrator.launch import dryrun
-    from orchestrator.launch.backends import sky as sky_backend
-
-    try:
-        plan = sky_backend.optimize(task)
-    except OrchError as exc:
-        raise OrchError(
-            f"--max-cost needs the cluster's price and SkyPilot's optimizer could not compute it here ({exc}); give "
-            "it with --env ORCH_PRICE_PER_HOUR=<$/h for all nodes>"
-        ) from None
-    dryrun.check_cap(task, plan, total_gpus)
-    task["envs"]["ORCH_PRICE_PER_HOUR"] = f"{plan.dollars_per_hour:.4f}"
-    _price_table(task, plan)
-
-
-def _price_table(task: dict, plan) -> None:
-    """Every region's price of the planned cluster, for the head node to pick where it really runs (node/price.py)."""
-    import json
-
-    from orchestrator.launch.backends import sky as sky_backend
-
-    if table := sky_backend.region_prices(plan):
-        task["envs"]["ORCH_PRICES"] = json.dumps(table, separators=(",", ":"), sort_keys=True)
-
-
 def _confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
     """Show what SkyPilot would launch and its price, then ask. SkyPilot's optimizer runs in this process when the
     catalogs and credentials are here, else on the API server (which prints its own table of choices)."""
-    from orchestrator.launch import dryrun, storage
+    from orchestrator.launch import dryrun, placement, storage
     from orchestrator.launch.backends import sky as sky_backend
 
     total = plans[0].topology.total_gpus
@@ -433,7 +369,7 @@ def _confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
         dryrun.check_cap(task, plan, total)
         if not task["envs"].get("ORCH_PRICE_PER_HOUR"):  # spend on every step (a price the user gave stays)
             task["envs"]["ORCH_PRICE_PER_HOUR"] = f"{plan.dollars_per_hour:.4f}"
-            _price_table(task, plan)
+            placement.price_table(task, plan)
     else:
         try:
             sky_backend.show_server_plan(task)
