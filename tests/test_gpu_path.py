@@ -210,7 +210,9 @@ def test_node_print_shows_the_variables_it_sets():
         },
     )
     assert result.returncode == 0, result.stderr
-    assert re.match(r"^OMP_NUM_THREADS=\d+ accelerate launch ", result.stdout)
+    where, command = result.stdout.split("\n", 1)
+    assert where.startswith("# SkyPilot: node 0 of 1, 8 process(es) per node")
+    assert re.match(r"^OMP_NUM_THREADS=\d+ accelerate launch ", command)
 
 
 # ---------------------------------------------------------------- Accelerate config keys accelerate drops
