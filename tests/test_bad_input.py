@@ -7,7 +7,7 @@ import os
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, orch
 
 from orchestrator import cli
 
@@ -159,3 +159,26 @@ def test_the_table_runs_through_the_installed_cli(bad_project):
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert ROOT.is_dir()
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"messages": []}, {"prompt": "x", "answer": "y"}], "row 2 has no column completion (it has answer, prompt); "
+                                                              "TRL's sft trainer reads messages or text or prompt + "
+                                                              "completion, e.g. {\"messages\""),
+        (["not json"], "line 1 is not JSON"),
+        ([], "the file holds no rows"),
+    ],
+)
+def test_a_data_file_without_the_trainers_columns_is_refused_with_one_line(project, rows, message):
+    import json
+
+    path = project / "mine.jsonl"
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    for where in (["--local", "--smoke"], ["--gpus", "A100:8", "--dry-run", "--skip-optimizer"]):
+        result = orch("run", "qwen25_sft_ddp", *where, "--data", "mine.jsonl", cwd=project)
+        assert result.returncode == 2 and result.stdout == "", result.stdout
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("orch: error: --data mine.jsonl: ") and message in line, line
+    assert not (project / "sky_jobs").exists() and not (project / "outputs").exists()

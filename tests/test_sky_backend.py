@@ -459,10 +459,14 @@ def test_status_refreshes_one_run_from_skypilots_logs_and_lists_from_records(in_
 
 
 def test_dry_run_places_and_recovers_in_skypilots_spellings(tmp_path):
-    """Issue 18's acceptance: the task SkyPilot's own parser accepts, with infra, network_tier and job_recovery."""
+    """Issue 18's acceptance: the task SkyPilot's own parser accepts, with infra, network_tier and job_recovery; and
+    a data file of the user's travels as a file mount TRL reads (issue 19)."""
     env = {**os.environ, "SKY_RUNTIME_DIR": str(tmp_path), "SKYPILOT_DISABLE_LOCAL_API_SERVER": "1", "HF_TOKEN": "x"}
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     argv = ["run", "llama3_sft_fsdp", "--gpus", "H100:8", "--nodes", "2", "--infra", "k8s", "--network-tier", "best",
-            "--managed", "--dry-run", "--secret", "HF_TOKEN", "--image-id", "docker:nvcr.io/nvidia/pytorch:25.01-py3"]
+            "--managed", "--dry-run", "--secret", "HF_TOKEN", "--image-id", "docker:nvcr.io/nvidia/pytorch:25.01-py3",
+            "--data", str(mine)]
     result = subprocess.run([sys.executable, "-m", "orchestrator", *argv], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -475,6 +479,8 @@ def test_dry_run_places_and_recovers_in_skypilots_spellings(tmp_path):
     assert resources.image_id and "nvcr.io/nvidia/pytorch:25.01-py3" in str(resources.image_id)
     assert "infra: k8s" in shown and "network_tier: best" in shown and "job_recovery:" in shown
     assert "SkyPilot's task parser and schema: accepted" in result.stdout
+    assert task.file_mounts["/orch-data/train.jsonl"] == str(mine)
+    assert "dataset_name=/orch-data dataset_train_split=train" in task.envs["TRL_OVERRIDES"]
     bad = subprocess.run([sys.executable, "-m", "orchestrator", *argv[:7], "nowhere/x", *argv[8:]], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("orch: error: SkyPilot rejects the task:")

@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from conftest import orch
@@ -49,10 +50,23 @@ def test_trainer_smoke_trains_on_two_nodes(project, label):
         assert "DeepSpeed: 2 per-rank optimizer state file(s)" in result.stdout
 
 
-def test_copied_template_runs(project):
+def test_copied_template_runs_on_the_users_own_file(project):
+    """A copied template, trained on 2 nodes on a preference file of the user's (issue 19): a sample of its rows."""
     copied = orch("cp", "phi3_dpo_fsdp", "my_dpo", cwd=project)
     assert copied.returncode == 0, copied.stderr
     assert (project / "recipes" / "my_dpo.yaml").is_file() and (project / "recipes" / "trl" / "my_dpo.yaml").is_file()
-    result = orch("run", "my_dpo", "--local", "--nodes", "2", "--smoke", cwd=project)
+    rows = [{"prompt": [{"role": "user", "content": f"Double {i}?"}],
+             "chosen": [{"role": "assistant", "content": f"{2 * i}"}],
+             "rejected": [{"role": "assistant", "content": f"{2 * i + 1}"}]} for i in range(300)]  # fmt: skip
+    mine = project / "prefs.jsonl"
+    mine.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = orch("run", "my_dpo", "--local", "--nodes", "2", "--smoke", "--data", "prefs.jsonl", cwd=project,
+                  env={"ORCH_CACHE_DIR": str(project / "cache")})  # fmt: skip
     check_one_group(result, project, "dpo")
     assert "recipe my_dpo (dpo)" in result.stdout
+    assert "[orch] data: prefs.jsonl (300 rows) has the columns TRL's dpo trainer reads; the smoke run trains on its " \
+        "first 128" in result.stdout  # fmt: skip
+    launch = next(x for x in result.stdout.splitlines() if "[orch] launch: " in x).split()
+    dataset = Path(launch[launch.index("--dataset_name") + 1])
+    assert dataset.parent == project / "cache" / "data"
+    assert (dataset / "train.jsonl").read_text().splitlines() == mine.read_text().splitlines()[:128]

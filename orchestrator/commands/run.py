@@ -26,6 +26,7 @@ examples:
   orch run phi3_dpo_fsdp --local --nodes 2 --smoke --netns    # root: each node in its own network namespace
   orch run phi3_dpo_fsdp --gpus H100:8 --nodes 2 --max-cost 250  # stop cleanly before $250 are spent
   orch run phi3_dpo_fsdp --local --nodes 2 --smoke --track    # curves in Trackio; then: orch dashboard RUN
+  orch run qwen25_sft_ddp --data ./my.jsonl --gpus H100:8      # your rows (checked here first), uploaded with the task
 
 Which side wins: flags you give override the recipe (--gpus beats resources.accelerators, --nodes beats
 num_nodes, --env beats envs); key=value words override the TRL config. Every run is recorded as
@@ -92,6 +93,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="stop the run cleanly, after a final checkpoint, before its spend crosses DOLLARS (needs the cluster's "
         "price: SkyPilot's plan on a cloud, ORCH_PRICE_PER_HOUR otherwise); a launch whose estimate exceeds it is "
         "refused. Same as --env ORCH_MAX_COST=DOLLARS",
+    )
+    p.add_argument(
+        "--data",
+        metavar="FILE",
+        help="train on your own JSON Lines or Parquet file in the trainer's format: checked here first (every row's "
+        "columns), uploaded with the task, read by TRL; with --smoke a sample of its first 128 rows",
     )
     p.add_argument(
         "--track",
@@ -210,6 +217,11 @@ def main(args: argparse.Namespace) -> int:
     if args.track:
         user_envs["ORCH_TRACK"] = re.sub(r"[^A-Za-z0-9_-]", "-", recipe.name)[:100]
     user_overrides = overrides.parse(args.overrides)
+    data_file = None
+    if args.data:
+        from orchestrator.launch import data
+
+        data_file = data.use(args.data, recipe.trainer, args.local, args.smoke, user_overrides)
     secret_values = secrets.values_for(recipe, secrets.parse_secrets(args.secret), smoke=args.smoke)
     check_paired_files(recipe)
     if args.local:
@@ -236,10 +248,10 @@ def main(args: argparse.Namespace) -> int:
     if launch.gpus is None or launch.gpus.name is None:
         example = f"--gpus A100:{gpus.count}" if gpus else "--gpus A100:8"
         raise OrchError(f"the recipe names no accelerator in resources.accelerators; give one, e.g. {example}")
-    return _cloud(args, launch, user_envs, secret_values)
+    return _cloud(args, launch, user_envs, secret_values, data_file)
 
 
-def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[str, str]) -> int:
+def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[str, str], data_file=None) -> int:
     from orchestrator.launch import placement, records, secrets, storage
     from orchestrator.launch.checks import check, rehearse
 
@@ -255,6 +267,10 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
     # Batch math, parallelism, memory and env errors surface here, before anything is sent.
     checked = check(launch)
     task = launch.task()
+    if data_file is not None:
+        from orchestrator.launch import data
+
+        data.mount(task, data_file)
     if args.managed or args.spot:
         placement.preemption_hook(task)
     nodes = launch.nodes

@@ -1,0 +1,131 @@
+"""`orch run --data FILE`: the user's own rows, checked here before anything costs money, then handed to TRL.
+
+A JSON Lines or Parquet file in the trainer's format (TRL's dataset formats: conversational or standard). Every
+JSON Lines row is read (Parquet: its schema and first row, with pyarrow); the first row missing what the trainer
+needs gives one line naming the missing column and a row that would do. The file then travels as
+<dir>/train.<ext>: a SkyPilot file mount at DATA_MOUNT on a cloud, a link in orch's cache locally (a sample of its
+first rows with --smoke), and TRL loads it with `dataset_name=<dir>` (datasets infers the format and the split from
+the file name).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from orchestrator.core.errors import OrchError
+
+DATA_MOUNT = "/orch-data"
+# Columns each trainer reads (any one set), per TRL's dataset formats, and a row that would do.
+NEEDS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "sft": (("messages",), ("text",), ("prompt", "completion")),
+    "dpo": (("chosen", "rejected"),),
+    "reward": (("chosen", "rejected"),),
+    "kto": (("prompt", "completion", "label"),),
+    "grpo": (("prompt",),),
+}
+EXAMPLES = {
+    "sft": {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+    "dpo": {"prompt": [{"role": "user", "content": "2+2?"}], "chosen": [{"role": "assistant", "content": "4"}],
+            "rejected": [{"role": "assistant", "content": "5"}]},  # fmt: skip
+    "kto": {"prompt": [{"role": "user", "content": "2+2?"}], "completion": [{"role": "assistant", "content": "4"}],
+            "label": True},  # fmt: skip
+    "grpo": {"prompt": [{"role": "user", "content": "What is 2+2?"}]},
+}
+EXAMPLES["reward"] = EXAMPLES["dpo"]
+SMOKE_ROWS = 128
+
+
+def _needs(trainer: str) -> str:
+    return " or ".join(" + ".join(s) for s in NEEDS[trainer])
+
+
+def _rows(path: Path):
+    """(line number, row) of a JSON Lines file, or of a Parquet file's first row."""
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise OrchError(f"--data {path}: reading Parquet here needs pyarrow (pip install pyarrow)") from None
+        table = pq.read_table(path).slice(0, 1)
+        for row in table.to_pylist():
+            yield 1, row
+        return
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise OrchError(
+                    f"--data {path}: line {number} is not JSON ({exc.msg}); give one JSON object per line"
+                ) from None
+            yield number, row
+
+
+def check(path: Path, trainer: str) -> int:
+    """The number of rows checked; an OrchError naming the first row without the trainer's columns."""
+    if path.suffix not in (".jsonl", ".parquet"):
+        raise OrchError(f"--data {path}: give a JSON Lines (.jsonl) or Parquet (.parquet) file in the {trainer} format")
+    if not path.is_file():
+        raise OrchError(f"--data {path}: no such file")
+    count = 0
+    for number, row in _rows(path):
+        if not isinstance(row, dict):
+            raise OrchError(f"--data {path}: line {number} is a JSON {type(row).__name__}, not an object")
+        if not any(set(columns) <= row.keys() for columns in NEEDS[trainer]):
+            best = max(NEEDS[trainer], key=lambda columns: len(set(columns) & row.keys()))
+            missing = [c for c in best if c not in row]
+            named = f"column{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
+            raise OrchError(
+                f"--data {path}: row {number} has no {named} (it has {', '.join(sorted(row)) or 'none'}); "
+                f"TRL's {trainer} trainer reads {_needs(trainer)}, e.g. {json.dumps(EXAMPLES[trainer])}"
+            )
+        count += 1
+    if not count:
+        raise OrchError(f"--data {path}: the file holds no rows")
+    return count
+
+
+def local_dir(path: Path, smoke: bool, cache: Path) -> Path:
+    """A directory holding the file as train.<ext> (with smoke, its first SMOKE_ROWS rows) for a local run."""
+    digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_mtime_ns}:{smoke}".encode()).hexdigest()[:12]
+    out = cache / "data" / digest
+    target = out / f"train{path.suffix}"
+    if target.exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{target.name}.tmp"
+    if smoke and path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as src, open(tmp, "w", encoding="utf-8") as dst:
+            kept = 0
+            for line in src:
+                if line.strip() and kept < SMOKE_ROWS:
+                    dst.write(line if line.endswith("\n") else line + "\n")
+                    kept += 1
+    else:
+        os.symlink(path.resolve(), tmp)
+    os.replace(tmp, target)
+    return out
+
+
+def use(file: str, trainer: str, local: bool, smoke: bool, user_overrides: dict[str, str]) -> Path:
+    """`orch run --data FILE`: checked here; TRL then reads it as dataset_name=<its directory> (a key=value word of
+    the user's, so it wins over the recipe's and smoke's)."""
+    from orchestrator.core.smoke import cache_root
+
+    path = Path(file)
+    rows = check(path, trainer)
+    where = local_dir(path, smoke, cache_root().parent) if local else Path(DATA_MOUNT)
+    user_overrides.update(dataset_name=str(where), dataset_train_split="train")
+    kept = f"; the smoke run trains on its first {min(rows, SMOKE_ROWS)}" if smoke else ""
+    print(f"[orch] data: {path} ({rows} rows) has the columns TRL's {trainer} trainer reads{kept}", flush=True)
+    return path
+
+
+def mount(task: dict, path: Path) -> None:
+    """A cloud task reads the file from DATA_MOUNT (SkyPilot uploads it with the task)."""
+    task.setdefault("file_mounts", {})[f"{DATA_MOUNT}/train{path.suffix}"] = str(path.resolve())
