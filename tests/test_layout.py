@@ -89,7 +89,7 @@ RULES = {
     "node": ({"core", "node", "rehearsal.driver"}, set()),
     "launch": (
         {"core", "launch", "node.plan", "node.env", "node.script", "node.output", "node.procs", "rehearsal.driver"},
-        {"yaml", "sky"},
+        {"yaml", "sky", "pyarrow"},  # pyarrow: only to read a --data .parquet file's first row (launch/data.py)
     ),
     "train": ({"core", "train"}, HEAVY - {"sky", "vllm"} | {"yaml", "huggingface_hub", "trackio"}),  # trackio: --track
     "rehearsal": ({"core", "node.plan", "train", "rehearsal"}, HEAVY - {"sky", "vllm"} | {"huggingface_hub"}),
