@@ -182,3 +182,33 @@ def test_a_data_file_without_the_trainers_columns_is_refused_with_one_line(proje
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith("orch: error: --data mine.jsonl: ") and message in line, line
     assert not (project / "sky_jobs").exists() and not (project / "outputs").exists()
+
+
+def test_a_parquet_data_file_is_checked_too(project):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"prompt": ["2+2?"], "completion": ["4"]}), project / "kto.parquet")
+    result = orch("run", "qwen25_kto_ddp", "--local", "--smoke", "--data", "kto.parquet", cwd=project)
+    assert result.returncode == 2
+    assert "row 1 has no column label (it has completion, prompt); TRL's kto trainer reads prompt + completion + " \
+        "label" in result.stderr  # fmt: skip
+
+
+def test_dashboard_of_an_untracked_run_says_how_to_track_it(project):
+    from orchestrator.launch import records
+
+    os.chdir(project)
+    try:
+        (project / "outputs" / "r1").mkdir(parents=True)
+        backend = "local (2 emulated node(s) x 1 CPU process(es))"
+        records.write(records.new("r1", {"name": "x"}, "recipes/x.yaml", "orch run x", backend=backend,
+                                  output_dir="outputs/r1"))  # fmt: skip
+    finally:
+        os.chdir(ROOT)
+    result = orch("dashboard", "r1", "--no-open", cwd=project)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "orch: error: no Trackio curves in outputs/r1/trackio/: run r1 was not tracked (rerun it with --track) or "
+        "saved no checkpoint yet"
+    )
