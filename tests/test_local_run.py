@@ -23,8 +23,9 @@ def output_dir_of(stdout: str, project: Path) -> Path:
     return project / match.group(1)
 
 
-def test_two_node_smoke_is_one_process_group(project):
-    result = orch("run", "phi3_dpo_fsdp", "--local", "--nodes", "2", "--smoke", cwd=project)
+def check_demo_run(result, project: Path) -> None:
+    """`orch run phi3_dpo_fsdp --local --nodes 2 --smoke` (the demo) is ONE process group over both nodes. Called by
+    test_scaling.py on its "fsdp2 2x1" run: the same command, run once for both."""
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     # each node printed its own accelerate command, with the TOTAL process count
@@ -75,7 +76,7 @@ def test_two_node_smoke_is_one_process_group(project):
     model = AutoModelForCausalLM.from_pretrained(output_dir)
     assert model.config.model_type == "phi3" and model.num_parameters() > 0
     # the run is recorded as a SkyPilot task, and `orch logs` replays its output
-    (record,) = (project / "sky_jobs").glob("*.yaml")
+    record = project / "sky_jobs" / f"{output_dir.name}.yaml"
     assert "# state: succeeded" in record.read_text() and "# backend: local (2 emulated node(s)" in record.read_text()
     sky = pytest.importorskip("sky")
     assert sky.Task.from_yaml(str(record)).num_nodes == 2

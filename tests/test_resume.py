@@ -11,7 +11,7 @@ import pytest
 from conftest import orch
 from test_faults import loss_log
 
-COMMAND = ["run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "max_steps=12", "--track"]
+COMMAND = ["run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "max_steps=8", "--track"]
 
 READ_BACK = """
 import json, sys
@@ -36,8 +36,8 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(project):
     assert first.returncode == 0, first.stdout[-3000:]
     output_dir = project / re.search(r"^\[orch\] output: (\S+)$", first.stdout, re.M).group(1)
     expected = loss_log(output_dir)
-    assert sorted(expected) == list(range(1, 13))
-    weights = output_dir / "checkpoint-12" / "model.safetensors"
+    assert sorted(expected) == list(range(1, 9))
+    weights = output_dir / "checkpoint-8" / "model.safetensors"
     size = weights.stat().st_size
     with open(weights, "r+b") as fh:  # a save cut short: half the weights file
         fh.truncate(size // 2)
@@ -45,20 +45,20 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(project):
     rerun = orch(*COMMAND, cwd=project)
     assert rerun.returncode == 0, rerun.stdout[-3000:]
     assert (
-        f"(node0) [orch] skipping checkpoint-12: model.safetensors has {size // 2} bytes, the manifest says {size}; "
-        f"quarantined in {output_dir.relative_to(project) / 'orch_quarantine.jsonl'}, resuming from checkpoint-8\n"
+        f"(node0) [orch] skipping checkpoint-8: model.safetensors has {size // 2} bytes, the manifest says {size}; "
+        f"quarantined in {output_dir.relative_to(project) / 'orch_quarantine.jsonl'}, resuming from checkpoint-4\n"
     ) in rerun.stdout, rerun.stdout[-3000:]
-    assert re.search(r"resuming from \S+/checkpoint-8$", rerun.stdout, re.M)
+    assert re.search(r"resuming from \S+/checkpoint-4$", rerun.stdout, re.M)
     after = loss_log(output_dir)
-    assert sorted(after) == [9, 10, 11, 12]
+    assert sorted(after) == [5, 6, 7, 8]
     for step, loss in after.items():
         assert loss == pytest.approx(expected[step], abs=1e-4), step
     listed = [json.loads(x) for x in (output_dir / "orch_quarantine.jsonl").read_text().splitlines()]
-    assert [x["checkpoint"] for x in listed] == ["checkpoint-12"]
-    assert (output_dir / "checkpoint-12" / "model.safetensors").stat().st_size == size  # saved again, whole
+    assert [x["checkpoint"] for x in listed] == ["checkpoint-8"]
+    assert (output_dir / "checkpoint-8" / "model.safetensors").stat().st_size == size  # saved again, whole
 
-    # Trackio: one run, every node's rows, and the loss curve of the uninterrupted run (steps 9-12 of the first
-    # attempt were not in checkpoint-8's copy, so none is there twice)
+    # Trackio: one run, every node's rows, and the loss curve of the uninterrupted run (steps 5-8 of the first
+    # attempt were not in checkpoint-4's copy, so none is there twice)
     run = output_dir.name
     shown = orch("dashboard", run, "--no-open", cwd=project, env={"ORCH_CACHE_DIR": str(project / "cache")})
     assert shown.returncode == 0, shown.stderr
@@ -67,17 +67,17 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(project):
     assert list(runs) == [run]
     rows = runs[run]
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
-    assert sorted(losses) == list(range(1, 13)) and len([r for r in rows if "loss" in r]) == 12
+    assert sorted(losses) == list(range(1, 9)) and len([r for r in rows if "loss" in r]) == 8
     for step, loss in losses.items():
         assert loss == pytest.approx(expected[step], abs=1e-4), step
     for node in (0, 1):
         steps = sorted(r["step"] for r in rows if f"node{node}/tokens" in r)
-        assert steps == list(range(1, 13)), (node, steps)
-    last = {k: v for r in rows if r["step"] == 12 for k, v in r.items()}
+        assert steps == list(range(1, 9)), (node, steps)
+    last = {k: v for r in rows if r["step"] == 8 for k, v in r.items()}
     assert last["node0/tokens"] + last["node1/tokens"] == last["tokens"]  # the nodes' shares add up
     assert last["node1/tokens_per_s"] > 0
     assert "(node1) [orch] tracking node 1 in Trackio project 'qwen25_sft_ddp'" in rerun.stdout
-    assert "(continuing from step 8)" in rerun.stdout
+    assert "(continuing from step 4)" in rerun.stdout
 
 
 def test_fresh_says_what_it_deletes(tmp_path, capsys):

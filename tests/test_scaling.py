@@ -10,6 +10,7 @@ import time
 
 import pytest
 from conftest import orch
+from test_local_run import check_demo_run
 
 from orchestrator.core import batch, parallel
 from orchestrator.core.errors import OrchError
@@ -298,7 +299,8 @@ def test_dry_run_shows_batch_and_memory():
 
 @pytest.mark.slow
 def test_loss_is_the_same_at_every_cluster_shape(project):
-    """FSDP2 for real on 2x1, 1x2 and 1x1 (doubled accumulation) trains the same losses as DDP on 2x1, every step."""
+    """FSDP2 for real on 2x1, 1x2 and 1x1 (doubled accumulation) trains the same losses as DDP on 2x1, every step; the
+    2x1 run (the demo's command) is also checked end to end (test_local_run.check_demo_run)."""
     tmp_path = project
     shapes = {
         "ddp 2x1": ["--nodes", "2", "--env", "ACCELERATE_CONFIG=multi_gpu"],
@@ -310,6 +312,8 @@ def test_loss_is_the_same_at_every_cluster_shape(project):
     for label, flags in shapes.items():
         result = orch("run", "phi3_dpo_fsdp", "--local", "--smoke", *flags, cwd=tmp_path)
         assert result.returncode == 0, result.stdout[-3000:]
+        if label == "fsdp2 2x1":  # the demo's command: one process group over both nodes, what it wrote and said
+            check_demo_run(result, tmp_path)
         out_dir = tmp_path / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
         log = [json.loads(x) for x in (out_dir / "orch" / "log.jsonl").read_text().splitlines()]
         report = json.loads((out_dir / "orch" / "rank0.json").read_text())
