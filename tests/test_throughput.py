@@ -53,14 +53,25 @@ def test_throughput_matches_an_independent_count(project):
     """A 2-node SFT smoke run sees every row of the 128-row smoke dataset once (8 steps x 16 samples). Its tokens,
     recounted here with the dataset's own tokenizer and chat template, over the time between the line rank 0 prints
     when training begins and the last step's line (both timestamped here, outside the training), must match
-    orch's figure."""
+    orch's figure. The same run is asked for a checkpoint mid-run, as SkyPilot's preemption hook asks
+    (`orch node --checkpoint-now` writes $ORCH_HOME/checkpoint-request on a node): every rank saves and goes on."""
+    import re
+    import tempfile
+    from pathlib import Path
+
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", "run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke"],
+        [sys.executable, "-m", "orchestrator", "run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke",
+         "--env", "ORCH_SAVE_ON_REQUEST=on"],
         cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    seen, lines = {}, []
+    seen, lines, home = {}, [], None
     for line in proc.stdout:
         lines.append(line)
+        if match := re.match(r"^\[orch\] run (\S+):", line):
+            home = Path(tempfile.gettempdir()) / f"orch-local-{match.group(1)}-node0"  # node 0's ORCH_HOME
+        if "[orch] step 1/8" in line:  # as checkpoint_now does (tested below), without its start-up time
+            home.mkdir(parents=True, exist_ok=True)
+            (home / "checkpoint-request").write_text("preemption notice\n")
         if "[orch] training: up to step 8" in line:
             seen.setdefault("start", time.monotonic())
         if "[orch] step 8/8" in line:
@@ -86,6 +97,10 @@ def test_throughput_matches_an_independent_count(project):
     outside = counted / (seen["end"] - seen["start"])
     assert figures["tokens_per_s_run"] == pytest.approx(outside, rel=0.25), (figures, outside)
     assert f"[orch] throughput: {figures['tokens_per_s_run']:,.0f} tok/s over the run" in out
+    step = int(re.search(r"checkpoint asked for \(preemption notice\): saving at step (\d+)", out).group(1))
+    assert 2 <= step <= 8 and (home / "checkpoint-done").read_text().split()[0] == str(step)
+    assert not (home / "checkpoint-request").exists() and "[orch] step 8/8" in out
+    # (checkpoint-<step> itself may have been rotated away by save_total_limit=2 by the end)
     # `orch status` lists it with its last step, loss and rate, read from what the run wrote
     from conftest import orch
 
@@ -150,3 +165,22 @@ def test_the_head_node_takes_the_price_of_where_the_cluster_was_provisioned():
     assert price == "65.5452" and "AWS/eu-north-1 is not in the launch's price table" in said
     assert provisioned({"ORCH_PRICE_PER_HOUR": "3"}) == ("3", "")  # local runs: the price given
     assert provisioned({}) == ("", "")
+
+
+def test_checkpoint_now_asks_and_waits(tmp_path, capsys):
+    """`orch node --checkpoint-now`: the request file the ranks read, then the wait for the file they write."""
+    import threading
+
+    from orchestrator.node.exec import checkpoint_now
+
+    def trainers():
+        while not (tmp_path / "checkpoint-request").exists():
+            time.sleep(0.05)
+        (tmp_path / "checkpoint-done").write_text("7 outputs/run/checkpoint-7\n")
+
+    threading.Thread(target=trainers, daemon=True).start()
+    assert checkpoint_now({"ORCH_HOME": str(tmp_path)}, wait=30) == 0
+    assert "[orch] checkpoint written at step 7: outputs/run/checkpoint-7" in capsys.readouterr().out
+    (tmp_path / "checkpoint-done").unlink()
+    assert checkpoint_now({"ORCH_HOME": str(tmp_path)}, wait=0.5) == 1  # nobody training here
+    assert "no checkpoint within 0.5 s" in capsys.readouterr().out
