@@ -120,12 +120,14 @@ class SlurmCluster:
         socket_dir = self.root / "munge"
         socket_dir.mkdir(exist_ok=True)
         self.munge_socket = socket_dir / "munge.socket"
-        if not Path("/run/munge/munge.socket.2").exists():  # one munged serves every namespace (a Unix socket)
+        if subprocess.run(["munge", "-n"], capture_output=True).returncode != 0:  # none answering (a stale socket too)
+            # one munged serves every namespace (a Unix socket)
+            Path("/run/munge/munge.socket.2").unlink(missing_ok=True)
             os.makedirs("/run/munge", exist_ok=True)
             shutil.chown("/run/munge", "munge", "munge")
             self.munged = subprocess.Popen(["runuser", "-u", "munge", "--", "munged", "--foreground"],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-            self._wait(lambda: Path("/run/munge/munge.socket.2").exists(), "munged's socket")
+            self._wait(lambda: subprocess.run(["munge", "-n"], capture_output=True).returncode == 0, "munged")
         self._daemon(0, ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         for i, name in enumerate(self.names(), start=1):
             self._daemon(i, ["slurmd", "-D", "-N", name, "-f", str(self.conf)])

@@ -56,7 +56,7 @@ def test_sbatch_trains_one_world_across_two_slurm_nodes_and_scancel_stops_every_
     """One job (its steps would run for hours): both slurmd nodes' launchers, one world of 2 ranks read back from the
     training processes, a checkpoint both nodes wrote their manifests for; then `scancel` and nothing is left."""
     cluster.project = tmp_path
-    job = submit(cluster, tmp_path, "max_steps=100000", "save_steps=2")
+    job = submit(cluster, tmp_path, "max_steps=100000", "save_steps=2", "save_total_limit=100000")  # kept: no rotation
     output = tmp_path / "ckpt" / f"slurm-{job}"
     saved = output / "checkpoint-2" / "orch_manifest.node1.json"
     log = wait_for(cluster, job, lambda text: ("[orch] step 3/" in text and saved.exists()) or gone(cluster, job),
