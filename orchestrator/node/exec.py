@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 
 from orchestrator.core.errors import OrchError
+from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home
 from orchestrator.core.topology import Topology
 from orchestrator.node import vllm
 from orchestrator.node.env import env_port, from_env, knob
@@ -74,10 +75,9 @@ def checkpoint_now(env: Mapping[str, str], wait: float) -> int:
     """`orch node --checkpoint-now` (the preemption hook orch adds to spot and managed launches): ask this node's
     training processes for a checkpoint at their next step ($ORCH_HOME/checkpoint-request, read by
     train/callbacks.py when ORCH_SAVE_ON_REQUEST=on) and wait until it is written."""
-    from pathlib import Path
 
-    home = Path(env.get("ORCH_HOME") or Path.home() / ".orch")
-    request, done = home / "checkpoint-request", home / "checkpoint-done"
+    home = orch_home(env)
+    request, done = home / SAVE_REQUEST, home / SAVE_DONE
     home.mkdir(parents=True, exist_ok=True)
     done.unlink(missing_ok=True)
     request.write_text(f"{time.time():.3f}\n")
@@ -164,7 +164,7 @@ def setup_times(env: Mapping[str, str]) -> dict[str, float]:
     times: dict[str, float] = {}
     if env.get("ORCH_LAUNCHED_AT"):
         times["launched"] = float(env["ORCH_LAUNCHED_AT"])
-    home = env.get("ORCH_HOME") or os.path.join(os.path.expanduser("~"), ".orch")
+    home = orch_home(env)
     try:
         lines = open(os.path.join(home, "setup.times")).read().splitlines()
     except OSError:

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from orchestrator.core.home import orch_home
 from orchestrator.node import stacks as stack_dump
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, printable, retryable
 from orchestrator.node.procs import DEFAULT_GRACE, end_tree, subreaper
@@ -132,8 +133,7 @@ def supervise(
 
     bounds = Bounds.from_env(env)
     progress_dir = tempfile.mkdtemp(prefix="orch-progress-")
-    home = env.get("ORCH_HOME") or os.path.join(os.path.expanduser("~"), ".orch")
-    traces = os.path.join(home, "nccl-traces", env.get("SKYPILOT_TASK_ID", "run"))
+    traces = os.path.join(orch_home(env), "nccl-traces", env.get("SKYPILOT_TASK_ID", "run"))
     child_env = {
         **env,
         **({"ORCH_PROGRESS_DIR": progress_dir, "ORCH_NODE_PID": str(os.getpid())} if bounds.on else {}),

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home
 from orchestrator.core.timeline import time_to_first_step
 from orchestrator.train.checkpoints import write_manifest
 from orchestrator.train.throughput import Meter, tokens_in
@@ -30,12 +31,11 @@ def _rows_in(inputs, trainer_name: str) -> int:
     raise RuntimeError(f"orch cannot count samples in a {trainer_name} batch of {type(inputs).__name__}")
 
 
-SAVE_REQUEST, SAVE_DONE = "checkpoint-request", "checkpoint-done"  # as node/exec.checkpoint_now writes and reads
 
 
 def save_request_path(env=os.environ) -> Path:
     """The file `orch node --checkpoint-now` creates on a node ($ORCH_HOME/checkpoint-request)."""
-    return Path(env.get("ORCH_HOME") or Path.home() / ".orch") / SAVE_REQUEST
+    return orch_home(env) / SAVE_REQUEST
 
 
 def node_of_process() -> tuple[int, int]:

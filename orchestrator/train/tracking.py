@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from orchestrator.core.home import orch_home
 from orchestrator.core.trackio_files import backup as _backup
 from orchestrator.core.trackio_files import node_copy
 
@@ -41,8 +42,7 @@ class NodeTracker:
     def __init__(self, project: str, run: str, node: int, nodes: int, local_main: bool, env=os.environ):
         self.project, self.run, self.node, self.nodes = project, run, node, nodes
         self.local_main = local_main
-        home = env.get("ORCH_HOME") or os.path.join(os.path.expanduser("~"), ".orch")
-        self.dir = Path(home) / "trackio" / run
+        self.dir = orch_home(env) / "trackio" / run
         self.storage = None
         self.last = None  # (time, this node's tokens) at the previous log
 
