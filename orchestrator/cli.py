@@ -18,7 +18,7 @@ from orchestrator.core.errors import OrchError
 COMMANDS = {
     "run": "run", "ls": "ls", "show": "show", "cp": "cp",
     "status": "jobs", "logs": "jobs", "cancel": "jobs", "down": "jobs",
-    "node": "node", "dashboard": "dashboard",
+    "node": "node", "dashboard": "dashboard", "plan": "plan", "pull": "pull",
 }  # fmt: skip
 
 EPILOG = """\
@@ -28,8 +28,10 @@ examples:
   orch run phi3_dpo_fsdp --gpus A100:8 --nodes 2              # launch through the SkyPilot SDK
   orch ls                                                     # the recipes: trainer, strategy, model, GPUs
   orch cp phi3_dpo_fsdp my_dpo                                # an editable copy with its configs
+  orch plan meta-llama/Llama-3.1-70B-Instruct --max-length 4096  # which GPUs, how many nodes, $/h
   orch status                                                 # recorded runs and their state
   orch dashboard RUN                                          # a --track run's curves, every node, in Trackio
+  orch pull RUN                                               # its final model: from the Hub, local run or cluster
   orch node --print                                           # on a node: the accelerate command it would run
 
 The two sides: `orch run` (laptop/CI) resolves a recipe and launches it; `orch node` (on every node,

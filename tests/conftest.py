@@ -13,6 +13,7 @@ os.environ["SKYPILOT_DISABLE_LOCAL_API_SERVER"] = "1"
 # Launches are rehearsed against the training stack (seconds each): tests/test_rehearsal.py turns it on where it is
 # the subject; elsewhere it would only repeat that work.
 os.environ.setdefault("ORCH_REHEARSAL", "off")
+os.environ.setdefault("ORCH_DATA_CHECK", "off")  # the one-row dataset check: on in test_recipes.py only
 # A cache of tiny smoke models private to this test session: CI builds them from scratch.
 os.environ.setdefault("ORCH_CACHE_DIR", tempfile.mkdtemp(prefix="orch-test-cache-"))
 

@@ -6,6 +6,9 @@ Serves repos saved on disk under ROOT/models/<org>/<name>/ and ROOT/datasets/<or
   GET  /api/{models,datasets}/<repo>/tree/<rev>          file list
   HEAD/GET /<repo>/resolve/<rev>/<file>, /datasets/<repo>/resolve/<rev>/<file>
 A repo listed in `gated` answers 401 GatedRepo to requests without `Authorization: Bearer <token>`.
+Uploads, with the token only (else 401): POST /api/repos/create, then upload_folder's calls (/api/validate-yaml,
+/api/models/<repo>/preupload/<rev> with every file "regular": inlined, no LFS, and /commit/<rev>, NDJSON), which
+writes the files into the repo's folder.
 """
 
 from __future__ import annotations
@@ -96,6 +99,44 @@ class Hub:
                     self._route(head)
                 except (IndexError, ValueError):
                     self._error(404, "EntryNotFound", head)
+
+            def do_POST(self):
+                path = unquote(urlparse(self.path).path)
+                hub.requests.append(f"POST {path}")
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.headers.get("Authorization") != f"Bearer {hub.token}":
+                    return self._error(401, "Unauthorized", False)
+                parts = path.strip("/").split("/")
+                ok = {"Content-Type": "application/json"}
+                if parts[:3] == ["api", "repos", "create"]:
+                    spec = json.loads(body)
+                    repo = f"{spec['organization']}/{spec['name']}" if spec.get("organization") else spec["name"]
+                    (hub.root / "models" / repo).mkdir(parents=True, exist_ok=True)
+                    return self._send(200, json.dumps({"url": f"{hub.endpoint}/{repo}"}).encode(), ok)
+                if parts[:2] == ["api", "validate-yaml"]:  # a README.md's model card metadata, checked before a commit
+                    return self._send(200, b"{}", ok)
+                if len(parts) < 5:
+                    return self._error(404, "EntryNotFound", False)
+                kind, repo, action = parts[1], "/".join(parts[2:4]), parts[4]
+                folder = hub.root / kind / repo
+                if not folder.is_dir():
+                    return self._error(404, "RepoNotFound", False)
+                if action == "preupload":
+                    files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                             for f in json.loads(body)["files"]]  # fmt: skip
+                    return self._send(200, json.dumps({"files": files}).encode(), ok)
+                if action == "commit":
+                    import base64
+
+                    for line in body.decode().splitlines():
+                        item = json.loads(line)
+                        if item["key"] == "file":
+                            target = folder / item["value"]["path"]
+                            target.parent.mkdir(parents=True, exist_ok=True)
+                            target.write_bytes(base64.b64decode(item["value"]["content"]))
+                    answer = {"commitUrl": f"{hub.endpoint}/{repo}/commit/{SHA}", "commitOid": SHA}
+                    return self._send(200, json.dumps(answer).encode(), ok)
+                return self._error(404, "EntryNotFound", False)
 
             def do_GET(self):
                 self._safe(head=False)

@@ -46,6 +46,13 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "--env", "DB_PASSWORD=k"], "looks like a credential"),
     (["run", "phi3_dpo_fsdp", "hub_token=hf_v4lue"], "pass --secret HF_TOKEN"),
     (["run", "phi3_dpo_fsdp", "--secret", "HF-TOKEN"], "not an environment variable name"),
+    # the model out (issue 19)
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "--push-to-hub", "me/model"], "pass --secret HF_TOKEN"),
+    (["run", "phi3_dpo_fsdp", "--push-to-hub", "no slash", "--secret", "HF_TOKEN=hf_v4lue"], "ORCH_PUSH_TO_HUB"),
+    (["run", "phi3_dpo_fsdp", "--push-to-hub", "me/a..b", "--secret", "HF_TOKEN=hf_v4lue"], "a Hub repo id"),
+    (["pull", "no-such-run"], "no run 'no-such-run' in sky_jobs/"),
+    (["plan", "nobody/knows-this-model"], "orch has no shape for"),
+    (["plan", "meta-llama/Llama-3.1-8B", "--peft", "dora"], "invalid choice: 'dora'"),
     # orch's env knobs, parsed as the nodes parse them
     (["run", "phi3_dpo_fsdp", "--env", "ORCH_RENDEZVOUS_TIMEOUT=-5"], "takes a number of seconds > 0"),
     (["run", "phi3_dpo_fsdp", "--env", "ORCH_RENDEZVOUS_TIMEOUT=nan"], "takes a number of seconds > 0"),

@@ -89,10 +89,13 @@ RULES = {
     "node": ({"core", "node", "rehearsal.driver"}, set()),
     "launch": (
         {"core", "launch", "node.plan", "node.env", "node.script", "node.output", "node.procs", "rehearsal.driver"},
-        {"yaml", "sky", "pyarrow"},  # pyarrow: only to read a --data .parquet file's first row (launch/data.py)
+        # pyarrow: only to read a --data .parquet file's first row (launch/data.py); huggingface_hub: `orch pull`
+        {"yaml", "sky", "pyarrow", "huggingface_hub"},
     ),
     "train": ({"core", "train"}, HEAVY - {"sky", "vllm"} | {"yaml", "huggingface_hub", "trackio"}),  # trackio: --track
-    "rehearsal": ({"core", "node.plan", "train", "rehearsal"}, HEAVY - {"sky", "vllm"} | {"huggingface_hub"}),
+    "rehearsal": (  # bitsandbytes: imported before CUDA is faked (role.py), so its CPU kernels are the ones chosen
+        {"core", "node.plan", "train", "rehearsal"}, HEAVY - {"sky", "vllm"} | {"huggingface_hub", "bitsandbytes"}
+    ),
     "commands": ({"core", "launch", "node", "commands"}, {"yaml"}),
 }
 

@@ -2,11 +2,12 @@
 the trainer's TRL argument parser. Walks recipes/ recursively; a YAML that none of them claims fails."""
 
 import importlib
+import re
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, orch
 
 from orchestrator.core import overrides
 from orchestrator.core.configs import PROFILES, resolve_accelerate_config
@@ -105,7 +106,8 @@ def test_recipe_set_covers_trl_distributed_docs():
     from orchestrator.launch.recipe_info import summarize
 
     rows = [summarize(load_task(p)) for p in TASKS]
-    assert {r.trainer for r in rows} == {"sft", "dpo", "grpo", "kto", "reward"}
+    assert {r.trainer.split("+")[0] for r in rows} == {"sft", "dpo", "grpo", "kto", "reward"}
+    assert {"sft+lora", "dpo+lora", "sft+qlora"} <= {r.trainer for r in rows}
     strategies = {r.strategy for r in rows}
     for needed in ("ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3-offload", "fsdp2+cp2", "zero3+sp2"):
         assert needed in strategies, needed
@@ -121,3 +123,37 @@ def test_long_context_configs_follow_trl_rules():
     assert long["attn_implementation"] == "sdpa" and long["gradient_checkpointing"] is False
     alst = yaml.safe_load((RECIPES_DIR / "accelerate" / "alst_ulysses_sp2.yaml").read_text())
     assert alst["distributed_type"] == "DEEPSPEED" and alst["deepspeed_config"]["zero_stage"] == 3
+
+
+def test_a_hub_style_dataset_is_checked_one_row_before_a_cloud_launch(project):
+    """`orch run` streams one row of the recipe's dataset (here a dataset saved to disk, read by datasets' streaming
+    loader as a Hub dataset would be), checks its columns, applies the model's chat template and says what
+    max_length cuts; a dataset without the trainer's columns stops the launch (exit 2, one line)."""
+    import json
+
+    from orchestrator.core import smoke
+
+    tiny = smoke.plan("meta-llama/Llama-3.1-8B-Instruct", "sft")
+    smoke.ensure(tiny)
+    good, bad = project / "chats", project / "qa"
+    good.mkdir()
+    bad.mkdir()
+    turns = [{"role": "user", "content": "Tell me a long story. " * 40}, {"role": "assistant", "content": "Once."}]
+    (good / "train.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    (bad / "train.jsonl").write_text(json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n")
+    argv = ["run", "llama3_sft_lora_ddp", "--dry-run", "--skip-optimizer", "--secret", "HF_TOKEN=x",
+            f"model_name_or_path={tiny.dir / 'model'}", "max_length=64"]  # fmt: skip
+    env = {"ORCH_DATA_CHECK": "on", "HF_HUB_OFFLINE": "1"}
+    result = orch(*argv, f"dataset_name={good}", cwd=project, env=env)
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("[orch] data: "))
+    assert re.fullmatch(rf"\[orch\] data: {good}, first row: messages; [\d,]+ tokens with the chat template: "
+                        r"max_length 64 truncates it \(\d+% cut\)", line), line  # fmt: skip
+    refused = orch(*argv, f"dataset_name={bad}", cwd=project, env=env)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout
+    assert refused.stderr.strip() == (
+        f"orch: error: dataset {bad}: its first row has no column completion (it has answer, prompt); TRL's sft "
+        'trainer reads messages or text or prompt + completion, e.g. {"messages": [{"role": "user", "content": "Hi"}, '
+        '{"role": "assistant", "content": "Hello!"}]}'
+    )
+    assert not (project / "sky_jobs").exists()

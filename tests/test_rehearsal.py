@@ -44,6 +44,7 @@ def batch_for(path, nodes: int, gpus: int, **flags):
         substitute=driver.substitutions(launch.trainer, launch.settings, artifacts.dir, driver.output_dir()),
         devices=gpus,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
+        quantized=str(launch.settings.get("load_in_4bit", "false")).lower() == "true",
     ), plans
 
 
@@ -180,13 +181,14 @@ def test_dry_run_prints_the_rehearsal_and_reuses_it(matrix, recipe):
     """`orch run <recipe> --gpus H100:8 --nodes 2 --dry-run`: the matrix rehearsed this exact launch, so the dry
     run finds it in the cache."""
     _, _, _, project = matrix
-    flags = [f"--env={k}={v}" for k, v in MATRIX_ENVS.get((recipe, 2, 8), {}).items()]
-    result = orch("run", recipe, "--gpus", "H100:8", "--nodes", "2", "--dry-run", "--skip-optimizer",
+    nodes = 16 if recipe == "llama3_70b_sft_fsdp" else 2  # 70B's states do not fit 16 GPUs (the memory check says)
+    flags = [f"--env={k}={v}" for k, v in MATRIX_ENVS.get((recipe, nodes, 8), {}).items()]
+    result = orch("run", recipe, "--gpus", "H100:8", "--nodes", str(nodes), "--dry-run", "--skip-optimizer",
                   "--secret", "HF_TOKEN=x", *flags, cwd=project, env=ON)  # fmt: skip
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stdout.splitlines() if "rehearsed" in x)
     assert re.search(
-        r"^\[orch\] rehearsed [23] role\(s\) of 16 rank\(s\) with transformers 5\.17\.0, trl 1\.16\.0", line
+        rf"^\[orch\] rehearsed [23] role\(s\) of {nodes * 8} rank\(s\) with transformers 5\.17\.0, trl 1\.16\.0", line
     )
     assert line.endswith("(cached)")
 

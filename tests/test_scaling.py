@@ -221,31 +221,22 @@ def test_server_node_fails_when_its_server_dies():
 # ---------------------------------------------------------------- preflight
 
 
-def test_memory_model_sharding_factors():
-    def est(strategy, **kw):
-        return preflight.estimate_memory(8.0, strategy, 8, **kw).gib_per_gpu
-
-    gib = 8e9 / 2**30
-    assert est("ddp") == pytest.approx(16 * gib)
-    assert est("zero1") == pytest.approx((4 + 12 / 8) * gib)
-    assert est("zero2") == pytest.approx((2 + 14 / 8) * gib)
-    assert est("zero3") == pytest.approx(2 * gib) == pytest.approx(est("fsdp"))
-    assert est("zero3", offload=True) == pytest.approx(2 / 8 * gib)
-    assert est("fsdp", trainer="dpo") == pytest.approx((2 + 2 / 8) * gib)  # + the sharded reference model
-    assert est("ddp", trainer="dpo") == pytest.approx(18 * gib)
-    assert est("ddp", peft=True) == pytest.approx(2 * gib)
-
-
 def test_memory_check_suggests_a_strategy_that_fits():
+    from orchestrator.core import memory, models
+
+    llama8 = memory.Setup(models.KNOWN_ARCHS["meta-llama/llama-3.1-8b-instruct"], strategy="ddp", micro_batch=2,
+                          seq_len=4096, liger=True)  # fmt: skip
     with pytest.raises(
         OrchError,
-        match=r"^8.03B sft needs ~119.7 GiB per GPU under ddp on 8 GPU\(s\) .*more than one "
-        r"A100-80GB holds \(80 GiB\); fsdp2 on 8 GPUs needs ~15 GiB",
+        match=r"^8.03B sft \(full, 2 x 4096 tokens per device\) needs ~\d+\.\d GiB per GPU \(weights 15.0, .*\) under "
+        r"DDP on 8 GPU\(s\), more than one A100-80GB holds \(80 GiB\); FSDP2 on 8 GPUs needs ~\d+\.\d GiB per GPU, "
+        r"or use GH200 \(96 GiB\); `orch plan` lists what fits$",
     ):
-        preflight.check_memory(8.03, {"distributed_type": "MULTI_GPU"}, 8, "A100-80GB", "sft")
-    with pytest.raises(OrchError, match=r"zero3 with CPU offload on 8 GPUs needs ~"):
-        preflight.check_memory(70, {"distributed_type": "FSDP"}, 8, "L4", "sft")
-    assert preflight.check_memory(3.82, {"distributed_type": "FSDP"}, 8, "A100", "dpo").gib_per_gpu < 10
+        preflight.check_memory(llama8, "A100-80GB")
+    llama70 = memory.with_(llama8, arch=models.KNOWN_ARCHS["meta-llama/llama-3.1-70b-instruct"], strategy="fsdp")
+    with pytest.raises(OrchError, match=r"ZeRO-3 with CPU offload on 8 GPUs needs ~"):
+        preflight.check_memory(memory.with_(llama70, micro_batch=1, seq_len=1024), "A100-80GB")
+    assert preflight.check_memory(memory.with_(llama8, strategy="fsdp"), "A100").gib < 40
 
 
 def test_fsdp_wrap_class_must_match_the_architecture():
@@ -283,15 +274,17 @@ def test_launch_refuses_a_recipe_that_cannot_fit():
     result = orch(
         "run", "llama3_sft_zero3", "--env", "ACCELERATE_CONFIG=multi_gpu", "--secret", "HF_TOKEN=x", "--dry-run"
     )
-    assert result.returncode == 2 and "needs ~119.7 GiB per GPU under ddp" in result.stderr
-    assert "fsdp2 on 8 GPUs needs ~15 GiB" in result.stderr and result.stdout == ""
+    assert result.returncode == 2 and "needs ~86.9 GiB per GPU (weights 15.0, gradients 29.9, optimizer 29.9, " \
+        "activations 3.3, overhead 8.8) under DDP on 8 GPU(s)" in result.stderr  # fmt: skip
+    assert "FSDP2 on 8 GPUs needs ~22.9 GiB per GPU" in result.stderr and result.stdout == ""
 
 
 def test_dry_run_shows_batch_and_memory():
     result = orch("run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "--dry-run", "--skip-optimizer")
     assert result.returncode == 0, result.stderr
     assert "batch: GLOBAL_BATCH_SIZE 64 = 4 per device x 16 data-parallel ranks x 1 accumulation steps" in result.stdout
-    assert re.search(r"memory: ~4\.\d GiB per GPU under fsdp on 16 GPU\(s\)", result.stdout), result.stdout
+    assert re.search(r"memory: ~\d+\.\d GiB per GPU \(weights .*, activations .*\) under FSDP2 on 16 GPUs, 4 x 2048 "
+                     r"tokens per device; each A100 has 40 GiB", result.stdout), result.stdout  # fmt: skip
 
 
 # ---------------------------------------------------------------- the same math at every shape (end to end)

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 from conftest import orch
+from hub_standin import Hub
 
+from orchestrator.core.final_model import is_final_file
 from orchestrator.train.checkpoints import verify
 
 pytestmark = pytest.mark.slow
@@ -14,7 +16,9 @@ pytestmark = pytest.mark.slow
 # One recipe per trainer and per strategy that runs for real on CPU, and between them every model family orch
 # ships; what ran is read back from the training processes.
 RECIPES = {
-    "sft-fsdp2": ("llama3_sft_fsdp", "FSDP2"),
+    "sft-fsdp2": ("llama3_70b_sft_fsdp", "FSDP2"),  # llama3_sft_fsdp's run, at 70B's settings (same tiny Llama)
+    "dpo-lora": ("llama3_dpo_lora_ddp", "MULTI_CPU"),
+    "sft-qlora-fsdp2": ("llama3_70b_qlora_fsdp", "FSDP2"),  # bitsandbytes' 4-bit NF4 on CPU, for real
     "grpo": ("qwen25_grpo_vllm_server", "MULTI_CPU"),
     "kto": ("qwen25_kto_ddp", "MULTI_CPU"),
     "reward": ("qwen25_reward_ddp", "MULTI_CPU"),
@@ -22,6 +26,21 @@ RECIPES = {
     "dpo-zero2": ("qwen25_dpo_zero2", "DeepSpeed ZeRO-2"),
     "sft-zero3": ("llama3_sft_zero3", "DeepSpeed ZeRO-3"),  # offload too runs on CPU: +1.5 min of CPU Adam build
 }
+
+
+def check_adapter(result, project, lora: bool, qlora: bool = False) -> Path:
+    """PEFT really trained an adapter (4-bit base layers for QLoRA), read back from the training process."""
+    output_dir = project / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
+    adapter = json.loads((output_dir / "orch" / "rank0.json").read_text())["adapter"]
+    if not lora:
+        assert adapter is None
+        return output_dir
+    assert 0 < adapter["trainable_params"] < adapter["params"] / 2, adapter  # a tiny model: r16 is a big share
+    assert (adapter["linear4bit"] > 0) == qlora, adapter
+    assert "Hugging Face format: PEFT's from_pretrained loads it on its base model" in result.stdout
+    assert (output_dir / "adapter_model.safetensors").is_file() and (output_dir / "adapter_config.json").is_file()
+    assert "[orch] trained: a LoRA adapter" in result.stdout
+    return output_dir
 
 
 def check_one_group(result, project, trainer: str, ran: str = "FSDP2"):
@@ -44,6 +63,15 @@ def test_trainer_smoke_trains_on_two_nodes(project, label):
     recipe, ran = RECIPES[label]
     result = orch("run", recipe, "--local", "--nodes", "2", "--smoke", cwd=project)
     check_one_group(result, project, label.split("-")[0], ran)
+    output_dir = check_adapter(result, project, lora="lora" in label, qlora="qlora" in label)
+    if "qlora" in label:  # `orch pull` of a local run: the final model's files from its output dir, no more
+        run = re.search(r"^\[orch\] run (\S+):", result.stdout, re.M).group(1)
+        pulled = orch("pull", run, "pulled", cwd=project)
+        assert pulled.returncode == 0, pulled.stderr
+        assert f"final model from outputs/{output_dir.name} -> pulled (" in pulled.stdout
+        pulled_files = sorted(p.name for p in (project / "pulled").iterdir())
+        assert pulled_files == sorted(p.name for p in output_dir.iterdir() if p.is_file() and is_final_file(p.name))
+        assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(pulled_files)
     if ran.startswith("DeepSpeed"):
         output_dir = project / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
         assert len(list((output_dir / "checkpoint-8").glob("global_step8/*optim_states.pt"))) == 2
@@ -70,3 +98,30 @@ def test_copied_template_runs_on_the_users_own_file(project):
     dataset = Path(launch[launch.index("--dataset_name") + 1])
     assert dataset.parent == project / "cache" / "data"
     assert (dataset / "train.jsonl").read_text().splitlines() == mine.read_text().splitlines()[:128]
+
+
+def test_lora_sft_pushes_its_adapter_to_the_hub_and_pull_brings_it_back(project, tmp_path):
+    """LoRA SFT of the 8B recipe (tiny Llama) on 2 nodes, --push-to-hub to a stand-in Hub (huggingface_hub's own
+    client over HTTP): only the final model's files are uploaded; `orch pull` downloads them and PEFT loads them."""
+    with Hub(tmp_path / "hub") as hub:
+        env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token}
+        result = orch("run", "llama3_sft_lora_ddp", "--local", "--nodes", "2", "--smoke", "--push-to-hub",
+                      "me/tiny-lora", "--secret", "HF_TOKEN", cwd=project, env=env)  # fmt: skip
+        check_one_group(result, project, "sft", "MULTI_CPU")
+        check_adapter(result, project, lora=True)
+        on_hub = sorted(p.name for p in (tmp_path / "hub" / "models" / "me" / "tiny-lora").iterdir())
+        assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(on_hub), on_hub
+        assert not [n for n in on_hub if n.startswith(("checkpoint", "orch", "trackio", "log"))], on_hub
+        assert f"[orch] final model on the Hub: {hub.endpoint}/me/tiny-lora ({', '.join(on_hub)})" in result.stdout
+        assert hub.token not in result.stdout + result.stderr
+        posts = [r for r in hub.requests if r.startswith("POST")]
+        assert posts[0] == "POST /api/repos/create" and posts[-1] == "POST /api/models/me/tiny-lora/commit/main"
+        run = re.search(r"^\[orch\] run (\S+):", result.stdout, re.M).group(1)
+        pulled = orch("pull", run, str(tmp_path / "mine"), cwd=project, env=env)
+    assert pulled.returncode == 0, pulled.stderr
+    assert f"final model from the Hub (me/tiny-lora) -> {tmp_path / 'mine'} ({len(on_hub)} files" in pulled.stdout
+    from peft import AutoPeftModelForCausalLM
+
+    model = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "mine"))
+    assert sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) == json.loads(
+        next((project / "outputs").rglob("rank0.json")).read_text())["adapter"]["trainable_params"]  # fmt: skip

@@ -101,6 +101,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "columns), uploaded with the task, read by TRL; with --smoke a sample of its first 128 rows",
     )
     p.add_argument(
+        "--push-to-hub",
+        metavar="REPO",
+        help="at the end, upload the final model (weights or LoRA adapter, config, tokenizer) to this private Hugging "
+        "Face repo; needs --secret HF_TOKEN with write access, checked before training. Same as --env "
+        "ORCH_PUSH_TO_HUB=REPO; `orch pull RUN` fetches it",
+    )
+    p.add_argument(
         "--track",
         action="store_true",
         help="log curves to Trackio (TRL's recommended tracker, local-first): each node writes its own database, "
@@ -223,6 +230,10 @@ def main(args: argparse.Namespace) -> int:
 
         data_file = data.use(args.data, recipe.trainer, args.local, args.smoke, user_overrides)
     secret_values = secrets.values_for(recipe, secrets.parse_secrets(args.secret), smoke=args.smoke)
+    if args.push_to_hub:
+        user_envs["ORCH_PUSH_TO_HUB"] = args.push_to_hub  # checked with the other knobs by plan()
+        if "HF_TOKEN" not in secret_values:
+            raise OrchError("--push-to-hub needs a Hub token with write access on the nodes: pass --secret HF_TOKEN")
     check_paired_files(recipe)
     if args.local:
         if (args.managed or args.spot or args.cluster or args.dry_run or args.detach or args.keep_up or args.infra
@@ -297,7 +308,9 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
     from orchestrator.launch.backends import sky as sky_backend
 
     sky_backend.to_task(task, secret_values)  # SkyPilot's own validation, before anything is asked or written
-    if not args.yes and not _confirm(launch, task, checked.plans, args.managed):
+    from orchestrator.launch.dryrun import confirm
+
+    if not args.yes and not confirm(launch, task, checked.plans, args.managed):
         print("[orch] not launched", flush=True)
         return 1
     if task["envs"].get("ORCH_MAX_COST") and not task["envs"].get("ORCH_PRICE_PER_HOUR"):
@@ -363,37 +376,3 @@ def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[
                 flush=True,
             )
         raise
-
-
-def _confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
-    """Show what SkyPilot would launch and its price, then ask. SkyPilot's optimizer runs in this process when the
-    catalogs and credentials are here, else on the API server (which prints its own table of choices)."""
-    from orchestrator.launch import dryrun, placement, storage
-    from orchestrator.launch.backends import sky as sky_backend
-
-    total = plans[0].topology.total_gpus
-    what = "managed job" if managed else "cluster"
-    print(f"[orch] {launch.recipe.name}: {launch.nodes} node(s) x {launch.gpus} as a {what}")
-    print(f"[orch] checkpoints and final model: {storage.durable_checkpoints(task) or 'on the nodes (not durable)'}")
-    try:
-        plan = sky_backend.optimize(task)
-    except OrchError as local:
-        plan, reason = None, local
-    if plan is not None:
-        print(f"[orch] SkyPilot's plan: {dryrun.describe(plan)}")
-        print(f"[orch] {dryrun.estimate(task, plan, total)}")
-        dryrun.check_cap(task, plan, total)
-        if not task["envs"].get("ORCH_PRICE_PER_HOUR"):  # spend on every step (a price the user gave stays)
-            task["envs"]["ORCH_PRICE_PER_HOUR"] = f"{plan.dollars_per_hour:.4f}"
-            placement.price_table(task, plan)
-    else:
-        try:
-            sky_backend.show_server_plan(task)
-            print("[orch] SkyPilot's plan and price: above (its optimizer, run by your API server)")
-        except OrchError:
-            print(f"[orch] SkyPilot's plan: not computed here ({reason}); SkyPilot picks the cheapest match at launch")
-    try:
-        answer = input("Launch? [y/N] ")
-    except EOFError:
-        answer = ""
-    return answer.strip().lower() in ("y", "yes")

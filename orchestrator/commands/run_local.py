@@ -52,7 +52,7 @@ def _local_once(args, launch: Launch, user_envs, user_overrides, secret_values: 
         envs = {
             **launch.envs,
             "GLOBAL_BATCH_SIZE": user_envs.get("GLOBAL_BATCH_SIZE", str(SMOKE_GLOBAL_BATCH)),
-            "HF_HUB_OFFLINE": "1",  # smoke never touches a hub
+            "HF_HUB_OFFLINE": "0" if launch.envs.get("ORCH_PUSH_TO_HUB") else "1",  # a hub only to push the model
             "HF_DATASETS_OFFLINE": "1",
         }
         if launch.envs.get("VLLM_SERVER_NODES", "0") not in ("", "0"):

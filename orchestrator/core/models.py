@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.core.errors import OrchError
+from orchestrator.core.memory import Arch
 
 
 @dataclass(frozen=True)
@@ -29,25 +30,51 @@ FAMILIES = (
 )
 
 
-# Parameter counts (billions, embeddings included) of the models the recipes use, from their model cards.
-KNOWN_PARAMS_B = {
-    "microsoft/phi-3-mini-4k-instruct": 3.82,
-    "meta-llama/llama-3.1-8b-instruct": 8.03,
-    "meta-llama/llama-3.1-8b": 8.03,
-    "qwen/qwen2.5-0.5b-instruct": 0.494,
-    "qwen/qwen2.5-1.5b-instruct": 1.54,
-    "qwen/qwen3-1.7b": 2.03,
-    "qwen/qwen3-8b": 8.19,
+# Shapes of the models the recipes use, from their config.json on the Hub (num_hidden_layers, hidden_size,
+# intermediate_size, num_attention_heads, num_key_value_heads, vocab_size, head_dim, tie_word_embeddings). The
+# memory model (core/memory.py) works from these; tests/test_memory.py checks each one's parameter count against
+# its model card.
+KNOWN_ARCHS = {
+    "microsoft/phi-3-mini-4k-instruct": Arch(32, 3072, 8192, 32, 32, 32064),
+    "meta-llama/llama-2-7b-hf": Arch(32, 4096, 11008, 32, 32, 32000),
+    "meta-llama/llama-2-70b-hf": Arch(80, 8192, 28672, 64, 8, 32000),
+    "meta-llama/llama-3.1-8b": Arch(32, 4096, 14336, 32, 8, 128256),
+    "meta-llama/llama-3.1-8b-instruct": Arch(32, 4096, 14336, 32, 8, 128256),
+    "meta-llama/llama-3.1-70b": Arch(80, 8192, 28672, 64, 8, 128256),
+    "meta-llama/llama-3.1-70b-instruct": Arch(80, 8192, 28672, 64, 8, 128256),
+    "meta-llama/llama-3.3-70b-instruct": Arch(80, 8192, 28672, 64, 8, 128256),
+    "qwen/qwen2.5-0.5b-instruct": Arch(24, 896, 4864, 14, 2, 151936, tied=True),
+    "qwen/qwen2.5-1.5b-instruct": Arch(28, 1536, 8960, 12, 2, 151936, tied=True),
+    "qwen/qwen3-1.7b": Arch(28, 2048, 6144, 16, 8, 151936, head_dim=128, tied=True),
+    "qwen/qwen3-8b": Arch(36, 4096, 12288, 32, 8, 151936, head_dim=128),
 }
 
 
-def params_billions(model_id: str) -> float | None:
-    """Parameter count of a model id: the table above, else the size its name states (`...-70B`), else None."""
-    import re
+def arch_of(model_id: str) -> Arch | None:
+    """A known model's shape, or the config.json of a local model directory; None when orch cannot know it."""
+    import json
+    from pathlib import Path
 
-    known = KNOWN_PARAMS_B.get(model_id.lower())
+    known = KNOWN_ARCHS.get(model_id.lower())
     if known is not None:
         return known
+    path = Path(model_id)
+    config = path / "config.json" if path.is_dir() else path
+    if config.name.endswith(".json") and config.is_file():
+        try:
+            return Arch.from_config(json.loads(config.read_text()))
+        except (KeyError, ValueError, TypeError) as exc:
+            raise OrchError(f"{config}: not a decoder model's config.json this estimate can read ({exc})") from None
+    return None
+
+
+def params_billions(model_id: str) -> float | None:
+    """Parameter count of a model id: from its shape when known, else the size its name states (`...-70B`)."""
+    import re
+
+    arch = arch_of(model_id)
+    if arch is not None:
+        return arch.params / 1e9
     match = re.search(r"(?<![\d.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z])", model_id.split("/")[-1])
     return float(match.group(1)) if match else None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from orchestrator.core import trl_schema
+from orchestrator.core import memory, trl_schema
 from orchestrator.core.errors import OrchError
 from orchestrator.launch import preflight
 from orchestrator.launch.resolved import Launch
@@ -23,7 +23,7 @@ PLACEHOLDER_TASK_ID = "$SKYPILOT_TASK_ID"
 class Checked(NamedTuple):
     plans: list[NodePlan]
     """The plans of the representative ranks (0, 1, the last), in rank order (plan.cluster.node_rank)."""
-    memory: preflight.MemoryEstimate | None
+    memory: memory.Estimate | None
 
 
 def placeholder_ips(nodes: int) -> str:
@@ -78,6 +78,7 @@ def rehearse(launch: Launch, checked: Checked) -> str:
         substitute=driver.substitutions(launch.trainer, launch.settings, artifacts.dir, driver.output_dir()),
         devices=launch.gpus.count,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
+        quantized=str(launch.settings.get("load_in_4bit", "false")).lower() == "true",
     )
     (outcomes,) = driver.rehearse_batches([batch], launch.recipe.workdir)
     for outcome in outcomes:
@@ -96,4 +97,10 @@ def check(launch: Launch, task_id: str = PLACEHOLDER_TASK_ID, device: str = "gpu
     plans = previews(launch, task_id, device)
     trainers = launch.nodes - (1 if plans[-1].role == "vllm-server" else 0)
     memory = preflight.run(launch, trainers, gpus=launch.gpus if device == "gpu" else None)
+    if device == "gpu":  # a cloud launch: one row of the dataset, streamed here (launch/datacheck.py)
+        from orchestrator.launch import datacheck
+
+        line = datacheck.run(launch)
+        if line:
+            print(line, flush=True)
     return Checked(plans, memory)

@@ -15,31 +15,11 @@ import json
 import os
 from pathlib import Path
 
+from orchestrator.core import dataset_format
 from orchestrator.core.errors import OrchError
 
 DATA_MOUNT = "/orch-data"
-# Columns each trainer reads (any one set), per TRL's dataset formats, and a row that would do.
-NEEDS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "sft": (("messages",), ("text",), ("prompt", "completion")),
-    "dpo": (("chosen", "rejected"),),
-    "reward": (("chosen", "rejected"),),
-    "kto": (("prompt", "completion", "label"),),
-    "grpo": (("prompt",),),
-}
-EXAMPLES = {
-    "sft": {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
-    "dpo": {"prompt": [{"role": "user", "content": "2+2?"}], "chosen": [{"role": "assistant", "content": "4"}],
-            "rejected": [{"role": "assistant", "content": "5"}]},  # fmt: skip
-    "kto": {"prompt": [{"role": "user", "content": "2+2?"}], "completion": [{"role": "assistant", "content": "4"}],
-            "label": True},  # fmt: skip
-    "grpo": {"prompt": [{"role": "user", "content": "What is 2+2?"}]},
-}
-EXAMPLES["reward"] = EXAMPLES["dpo"]
 SMOKE_ROWS = 128
-
-
-def _needs(trainer: str) -> str:
-    return " or ".join(" + ".join(s) for s in NEEDS[trainer])
 
 
 def _rows(path: Path):
@@ -76,14 +56,9 @@ def check(path: Path, trainer: str) -> int:
     for number, row in _rows(path):
         if not isinstance(row, dict):
             raise OrchError(f"--data {path}: line {number} is a JSON {type(row).__name__}, not an object")
-        if not any(set(columns) <= row.keys() for columns in NEEDS[trainer]):
-            best = max(NEEDS[trainer], key=lambda columns: len(set(columns) & row.keys()))
-            missing = [c for c in best if c not in row]
-            named = f"column{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
-            raise OrchError(
-                f"--data {path}: row {number} has no {named} (it has {', '.join(sorted(row)) or 'none'}); "
-                f"TRL's {trainer} trainer reads {_needs(trainer)}, e.g. {json.dumps(EXAMPLES[trainer])}"
-            )
+        wrong = dataset_format.missing(row, trainer)
+        if wrong:
+            raise OrchError(f"--data {path}: row {number} {wrong}")
         count += 1
     if not count:
         raise OrchError(f"--data {path}: the file holds no rows")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from orchestrator.core import accelerators
 from orchestrator.core.errors import OrchError
 from orchestrator.core.yamlio import dump_task
-from orchestrator.launch import storage
+from orchestrator.launch import preflight, storage
 from orchestrator.launch.checks import Checked
 from orchestrator.launch.resolved import Launch
 from orchestrator.node.plan import render
@@ -41,13 +41,14 @@ def show(launch: Launch, task: dict, checked: Checked, skip_optimizer: bool, reh
             f"{head.data_parallel_size} data-parallel ranks x {head.gradient_accumulation_steps} accumulation steps"
         )
     if checked.memory is not None:
-        name = launch.gpus.name
+        name, setup = launch.gpus.name, checked.memory.setup
         print(
-            f"memory: {checked.memory.describe()} for weights, gradients and Adam states (activations extra); "
-            f"each {name} has {accelerators.memory_gib(name)} GiB"
+            f"memory: {checked.memory.describe()} under {preflight.label(setup)} on {setup.gpus} GPUs, "
+            f"{setup.micro_batch} x {setup.seq_len} tokens per device; each {name} has "
+            f"{accelerators.memory_gib(name)} GiB"
         )
     else:
-        print("memory: not estimated (model size unknown to orch)")
+        print("memory: not estimated (orch has no shape for this model: `orch plan path/to/config.json` reads one)")
     where = storage.durable_checkpoints(task) or "the nodes' own disks (lost with the cluster)"
     print(f"checkpoints and final model: {where}")
     _section("SkyPilot plan")
@@ -110,3 +111,37 @@ def estimate(task: dict, plan, total_gpus: int) -> str:
         f"estimated cost: EXPECTED_GPU_HOURS {gpu_hours} / {total_gpus} GPUs = {hours:.2f} h "
         f"(ideal scaling) x ${plan.dollars_per_hour:.2f}/h = ${hours * plan.dollars_per_hour:.2f}"
     )
+
+
+def confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
+    """Show what SkyPilot would launch and its price, then ask. SkyPilot's optimizer runs in this process when the
+    catalogs and credentials are here, else on the API server (which prints its own table of choices)."""
+    from orchestrator.launch import placement
+    from orchestrator.launch.backends import sky as sky_backend
+
+    total = plans[0].topology.total_gpus
+    what = "managed job" if managed else "cluster"
+    print(f"[orch] {launch.recipe.name}: {launch.nodes} node(s) x {launch.gpus} as a {what}")
+    print(f"[orch] checkpoints and final model: {storage.durable_checkpoints(task) or 'on the nodes (not durable)'}")
+    try:
+        plan = sky_backend.optimize(task)
+    except OrchError as local:
+        plan, reason = None, local
+    if plan is not None:
+        print(f"[orch] SkyPilot's plan: {describe(plan)}")
+        print(f"[orch] {estimate(task, plan, total)}")
+        check_cap(task, plan, total)
+        if not task["envs"].get("ORCH_PRICE_PER_HOUR"):  # spend on every step (a price the user gave stays)
+            task["envs"]["ORCH_PRICE_PER_HOUR"] = f"{plan.dollars_per_hour:.4f}"
+            placement.price_table(task, plan)
+    else:
+        try:
+            sky_backend.show_server_plan(task)
+            print("[orch] SkyPilot's plan and price: above (its optimizer, run by your API server)")
+        except OrchError:
+            print(f"[orch] SkyPilot's plan: not computed here ({reason}); SkyPilot picks the cheapest match at launch")
+    try:
+        answer = input("Launch? [y/N] ")
+    except EOFError:
+        answer = ""
+    return answer.strip().lower() in ("y", "yes")

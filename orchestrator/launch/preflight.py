@@ -4,18 +4,15 @@ an OrchError that names the fix; `run()` applies the ones that fit the launch.""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-from orchestrator.core import accelerators, models, parallel, strategy
+from orchestrator.core import accelerators, memory, models, parallel, strategy
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import effective, truthy
 
-GIB = 1024**3
-USABLE_FRACTION = 0.9  # of a GPU's memory, leaving room for the CUDA context and fragmentation
-# Bytes per parameter with bf16 mixed precision and Adam: bf16 weights 2, bf16 grads 2, fp32 master + m + v 12.
-WEIGHTS, GRADS, OPTIMIZER = 2, 2, 12
-REFERENCE_TRAINERS = ("dpo", "kto")  # keep a frozen reference copy of the policy
+# Of a GPU's memory the estimate (which counts the CUDA context and the allocator's slack) may take: what the driver
+# reports usable (an H100 shows 79.6 of its 80 GiB) less a margin.
+USABLE_FRACTION = 0.95
 
 
 def check_accelerator(gpus: Gpus | str) -> tuple[str, int, int]:
@@ -32,66 +29,73 @@ def check_process_split(total: int, nodes: int) -> None:
         raise OrchError(f"{total} processes cannot be split evenly over {nodes} nodes; give a GPU count per node")
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    gib_per_gpu: float
-    strategy: str
-    gpus: int
+def setup_of(launch, gpus: int) -> memory.Setup | None:
+    """What the memory model needs, from the recipe's TRL and Accelerate configs with the overrides (TRL's and
+    PEFT's defaults where a config is silent); None when orch has no shape for the model."""
+    arch = models.arch_of(str(launch.setting("model_name_or_path", "")))
+    if arch is None:
+        return None
+    accel = launch.paired.accelerate
+    asked = strategy.of(accel)
+    peft = truthy(launch.setting("use_peft", False))
+    targets = launch.setting("lora_target_modules") or memory.PEFT_DEFAULT_TARGETS
+    seq, completion = int(launch.setting("max_length", 1024)), 0
+    if launch.trainer == "grpo":
+        completion = int(launch.setting("max_completion_length", 512))
+        seq = int(launch.setting("max_prompt_length", 512)) + completion
+    fsdp_ac = truthy((accel.get("fsdp_config") or {}).get("fsdp_activation_checkpointing", False))
+    return memory.Setup(
+        arch=arch,
+        trainer=launch.trainer,
+        method=("qlora" if truthy(launch.setting("load_in_4bit", False)) else "lora") if peft else "full",
+        strategy=asked.sharding,
+        gpus=gpus,
+        offload=asked.offload,
+        micro_batch=int(launch.setting("per_device_train_batch_size", 8)),
+        seq_len=seq,
+        completion_len=completion,
+        checkpointing=fsdp_ac or truthy(launch.setting("gradient_checkpointing", True)),
+        seq_split=asked.cp * asked.sp,
+        weights_dtype=str(launch.setting("dtype", "float32")),
+        mixed_precision=str(accel.get("mixed_precision", "no")).lower() not in ("no", "none"),
+        lora_r=int(launch.setting("lora_r", 16)),
+        lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
+        lora_dropout=float(launch.setting("lora_dropout", 0.05)),
+        nested_quant=truthy(launch.setting("use_bnb_nested_quant", False)),
+        liger=truthy(launch.setting("use_liger_kernel", False)),
+    )
 
-    def describe(self) -> str:
-        return f"~{self.gib_per_gpu:.1f} GiB per GPU under {self.strategy} on {self.gpus} GPU(s)"
+
+def label(setup: memory.Setup) -> str:
+    return {"fsdp": "FSDP2", "ddp": "DDP"}.get(setup.strategy, setup.strategy.replace("zero", "ZeRO-")) + (
+        " with CPU offload" if setup.offload else ""
+    )
 
 
-def estimate_memory(
-    params_b: float, strategy: str, gpus: int, trainer: str = "sft", offload: bool = False, peft: bool = False
-) -> MemoryEstimate:
-    """Weights, gradients and Adam states per GPU (activations come on top and depend on sequence length)."""
-    n = float(params_b) * 1e9
-    trained = 0.0 if peft else 1.0
-    if strategy == "ddp":
-        per_param = WEIGHTS + trained * (GRADS + OPTIMIZER)
-    elif strategy == "zero1":
-        per_param = WEIGHTS + trained * (GRADS + OPTIMIZER / gpus)
-    elif strategy == "zero2":
-        per_param = WEIGHTS + trained * (GRADS + OPTIMIZER) / gpus
-    else:  # zero3, fsdp: everything sharded
-        per_param = (WEIGHTS + trained * (GRADS + OPTIMIZER)) / gpus
-        if offload:  # parameters and optimizer states live in CPU RAM; GPUs keep gradient shards
-            per_param = trained * GRADS / gpus
-    if trainer in REFERENCE_TRAINERS and not peft:
-        per_param += WEIGHTS / gpus if strategy in ("zero3", "fsdp") else WEIGHTS
-    label = strategy + ("-offload" if offload else "")
-    return MemoryEstimate(n * per_param / GIB, label, gpus)
-
-
-def check_memory(
-    params_b: float, accelerate_config: Mapping, gpus: int, gpu_name: str, trainer: str, peft: bool = False
-) -> MemoryEstimate:
-    asked = strategy.of(accelerate_config)
-    estimate = estimate_memory(params_b, asked.sharding, gpus, trainer, asked.offload, peft)
+def check_memory(setup: memory.Setup, gpu_name: str) -> memory.Estimate:
+    """The estimate when it fits one `gpu_name`, else an error naming a strategy or an accelerator that fits."""
+    estimate = memory.estimate(setup)
     capacity = accelerators.memory_gib(gpu_name)
-    if estimate.gib_per_gpu <= capacity * USABLE_FRACTION:
+    if estimate.gib <= capacity * USABLE_FRACTION:
         return estimate
     fixes = []
     for alternative, off in (("fsdp", False), ("zero3", True)):
-        other = estimate_memory(params_b, alternative, gpus, trainer, off, peft)
-        if other.gib_per_gpu <= capacity * USABLE_FRACTION and other.strategy != estimate.strategy:
-            name = "fsdp2" if alternative == "fsdp" else "zero3 with CPU offload"
-            fixes.append(f"{name} on {gpus} GPUs needs ~{other.gib_per_gpu:.0f} GiB")
+        other = memory.estimate(memory.with_(setup, strategy=alternative, offload=off))
+        if (alternative, off) != (setup.strategy, setup.offload) and other.gib <= capacity * USABLE_FRACTION:
+            fixes.append(f"{label(other.setup)} on {setup.gpus} GPUs needs {other.describe().split(' (')[0]}")
             break
     bigger = next(
-        (
-            g
-            for g, mem in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: kv[1])
-            if mem * USABLE_FRACTION >= estimate.gib_per_gpu
-        ),
+        (g for g, mem in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: kv[1])
+         if mem * USABLE_FRACTION >= estimate.gib),
         None,
-    )
+    )  # fmt: skip
     if bigger:
         fixes.append(f"or use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB)")
     raise OrchError(
-        f"{params_b:g}B {trainer} needs {estimate.describe()} (weights, gradients, Adam; activations extra), "
-        f"more than one {gpu_name} holds ({capacity} GiB)" + (f"; {', '.join(fixes)}" if fixes else "")
+        f"{setup.arch.params / 1e9:.3g}B {setup.trainer} ({setup.method}, {setup.micro_batch} x {setup.seq_len} tokens "
+        f"per device) needs {estimate.describe()} under {label(setup)} on {setup.gpus} GPU(s), more than one "
+        f"{gpu_name} holds ({capacity} GiB)" + (f"; {', '.join(fixes)}" if fixes else "")
+        + "; `orch plan` lists what fits"
     )
 
 
@@ -138,7 +142,7 @@ def check_sequence_parallel(accelerate_config: Mapping) -> None:
         parallel.check_backend(sizes, accelerate_config)
 
 
-def run(launch, trainer_nodes: int, gpus: Gpus | None) -> MemoryEstimate | None:
+def run(launch, trainer_nodes: int, gpus: Gpus | None) -> memory.Estimate | None:
     """Every check that applies to a resolved launch (orchestrator.launch.resolved.Launch); returns the memory
     estimate when GPUs are named and the model size is known."""
     accel = launch.paired.accelerate
@@ -150,8 +154,5 @@ def run(launch, trainer_nodes: int, gpus: Gpus | None) -> MemoryEstimate | None:
         return None
     name, per_node, _ = check_accelerator(gpus)
     check_process_split(per_node * trainer_nodes, trainer_nodes)
-    params_b = models.params_billions(model_id)
-    if params_b is None:
-        return None
-    peft = truthy(launch.setting("use_peft", False))
-    return check_memory(params_b, accel, per_node * trainer_nodes, name, launch.trainer, peft)
+    setup = setup_of(launch, per_node * trainer_nodes)
+    return None if setup is None else check_memory(setup, name)

@@ -28,7 +28,11 @@ def summarize(recipe: Recipe) -> Summary:
     if recipe.envs.get("VLLM_SERVER_NODES", "0") not in ("", "0"):
         label += "+vllm-server"
     try:
-        model = configs.load_yaml(recipe.paired("TRL_CONFIG"), "TRL config").get("model_name_or_path", "?")
+        trl = configs.load_yaml(recipe.paired("TRL_CONFIG"), "TRL config")
     except OrchError:
-        model = "?"
-    return Summary(recipe.name, recipe.trainer, label, str(model), str(recipe.gpus or "-"), recipe.num_nodes)
+        trl = {}
+    model = trl.get("model_name_or_path", "?")
+    trainer = recipe.trainer
+    if str(trl.get("use_peft", "")).lower() == "true":  # LoRA, or QLoRA on 4-bit weights
+        trainer += "+qlora" if str(trl.get("load_in_4bit", "")).lower() == "true" else "+lora"
+    return Summary(recipe.name, trainer, label, str(model), str(recipe.gpus or "-"), recipe.num_nodes)

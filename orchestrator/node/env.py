@@ -230,6 +230,12 @@ def _project(raw: str) -> str:
     return raw
 
 
+def _repo_id(raw: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}", raw) or "--" in raw or ".." in raw:
+        raise ValueError(raw)
+    return raw
+
+
 # orch's own env knobs read on the nodes: name -> (parser, what it takes). plan() parses every one that is set, so
 # the launch side (which computes every node's plan before sending anything) refuses a bad one first. (ORCH_DEVICE,
 # DDP_TIMEOUT and the TRL/Accelerate variables are parsed by plan() itself.)
@@ -252,6 +258,8 @@ KNOBS = {
     "ORCH_SAVE_ON_REQUEST": (_choice("on", "off"), "on or off"),
     # Trackio (train/tracking.py): the project the nodes log to, or off
     "ORCH_TRACK": (_project, "off or a Trackio project name (letters, digits, _ and -, at most 100)"),
+    # the final model pushed to the Hugging Face Hub (train/hub.py)
+    "ORCH_PUSH_TO_HUB": (_repo_id, "a Hub repo id, <owner>/<name> (letters, digits, -, _ and .)"),
 }
 
 

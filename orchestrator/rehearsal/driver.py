@@ -69,6 +69,8 @@ class Batch(NamedTuple):
     """GPUs per node to report."""
     smoke: tuple[str, str, str]
     """(model type, trainer, cache dir) of the tiny model and data the substitutions point at."""
+    quantized: bool = False
+    """load_in_4bit: the rehearsal quantises on CPU (orchestrator/rehearsal/role.py)."""
 
 
 class Outcome(NamedTuple):
@@ -136,6 +138,8 @@ def swaps(batch: Batch) -> list[str]:
         out.append("no Liger")
     if "--use_vllm" in words:
         out.append("no vLLM engine")
+    if batch.quantized:
+        out.append("4-bit weights quantised on CPU")
     return out
 
 
@@ -263,6 +267,9 @@ def summary(outcomes: list[Outcome], ranks: int, batch: Batch) -> str:
     if head.get("zero_stage") is not None:
         what.append(f"ZeRO-{head['zero_stage']}")
     what.append(f"accumulation {head.get('gradient_accumulation_steps', '?')}")
+    if head.get("trainable_params") is not None:
+        four = f", {head['params_4bit']} 4-bit base tensors" if head.get("params_4bit") else ""
+        what.append(f"{head['trainable_params']:,} trainable adapter parameters{four}")
     what.append(f"final model: {head.get('final_model', '?')}")
     stack = ", ".join(f"{k} {v}" for k, v in versions().items() if k in ("accelerate", "trl", "transformers"))
     cached = " (cached)" if all(o.facts.get("cached") for o in outcomes) else ""

@@ -158,6 +158,10 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
         "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
         "per_device_train_batch_size": trainer.args.per_device_train_batch_size,
     }
+    params = list(trainer.model.parameters())
+    if any(not p.requires_grad for p in params):  # PEFT: an adapter trains, the base stays frozen (4-bit: QLoRA)
+        facts["trainable_params"] = sum(p.numel() for p in params if p.requires_grad)
+        facts["params_4bit"] = sum(type(p).__name__ == "Params4bit" for p in params)
     if acc.parallelism_config is not None:
         pc = acc.parallelism_config
         facts["parallelism"] = {k: getattr(pc, f"{k}_size") for k in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
@@ -184,6 +188,8 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
             if final is not None and not final["loadable"]:
                 raise ValueError("the final model would not be written in Hugging Face format")
         facts["final_model"] = "full state dict" if trainer.is_fsdp_enabled else "whole weights"
+        if final is not None and "adapter_model.safetensors" in final["weights"]:
+            facts["final_model"] = "LoRA adapter" + (" (full state dict gathered)" if trainer.is_fsdp_enabled else "")
     return facts
 
 
@@ -218,6 +224,10 @@ def _preimport(trainers: set[str]) -> None:
 
     for trainer in trainers:
         getattr(importlib.import_module("trl"), TRAINER_CLASSES[trainer])
+    with contextlib.suppress(ImportError):  # QLoRA: a node quantises on its own GPU; here bitsandbytes' CPU kernels
+        from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+        Bnb4BitHfQuantizer.update_device_map = lambda self, device_map: device_map or {"": "cpu"}
     if "grpo" in trainers:
         importlib.import_module("trl.scripts.vllm_serve")
 
@@ -280,6 +290,8 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     batches = request["batches"]
     devices = max((b["devices"] for b in batches), default=0)
+    with contextlib.suppress(ImportError):  # bitsandbytes picks its kernels at import: the CPU ones, which run here
+        import bitsandbytes  # noqa: F401
     if devices:
         _fake_cuda(devices)  # before any import that could cache "no CUDA"; each child sets its own count
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from orchestrator.core.trl_schema import TRAINER_CLASSES
-from orchestrator.train import cpu_fsdp, netcheck, tracking
+from orchestrator.train import cpu_fsdp, hub, netcheck, tracking
 from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, for_collective, node_of_process
 from orchestrator.train.checkpoints import choose_resume, quarantine, save_final_model
 from orchestrator.train.progress import Progress
@@ -101,6 +101,7 @@ def build(parsed: Parsed, callbacks: list, *mixins: type):
         train_dataset=dataset[script_args.dataset_train_split],
         eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
         peft_config=trl.get_peft_config(model_args),
+        quantization_config=trl.get_quantization_config(model_args),  # load_in_4bit: QLoRA, as TRL's scripts do
         callbacks=callbacks,
         **kwargs,
     )
@@ -163,6 +164,18 @@ def strategy_facts(trainer) -> dict:
     return {}
 
 
+def adapter_facts(model) -> dict | None:
+    """PEFT, read from the trained model: how many parameters trained, of how many, and how many of its linear
+    layers are bitsandbytes 4-bit ones (QLoRA); None when every parameter trained."""
+    params = list(model.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    total = sum(p.numel() for p in params)
+    if trainable == total:
+        return None
+    linear4bit = sum(type(m).__name__ == "Linear4bit" for m in model.modules())
+    return {"trainable_params": trainable, "params": total, "linear4bit": linear4bit}
+
+
 def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | None, strategy: dict) -> dict:
     acc = trainer.accelerator
     local = for_collective([trainer.orch_samples], torch.long)
@@ -178,6 +191,7 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "world_size": acc.num_processes,
         "distributed_type": acc.distributed_type.value,
         "strategy": strategy,
+        "adapter": adapter_facts(trainer.model),
         "backend": dist().get_backend() if dist() else None,
         "device": str(acc.device),
         "local_samples": int(local.item()),
@@ -237,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     callback.trainer = trainer
     callback.timeline["model_loaded"] = time.time()
     acc = trainer.accelerator
+    if hub.repo() and acc.is_main_process:
+        hub.prepare(hub.repo())
     resume = parsed.training_args.resume_from_checkpoint
     if not resume:
         node = node_of_process()[0] if acc.is_local_main_process else None  # node-local mains re-hash their share
@@ -269,6 +285,10 @@ def main(argv: list[str] | None = None) -> None:
     final = save_final_model(trainer, parsed.training_args.output_dir)
     _print_final(final)
     report = _report(trainer, callback, Path(resume) if resume else None, final, strategy)
+    if hub.repo() and final is not None and final["loadable"]:  # the main process: the one that wrote it
+        report["pushed"] = hub.push(hub.repo(), output_dir)
+        print(f"[orch] final model pushed: {report['pushed']['url']} ({len(report['pushed']['files'])} files, "
+              f"commit {report['pushed']['commit'][:8]})", flush=True)  # fmt: skip
     callback.report_dir.mkdir(parents=True, exist_ok=True)
     (callback.report_dir / f"rank{report['rank']}.json").write_text(json.dumps(report, indent=1))
     _leave(trainer)

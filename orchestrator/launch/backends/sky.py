@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 from orchestrator.core.errors import OrchError
 
@@ -312,3 +313,28 @@ def down(record) -> None:
         _call("down (sky down)", lambda: sky.stream_and_get(sky.down(record.get("cluster"))))
     else:
         raise OrchError(f"run {record.run} names no cluster (state: {record.get('state', '?')}): nothing to tear down")
+
+
+def node_prices(per_node: int) -> dict[str, tuple[float, str]]:
+    """Cheapest on-demand $/h of a node with `per_node` of each accelerator in SkyPilot's catalogs that are on this
+    machine (the clouds whose catalog is missing are skipped: fetching it needs the network)."""
+    try:
+        from sky import catalog
+        from sky.catalog import common
+    except ImportError:
+        return {}
+
+    clouds = [c for c in ("aws", "gcp", "azure", "lambda", "runpod", "nebius") if
+              Path(common.get_catalog_path(f"{c}/vms.csv")).is_file()]  # fmt: skip
+    if not clouds:
+        return {}
+    try:
+        offers = catalog.list_accelerators(gpus_only=True, quantity_filter=per_node, clouds=clouds, all_regions=True)
+    except Exception:  # noqa: BLE001 - a catalog SkyPilot cannot read: no prices, said in the output
+        return {}
+    out: dict[str, tuple[float, str]] = {}
+    for name, infos in offers.items():
+        for info in infos:
+            if info.price and info.price == info.price and (name not in out or info.price < out[name][0]):
+                out[name] = (float(info.price), f"{info.cloud} {info.instance_type}")
+    return out

@@ -94,6 +94,13 @@ def summary(output_dir: Path) -> list[str]:
     sharding = sharding_line(ranks)
     if sharding:
         lines.append(sharding)
+    adapter = head.get("adapter")
+    if adapter:
+        four = f"; base in 4-bit: {adapter['linear4bit']} Linear4bit layers (QLoRA)" if adapter["linear4bit"] else ""
+        lines.append(
+            f"[orch] trained: a LoRA adapter, {adapter['trainable_params']:,} of {adapter['params']:,} parameters"
+            f"{four}"
+        )
     steps = head["optimizer_steps_this_run"]
     if not steps and head.get("resumed_from"):
         lines.append(
@@ -128,10 +135,15 @@ def summary(output_dir: Path) -> list[str]:
         lines.append(f"[orch] time to first step: {time_to_first_step(head['timeline'])}")
     final = head.get("final_model")
     if final and final["loadable"]:
+        loads = "PEFT's from_pretrained loads it on its base model" if "adapter_model.safetensors" in \
+            final["weights"] else "transformers' from_pretrained loads it"  # fmt: skip
         lines.append(
             f"[orch] final model: {final['path']} ({', '.join(final['weights'])}, {final['bytes'] / 1e6:.1f} MB), "
-            "Hugging Face format: transformers' from_pretrained loads it"
+            f"Hugging Face format: {loads}"
         )
     else:
         lines.append(f"[orch] final model: NOT written in Hugging Face format in {output_dir}")
+    if head.get("pushed"):
+        pushed = head["pushed"]
+        lines.append(f"[orch] final model on the Hub: {pushed['url']} ({', '.join(pushed['files'])})")
     return lines

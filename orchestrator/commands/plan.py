@@ -1,0 +1,115 @@
+"""`orch plan MODEL`: for each accelerator orch knows, the fewest 8-GPU nodes and the strategy that fit, with $/h."""
+
+from __future__ import annotations
+
+import argparse
+
+from orchestrator.commands import add
+
+EPILOG = """\
+examples:
+  orch plan meta-llama/Llama-3.1-70B-Instruct --trainer sft --max-length 4096
+  orch plan meta-llama/Llama-3.1-8B-Instruct --peft lora --batch 4 --max-length 2048
+  orch plan meta-llama/Llama-3.1-70B-Instruct --peft qlora --liger
+  orch plan ./my-model/config.json --trainer dpo        # any decoder model's config.json
+
+The estimate (orchestrator/core/memory.py, docs/design.md) counts weights, gradients, optimizer states,
+activations, logits, the reference model and the CUDA context; tests check it against published measurements.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = add(
+        sub,
+        "plan",
+        help="which accelerators and how many nodes a model's training needs, and what they cost",
+        description="Estimate per-GPU memory for training MODEL and list, for each accelerator, the fewest nodes and "
+        "the strategy that fit, with SkyPilot's $/h where its catalog is on this machine.",
+        epilog=EPILOG,
+    )
+    parser.add_argument("model", help="Hugging Face id orch knows, or a model's config.json (or its directory)")
+    parser.add_argument("--trainer", default="sft", choices=("sft", "dpo", "kto", "grpo", "reward"))
+    parser.add_argument("--max-length", type=int, default=1024, help="tokens per sequence (TRL's max_length: 1024)")
+    parser.add_argument("--batch", type=int, default=1, help="per-device micro-batch, in sequences (default 1)")
+    parser.add_argument("--peft", choices=("lora", "qlora"), help="train a LoRA adapter (qlora: on 4-bit weights)")
+    parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (TRL's default 16)")
+    parser.add_argument("--all-linear", action="store_true", help="LoRA on every linear layer, not q_proj/v_proj")
+    parser.add_argument("--liger", action="store_true", help="Liger's fused loss: no full logits tensor")
+    parser.add_argument("--no-checkpointing", action="store_true", help="without activation checkpointing")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="dtype the weights are loaded in (TRL's dtype)")
+    parser.add_argument("--nested-quant", action="store_true", help="QLoRA with nested quantisation")
+    parser.add_argument("--strategy", choices=("ddp", "zero1", "zero2", "zero3", "fsdp"),
+                        help="with --gpus: estimate this one configuration, part by part, instead of the table")
+    parser.add_argument("--gpus", type=int, help="with --strategy: the total number of GPUs")
+    parser.add_argument("--offload", action="store_true", help="with --strategy: CPU offload")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--max-nodes", type=int, default=16)
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from orchestrator.commands import print_table
+    from orchestrator.core import accelerators, memory, models
+    from orchestrator.core.errors import OrchError
+    from orchestrator.launch import preflight
+
+    for flag in ("max_length", "batch", "lora_r", "gpus_per_node", "max_nodes", "gpus"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise OrchError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a positive whole number")
+    if (args.strategy is None) != (args.gpus is None):
+        raise OrchError("--strategy and --gpus go together: e.g. --strategy fsdp --gpus 16")
+    arch = models.arch_of(args.model)
+    if arch is None:
+        raise OrchError(
+            f"orch has no shape for {args.model!r}; give its config.json (or the directory holding it): "
+            f"orch plan path/to/config.json, known: {', '.join(sorted(models.KNOWN_ARCHS))}"
+        )
+    base = memory.Setup(
+        arch=arch,
+        trainer=args.trainer,
+        method=args.peft or "full",
+        micro_batch=args.batch,
+        seq_len=args.max_length,
+        completion_len=args.max_length // 2 if args.trainer == "grpo" else 0,
+        checkpointing=not args.no_checkpointing,
+        lora_r=args.lora_r,
+        lora_targets=("all-linear",) if args.all_linear else memory.PEFT_DEFAULT_TARGETS,
+        liger=args.liger,
+        weights_dtype=args.dtype,
+        nested_quant=args.nested_quant,
+    )
+    what = {"full": "full fine-tune", "lora": f"LoRA r{args.lora_r}", "qlora": f"QLoRA (NF4) r{args.lora_r}"}
+    print(
+        f"{args.model}: {arch.params / 1e9:.1f}B parameters, {args.trainer} {what[base.method]}, {args.batch} x "
+        f"{args.max_length} tokens per GPU, activation checkpointing {'off' if args.no_checkpointing else 'on'}"
+    )
+    if args.strategy:
+        one = memory.estimate(memory.with_(base, strategy=args.strategy, gpus=args.gpus, offload=args.offload))
+        print(f"{preflight.label(one.setup)} on {args.gpus} GPU(s): {one.describe()}")
+        return 0
+    per_node = args.gpus_per_node
+    from orchestrator.launch.backends import sky as sky_backend
+
+    prices = sky_backend.node_prices(per_node)
+    rows = [("ACCELERATOR", "NODES", "STRATEGY", "GIB/GPU", "OF", "$/H", "INSTANCE", "FEWER NODES WITH CPU OFFLOAD")]
+    for name, capacity in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: (-kv[1], kv[0])):
+        usable = capacity * preflight.USABLE_FRACTION
+        fit = memory.smallest_fit(base, usable, per_node, args.max_nodes)
+        price = prices.get(name)
+        offload = ""
+        if fit is None or fit.nodes > 1:  # ZeRO-3 offload trades host memory (and speed) for nodes
+            off = memory.smallest_fit(base, usable, per_node, (fit.nodes - 1) if fit else args.max_nodes, offload=True)
+            if off is not None:
+                host = memory.offload_host_gib(off.estimate.setup, off.nodes)
+                offload = f"{off.nodes} x {per_node}: ~{off.estimate.gib:.0f} GiB/GPU, ~{host:,.0f} GiB host RAM/node"
+        if fit is None:
+            rows.append((name, "-", f"none up to {args.max_nodes} nodes", "", str(capacity), "", "", offload))
+            continue
+        dollars = f"{price[0] * fit.nodes:.2f}" if price else "-"
+        rows.append((name, f"{fit.nodes} x {per_node}", preflight.label(fit.estimate.setup), f"{fit.estimate.gib:.1f}",
+                     str(capacity), dollars, price[1] if price else "", offload))  # fmt: skip
+    print_table(rows)
+    if not prices:
+        print("$/h: SkyPilot's catalog is not on this machine (`sky show-gpus` fetches it)")
+    return 0

@@ -1,0 +1,92 @@
+"""`orch pull RUN [DIR]`: bring a run's final model to this machine from wherever it was written."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+from pathlib import Path
+
+from orchestrator.commands import add
+from orchestrator.core.errors import OrchError
+
+EPILOG = """\
+examples:
+  orch pull my-run                 # into ./models/<run>/
+  orch pull my-run ~/models/dpo    # into a directory of yours
+
+Where from, in order: the Hugging Face repo the run pushed to (--push-to-hub), the output directory of a local
+run, the head node of a cluster run (rsync over SkyPilot's SSH alias; the cluster must be up). Only the final
+model's files come (weights or LoRA adapter, config, tokenizer), not checkpoints.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = add(
+        sub,
+        "pull",
+        help="bring a run's final model here (from the Hub, a local run or the cluster)",
+        description="Copy a run's final model (weights or adapter, config, tokenizer) to a directory here.",
+        epilog=EPILOG,
+    )
+    parser.add_argument("run", help="run name (or a unique prefix), as `orch status` lists it")
+    parser.add_argument("dir", nargs="?", type=Path, help="where to put it (default: ./models/<run>)")
+    parser.set_defaults(func=main)
+
+
+def _from_directory(source: Path, dest: Path) -> None:
+    from orchestrator.core.final_model import is_final_file
+
+    files = [p for p in source.iterdir() if p.is_file() and is_final_file(p.name)] if source.is_dir() else []
+    if not files:
+        raise OrchError(f"no final model in {source}: the run has not finished (or wrote it elsewhere)")
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in files:
+        shutil.copy2(path, dest / path.name)
+
+
+def _from_cluster(record, dest: Path) -> None:
+    from orchestrator.core.final_model import FILES
+
+    cluster, job = record.get("cluster"), record.get("job_id")
+    if not cluster or not str(job).isdigit():
+        raise OrchError(
+            f"run {record.run} has no cluster to fetch from (a managed job's is gone with the job): its final model is "
+            "in the checkpoint bucket the recipe mounts; or rerun with --push-to-hub"
+        )
+    root = (record.task.get("envs") or {}).get("CHECKPOINT_ROOT")
+    source = f"{cluster}:{root}/*_{cluster}_{job}/" if root else f"{cluster}:~/sky_workdir/{record.get('output_dir')}/"
+    dest.mkdir(parents=True, exist_ok=True)
+    rules = [f"--include={pattern}" for pattern in FILES] + ["--exclude=*"]
+    print(f"[orch] fetching {source} (rsync over SkyPilot's SSH alias)", flush=True)
+    done = subprocess.run(["rsync", "-a", *rules, source, str(dest)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise OrchError(f"could not fetch the model from cluster {cluster}: {done.stderr.strip()[-300:]}")
+
+
+def main(args: argparse.Namespace) -> int:
+    from orchestrator.launch import records
+
+    record = records.find(args.run)
+    dest = args.dir or Path("models") / record.run
+    if dest.exists() and any(dest.iterdir()):
+        raise OrchError(f"{dest} is not empty: give an empty or new directory")
+    repo = (record.task.get("envs") or {}).get("ORCH_PUSH_TO_HUB")
+    if repo:
+        where = f"the Hub ({repo})"
+        from orchestrator.launch.model_out import download
+
+        download(repo, dest)
+    elif record.get("backend", "").startswith("local"):
+        where = record.get("output_dir")
+        _from_directory(Path(where), dest)
+    else:
+        where = f"cluster {record.get('cluster')}"
+        _from_cluster(record, dest)
+    files = sorted(p.name for p in dest.iterdir() if p.is_file())
+    size = sum((dest / f).stat().st_size for f in files)
+    print(f"[orch] {record.run}: final model from {where} -> {dest} ({len(files)} files, {size / 1e6:.1f} MB)")
+    adapter = "adapter_config.json" in files
+    print(f"[orch] load it with {'peft.AutoPeftModelForCausalLM' if adapter else 'transformers'}"
+          f".from_pretrained({str(dest)!r})")  # fmt: skip
+    return 0

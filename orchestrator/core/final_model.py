@@ -1,0 +1,16 @@
+"""Which files of an output_dir make the final model (weights or LoRA adapter, config, tokenizer, model card):
+what `--push-to-hub` uploads and `orch pull` brings back; never checkpoints, orch's reports or curves."""
+
+from __future__ import annotations
+
+import fnmatch
+
+FILES = (
+    "*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json", "adapter_config.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json",
+    "merges.txt", "tokenizer.model", "README.md",
+)  # fmt: skip
+
+
+def is_final_file(name: str) -> bool:
+    return "/" not in name and any(fnmatch.fnmatch(name, pattern) for pattern in FILES)

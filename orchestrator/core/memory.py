@@ -1,0 +1,257 @@
+"""Per-GPU memory of a training step, from the model's shape and what the recipe asks for (no torch import).
+
+    weights + gradients + optimizer states   (per strategy: what is sharded over how many ranks, in which dtype)
+  + frozen weights                          (LoRA's base model, 16-bit or 4-bit; DPO/KTO's reference model)
+  + activations                             (tokens per micro-batch, per layer, checkpointed or not, split by CP/SP)
+  + logits                                  (tokens x vocabulary, unless Liger's fused loss chunks them)
+  + gathered units / buckets                (FSDP and ZeRO-3 all-gather one decoder layer ahead; DDP's buckets)
+  + overhead                                (CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation)
+
+The byte counts follow what the libraries really do, read from their code (accelerate 1.15, DeepSpeed 0.19,
+PEFT 0.21, bitsandbytes 0.50): accelerate upcasts *trainable* parameters to fp32 under FSDP with mixed precision
+(fp32 weights, gradients and Adam moments: 16 bytes a parameter, frozen ones keep their dtype); DeepSpeed keeps
+bf16 weights and gradients and an fp32 master copy with the moments (2 + 2 + 12, the ZeRO paper's accounting);
+plain DDP on a bf16-loaded model trains in bf16 (AdamW's moments take the parameter's dtype) and its reducer holds
+a second copy of the gradients in buckets; PEFT keeps adapters in fp32 (autocast_adapter_dtype); NF4 stores 4 bits
+a weight plus one absmax per 64 (8-bit with nested quantisation, plus an fp32 per 256 of those), and leaves the
+embeddings and lm_head in 16 bits. docs/design.md has the activation terms; tests/test_memory.py checks the model
+against published measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+# nvidia-smi-style figures include what the caching allocator holds beyond the live tensors and the CUDA context.
+FRAGMENTATION = 0.10  # of the live peak: the allocator's reserved-but-free blocks
+CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspaces, NCCL buffers
+NF4_BYTES = {True: (4 + 8 / 64 + 32 / (64 * 256)) / 8, False: (4 + 32 / 64) / 8}  # nested quantisation or not
+PAIRED_TRAINERS = {"dpo": 2, "reward": 2}  # chosen and rejected go through the model together
+# Bytes per token and vocabulary entry for the logits. SFT: the model's loss upcasts bf16 logits to fp32, keeps the
+# log-softmax and makes an fp32 gradient (2 + 4 + 4 + 2). DPO, KTO and GRPO take log-probabilities with TRL's
+# selective_log_softmax row by row: the bf16 logits and their gradient. A reward model ends in a 1-label head.
+LOGIT_BYTES = {"sft": 12, "dpo": 4, "kto": 4, "grpo": 4, "reward": 0}
+REFERENCE_TRAINERS = ("dpo", "kto")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for Llama, Qwen, Mistral when none are named
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A decoder-only transformer's shape, as its config.json gives it."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    head_dim: int = 0
+    tied: bool = False
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear layer of one decoder layer."""
+        h, q, kv, i = self.hidden, self.heads * self.hd, self.kv_heads * self.hd, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+
+    @property
+    def layer_linear_params(self) -> int:
+        return sum(a * b for a, b in self.linears().values())
+
+    @property
+    def other_params(self) -> int:
+        """Embeddings, lm_head and norms: what 4-bit quantisation leaves in 16 bits."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + (2 * self.layers + 1) * self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_linear_params + self.other_params
+
+    @classmethod
+    def from_config(cls, config: dict) -> Arch:
+        """From a Hugging Face config.json (Llama, Qwen2/3, Mistral, Phi-3 and alike)."""
+        text = config.get("text_config") or config
+        heads = text["num_attention_heads"]
+        return cls(
+            layers=text["num_hidden_layers"],
+            hidden=text["hidden_size"],
+            intermediate=text["intermediate_size"],
+            heads=heads,
+            kv_heads=text.get("num_key_value_heads") or heads,
+            vocab=text["vocab_size"],
+            head_dim=text.get("head_dim") or 0,
+            tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        )
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One training step's memory-relevant settings; defaults are TRL 1.16's and PEFT's."""
+
+    arch: Arch
+    trainer: str = "sft"
+    method: str = "full"
+    """full, lora or qlora."""
+    strategy: str = "fsdp"
+    """ddp, zero1, zero2, zero3 or fsdp."""
+    gpus: int = 8
+    """Ranks the sharded states are split over."""
+    offload: bool = False
+    micro_batch: int = 8
+    seq_len: int = 1024
+    completion_len: int = 0
+    """GRPO: the completion part of seq_len, the only part with logits."""
+    checkpointing: bool = True
+    seq_split: int = 1
+    """Context- or sequence-parallel degree: each rank holds seq_len / seq_split tokens of a sequence."""
+    weights_dtype: str = "bfloat16"
+    mixed_precision: bool = True
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = PEFT_DEFAULT_TARGETS
+    lora_dropout: float = 0.05
+    nested_quant: bool = False
+    liger: bool = False
+
+
+@dataclass(frozen=True)
+class Estimate:
+    setup: Setup
+    parts: dict[str, float] = field(default_factory=dict)
+    """GiB per GPU, by part."""
+
+    @property
+    def gib(self) -> float:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        shown = ", ".join(f"{k} {v:.1f}" for k, v in self.parts.items() if v >= 0.05)
+        return f"~{self.gib:.1f} GiB per GPU ({shown})"
+
+
+def lora_params(arch: Arch, r: int, targets: tuple[str, ...]) -> int:
+    shapes = arch.linears()
+    names = LINEARS if "all-linear" in targets else [t for t in targets if t in shapes]
+    return arch.layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in names)
+
+
+def _targets(setup: Setup) -> list[str]:
+    return list(LINEARS) if "all-linear" in setup.lora_targets else [t for t in setup.lora_targets if t in LINEARS]
+
+
+def states(setup: Setup) -> dict[str, float]:
+    """Bytes per GPU of trained weights, their gradients and optimizer states, and frozen weights."""
+    a, n, s = setup.arch, setup.gpus, setup.strategy
+    dtype = DTYPE_BYTES[setup.weights_dtype]
+    peft = setup.method in ("lora", "qlora")
+    trained = lora_params(a, setup.lora_r, setup.lora_targets) if peft else a.params
+    sharded = s in ("fsdp", "zero3")
+    if peft:
+        w, g, opt = 4, 4, 8  # PEFT's fp32 adapters, Adam in fp32
+    elif s.startswith("zero"):
+        w, g, opt = 2, 2, 12  # bf16 weights and gradients; fp32 master, m and v
+    elif s == "fsdp" and setup.mixed_precision:
+        w, g, opt = 4, 4, 8  # accelerate upcasts trainable parameters to fp32
+    else:
+        w, g, opt = dtype, dtype, 2 * dtype  # AdamW's moments take the parameter's dtype
+    split = {"ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (1, n, n)}.get(s, (n, n, n))
+    out = {"weights": trained * w / split[0], "gradients": trained * g / split[1]}
+    out["optimizer"] = trained * opt / split[2]
+    if s == "ddp":
+        out["gradients"] += trained * g  # the reducer's buckets (gradient_as_bucket_view is off)
+    if setup.offload:  # ZeRO-3 offload keeps a bf16 gradient shard; FSDP offload keeps nothing between steps
+        out = {"weights": 0.0, "gradients": out["gradients"] if s == "zero3" else 0.0, "optimizer": 0.0}
+    frozen = 0.0
+    if peft:
+        linear = a.layers * a.layer_linear_params
+        per_linear = NF4_BYTES[setup.nested_quant] if setup.method == "qlora" else dtype
+        frozen = linear * per_linear + a.other_params * dtype
+    if setup.trainer in REFERENCE_TRAINERS and not peft:  # TRL prepares a frozen copy, sharded like the policy
+        frozen += a.params * dtype
+    out["frozen weights"] = 0.0 if setup.offload else frozen / (n if sharded else 1)
+    return out
+
+
+def layer_bytes_per_token(setup: Setup) -> float:
+    """Bytes one decoder layer keeps for backward per token, in 16-bit compute: both norms' inputs and outputs,
+    q and the attention output, k and v, the MLP's gate, up, activation and product (attention by SDPA/flash
+    keeps no seq x seq matrix); LoRA with dropout keeps each adapted input again and a 1-byte mask."""
+    a = setup.arch
+    q, kv = a.heads * a.hd, a.kv_heads * a.hd
+    elements = 4 * a.hidden + 2 * q + 2 * kv + 4 * a.intermediate
+    extra = 0.0
+    if setup.method in ("lora", "qlora") and setup.lora_dropout > 0:
+        shapes = a.linears()
+        extra = sum(3 * shapes[t][0] for t in _targets(setup))
+    return 2 * elements + extra
+
+
+def activations(setup: Setup) -> dict[str, float]:
+    a = setup.arch
+    tokens = setup.micro_batch * setup.seq_len * PAIRED_TRAINERS.get(setup.trainer, 1) / setup.seq_split
+    layer = layer_bytes_per_token(setup)
+    if setup.checkpointing:  # each layer's input, plus one layer recomputed in backward
+        act = tokens * (a.layers * 2 * a.hidden + layer)
+    else:
+        act = tokens * a.layers * layer
+    with_logits = setup.micro_batch * setup.completion_len if setup.trainer == "grpo" else tokens
+    logits = 0.0 if setup.liger else with_logits * a.vocab * LOGIT_BYTES.get(setup.trainer, 12)  # Liger: chunked
+    return {"activations": act, "logits": logits}
+
+
+def transient(setup: Setup) -> float:
+    """FSDP and ZeRO-3 gather the running layer and prefetch the next, and hold one layer's full gradients
+    before the reduce-scatter."""
+    if setup.strategy not in ("fsdp", "zero3"):
+        return 0.0
+    a = setup.arch
+    per = NF4_BYTES[setup.nested_quant] if setup.method == "qlora" else 2
+    grads = 0 if setup.method in ("lora", "qlora") else a.layer_linear_params * 4
+    return 2 * a.layer_linear_params * per + grads
+
+
+def estimate(setup: Setup) -> Estimate:
+    parts = {**states(setup), **activations(setup), "gathered": transient(setup)}
+    live = sum(parts.values())
+    parts["overhead"] = live * FRAGMENTATION + CONTEXT_GIB * GIB
+    return Estimate(setup, {k: v / GIB for k, v in parts.items()})
+
+
+def with_(setup: Setup, **changes) -> Setup:
+    return replace(setup, **changes)
+
+
+STRATEGIES = ("ddp", "fsdp", "zero3")  # fastest first: replicas, then FSDP2, then ZeRO-3 (same states, by this model)
+
+
+@dataclass(frozen=True)
+class Fit:
+    nodes: int
+    estimate: Estimate
+
+
+def smallest_fit(base: Setup, capacity_gib: float, gpus_per_node: int, max_nodes: int, offload: bool = False):
+    """The fewest nodes, and at that count the fastest strategy, whose estimate fits `capacity_gib`; None when
+    nothing does up to max_nodes. With offload, ZeRO-3 with CPU offload only."""
+    strategies = ("zero3",) if offload else STRATEGIES
+    for nodes in range(1, max_nodes + 1):
+        for strategy in strategies:
+            estimate_ = estimate(replace(base, strategy=strategy, offload=offload, gpus=nodes * gpus_per_node))
+            if estimate_.gib <= capacity_gib:
+                return Fit(nodes, estimate_)
+    return None
+
+
+def offload_host_gib(setup: Setup, nodes: int) -> float:
+    """Host memory a node needs for ZeRO-3 CPU offload: bf16 weights and the fp32 master, m and v (14 bytes a
+    trained parameter) of its share of the states, plus the frozen weights."""
+    peft = setup.method in ("lora", "qlora")
+    trained = lora_params(setup.arch, setup.lora_r, setup.lora_targets) if peft else setup.arch.params
+    frozen = setup.arch.params * DTYPE_BYTES[setup.weights_dtype] if peft else 0
+    return (trained * 14 + frozen) / nodes / GIB

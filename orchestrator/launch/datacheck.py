@@ -1,0 +1,56 @@
+"""One row of a recipe's dataset checked before a cloud launch (rehearsal/data.py does it in a process of its own,
+with datasets and transformers): columns (a missing one stops the launch, exit 2), the chat template, and what
+max_length cuts. ORCH_DATA_CHECK=off skips it; a laptop that cannot reach the Hub gets a note, not an error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from orchestrator.core.errors import OrchError
+from orchestrator.launch.resolved import Launch
+
+TIMEOUT_S = 180
+
+
+def run(launch: Launch) -> str | None:
+    """The line to print, or None when skipped; an OrchError when the data cannot train."""
+    if os.environ.get("ORCH_DATA_CHECK", "on").strip().lower() == "off":
+        return None
+    name = str(launch.setting("dataset_name", ""))
+    if not name or name.startswith("/orch-data"):  # no dataset, or a --data file (checked row by row already)
+        return None
+    max_length = launch.setting("max_length", 1024)
+    request = {
+        "dataset": name,
+        "config": launch.setting("dataset_config"),
+        "split": launch.setting("dataset_train_split", "train"),
+        "model": str(launch.setting("model_name_or_path", "")),
+        "trainer": launch.trainer,
+        "chat_template_path": launch.setting("chat_template_path"),
+    }
+    try:
+        done = subprocess.run([sys.executable, "-m", "orchestrator.rehearsal.data"], input=json.dumps(request),
+                              capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+        line = next(x for x in done.stdout.splitlines() if x.startswith("ORCH_DATA "))
+        result = json.loads(line.split(" ", 1)[1])
+    except subprocess.TimeoutExpired:
+        return f"[orch] data: {name} not checked (no row in {TIMEOUT_S} s)"
+    except StopIteration:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"[orch] data: {name} not checked (the check failed: {tail[:200]})"
+    if result.get("fatal"):
+        raise OrchError(result["error"])
+    if result.get("error"):
+        return f"[orch] data: {result['error']}: not checked"
+    text = f"[orch] data: {name}, first row: {', '.join(result['columns'])}"
+    if result.get("note"):
+        return f"{text}; {result['note']}"
+    tokens = result["tokens"]
+    shaped = "with the chat template" if result["conversational"] else "as text"
+    if max_length and tokens > int(max_length):
+        cut = 100 * (tokens - int(max_length)) / tokens
+        return f"{text}; {tokens:,} tokens {shaped}: max_length {max_length} truncates it ({cut:.0f}% cut)"
+    return f"{text}; {tokens:,} tokens {shaped}, within max_length {max_length}"

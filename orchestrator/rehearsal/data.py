@@ -1,0 +1,111 @@
+"""One row of the recipe's dataset, checked on the laptop before a GPU is paid for (`orch run`, cloud launches).
+
+`python -m orchestrator.rehearsal.data` reads {dataset, config, split, model, trainer, max_length,
+chat_template_path} as JSON on stdin and prints one JSON line: datasets streams one row (a Hub dataset or a local
+directory, nothing else downloaded); its columns are checked against what the trainer reads; with the model's
+tokenizer (transformers', from the Hub or a local path) the row is formatted as TRL would (the chat template for
+conversational rows) and counted against max_length. A run of its own: launch-side `orch` never imports the
+training stack (launch/datacheck.py calls it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+import warnings
+
+from orchestrator.core import dataset_format
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:240]}"
+
+
+def _ids(encoded) -> list:
+    """apply_chat_template / __call__ output as a token id list (transformers 5 returns a BatchEncoding)."""
+    if hasattr(encoded, "keys") and "input_ids" in encoded:
+        encoded = encoded["input_ids"]
+    return list(encoded[0]) if encoded and isinstance(encoded[0], list) else list(encoded)
+
+
+def _texts(row: dict, trainer: str) -> list:
+    """What TRL feeds the model for this row: message lists or strings (DPO/reward: chosen and rejected)."""
+    prompt = row.get("prompt")
+
+    def joined(completion):
+        if prompt is None:
+            return completion
+        if isinstance(prompt, list) and isinstance(completion, list):
+            return prompt + completion
+        return f"{prompt}{completion}"
+
+    if trainer in ("dpo", "reward"):
+        return [joined(row["chosen"]), joined(row["rejected"])]
+    if trainer == "grpo":
+        return [prompt]
+    if "messages" in row:
+        return [row["messages"]]
+    if "text" in row:
+        return [row["text"]]
+    return [joined(row["completion"])]
+
+
+def check(request: dict) -> dict:
+    from datasets import load_dataset
+
+    name, trainer = request["dataset"], request["trainer"]
+    try:
+        stream = load_dataset(name, request.get("config"), split=request.get("split") or "train", streaming=True)
+        row = next(iter(stream))
+    except StopIteration:
+        return {"fatal": True, "error": f"dataset {name} has no rows in split {request.get('split')}"}
+    except (FileNotFoundError, ValueError) as exc:  # no such dataset or split (datasets' DatasetNotFoundError too)
+        return {"fatal": True, "error": f"dataset {name}: {_why(exc)}"}
+    except Exception as exc:  # noqa: BLE001 - network, auth: the laptop may not reach the Hub; not the run's fault
+        return {"fatal": False, "error": f"could not stream a row of {name} ({_why(exc)})"}
+    wrong = dataset_format.missing(row, trainer)
+    if wrong:
+        return {"fatal": True, "error": f"dataset {name}: its first row {wrong}", "columns": sorted(row)}
+    out = {"columns": sorted(row)}
+    texts = _texts(row, trainer)
+    chat = any(dataset_format.conversational(t) for t in texts)
+    out["conversational"] = chat
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(request["model"])
+    except Exception as exc:  # noqa: BLE001 - a gated model without HF_TOKEN here, no network
+        out["note"] = f"chat template and length not checked: no tokenizer for {request['model']} ({_why(exc)})"
+        return out
+    if request.get("chat_template_path"):
+        out["note"] = "chat template: the recipe's chat_template_path (not checked here)"
+        return out
+    if chat and not tokenizer.chat_template:
+        return {
+            **out,
+            "fatal": True,
+            "error": f"{request['model']}'s tokenizer has no chat template and {name}'s rows are conversational: "
+            "use an instruct model or set chat_template_path in the TRL config",
+        }
+    lengths = []
+    for text in texts:
+        if dataset_format.conversational(text):
+            lengths.append(len(_ids(tokenizer.apply_chat_template(text, tokenize=True))))
+        else:
+            lengths.append(len(_ids(tokenizer(str(text))["input_ids"])))
+    out["tokens"] = max(lengths)
+    return out
+
+
+def main() -> None:
+    request = json.loads(sys.stdin.read())
+    warnings.filterwarnings("ignore")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        result = check(request)
+    sys.stdout.write("ORCH_DATA " + json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
