@@ -1,11 +1,25 @@
 """The memory model (orchestrator/core/memory.py) against published measurements, and `orch plan`."""
 
 import re
+import subprocess
 
 import pytest
-from conftest import orch
 
+from orchestrator import cli
 from orchestrator.core import memory, models
+
+
+@pytest.fixture
+def plan(capsys, monkeypatch, tmp_path):
+    """`orch plan ...` in this process (the CLI's own main: exit code, stdout, stderr)."""
+    monkeypatch.chdir(tmp_path)
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        code = cli.main(["plan", *argv])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, code, out.out, out.err)
+
+    return run
 
 # Parameter counts on the models' Hugging Face cards (billions): each shape orch keeps must add up to its card.
 MODEL_CARDS = {
@@ -45,18 +59,16 @@ PUBLISHED = {
 
 
 @pytest.mark.parametrize("label", list(PUBLISHED))
-def test_orch_plan_reproduces_published_measurements_within_20_percent(project, label):
+def test_orch_plan_reproduces_published_measurements_within_20_percent(plan, label):
     measured, flags = PUBLISHED[label]
-    result = orch("plan", "meta-llama/Llama-2-70b-hf", "--lora-r", "8", "--all-linear", "--max-length", "2048",
-                  *flags.split(), cwd=project)  # fmt: skip
+    result = plan("meta-llama/Llama-2-70b-hf", "--lora-r", "8", "--all-linear", "--max-length", "2048", *flags.split())
     assert result.returncode == 0, result.stderr
     estimated = float(re.search(r"~([\d.]+) GiB per GPU", result.stdout).group(1))
     assert estimated == pytest.approx(measured, rel=0.20), (label, result.stdout)
 
 
-def test_a_70b_full_fine_tune_needs_more_than_one_h100_node_without_offload(project):
-    result = orch("plan", "meta-llama/Llama-3.1-70B-Instruct", "--trainer", "sft", "--max-length", "4096",
-                  cwd=project)  # fmt: skip
+def test_a_70b_full_fine_tune_needs_more_than_one_h100_node_without_offload(plan):
+    result = plan("meta-llama/Llama-3.1-70B-Instruct", "--trainer", "sft", "--max-length", "4096")
     assert result.returncode == 0, result.stderr
     row = next(line.split() for line in result.stdout.splitlines() if line.startswith("H100 "))
     nodes = int(row[1])
@@ -91,17 +103,17 @@ def test_the_parts_follow_the_libraries_dtypes():
     assert parts(seq_split=4)["activations"] == pytest.approx(parts()["activations"] / 4)
 
 
-def test_plan_reads_a_config_json_and_says_what_is_wrong(project):
-    config = project / "config.json"
+def test_plan_reads_a_config_json_and_says_what_is_wrong(plan, tmp_path):
+    config = tmp_path / "config.json"
     config.write_text('{"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, '
                       '"num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}')  # fmt: skip
-    result = orch("plan", str(config), "--peft", "lora", cwd=project)
+    result = plan(str(config), "--peft", "lora")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"{config}: 8.0B parameters, sft LoRA r16, 1 x 1024 tokens per GPU")
     for argv, message in (
-        (["plan", "some/unknown-model"], "orch has no shape for 'some/unknown-model'; give its config.json"),
-        (["plan", str(config), "--gpus", "8"], "--strategy and --gpus go together"),
-        (["plan", str(config), "--batch", "0"], "--batch 0: give a positive whole number"),
+        (["some/unknown-model"], "orch has no shape for 'some/unknown-model'; give its config.json"),
+        ([str(config), "--gpus", "8"], "--strategy and --gpus go together"),
+        ([str(config), "--batch", "0"], "--batch 0: give a positive whole number"),
     ):
-        bad = orch(*argv, cwd=project)
+        bad = plan(*argv)
         assert bad.returncode == 2 and bad.stdout == "" and message in bad.stderr, bad.stderr

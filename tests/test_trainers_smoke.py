@@ -1,6 +1,7 @@
 """Each TRL trainer smoke-trains through the local backend on 2 emulated nodes (tiny model, synthetic data)."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -17,7 +18,6 @@ pytestmark = pytest.mark.slow
 # ships; what ran is read back from the training processes.
 RECIPES = {
     "sft-fsdp2": ("llama3_70b_sft_fsdp", "FSDP2"),  # llama3_sft_fsdp's run, at 70B's settings (same tiny Llama)
-    "dpo-lora": ("llama3_dpo_lora_ddp", "MULTI_CPU"),
     "sft-qlora-fsdp2": ("llama3_70b_qlora_fsdp", "FSDP2"),  # bitsandbytes' 4-bit NF4 on CPU, for real
     "grpo": ("qwen25_grpo_vllm_server", "MULTI_CPU"),
     "kto": ("qwen25_kto_ddp", "MULTI_CPU"),
@@ -79,8 +79,9 @@ def test_trainer_smoke_trains_on_two_nodes(project, label):
 
 
 def test_copied_template_runs_on_the_users_own_file(project):
-    """A copied template, trained on 2 nodes on a preference file of the user's (issue 19): a sample of its rows."""
-    copied = orch("cp", "phi3_dpo_fsdp", "my_dpo", cwd=project)
+    """A copied template, trained on 2 nodes on a preference file of the user's (issue 19): a sample of its rows. The
+    template is the LoRA DPO recipe, so this is also its smoke run (a copy is the recipe, file for file)."""
+    copied = orch("cp", "llama3_dpo_lora_ddp", "my_dpo", cwd=project)
     assert copied.returncode == 0, copied.stderr
     assert (project / "recipes" / "my_dpo.yaml").is_file() and (project / "recipes" / "trl" / "my_dpo.yaml").is_file()
     rows = [{"prompt": [{"role": "user", "content": f"Double {i}?"}],
@@ -88,15 +89,15 @@ def test_copied_template_runs_on_the_users_own_file(project):
              "rejected": [{"role": "assistant", "content": f"{2 * i + 1}"}]} for i in range(300)]  # fmt: skip
     mine = project / "prefs.jsonl"
     mine.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = orch("run", "my_dpo", "--local", "--nodes", "2", "--smoke", "--data", "prefs.jsonl", cwd=project,
-                  env={"ORCH_CACHE_DIR": str(project / "cache")})  # fmt: skip
-    check_one_group(result, project, "dpo")
+    result = orch("run", "my_dpo", "--local", "--nodes", "2", "--smoke", "--data", "prefs.jsonl", cwd=project)
+    check_one_group(result, project, "dpo", "MULTI_CPU")
+    check_adapter(result, project, lora=True)
     assert "recipe my_dpo (dpo)" in result.stdout
     assert "[orch] data: prefs.jsonl (300 rows) has the columns TRL's dpo trainer reads; the smoke run trains on its " \
         "first 128" in result.stdout  # fmt: skip
     launch = next(x for x in result.stdout.splitlines() if "[orch] launch: " in x).split()
     dataset = Path(launch[launch.index("--dataset_name") + 1])
-    assert dataset.parent == project / "cache" / "data"
+    assert dataset.parent == Path(os.environ["ORCH_CACHE_DIR"]) / "data"  # orch's cache (the session's, in tests)
     assert (dataset / "train.jsonl").read_text().splitlines() == mine.read_text().splitlines()[:128]
 
 

@@ -68,6 +68,12 @@ def rehearse(launch: Launch, checked: Checked) -> str:
             "rehearsal: not here (the training stack is not installed: pip install '.[train]' to rehearse on this "
             "machine); the head node rehearses in its setup, before it downloads the model"
         )
+    quantized = str(launch.setting("load_in_4bit", "false")).lower() == "true"
+    if quantized and not driver.importable("bitsandbytes"):
+        return (
+            "rehearsal: not here (load_in_4bit needs bitsandbytes: pip install '.[quant]' to rehearse on this "
+            "machine); the head node rehearses in its setup, before it downloads the model"
+        )
     try:
         artifacts = smoke.plan(str(launch.setting("model_name_or_path", "")), launch.trainer)
     except OrchError as exc:

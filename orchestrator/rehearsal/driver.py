@@ -121,7 +121,7 @@ def substitutions(trainer: str, settings: Mapping[str, object], smoke_dir: Path,
     ]  # fmt: skip
     if str(settings.get("attn_implementation") or "sdpa") not in PORTABLE_ATTENTION:
         words += ["--attn_implementation", "sdpa"]
-    if str(settings.get("use_liger_kernel", "false")).lower() == "true" and not _importable("liger_kernel"):
+    if str(settings.get("use_liger_kernel", "false")).lower() == "true" and not importable("liger_kernel"):
         words += ["--use_liger_kernel", "false"]
     if trainer == "grpo" and str(settings.get("use_vllm", "false")).lower() == "true":
         words += ["--use_vllm", "false"]
@@ -143,7 +143,7 @@ def swaps(batch: Batch) -> list[str]:
     return out
 
 
-def _importable(module: str) -> bool:
+def importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
