@@ -485,3 +485,21 @@ def test_dry_run_places_and_recovers_in_skypilots_spellings(tmp_path):
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("orch: error: SkyPilot rejects the task:")
     assert "$.infra" in bad.stderr and "--- resolved task" not in bad.stdout
+
+
+def test_orch_plan_prices_nodes_from_skypilots_catalog_on_this_machine(tmp_path):
+    """$/h per node count from SkyPilot's own catalog reader (list_accelerators) over the catalog files present here:
+    8 x A100 nodes at p4d.24xlarge's $32.77/h, times the nodes the estimate needs; no file, no price, said so."""
+    env = seeded_catalog(tmp_path)
+    argv = [sys.executable, "-m", "orchestrator", "plan", "meta-llama/Llama-3.1-8B-Instruct", "--max-length", "2048"]
+    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[2:] if line.strip()}
+    a100 = rows["A100"]
+    nodes = int(a100[1])
+    assert a100[7] == f"{32.7726 * nodes:.2f}" and a100[8:10] == ["AWS", "p4d.24xlarge"], a100
+    assert rows["A10G"][8:10] == ["AWS", "g5.48xlarge"] and rows["H100"][7] == "-"  # no H100 row in this catalog
+    assert "SkyPilot's catalog is not on this machine" not in result.stdout
+    bare = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**env, "SKY_RUNTIME_DIR": str(tmp_path / "empty")})  # fmt: skip
+    assert "$/h: SkyPilot's catalog is not on this machine" in bare.stdout, bare.stdout
