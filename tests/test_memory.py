@@ -117,3 +117,17 @@ def test_plan_reads_a_config_json_and_says_what_is_wrong(plan, tmp_path):
     ):
         bad = plan(*argv)
         assert bad.returncode == 2 and bad.stdout == "" and message in bad.stderr, bad.stderr
+
+
+def test_the_70b_recipe_fits_its_four_nodes_and_one_node_is_refused(project):
+    from conftest import orch
+
+    fits = orch("run", "llama3_70b_sft_fsdp", "--secret", "HF_TOKEN=x", "--dry-run", "--skip-optimizer", cwd=project)
+    assert fits.returncode == 0, fits.stderr
+    line = next(x for x in fits.stdout.splitlines() if x.startswith("memory: "))
+    gib = float(re.match(r"memory: ~([\d.]+) GiB per GPU", line).group(1))
+    assert gib < 80 * 0.95 and "under FSDP2 on 32 GPUs, 1 x 4096 tokens per device; each H100 has 80 GiB" in line
+    one = orch("run", "llama3_70b_sft_fsdp", "--nodes", "1", "--secret", "HF_TOKEN=x", "--dry-run", cwd=project)
+    assert one.returncode == 2 and one.stdout == ""
+    assert "under FSDP2 on 8 GPU(s), more than one H100 holds (80 GiB); ZeRO-3 with CPU offload on 8 GPUs needs" in \
+        one.stderr, one.stderr  # fmt: skip
