@@ -51,6 +51,8 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "--push-to-hub", "no slash", "--secret", "HF_TOKEN=hf_v4lue"], "ORCH_PUSH_TO_HUB"),
     (["run", "phi3_dpo_fsdp", "--push-to-hub", "me/a..b", "--secret", "HF_TOKEN=hf_v4lue"], "a Hub repo id"),
     (["pull", "no-such-run"], "no run 'no-such-run' in sky_jobs/"),
+    (["pull", "never-submitted"], "run never-submitted has no cluster to fetch from"),  # and models/ is not left
+    (["pull", "never-submitted", "recipes"], "recipes is not an empty directory"),
     (["plan", "nobody/knows-this-model"], "orch has no shape for"),
     (["plan", "meta-llama/Llama-3.1-8B", "--peft", "dora"], "invalid choice: 'dora'"),
     # orch's env knobs, parsed as the nodes parse them

@@ -69,24 +69,30 @@ def main(args: argparse.Namespace) -> int:
 
     record = records.find(args.run)
     dest = args.dir or Path("models") / record.run
-    if dest.exists() and any(dest.iterdir()):
-        raise OrchError(f"{dest} is not empty: give an empty or new directory")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise OrchError(f"{dest} is not an empty directory: give an empty or new one")
+    made = not dest.exists()
     repo = (record.task.get("envs") or {}).get("ORCH_PUSH_TO_HUB")
-    if repo:
-        where = f"the Hub ({repo})"
-        from orchestrator.launch.model_out import download
+    try:
+        if repo:
+            where = f"the Hub ({repo})"
+            from orchestrator.launch.model_out import download
 
-        download(repo, dest)
-    elif record.get("backend", "").startswith("local"):
-        where = record.get("output_dir")
-        _from_directory(Path(where), dest)
-    else:
-        where = f"cluster {record.get('cluster')}"
-        _from_cluster(record, dest)
+            download(repo, dest)
+        elif record.get("backend", "").startswith("local"):
+            where = record.get("output_dir")
+            _from_directory(Path(where), dest)
+        else:
+            where = f"cluster {record.get('cluster')}"
+            _from_cluster(record, dest)
+    except BaseException:
+        if made:  # nothing half written
+            shutil.rmtree(dest, ignore_errors=True)
+        raise
     files = sorted(p.name for p in dest.iterdir() if p.is_file())
     size = sum((dest / f).stat().st_size for f in files)
     print(f"[orch] {record.run}: final model from {where} -> {dest} ({len(files)} files, {size / 1e6:.1f} MB)")
     adapter = "adapter_config.json" in files
-    print(f"[orch] load it with {'peft.AutoPeftModelForCausalLM' if adapter else 'transformers'}"
-          f".from_pretrained({str(dest)!r})")  # fmt: skip
+    loader = "peft's AutoPeftModelForCausalLM" if adapter else "transformers' AutoModelForCausalLM"
+    print(f"[orch] load it with {loader}.from_pretrained({str(dest)!r})")
     return 0
