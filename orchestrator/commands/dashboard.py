@@ -40,32 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=main)
 
 
-def _fetch_from_cluster(record, dest: Path) -> Path:
-    """<output_dir>/trackio of a cluster run, from its head node (the run's task id ends with _<job id>)."""
-    cluster, job = record.get("cluster"), record.get("job_id")
-    if not cluster or not job.isdigit():
-        raise OrchError(
-            f"run {record.run} has no cluster to fetch from (a managed job's cluster is gone with the job): sync "
-            "its output dir from the checkpoint bucket and give it with --dir"
-        )
-    root = (record.task.get("envs") or {}).get("CHECKPOINT_ROOT")
-    if not root:
-        raise OrchError(
-            f"run {record.run} kept its output in the TRL config's output_dir on the nodes (no CHECKPOINT_ROOT): copy "
-            f"that directory from cluster {cluster} (rsync -a {cluster}:~/sky_workdir/OUTPUT_DIR .), give it with --dir"
-        )
-    dest.mkdir(parents=True, exist_ok=True)
-    source = f"{cluster}:{root}/*_{cluster}_{job}/trackio/"
-    print(f"[orch] fetching {source} (rsync over SkyPilot's SSH alias)", flush=True)
-    done = subprocess.run(["rsync", "-a", source, str(dest / "trackio")], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise OrchError(f"could not fetch the curves from cluster {cluster}: {done.stderr.strip()[-300:]}")
-    return dest
-
-
 def main(args: argparse.Namespace) -> int:
     from orchestrator.core import trackio_files as tracking
-    from orchestrator.launch import records
+    from orchestrator.launch import records, storage
 
     record = records.find(args.run)
     work = Path(os.environ.get("ORCH_CACHE_DIR") or Path.home() / ".cache" / "orch") / "dashboards" / record.run
@@ -74,7 +51,10 @@ def main(args: argparse.Namespace) -> int:
     elif record.get("backend").startswith("local"):
         output_dir = Path(record.get("output_dir"))
     else:
-        output_dir = _fetch_from_cluster(record, work / "fetched")
+        output_dir = work / "fetched"
+        instead = "sync its output dir from the checkpoint bucket and give it with --dir"
+        storage.fetch_from_head(record, "trackio/", output_dir / "trackio", otherwise=instead,
+                                with_copy=", give it with --dir")  # fmt: skip
     found = tracking.node_databases(output_dir)
     if not found:
         raise OrchError(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 from pathlib import Path
 
 from orchestrator.commands import add
@@ -45,25 +44,6 @@ def _from_directory(source: Path, dest: Path) -> None:
         shutil.copy2(path, dest / path.name)
 
 
-def _from_cluster(record, dest: Path) -> None:
-    from orchestrator.core.final_model import FILES
-
-    cluster, job = record.get("cluster"), record.get("job_id")
-    if not cluster or not str(job).isdigit():
-        raise OrchError(
-            f"run {record.run} has no cluster to fetch from (a managed job's is gone with the job): its final model is "
-            "in the checkpoint bucket the recipe mounts; or rerun with --push-to-hub"
-        )
-    root = (record.task.get("envs") or {}).get("CHECKPOINT_ROOT")
-    source = f"{cluster}:{root}/*_{cluster}_{job}/" if root else f"{cluster}:~/sky_workdir/{record.get('output_dir')}/"
-    dest.mkdir(parents=True, exist_ok=True)
-    rules = [f"--include={pattern}" for pattern in FILES] + ["--exclude=*"]
-    print(f"[orch] fetching {source} (rsync over SkyPilot's SSH alias)", flush=True)
-    done = subprocess.run(["rsync", "-a", *rules, source, str(dest)], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise OrchError(f"could not fetch the model from cluster {cluster}: {done.stderr.strip()[-300:]}")
-
-
 def main(args: argparse.Namespace) -> int:
     from orchestrator.launch import records
 
@@ -83,8 +63,13 @@ def main(args: argparse.Namespace) -> int:
             where = record.get("output_dir")
             _from_directory(Path(where), dest)
         else:
+            from orchestrator.core.final_model import FILES
+            from orchestrator.launch import storage
+
             where = f"cluster {record.get('cluster')}"
-            _from_cluster(record, dest)
+            rules = tuple(f"--include={pattern}" for pattern in FILES) + ("--exclude=*",)  # top-level files only
+            storage.fetch_from_head(record, "", dest, rules, otherwise="its final model is in the checkpoint bucket "
+                                    "the recipe mounts; or rerun with --push-to-hub")  # fmt: skip
     except BaseException:
         if made:  # nothing half written
             shutil.rmtree(dest, ignore_errors=True)

@@ -112,3 +112,30 @@ def check_writable(path: Path, what: str) -> None:
     except OSError as exc:
         reason = "read-only file system" if exc.errno == errno.EROFS else exc.strerror
         raise OrchError(f"{what} {path}: cannot write under {existing} ({reason}); choose another {what}") from None
+
+
+def fetch_from_head(record, sub: str, dest: Path, rules: tuple[str, ...] = (), otherwise: str = "",
+                    with_copy: str = "") -> None:  # fmt: skip
+    """rsync <output_dir>/<sub> of a cluster run from its head node into dest, over the SSH alias SkyPilot writes
+    for the cluster (the run's task id ends with _<cluster>_<job id>, under CHECKPOINT_ROOT). What the user can do
+    instead: `otherwise` when there is no cluster, `with_copy` (of the output dir) when there is no CHECKPOINT_ROOT."""
+    import subprocess
+
+    cluster, job = record.get("cluster"), str(record.get("job_id"))
+    if not cluster or not job.isdigit():
+        raise OrchError(
+            f"run {record.run} has no cluster to fetch from (a managed job's cluster is gone with the job): "
+            f"{otherwise}"
+        )
+    root = (record.task.get("envs") or {}).get("CHECKPOINT_ROOT")
+    if not root:
+        raise OrchError(
+            f"run {record.run} kept its output in the TRL config's output_dir on the nodes (no CHECKPOINT_ROOT): copy "
+            f"that directory from cluster {cluster} (rsync -a {cluster}:~/sky_workdir/OUTPUT_DIR .){with_copy}"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    source = f"{cluster}:{root}/*_{cluster}_{job}/{sub}"
+    print(f"[orch] fetching {source} (rsync over SkyPilot's SSH alias)", flush=True)
+    done = subprocess.run(["rsync", "-a", *rules, source, str(dest)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise OrchError(f"could not fetch {source} from cluster {cluster}: {done.stderr.strip()[-300:]}")
