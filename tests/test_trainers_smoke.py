@@ -37,6 +37,10 @@ def check_adapter(result, project, lora: bool, qlora: bool = False) -> Path:
         return output_dir
     assert 0 < adapter["trainable_params"] < adapter["params"] / 2, adapter  # a tiny model: r16 is a big share
     assert (adapter["linear4bit"] > 0) == qlora, adapter
+    if qlora:  # every linear layer of the tiny Llama is bitsandbytes' 4-bit one, counted once (not PEFT's wrapper)
+        launch = next(x for x in result.stdout.splitlines() if "[orch] launch: " in x).split()
+        model = Path(launch[launch.index("--model_name_or_path") + 1])
+        assert adapter["linear4bit"] == 7 * json.loads((model / "config.json").read_text())["num_hidden_layers"]
     assert "Hugging Face format: PEFT's from_pretrained loads it on its base model" in result.stdout
     assert (output_dir / "adapter_model.safetensors").is_file() and (output_dir / "adapter_config.json").is_file()
     assert "[orch] trained: a LoRA adapter" in result.stdout

@@ -135,14 +135,17 @@ class Estimate:
         return f"~{self.gib:.1f} GiB per GPU ({shown})"
 
 
-def lora_params(arch: Arch, r: int, targets: tuple[str, ...]) -> int:
-    shapes = arch.linears()
-    names = LINEARS if "all-linear" in targets else [t for t in targets if t in shapes]
-    return arch.layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in names)
-
-
 def _targets(setup: Setup) -> list[str]:
+    """The linear layers LoRA adapts (`all-linear`: every one)."""
     return list(LINEARS) if "all-linear" in setup.lora_targets else [t for t in setup.lora_targets if t in LINEARS]
+
+
+def trained_params(setup: Setup) -> int:
+    """Parameters with gradients and optimizer states: the LoRA adapters' r x (in + out) per adapted layer, or all."""
+    if setup.method not in ("lora", "qlora"):
+        return setup.arch.params
+    shapes = setup.arch.linears()
+    return setup.arch.layers * sum(setup.lora_r * (shapes[n][0] + shapes[n][1]) for n in _targets(setup))
 
 
 def states(setup: Setup) -> dict[str, float]:
@@ -150,7 +153,7 @@ def states(setup: Setup) -> dict[str, float]:
     a, n, s = setup.arch, setup.gpus, setup.strategy
     dtype = DTYPE_BYTES[setup.weights_dtype]
     peft = setup.method in ("lora", "qlora")
-    trained = lora_params(a, setup.lora_r, setup.lora_targets) if peft else a.params
+    trained = trained_params(setup)
     sharded = s in ("fsdp", "zero3")
     if peft:
         w, g, opt = 4, 4, 8  # PEFT's fp32 adapters, Adam in fp32
@@ -251,7 +254,5 @@ def smallest_fit(base: Setup, capacity_gib: float, gpus_per_node: int, max_nodes
 def offload_host_gib(setup: Setup, nodes: int) -> float:
     """Host memory a node needs for ZeRO-3 CPU offload: bf16 weights and the fp32 master, m and v (14 bytes a
     trained parameter) of its share of the states, plus the frozen weights."""
-    peft = setup.method in ("lora", "qlora")
-    trained = lora_params(setup.arch, setup.lora_r, setup.lora_targets) if peft else setup.arch.params
-    frozen = setup.arch.params * DTYPE_BYTES[setup.weights_dtype] if peft else 0
-    return (trained * 14 + frozen) / nodes / GIB
+    frozen = setup.arch.params * DTYPE_BYTES[setup.weights_dtype] if setup.method in ("lora", "qlora") else 0
+    return (trained_params(setup) * 14 + frozen) / nodes / GIB

@@ -68,17 +68,6 @@ def arch_of(model_id: str) -> Arch | None:
     return None
 
 
-def params_billions(model_id: str) -> float | None:
-    """Parameter count of a model id: from its shape when known, else the size its name states (`...-70B`)."""
-    import re
-
-    arch = arch_of(model_id)
-    if arch is not None:
-        return arch.params / 1e9
-    match = re.search(r"(?<![\d.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z])", model_id.split("/")[-1])
-    return float(match.group(1)) if match else None
-
-
 def family_of(model_id: str) -> Family:
     lowered = model_id.lower()
     for family in FAMILIES:

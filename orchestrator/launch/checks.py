@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from orchestrator.core import memory, trl_schema
 from orchestrator.core.errors import OrchError
+from orchestrator.core.overrides import truthy
 from orchestrator.launch import preflight
 from orchestrator.launch.resolved import Launch
 from orchestrator.node.plan import NodePlan, plan
@@ -68,7 +69,7 @@ def rehearse(launch: Launch, checked: Checked) -> str:
             "rehearsal: not here (the training stack is not installed: pip install '.[train]' to rehearse on this "
             "machine); the head node rehearses in its setup, before it downloads the model"
         )
-    quantized = str(launch.setting("load_in_4bit", "false")).lower() == "true"
+    quantized = truthy(launch.setting("load_in_4bit", False))
     if quantized and not driver.importable("bitsandbytes"):
         return (
             "rehearsal: not here (load_in_4bit needs bitsandbytes: pip install '.[quant]' to rehearse on this "
@@ -84,7 +85,7 @@ def rehearse(launch: Launch, checked: Checked) -> str:
         substitute=driver.substitutions(launch.trainer, launch.settings, artifacts.dir, driver.output_dir()),
         devices=launch.gpus.count,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
-        quantized=str(launch.settings.get("load_in_4bit", "false")).lower() == "true",
+        quantized=quantized,
     )
     (outcomes,) = driver.rehearse_batches([batch], launch.recipe.workdir)
     for outcome in outcomes:

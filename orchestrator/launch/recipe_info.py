@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 from orchestrator.core import configs, strategy
 from orchestrator.core.errors import OrchError
+from orchestrator.core.overrides import truthy
 from orchestrator.launch.recipe import Recipe
 
 
@@ -33,6 +34,6 @@ def summarize(recipe: Recipe) -> Summary:
         trl = {}
     model = trl.get("model_name_or_path", "?")
     trainer = recipe.trainer
-    if str(trl.get("use_peft", "")).lower() == "true":  # LoRA, or QLoRA on 4-bit weights
-        trainer += "+qlora" if str(trl.get("load_in_4bit", "")).lower() == "true" else "+lora"
+    if truthy(trl.get("use_peft", False)):  # LoRA, or QLoRA on 4-bit weights
+        trainer += "+qlora" if truthy(trl.get("load_in_4bit", False)) else "+lora"
     return Summary(recipe.name, trainer, label, str(model), str(recipe.gpus or "-"), recipe.num_nodes)

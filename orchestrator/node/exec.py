@@ -145,7 +145,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
         substitute=driver.substitutions(trainer, settings, artifacts.dir, driver.output_dir()),
         devices=cluster.gpus_per_node,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
-        quantized=str(settings.get("load_in_4bit", "false")).lower() == "true",
+        quantized=overrides.truthy(settings.get("load_in_4bit", False)),
     )
     (outcomes,) = driver.rehearse_batches([batch])
     for outcome in outcomes:

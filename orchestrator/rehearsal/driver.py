@@ -268,7 +268,7 @@ def summary(outcomes: list[Outcome], ranks: int, batch: Batch) -> str:
         what.append(f"ZeRO-{head['zero_stage']}")
     what.append(f"accumulation {head.get('gradient_accumulation_steps', '?')}")
     if head.get("trainable_params") is not None:
-        four = f", {head['params_4bit']} 4-bit base tensors" if head.get("params_4bit") else ""
+        four = f", {head['linear4bit']} Linear4bit base layers" if head.get("linear4bit") else ""
         what.append(f"{head['trainable_params']:,} trainable adapter parameters{four}")
     what.append(f"final model: {head.get('final_model', '?')}")
     stack = ", ".join(f"{k} {v}" for k, v in versions().items() if k in ("accelerate", "trl", "transformers"))

@@ -158,10 +158,9 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
         "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
         "per_device_train_batch_size": trainer.args.per_device_train_batch_size,
     }
-    params = list(trainer.model.parameters())
-    if any(not p.requires_grad for p in params):  # PEFT: an adapter trains, the base stays frozen (4-bit: QLoRA)
-        facts["trainable_params"] = sum(p.numel() for p in params if p.requires_grad)
-        facts["params_4bit"] = sum(type(p).__name__ == "Params4bit" for p in params)
+    adapter = entry.adapter_facts(trainer.model)  # PEFT: an adapter trains, the base stays frozen (4-bit: QLoRA)
+    if adapter:
+        facts["trainable_params"], facts["linear4bit"] = adapter["trainable_params"], adapter["linear4bit"]
     if acc.parallelism_config is not None:
         pc = acc.parallelism_config
         facts["parallelism"] = {k: getattr(pc, f"{k}_size") for k in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}

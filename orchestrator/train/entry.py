@@ -172,7 +172,9 @@ def adapter_facts(model) -> dict | None:
     total = sum(p.numel() for p in params)
     if trainable == total:
         return None
-    linear4bit = sum(type(m).__name__ == "Linear4bit" for m in model.modules())
+    # bitsandbytes' own Linear4bit, not PEFT's LoRA wrapper of it (a class of the same name)
+    linear4bit = sum(type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")
+                     for m in model.modules())  # fmt: skip
     return {"trainable_params": trainable, "params": total, "linear4bit": linear4bit}
 
 
