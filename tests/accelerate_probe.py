@@ -3,7 +3,8 @@ what accelerate makes of an FSDP2 or DeepSpeed launch on a CPU machine, printed 
 
   fsdp         an FSDP2 launch env, Accelerator(cpu=True): accelerate alone
   fsdp-helped  the same with orchestrator/train/cpu_fsdp.py installed
-  ds           a DeepSpeed launch env, PartialState() as transformers builds it without ddp_backend
+  ds           a DeepSpeed launch env, PartialState() as transformers builds it without ddp_backend (DeepSpeed's
+               shared-memory op skipped, as orchestrator/train/cpu_deepspeed.py does in every CPU training process)
   ds-gloo      the same with backend="gloo" (TRL's --ddp_backend gloo)
 """
 
@@ -34,7 +35,10 @@ if mode.startswith("fsdp"):
         "dtensor": sum(isinstance(p, DTensor) for p in model.parameters()),
     }
 else:
-    os.environ.update(ACCELERATE_USE_DEEPSPEED="true")
+    os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ORCH_DEVICE="cpu")
+    from orchestrator.train import cpu_deepspeed
+
+    cpu_deepspeed.skip_shm_comm()  # as the training entry does: no C++ build of DeepSpeed's shared-memory op
     from accelerate.state import PartialState
 
     state = PartialState(backend="gloo") if mode == "ds-gloo" else PartialState()
@@ -44,5 +48,6 @@ else:
         "distributed_type": state.distributed_type.value,
         "num_processes": state.num_processes,
         "deepspeed_world_size": dc.get_world_size(),
+        "shm_comm": cpu_deepspeed.shm_comm_built(),
     }
 print("PROBE " + json.dumps(out), flush=True)

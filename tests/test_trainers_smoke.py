@@ -80,6 +80,10 @@ def test_trainer_smoke_trains_on_two_nodes(project, label):
         output_dir = project / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
         assert len(list((output_dir / "checkpoint-8").glob("global_step8/*optim_states.pt"))) == 2
         assert "DeepSpeed: 2 per-rank optimizer state file(s)" in result.stdout
+        # read from the live comm backend of every rank: DeepSpeed's shared-memory op was neither built nor used
+        for report in (output_dir / "orch").glob("rank*.json"):
+            assert json.loads(report.read_text())["strategy"]["shm_comm"] is False
+        assert "deepspeed_shm_comm" not in result.stdout
 
 
 def test_copied_template_runs_on_the_users_own_file(project):

@@ -68,10 +68,11 @@ def flags(
             else:
                 runs_as = f"DeepSpeed ZeRO-{asked_strategy.kind[-1]} over gloo"
                 script_args = ("--ddp_backend", "gloo")  # not use_cpu: accelerate's DeepSpeed path needs it off
-                notes.append(
-                    "DeepSpeed on CPU compiles its CPU extensions on first use (shared-memory collectives, and CPU "
-                    "Adam when offloading): a minute or two once, then cached in ~/.cache/torch_extensions"
-                )
+                if asked_strategy.offload:  # the shared-memory op is never built (orchestrator/train/cpu_deepspeed.py)
+                    notes.append(
+                        "DeepSpeed compiles CPU Adam (ZeRO offload) on first use: a minute or two once, then cached "
+                        "in ~/.cache/torch_extensions"
+                    )
         else:
             sharded = None
             argv += ["--config_file", str(CPU_CONFIG)] + (["--multi_gpu"] if total > 1 else [])

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from orchestrator.core.trl_schema import TRAINER_CLASSES
-from orchestrator.train import cpu_fsdp, hub, netcheck, tracking
+from orchestrator.train import cpu_deepspeed, cpu_fsdp, hub, netcheck, tracking
 from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, for_collective, node_of_process
 from orchestrator.train.checkpoints import choose_resume, quarantine, save_final_model
 from orchestrator.train.progress import Progress
@@ -157,6 +157,8 @@ def strategy_facts(trainer) -> dict:
             "sharded_params": sum(hasattr(p, "ds_tensor") for p in params),
             "params": len(params),
         }
+        if acc.device.type == "cpu":  # the shared-memory op of DeepSpeed's CPU comm (train/cpu_deepspeed.py)
+            facts["shm_comm"] = cpu_deepspeed.shm_comm_built()
         parallelism = getattr(acc, "parallelism_config", None)  # the live accelerator's, as the ranks built it
         if parallelism is not None and (parallelism.sp_size or 1) > 1:
             facts["sp_size"] = int(parallelism.sp_size)
@@ -240,6 +242,8 @@ def _leave(trainer) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if cpu_deepspeed.wanted():  # before TRL's parser builds TrainingArguments, which may start DeepSpeed's comm
+        cpu_deepspeed.skip_shm_comm()
     parsed = parse(sys.argv[1:] if argv is None else argv)
     if cpu_fsdp.wanted():
         cpu_fsdp.install()
