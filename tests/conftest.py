@@ -14,8 +14,15 @@ os.environ["SKYPILOT_DISABLE_LOCAL_API_SERVER"] = "1"
 # the subject; elsewhere it would only repeat that work.
 os.environ.setdefault("ORCH_REHEARSAL", "off")
 os.environ.setdefault("ORCH_DATA_CHECK", "off")  # the one-row dataset check: on in test_recipes.py only
-# A cache of tiny smoke models private to this test session: CI builds them from scratch.
-os.environ.setdefault("ORCH_CACHE_DIR", tempfile.mkdtemp(prefix="orch-test-cache-"))
+# A cache of tiny smoke models and rehearsals private to this test session (CI builds them from scratch), shared by
+# its pytest-xdist workers: a model one worker built, the other finds (builds and cache writes are atomic).
+if "ORCH_CACHE_DIR" not in os.environ:
+    if run_id := os.environ.get("PYTEST_XDIST_TESTRUNUID"):
+        shared = Path(tempfile.gettempdir()) / f"orch-test-cache-{run_id}"
+        shared.mkdir(exist_ok=True)
+        os.environ["ORCH_CACHE_DIR"] = str(shared)
+    else:
+        os.environ["ORCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="orch-test-cache-")
 
 
 def orch(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -25,16 +25,22 @@ INSTALLING: list[subprocess.Popen] = []  # apt-get, started in the background wh
 
 def start_install() -> None:
     """Install the packages in the background (conftest calls it once the Slurm tests are collected), so that apt's
-    minute overlaps the tests that run before them."""
+    minute overlaps the tests that run before them. Under pytest-xdist every worker collects the Slurm tests and
+    calls this: flock lets one install while the others wait for it, then find the packages there."""
     if os.geteuid() != 0 or (shutil.which("slurmctld") and shutil.which("munged")) or not shutil.which("apt-get"):
         return
-    script = f"apt-get update -qq && apt-get install -y -qq {' '.join(PACKAGES)}"
-    INSTALLING.append(subprocess.Popen(["bash", "-c", script], env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+    script = (
+        "command -v slurmctld >/dev/null && command -v munged >/dev/null || "
+        f"{{ apt-get update -qq && apt-get install -y -qq --no-install-recommends {' '.join(PACKAGES)}; }}"
+    )
+    INSTALLING.append(subprocess.Popen(["flock", "/var/lock/orch-test-slurm-install", "bash", "-c", script],
+                                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
 
 
 def missing() -> str:
-    """Why a Slurm cluster cannot be made here ("" when it can, after installing the packages if needed)."""
+    """Why a Slurm cluster cannot be made here ("" when it can, after installing the packages if needed). As root
+    with apt-get, a failed install is an error, not a reason to skip: CI runs these tests as root."""
     if os.geteuid() != 0:
         return "needs root (network namespaces, munged, slurmd)"
     if not shutil.which("ip"):
@@ -44,7 +50,7 @@ def missing() -> str:
     for proc in INSTALLING:
         output = proc.communicate(timeout=900)[0] if proc.returncode is None else ""
         if proc.returncode != 0:
-            return f"installing {' and '.join(PACKAGES)} failed: {(output or '').strip()[-300:]}"
+            raise RuntimeError(f"installing {' and '.join(PACKAGES)} failed: {(output or '').strip()[-300:]}")
     if shutil.which("slurmctld") and shutil.which("munged"):
         return ""
     return "slurm-wlm and munge are not installed and there is no apt-get to install them"

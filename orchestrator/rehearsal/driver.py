@@ -194,7 +194,9 @@ def rehearse_batches(batches: list[Batch], workdir: Path = Path("."), parallel: 
             results[i] = outcomes
             if all(o.stage != "rehearsal" for o in outcomes):  # a crash of the rehearsal itself is not cached
                 _cache_dir().mkdir(parents=True, exist_ok=True)
-                (_cache_dir() / f"{keys[i]}.json").write_text(json.dumps([list(o) for o in outcomes]))
+                part = _cache_dir() / f"{keys[i]}.json.{os.getpid()}"  # whole or absent for a concurrent reader
+                part.write_text(json.dumps([list(o) for o in outcomes]))
+                os.replace(part, _cache_dir() / f"{keys[i]}.json")
     return [[o._replace(facts={**o.facts, "cached": i not in todo}) for o in r] for i, r in enumerate(results)]
 
 
