@@ -4,8 +4,9 @@ PY     := $(VENV)/bin/python
 UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile uv.lock | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
-# pytest-xdist workers, one test file each at a time: the suite is CPU-bound (every smoke run imports the training
-# stack in 2 ranks), and one pytest process kept ~1.4 of this machine's 2 cores busy.
+# pytest-xdist workers: the suite is CPU-bound (every smoke run imports the training stack in 2 ranks) and one pytest
+# process kept ~1.4 of this machine's 2 cores busy. Tests go to whichever worker is free, but a module with a
+# module-scoped fixture (rehearsals, the Slurm cluster) is one xdist_group, run by one worker.
 PYTEST_WORKERS ?= 2
 
 .PHONY: install demo test lint bench gpu-check snapshots lock clean
@@ -32,7 +33,7 @@ demo: install
 	$(VENV)/bin/orch run phi3_dpo_fsdp --local --nodes 2 --smoke --fresh
 
 test: install
-	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 bench: install
 	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) bench/run.py

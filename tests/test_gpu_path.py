@@ -23,7 +23,9 @@ from orchestrator.launch.resolved import resolve
 from orchestrator.node import plan as node
 from orchestrator.rehearsal import driver as rehearsal
 
-pytestmark = pytest.mark.slow  # each rehearsal imports the training stack in a subprocess (~5-10 s)
+# each rehearsal imports the training stack in a subprocess (~5-10 s); one pytest-xdist worker runs the module, so
+# that the module-scoped `rehearsed` fixture runs once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_gpu_path")]
 TASKS = sorted(p for p in (ROOT / "recipes").glob("*.yaml"))
 
 
@@ -39,6 +41,11 @@ def substitutions(launch, out: str) -> list[str]:
 
 def rehearse(name: str, nodes: int, gpus: int, cpus: int | None = None, envs: dict | None = None, strip=()):
     """Rehearse every role of `name` at nodes x gpus, as the nodes would plan it (with `cpus` cores each)."""
+    plans, batch = rehearsal_batch(name, nodes, gpus, cpus, envs, strip)
+    return plans, rehearsal.rehearse_batches([batch], ROOT)[0]
+
+
+def rehearsal_batch(name: str, nodes: int, gpus: int, cpus: int | None = None, envs: dict | None = None, strip=()):
     launch = launch_of(name, nodes=nodes, envs=envs)
     base = {**launch.env(), "SKYPILOT_TASK_ID": "rehearsal"}
     base.update(
@@ -49,7 +56,7 @@ def rehearse(name: str, nodes: int, gpus: int, cpus: int | None = None, envs: di
     plans = [node.plan({**base, "SKYPILOT_NODE_RANK": str(r)}, *launch.paired, cpus=cpus) for r in range(nodes)]
     roles = [rehearsal.Role(name, _strip(p.argv, strip), p.env, p.role) for name, p in rehearsal.roles(plans)]
     subs = substitutions(launch, "/tmp/orch-test-rehearsal")
-    return plans, rehearsal.rehearse_roles(launch.trainer, roles, subs, gpus, ROOT)
+    return plans, rehearsal.Batch(launch.trainer, roles, subs, gpus, ("", launch.trainer, ""))
 
 
 def _strip(argv: list[str], flags) -> list[str]:
@@ -81,25 +88,55 @@ def dry_run_argvs(recipe: str, *flags: str) -> tuple[list[list[str]], str]:
     return [shlex.split(x) for x in lines], result.stdout
 
 
-@pytest.mark.parametrize(
-    "recipe, flags",
-    [
-        ("qwen3_sft_zero1", ["--gpus", "A10G:8"]),
-        ("qwen3_sft_fsdp_cp", []),
-        ("phi3_dpo_fsdp", []),
-        ("llama3_sft_fsdp", []),
-    ],
-)
-def test_dry_run_argv_is_accepted_by_accelerate_trl_and_transformers(recipe, flags):
-    """Each rank of the dry run, through accelerate's launcher and TRL's trainer; DeepSpeed's config finalized by
-    transformers and the final model saved, as the end of train() would."""
+def dry_run_batch(recipe: str, flags: list[str]):
+    """The dry run's argv of ranks 0 and 1, as a rehearsal batch (with the dry run's output)."""
     argvs, out = dry_run_argvs(recipe, *flags)
     launch = launch_of(recipe)
-    trainer = launch.trainer
     subs = substitutions(launch, "/tmp/orch-test-rehearsal")
     gpus = int(flags[1].split(":")[1]) if flags else launch.gpus.count
     roles = [rehearsal.Role(f"rank {rank}", argv) for rank, argv in enumerate(argvs[:2])]
-    for rank, outcome in enumerate(rehearsal.rehearse_roles(trainer, roles, subs, gpus, ROOT)):
+    return argvs, out, rehearsal.Batch(launch.trainer, roles, subs, gpus, ("", launch.trainer, ""))
+
+
+def packing_cp_batch():
+    """Rank 0 of the context-parallel recipe's dry run, with packing turned back on."""
+    argvs, _ = dry_run_argvs("qwen3_sft_fsdp_cp")
+    subs = substitutions(launch_of("qwen3_sft_fsdp_cp"), "/tmp/orch-test-rehearsal") + ["--packing", "true"]
+    return rehearsal.Batch("sft", [rehearsal.Role("rank 0", argvs[0])], subs, 8, ("", "sft", ""))
+
+
+DRY_RUNS = [
+    ("qwen3_sft_zero1", ["--gpus", "A10G:8"]),
+    ("qwen3_sft_fsdp_cp", []),
+    ("phi3_dpo_fsdp", []),
+    ("llama3_sft_fsdp", []),
+]
+REHEARSED = [  # rehearsal_batch's arguments, as the tests below call rehearse()
+    ("qwen3_sft_zero1", 1, 8, None, None, ("--gradient_accumulation_steps",)),
+    ("llama3_sft_zero3", 2, 8),
+    ("llama3_sft_zero3_offload", 1, 8, 96),
+    ("llama3_sft_zero3", 1, 8, 96),
+    ("qwen3_sft_alst", 2, 8),
+]
+
+
+@pytest.fixture(scope="module")
+def rehearsed():
+    """This module's rehearsals in one call of 2 processes, each importing the training stack once, instead of one
+    process per test; the tests find theirs in the session's rehearsal cache (same batch, same key). A test whose
+    arguments no longer match an entry here still passes: it rehearses on its own, slower."""
+    batches = [rehearsal_batch(*spec)[1] for spec in REHEARSED]
+    batches += [dry_run_batch(recipe, flags)[2] for recipe, flags in DRY_RUNS] + [packing_cp_batch()]
+    rehearsal.rehearse_batches(batches, ROOT, parallel=2)
+
+
+@pytest.mark.parametrize("recipe, flags", DRY_RUNS)
+def test_dry_run_argv_is_accepted_by_accelerate_trl_and_transformers(rehearsed, recipe, flags):
+    """Each rank of the dry run, through accelerate's launcher and TRL's trainer; DeepSpeed's config finalized by
+    transformers and the final model saved, as the end of train() would."""
+    argvs, out, batch = dry_run_batch(recipe, flags)
+    gpus = batch.devices
+    for rank, outcome in enumerate(rehearsal.rehearse_batches([batch], ROOT)[0]):
         assert outcome.ok, (outcome.stage, outcome.error)
         facts = outcome.facts
         assert facts["world_size"] == len(argvs) * gpus and facts["rank"] == rank * gpus
@@ -117,7 +154,7 @@ def test_dry_run_argv_is_accepted_by_accelerate_trl_and_transformers(recipe, fla
 # ---------------------------------------------------------------- DeepSpeed: one accumulation for all
 
 
-def test_without_the_accelerate_flag_transformers_refuses_zero1():
+def test_without_the_accelerate_flag_transformers_refuses_zero1(rehearsed):
     """What the flag fixes, shown by the owners' code: TRL's zero1 profile's accumulation 1 reaches DeepSpeed."""
     _, outcomes = rehearse("qwen3_sft_zero1", 1, 8, strip=("--gradient_accumulation_steps",))
     (outcome,) = outcomes
@@ -148,7 +185,7 @@ def dry_run_argvs_in(project, recipe: str, *flags: str):
     return [shlex.split(x) for x in lines], result.stdout
 
 
-def test_zero3_recipes_write_a_loadable_final_model():
+def test_zero3_recipes_write_a_loadable_final_model(rehearsed):
     facts = ok(rehearse("llama3_sft_zero3", 2, 8)[1])
     assert facts["zero_stage"] == 3 and facts["final_model"].startswith("16-bit weights")
     accel = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3}}
@@ -173,11 +210,9 @@ def env(nodes, gpus, rank=0, **extra):
 # ---------------------------------------------------------------- context parallelism without packing
 
 
-def test_trl_refuses_packing_with_context_parallelism_and_so_does_orch():
+def test_trl_refuses_packing_with_context_parallelism_and_so_does_orch(rehearsed):
     """TRL's own check fires in the rehearsal; orch's node plan refuses the same earlier, on the laptop."""
-    argvs, _ = dry_run_argvs("qwen3_sft_fsdp_cp")
-    subs = substitutions(launch_of("qwen3_sft_fsdp_cp"), "/tmp/orch-test-rehearsal") + ["--packing", "true"]
-    (outcome,) = rehearsal.rehearse_roles("sft", [rehearsal.Role("rank 0", argvs[0])], subs, 8, ROOT)
+    (outcome,) = rehearsal.rehearse_batches([packing_cp_batch()], ROOT)[0]
     assert not outcome.ok and "Packing is not compatible with context parallelism" in outcome.error
     result = orch("run", "qwen3_sft_fsdp_cp", "packing=true", "--dry-run", "--skip-optimizer")
     assert result.returncode == 2 and result.stdout == ""
@@ -188,7 +223,7 @@ def test_trl_refuses_packing_with_context_parallelism_and_so_does_orch():
 # ---------------------------------------------------------------- CPU threads for offload
 
 
-def test_offload_gets_the_nodes_cores_not_torchruns_one_thread():
+def test_offload_gets_the_nodes_cores_not_torchruns_one_thread(rehearsed):
     plans, outcomes = rehearse("llama3_sft_zero3_offload", 1, 8, cpus=96)
     assert plans[0].env == {"OMP_NUM_THREADS": "12"}
     assert ok(outcomes)["omp_num_threads"] == "12"  # what torchrun's config_from_args passes to the processes
@@ -249,7 +284,7 @@ def test_accelerate_snapshot_matches_installed_accelerate():
     )
 
 
-def test_alst_recipe_rehearses_at_two_nodes():
+def test_alst_recipe_rehearses_at_two_nodes(rehearsed):
     facts = ok(rehearse("qwen3_sft_alst", 2, 8)[1])
     assert facts["parallelism"]["sp"] == 2 and facts["parallelism"]["dp_shard"] == 8
 

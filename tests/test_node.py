@@ -139,3 +139,20 @@ def test_profile_name_resolves_to_trl_file():
     path = resolve_accelerate_config("zero3")
     assert path.name == "zero3.yaml" and path.is_file()
     assert resolve_accelerate_config("recipes/x.yaml").as_posix() == "recipes/x.yaml"
+
+
+def test_the_node_runs_accelerates_launch_module_with_the_planned_arguments(node_env):
+    """`accelerate launch ARGS` runs as `python -m accelerate.commands.launch ARGS`: accelerate's own launch parser
+    and launch_command without the console script's import of every other subcommand; what the parser makes of the
+    arguments is the same either way. The smoke run that pushes to the Hub reads the processes back."""
+    import sys
+
+    from accelerate.commands.launch import launch_command_parser
+
+    from orchestrator.node.exec import runnable
+
+    argv = node.plan_from_env(node_env(2, 8, 1)).argv
+    run = runnable(argv)
+    assert run == [sys.executable, "-m", "accelerate.commands.launch", *argv[2:]]
+    assert vars(launch_command_parser().parse_args(run[3:])) == vars(launch_command_parser().parse_args(argv[2:]))
+    assert runnable(["vllm", "serve", "m"]) == ["vllm", "serve", "m"]

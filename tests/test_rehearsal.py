@@ -22,7 +22,8 @@ from orchestrator.launch.checks import previews
 from orchestrator.launch.resolved import resolve
 from orchestrator.rehearsal import driver
 
-pytestmark = pytest.mark.slow
+# one pytest-xdist worker runs the module: its module-scoped fixtures rehearse once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_rehearsal")]
 ON = {"ORCH_REHEARSAL": "on"}
 TOPOLOGIES = [(1, 1), (1, 8), (2, 8), (3, 4), (16, 8)]
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))

@@ -12,7 +12,7 @@ from conftest import ROOT
 from slurm_cluster import SlurmCluster, missing
 from test_faults import processes_with
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_slurm")]  # one cluster, one pytest-xdist worker
 
 
 @pytest.fixture(scope="module")

@@ -3,16 +3,21 @@
 import json
 import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import orch
 from hub_standin import Hub
+from test_faults import processes_with
 
 from orchestrator.core.final_model import is_final_file
 from orchestrator.train.checkpoints import verify
 
 pytestmark = pytest.mark.slow
+SECRET = "hf_SmokeTest_0123456789abcdef"
 
 # One recipe per trainer and per strategy that runs for real on CPU, and between them every model family orch
 # ships; what ran is read back from the training processes.
@@ -109,14 +114,52 @@ def test_copied_template_runs_on_the_users_own_file(project):
     assert (dataset / "train.jsonl").read_text().splitlines() == mine.read_text().splitlines()[:128]
 
 
+def run_watching_a_secret(project: Path, env: dict, secret: str, *args: str):
+    """`orch *args`; once its training processes are up, every process of the run and every command line on the
+    machine is read: (the run's result, whether the secret reached the nodes' environment, command lines seen)."""
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=project, env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    run, in_env, cmdlines, launchers, lines = None, False, [], [], []
+    for line in proc.stdout:
+        lines.append(line)
+        match = re.match(r"^\[orch\] run (\S+):", line)
+        run = run or (match.group(1) if match else None)
+        if run and "[orch] rank " in line:
+            ours = set(processes_with(f"SKYPILOT_TASK_ID={run}"))
+            in_env = in_env or bool(ours & set(processes_with(f"HF_TOKEN={secret}")))
+            for path in Path("/proc").glob("[0-9]*/cmdline"):
+                try:
+                    cmdlines.append(path.read_bytes())
+                except OSError:
+                    continue
+                if int(path.parent.name) in ours and b"\0accelerate.commands.launch\0" in cmdlines[-1]:
+                    launchers.append(cmdlines[-1].decode().split("\0")[:-1])
+    result = subprocess.CompletedProcess(proc.args, proc.wait(), "".join(lines), "")
+    return result, in_env, cmdlines, launchers
+
+
 def test_lora_sft_pushes_its_adapter_to_the_hub_and_pull_brings_it_back(project, tmp_path):
     """LoRA SFT of the 8B recipe (tiny Llama) on 2 nodes, --push-to-hub to a stand-in Hub (huggingface_hub's own
-    client over HTTP): only the final model's files are uploaded; `orch pull` downloads them and PEFT loads them."""
-    with Hub(tmp_path / "hub") as hub:
+    client over HTTP): only the final model's files are uploaded; `orch pull` downloads them and PEFT loads them.
+    The token, a `--secret`, reaches the nodes' environment and never a file, a log line or a command line."""
+    with Hub(tmp_path / "hub", token=SECRET) as hub:
         env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token}
-        result = orch("run", "llama3_sft_lora_ddp", "--local", "--nodes", "2", "--smoke", "--push-to-hub",
-                      "me/tiny-lora", "--secret", "HF_TOKEN", cwd=project, env=env)  # fmt: skip
+        result, in_env, cmdlines, launchers = run_watching_a_secret(
+            project, env, SECRET, "run", "llama3_sft_lora_ddp", "--local", "--nodes", "2", "--smoke",
+            "--push-to-hub", "me/tiny-lora", "--secret", "HF_TOKEN",
+        )  # fmt: skip
         check_one_group(result, project, "sft", "MULTI_CPU")
+        # each node ran the accelerate launch it printed, as `python -m accelerate.commands.launch` (node/exec.py)
+        printed = sorted(x.split(" accelerate launch ", 1)[1] for x in result.stdout.splitlines() if "launch: " in x)
+        assert len(printed) == 2 and sorted(shlex.join(argv[3:]) for argv in launchers[:2]) == printed, launchers
+        assert all(argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"] for argv in launchers)
+        assert in_env, "the nodes never received the secret (the test would prove nothing)"
+        assert cmdlines and not any(SECRET.encode() in c for c in cmdlines if b"pytest" not in c)
+        for path in project.rglob("*"):
+            if path.is_file() and path.suffix in (".yaml", ".json", ".jsonl", ".log", ".md", ".txt", ""):
+                assert SECRET not in path.read_text(errors="replace"), path
+        record = next((project / "sky_jobs").glob("*.yaml")).read_text()
+        assert "HF_TOKEN: null" in record and "--secret HF_TOKEN" in record
         check_adapter(result, project, lora=True)
         on_hub = sorted(p.name for p in (tmp_path / "hub" / "models" / "me" / "tiny-lora").iterdir())
         assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(on_hub), on_hub
