@@ -78,21 +78,3 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(project):
     assert last["node1/tokens_per_s"] > 0
     assert "(node1) [orch] tracking node 1 in Trackio project 'qwen25_sft_ddp'" in rerun.stdout
     assert "(continuing from step 4)" in rerun.stdout
-
-
-def test_fresh_says_what_it_deletes(tmp_path, capsys):
-    from types import SimpleNamespace
-
-    from orchestrator.launch.backends.local import forget
-
-    run = tmp_path / "run-1"
-    for step in (12, 8):
-        (run / f"checkpoint-{step}").mkdir(parents=True)
-        (run / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"x" * 500_000)
-    (run / "config.json").write_text("{}")
-    forget(SimpleNamespace(envs={"CHECKPOINT_ROOT": str(tmp_path)}, overrides={}), "run-1")
-    out = capsys.readouterr().out
-    assert re.search(
-        r"^\[orch\] --fresh: deleting \S+: checkpoint-8, checkpoint-12 \(1.0 MB\) and the final model$", out, re.M
-    )
-    assert not run.exists()

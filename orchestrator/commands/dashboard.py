@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from orchestrator.core import owned
     from orchestrator.core import trackio_files as tracking
     from orchestrator.launch import records, storage
 
@@ -65,7 +65,8 @@ def main(args: argparse.Namespace) -> int:
     if others:
         raise OrchError(f"{output_dir}/trackio/ holds several projects ({', '.join(found)}); keep one")
     merged_dir = work / "trackio"
-    shutil.rmtree(merged_dir, ignore_errors=True)
+    owned.remove(merged_dir, record.run, "orch dashboard's merged curves")  # the last merge of this run, if any
+    owned.claim(merged_dir, record.run)
     tracking.merge(databases, merged_dir / f"{project}.db")
     print(f"[orch] merged {len(databases)} node(s) of project {project!r} into {merged_dir}", flush=True)
     trackio = Path(sys.executable).parent / "trackio"

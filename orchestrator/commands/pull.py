@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 from pathlib import Path
 
@@ -45,13 +46,14 @@ def _from_directory(source: Path, dest: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from orchestrator.core import owned
     from orchestrator.launch import records
 
     record = records.find(args.run)
     dest = args.dir or Path("models") / record.run
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise OrchError(f"{dest} is not an empty directory: give an empty or new one")
-    made = not dest.exists()
+    made = not os.path.lexists(dest) and owned.claim(dest, record.run)  # a failed pull removes only what it made
     repo = (record.task.get("envs") or {}).get("ORCH_PUSH_TO_HUB")
     try:
         if repo:
@@ -72,8 +74,9 @@ def main(args: argparse.Namespace) -> int:
                                     "the recipe mounts; or rerun with --push-to-hub")  # fmt: skip
     except BaseException:
         if made:  # nothing half written
-            shutil.rmtree(dest, ignore_errors=True)
+            owned.remove(dest, record.run, "orch pull")
         raise
+    owned.unmark(dest)  # the model is the user's now: orch never deletes it
     files = sorted(p.name for p in dest.iterdir() if p.is_file())
     size = sum((dest / f).stat().st_size for f in files)
     print(f"[orch] {record.run}: final model from {where} -> {dest} ({len(files)} files, {size / 1e6:.1f} MB)")

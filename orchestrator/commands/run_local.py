@@ -79,8 +79,10 @@ def _local_once(args, launch: Launch, user_envs, user_overrides, secret_values: 
     command = secrets.redacted_command(args.argv, secret_values.values())
     output_dir = local.output_dir_of(launch, run)
     storage.check_writable(recipe.workdir / output_dir, "output_dir")
+    local.prepare(launch, run, fresh=args.fresh, check_only=True)  # --fresh deletes only what orch made for the run
     lock = runlock.acquire(run, recipe.workdir / output_dir, command)  # one owner; refused while another lives
     try:
+        local.prepare(launch, run, fresh=args.fresh)
         if artifacts is not None:
             smoke.ensure(artifacts)
         token = secrets_module.token_hex(8)
@@ -97,8 +99,6 @@ def _local_once(args, launch: Launch, user_envs, user_overrides, secret_values: 
         )
         records.write(record)
         try:
-            if args.fresh:
-                local.forget(launch, run)
             with contextlib.ExitStack() as stack:
                 network = stack.enter_context(netns.Network(launch.nodes)) if args.netns else None
                 result = local.launch(launch, run, secret_values, token, (lock,), network)

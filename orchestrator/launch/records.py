@@ -18,6 +18,7 @@ from pathlib import Path
 
 from orchestrator.core import yamlio
 from orchestrator.core.errors import OrchError
+from orchestrator.core.owned import check_name
 from orchestrator.core.yamlio import dump_task
 
 SKY_JOBS = Path("sky_jobs")
@@ -108,8 +109,12 @@ def read(path: Path) -> Record:
         match = _LINE.match(line)
         if match:
             meta[match.group(1)] = match.group(2)
+    run = meta.get("run", path.stem)
+    if run != path.stem:  # the name `orch dashboard` and `orch pull` make directories with: the file's own
+        raise ValueError(f"its header names run {run[:80]!r}, its file name {path.stem[:80]!r}")
+    check_name(run)
     task = yamlio.load(text) or {}
-    return Record(run=meta.get("run", path.stem), task=task, meta=meta)
+    return Record(run=run, task=task, meta=meta)
 
 
 def all_records(warn: bool = True) -> list[Record]:
@@ -135,16 +140,17 @@ def all_records(warn: bool = True) -> list[Record]:
 
 
 def find(run: str) -> Record:
+    if not run.strip():
+        raise OrchError("an empty run name matches no run: give a run name (or a unique prefix) from `orch status`")
     path = SKY_JOBS / f"{run}.yaml"
     if len(path.name) > 255 or "/" in run:
         raise OrchError(f"no run {run[:80]!r} in {SKY_JOBS}/; `orch status` lists the runs")
     if path.is_file():
         try:
             return read(path)
-        except Exception as exc:  # YAML errors, bad bytes
-            raise OrchError(
-                f"{path} is not a readable run record ({type(exc).__name__}); delete it or restore it"
-            ) from None
+        except Exception as exc:  # YAML errors, bad bytes, a header naming another run
+            reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+            raise OrchError(f"{path} is not a readable run record ({reason}); delete it or restore it") from None
     runs = [r.run for r in all_records(warn=False)]
     prefixed = [r for r in runs if r.startswith(run)]
     if len(prefixed) == 1:

@@ -20,11 +20,11 @@ thread gives no public flush, and a checkpoint's copy must hold every row up to 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from orchestrator.core import owned
 from orchestrator.core.home import orch_home
 from orchestrator.core.trackio_files import backup as _backup
 from orchestrator.core.trackio_files import node_copy
@@ -42,7 +42,7 @@ class NodeTracker:
     def __init__(self, project: str, run: str, node: int, nodes: int, local_main: bool, env=os.environ):
         self.project, self.run, self.node, self.nodes = project, run, node, nodes
         self.local_main = local_main
-        self.dir = orch_home(env) / "trackio" / run
+        self.dir = orch_home(env) / "trackio" / owned.check_name(run, "run id")
         self.storage = None
         self.last = None  # (time, this node's tokens) at the previous log
 
@@ -50,8 +50,12 @@ class NodeTracker:
         """Open this node's database: the resumed checkpoint's copy when there is one, else an empty one."""
         if not self.local_main:
             return
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self.dir.mkdir(parents=True)
+        why = owned.why_not_removable(self.dir, self.run)  # a directory orch made for this run, or none
+        if why:  # not orch's to empty: a database of its own beside it
+            self.dir = self.dir.with_name(f"{self.run}.{os.getpid()}")
+            print(f"[orch] note: {why}; this node's live Trackio database goes to {self.dir} instead", flush=True)
+        owned.remove(self.dir, self.run, "this node's live Trackio database")
+        owned.claim(self.dir, self.run)
         os.environ["TRACKIO_DIR"] = str(self.dir)  # read once, when trackio is first imported
         copy = node_copy(resume, self.node, self.project) if resume else None
         if copy is not None and copy.is_file():

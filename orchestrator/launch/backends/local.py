@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.core.errors import OrchError
 from orchestrator.launch.backends import netns
 from orchestrator.launch.backends.summary import stop_reason, summary
 from orchestrator.node.env import knob
@@ -270,18 +271,43 @@ def output_dir_of(launch, run_id: str) -> str:
     return str(launch.overrides.get("output_dir", f"outputs/{run_id}"))
 
 
-def forget(launch, run_id: str) -> None:
-    """--fresh: delete the run's output directory (its checkpoints), so that it starts from step 0."""
-    import shutil
+def forget(output_dir: Path, run_id: str, workdir: Path) -> None:
+    """--fresh: delete the run's output directory (its checkpoints), so that it starts from step 0; only a directory
+    orch made for this run (core/owned.py), else one line naming what to delete by hand."""
+    from orchestrator.core import owned
 
-    path = Path(output_dir_of(launch, run_id))
-    if path.is_dir():
-        numbered = [p.name for p in path.glob("checkpoint-*") if p.name[11:].isdigit()]
+    if output_dir.is_dir() and not owned.why_not_removable(output_dir, run_id, also=(workdir,)):
+        numbered = [p.name for p in output_dir.glob("checkpoint-*") if p.name[11:].isdigit()]
         found = sorted(numbered, key=lambda name: int(name[11:])) or ["no checkpoint"]
-        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-        final = " and the final model" if (path / "config.json").is_file() else ""
-        print(f"[orch] --fresh: deleting {path}: {', '.join(found)} ({size / 1e6:.1f} MB){final}", flush=True)
-        shutil.rmtree(path)
+        size = sum(p.lstat().st_size for p in output_dir.rglob("*") if p.is_file() and not p.is_symlink())
+        final = " and the final model" if (output_dir / "config.json").is_file() else ""
+        print(f"[orch] --fresh: deleting {output_dir}: {', '.join(found)} ({size / 1e6:.1f} MB){final}", flush=True)
+    owned.remove(output_dir, run_id, "--fresh", also=(workdir,))
+
+
+def prepare(resolved, run_id: str, fresh: bool, check_only: bool = False) -> Path:
+    """The run's output directory, ready before anything else is written: emptied with --fresh (`forget`), made and
+    marked as this run's when new, and its `orch/` reports directory renewed (reports describe one run; checkpoints
+    stay for resuming). Refusals are OrchErrors; check_only raises them and changes nothing (before the run lock)."""
+    from orchestrator.core import owned
+
+    workdir = resolved.recipe.workdir
+    output_dir = workdir / output_dir_of(resolved, run_id)
+    reports = output_dir / "orch"
+    if fresh:  # the whole directory goes, reports included
+        what, why = "--fresh", owned.why_not_removable(output_dir, run_id, also=(workdir,))
+    else:
+        what, why = "the run's reports directory", owned.why_not_removable(reports, None, also=(workdir,))
+    if why:
+        raise OrchError(f"{what}: {why}")
+    if check_only:
+        return output_dir
+    if fresh:
+        forget(output_dir, run_id, workdir)
+    owned.claim(output_dir, run_id)  # an existing directory orch did not make stays unmarked: --fresh refuses it
+    owned.remove(reports, None, "the run's reports directory", also=(workdir,))
+    owned.claim(reports, run_id)
+    return output_dir
 
 
 def launch(
@@ -290,8 +316,6 @@ def launch(
     """Run a resolved launch (orchestrator.launch.resolved.Launch) on emulated nodes and print what ran.
     token marks every process of the run (ORCH_RUN_TOKEN) for `orch status` to reap; hold_fds go to the guards;
     network (netns.Network, entered) puts each node in its own namespace."""
-    import shutil
-
     recipe = resolved.recipe
     workdir = recipe.workdir
     envs = resolved.env()
@@ -306,8 +330,6 @@ def launch(
     print(f"[orch] output: {output_dir}", flush=True)
     if recipe.task.get("setup"):
         print("[orch] local: skipping the recipe's `setup:` (this environment is already installed)", flush=True)
-    if (output_dir / "orch").is_dir():
-        shutil.rmtree(output_dir / "orch")  # reports describe one run; checkpoints stay for resuming
     started = time.monotonic()
     # Secrets travel in the node processes' environment only (as SkyPilot secrets do), never in files or argv.
     node_env = node_envs(

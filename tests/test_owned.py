@@ -1,0 +1,221 @@
+"""orch deletes only directories it made for the run at hand (core/owned.py): `--fresh`, a run's reports, the
+dashboard's cache, a failed pull, a node's live Trackio database. Each way a path can name something else (the
+current directory, its parent, a home, a repository, a link, a directory without orch's marker or with another
+run's) is tried here, through the owner's functions and through the CLI."""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from conftest import orch
+
+from orchestrator.core import owned
+from orchestrator.core.errors import OrchError
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+
+
+def test_claim_makes_a_marked_directory_and_leaves_existing_ones_unmarked(tmp_path):
+    made = tmp_path / "a" / "b"
+    assert owned.claim(made, "run-1") and owned.marker_run(made) == "run-1"
+    assert owned.claim(made, "run-1")  # already this run's
+    assert not owned.claim(made, "run-2") and owned.marker_run(made) == "run-1"  # another run's stays so
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    assert not owned.claim(mine, "run-1") and owned.marker_run(mine) is None
+    link = tmp_path / "link"
+    link.symlink_to(made)
+    assert not owned.claim(link, "run-1") and owned.marker_run(link) is None  # a link is never read through
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".claim")] == []  # no temporary left
+
+
+def test_remove_deletes_a_directory_made_for_the_run_without_following_links(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("data")
+    run = tmp_path / "run"
+    owned.claim(run, "r")
+    (run / "checkpoint-1").mkdir()
+    (run / "checkpoint-1" / "w.bin").write_bytes(b"x")
+    (run / "checkpoint-1" / "to-outside").symlink_to(outside)
+    (run / "top-link").symlink_to(outside / "keep.txt")
+    assert owned.remove(run, "r", "test")
+    assert not run.exists() and _files(outside) == ["keep.txt"]
+    assert not owned.remove(run, "r", "test")  # nothing there: nothing to do
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("unmarked", r"carries no orch marker \(\.orch-run\).*rm -r "),
+        ("other run", r"was made for run other, not r;"),
+        ("symlink", r"is a symbolic link"),
+        ("file", r"is not a directory"),
+        ("marker is a link", r"carries no orch marker"),
+        ("marker is not json", r"carries no orch marker"),
+        ("marker too large", r"carries no orch marker"),
+        ("repository", r"is a repository root"),
+        ("cwd", r"is the current directory or holds it"),
+        ("ancestor of cwd", r"is the current directory or holds it"),
+        ("home", r"orch never deletes it"),
+        ("workdir", r"orch never deletes it"),
+    ],
+)
+def test_remove_refuses_what_orch_did_not_make_for_the_run(tmp_path, monkeypatch, case, expected):
+    target = tmp_path / "target"
+    owned.claim(target, "r")
+    (target / "data.bin").write_bytes(b"precious")
+    also = ()
+    if case == "unmarked":
+        (target / owned.MARKER).unlink()
+    elif case == "other run":
+        (target / owned.MARKER).write_text(json.dumps({"orch": 1, "run": "other"}))
+    elif case == "symlink":
+        target = tmp_path / "link"
+        target.symlink_to(tmp_path / "target")
+    elif case == "file":
+        target = tmp_path / "target" / "data.bin"
+    elif case == "marker is a link":
+        (tmp_path / "forged").write_text(json.dumps({"orch": 1, "run": "r"}))
+        (target / owned.MARKER).unlink()
+        (target / owned.MARKER).symlink_to(tmp_path / "forged")
+    elif case == "marker is not json":
+        (target / owned.MARKER).write_text("run: r")
+    elif case == "marker too large":
+        (target / owned.MARKER).write_text(json.dumps({"orch": 1, "run": "r", "pad": "x" * 5000}))
+    elif case == "repository":
+        (target / ".git").mkdir()
+    elif case == "cwd":
+        monkeypatch.chdir(target)
+    elif case == "ancestor of cwd":
+        (target / "deeper").mkdir()
+        monkeypatch.chdir(target / "deeper")
+    elif case == "home":
+        monkeypatch.setenv("HOME", str(target / "me"))
+        (target / "me").mkdir()
+    elif case == "workdir":
+        also = (target / "project",)
+    before = _files(tmp_path)
+    with pytest.raises(OrchError, match=expected):
+        owned.remove(target, "r", "test", also=also)
+    assert _files(tmp_path) == before
+
+
+def test_run_names_are_one_path_component():
+    for bad in ("", ".", "..", "../x", "a/b", "x\0"):
+        with pytest.raises(OrchError, match="cannot name a directory"):
+            owned.check_name(bad)
+    assert owned.check_name("phi3_dpo_fsdp-1a2b3c4d") == "phi3_dpo_fsdp-1a2b3c4d"
+
+
+# ---------------------------------------------------------------- through the CLI
+
+
+@pytest.fixture
+def repo(project):
+    """A project that is a repository, with files a wrong delete would take."""
+    (project / ".git").mkdir()
+    (project / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (project / "notes.txt").write_text("mine")
+    return project
+
+
+@pytest.mark.parametrize(
+    "output_dir, expected",
+    [
+        (".", "--fresh: . is the current directory or holds it; orch never deletes it"),
+        ("", "--fresh: . is the current directory or holds it"),
+        ("..", "--fresh: .. is the current directory or holds it"),
+        ("mine", "--fresh: mine carries no orch marker (.orch-run): it was made by hand or by an orch older than "
+                 "markers; delete it by hand if you mean it (rm -r mine)"),
+        ("linked", "--fresh: linked is a symbolic link"),
+    ],
+)  # fmt: skip
+def test_fresh_never_deletes_what_orch_did_not_make(repo, output_dir, expected):
+    (repo / "mine").mkdir()
+    (repo / "mine" / "model.safetensors").write_bytes(b"weights")
+    (repo / "linked").symlink_to(repo / "mine")
+    before = _files(repo.parent)
+    result = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "1", "--smoke", "--fresh", f"output_dir={output_dir}",
+                  cwd=repo)  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("orch: error: ") and line.endswith(expected) or expected in line, line
+    assert "deleting" not in result.stdout
+    assert _files(repo.parent) == before  # nothing deleted, nothing written (no record, no lock, no output)
+
+
+def test_fresh_of_another_runs_directory_is_refused_and_a_users_orch_folder_is_kept(repo):
+    other = repo / "outputs" / "shared"
+    owned.claim(other, "some-other-run")
+    (other / "checkpoint-4").mkdir()
+    result = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "1", "--smoke", "--fresh", "output_dir=outputs/shared",
+                  cwd=repo)  # fmt: skip
+    assert result.returncode == 2
+    assert re.search(r"was made for run some-other-run, not qwen25_sft_ddp-\w+;", result.stderr), result.stderr
+    assert (other / "checkpoint-4").is_dir()
+    # training into the current directory is the user's choice, but orch's reports never replace their own orch/
+    (repo / "orch").mkdir()
+    (repo / "orch" / "__init__.py").write_text("# the user's package\n")
+    result = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "1", "--smoke", "output_dir=.", cwd=repo)
+    assert result.returncode == 2
+    assert "orch: error: the run's reports directory: orch carries no orch marker" in result.stderr, result.stderr
+    assert (repo / "orch" / "__init__.py").read_text() == "# the user's package\n"
+
+
+def test_fresh_deletes_the_runs_own_directory_and_says_what(tmp_path, capsys):
+    from orchestrator.launch.backends.local import forget
+
+    run = tmp_path / "run-1"
+    owned.claim(run, "run-1")
+    for step in (12, 8):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"x" * 500_000)
+    (run / "config.json").write_text("{}")
+    forget(run, "run-1", tmp_path)
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^\[orch\] --fresh: deleting \S+: checkpoint-8, checkpoint-12 \(1.0 MB\) and the final model$", out, re.M
+    )
+    assert not run.exists()
+
+
+def test_a_tampered_record_cannot_steer_the_dashboard_or_pull_outside_their_directories(project):
+    cache = project / "cache"
+    victim = project / "victim"
+    victim.mkdir()
+    (victim / "trackio").mkdir()
+    (victim / "trackio" / "keep.db").write_text("x")
+    jobs = project / "sky_jobs"
+    jobs.mkdir()
+    # the header names a run whose dashboard directory would be cache/dashboards/../../victim
+    (jobs / "evil.yaml").write_text("# run: ../../victim\n# backend: local\n# output_dir: outputs/x\n\nname: x\n")
+    for argv in (["dashboard", "evil", "--no-open"], ["pull", "evil"]):
+        result = orch(*argv, cwd=project, env={"ORCH_CACHE_DIR": str(cache)})
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "sky_jobs/evil.yaml is not a readable run record (its header names run '../../victim'" in result.stderr
+    assert (victim / "trackio" / "keep.db").read_text() == "x"
+    for argv in (["pull", ""], ["logs", ""], ["cancel", ""], ["dashboard", ""]):
+        result = orch(*argv, cwd=project)
+        assert result.returncode == 2 and "an empty run name matches no run" in result.stderr, (argv, result.stderr)
+
+
+def test_a_failed_pull_removes_only_the_directory_it_made(project):
+    from orchestrator.launch import records
+
+    os.chdir(project)
+    try:
+        records.write(records.new("r1", {"name": "x"}, "recipes/x.yaml", "orch run x", backend="local (1 node)",
+                                  output_dir="outputs/r1"))  # fmt: skip
+    finally:
+        os.chdir(Path(__file__).parent)
+    result = orch("pull", "r1", "models/new", cwd=project)
+    assert result.returncode == 2 and "no final model in outputs/r1" in result.stderr, result.stderr
+    assert not (project / "models" / "new").exists()
+    (project / "models" / "empty").mkdir()
+    result = orch("pull", "r1", "models/empty", cwd=project)
+    assert result.returncode == 2 and (project / "models" / "empty").is_dir()  # not made by the pull: kept
