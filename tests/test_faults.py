@@ -367,9 +367,6 @@ def test_bad_node_environment_through_the_cli(node_env):
     )
 
 
-# ---------------------------------------------------------------- secrets: test_trainers_smoke.py's push to the Hub
-
-
 @pytest.mark.parametrize("head_ip", ["127.0.0.1", "::1"])
 def test_barrier_listens_on_ipv4_and_ipv6(head_ip):
     import socket

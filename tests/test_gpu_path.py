@@ -56,7 +56,7 @@ def rehearsal_batch(name: str, nodes: int, gpus: int, cpus: int | None = None, e
     plans = [node.plan({**base, "SKYPILOT_NODE_RANK": str(r)}, *launch.paired, cpus=cpus) for r in range(nodes)]
     roles = [rehearsal.Role(name, _strip(p.argv, strip), p.env, p.role) for name, p in rehearsal.roles(plans)]
     subs = substitutions(launch, "/tmp/orch-test-rehearsal")
-    return plans, rehearsal.Batch(launch.trainer, roles, subs, gpus, ("", launch.trainer, ""))
+    return plans, rehearsal.roles_batch(launch.trainer, roles, subs, gpus)
 
 
 def _strip(argv: list[str], flags) -> list[str]:
@@ -95,14 +95,14 @@ def dry_run_batch(recipe: str, flags: list[str]):
     subs = substitutions(launch, "/tmp/orch-test-rehearsal")
     gpus = int(flags[1].split(":")[1]) if flags else launch.gpus.count
     roles = [rehearsal.Role(f"rank {rank}", argv) for rank, argv in enumerate(argvs[:2])]
-    return argvs, out, rehearsal.Batch(launch.trainer, roles, subs, gpus, ("", launch.trainer, ""))
+    return argvs, out, rehearsal.roles_batch(launch.trainer, roles, subs, gpus)
 
 
 def packing_cp_batch():
     """Rank 0 of the context-parallel recipe's dry run, with packing turned back on."""
     argvs, _ = dry_run_argvs("qwen3_sft_fsdp_cp")
     subs = substitutions(launch_of("qwen3_sft_fsdp_cp"), "/tmp/orch-test-rehearsal") + ["--packing", "true"]
-    return rehearsal.Batch("sft", [rehearsal.Role("rank 0", argvs[0])], subs, 8, ("", "sft", ""))
+    return rehearsal.roles_batch("sft", [rehearsal.Role("rank 0", argvs[0])], subs, 8)
 
 
 DRY_RUNS = [

@@ -246,6 +246,13 @@ def _run(batches: list[Batch], workdir: Path, parallel: int) -> list[list[Outcom
     return out
 
 
+def roles_batch(
+    trainer: str, roles_: list[Role], substitute: list[str], devices: int, smoke: tuple[str, str, str] | None = None
+) -> Batch:
+    """The batch rehearse_roles rehearses: without smoke artifacts named, the trainer's own."""
+    return Batch(trainer, roles_, substitute, devices, smoke or ("", trainer, ""))
+
+
 def rehearse_roles(
     trainer: str,
     roles_: list[Role],
@@ -255,8 +262,7 @@ def rehearse_roles(
     smoke: tuple[str, str, str] | None = None,
 ) -> list[Outcome]:
     """The roles of one launch (smoke: the tiny artifacts the substitutions name, built when missing)."""
-    batch = Batch(trainer, roles_, substitute, devices, smoke or ("", trainer, ""))
-    return rehearse_batches([batch], workdir)[0]
+    return rehearse_batches([roles_batch(trainer, roles_, substitute, devices, smoke)], workdir)[0]
 
 
 def summary(outcomes: list[Outcome], ranks: int, batch: Batch) -> str:
