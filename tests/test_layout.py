@@ -149,6 +149,76 @@ def test_only_the_sky_backend_imports_skypilot():
     assert {f for f, _ in _sky_users()} == {"launch/backends/sky.py"}
 
 
+# ---------------------------------------------------------------- backends: commands are views
+
+
+def _branches_on_the_kind_of_run(tree) -> list[str]:
+    """Comparisons with a platform's or backend's name, `.startswith("local")`-style tests, reads of `.platform`
+    outside the registry's own calls: the ways a command could decide by itself what kind of run it holds."""
+    names = {"local", "sky", "sky-cluster", "sky-managed"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for part in [node.left, *node.comparators]:
+                if isinstance(part, ast.Constant) and part.value in names:
+                    found.append(f"line {node.lineno}: compares with {part.value!r}")
+                if isinstance(part, ast.Attribute) and part.attr in ("platform", "backend"):
+                    found.append(f"line {node.lineno}: compares .{part.attr}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+            "startswith", "endswith"
+        ):
+            consts = [a for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if any(c.value.split(" ")[0] in names for c in consts):
+                found.append(f"line {node.lineno}: .{node.func.attr}({consts[0].value!r})")
+    return found
+
+
+def test_commands_import_no_backend_module_and_never_branch_on_the_kind_of_run():
+    """The commands reach platforms only through the registry (launch/backends/__init__.py: get, for_record)."""
+    bad = []
+    for path in sorted((PACKAGE / "commands").glob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        bad += [(where, name) for name in _imports(path) if name.startswith("orchestrator.launch.backends.")]
+        bad += [(where, why) for why in _branches_on_the_kind_of_run(ast.parse(path.read_text()))]
+    assert not bad, bad
+    # the check finds what it looks for
+    sample = 'if record.get("backend").startswith("local"):\n    pass\nif args.platform == "sky":\n    pass\n'
+    assert len(_branches_on_the_kind_of_run(ast.parse(sample))) == 3
+
+
+def test_every_registered_backend_implements_the_interface():
+    import inspect
+
+    from orchestrator.launch import backends
+
+    wanted = {name: inspect.signature(fn) for name, fn in vars(backends.Backend).items()
+              if inspect.isfunction(fn) and not name.startswith("_")}  # fmt: skip
+    assert set(wanted) == {"run", "state", "progress", "logs", "cancel", "down", "output"}
+    for platform in backends.PLATFORMS:
+        backend = backends.get(platform)
+        assert backend.name == platform
+        for name, signature in wanted.items():
+            mine = inspect.signature(getattr(type(backend), name))
+            assert list(mine.parameters) == list(signature.parameters), (platform, name, mine)
+
+
+def test_a_platform_is_added_by_registering_it(tmp_path, monkeypatch):
+    """What a new platform takes: a class with the interface, registered by name; records name it as `platform`."""
+    from orchestrator.launch import backends, records
+
+    (tmp_path / "my_platform.py").write_text(
+        "class Mine:\n    name = 'mine'\n"
+        "    def state(self, record, refresh=False):\n        return 'running (on mine)'\n"
+        "    def progress(self, record):\n        return {'step': '3/9'}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(backends.PLATFORMS, "mine", "my_platform:Mine")
+    record = records.Record("r", {}, {"platform": "mine", "backend": "mine (1 box)", "state": "running"})
+    assert backends.for_record(record).state(record) == "running (on mine)"
+    with pytest.raises(backends.OrchError, match="no backend for platform 'nope': orch knows local, mine, sky"):
+        backends.get("nope")
+
+
 def test_no_module_is_over_400_lines():
     long = {
         p.relative_to(PACKAGE).as_posix(): n

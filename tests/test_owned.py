@@ -4,7 +4,6 @@ current directory, its parent, a home, a repository, a link, a directory without
 run's) is tried here, through the owner's functions and through the CLI."""
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -204,15 +203,12 @@ def test_a_tampered_record_cannot_steer_the_dashboard_or_pull_outside_their_dire
         assert result.returncode == 2 and "an empty run name matches no run" in result.stderr, (argv, result.stderr)
 
 
-def test_a_failed_pull_removes_only_the_directory_it_made(project):
+def test_a_failed_pull_removes_only_the_directory_it_made(project, monkeypatch):
     from orchestrator.launch import records
 
-    os.chdir(project)
-    try:
-        records.write(records.new("r1", {"name": "x"}, "recipes/x.yaml", "orch run x", backend="local (1 node)",
-                                  output_dir="outputs/r1"))  # fmt: skip
-    finally:
-        os.chdir(Path(__file__).parent)
+    monkeypatch.chdir(project)
+    records.write(records.new("r1", {"name": "x"}, "recipes/x.yaml", "orch run x", backend="local (1 node)",
+                              output_dir="outputs/r1"))  # fmt: skip
     result = orch("pull", "r1", "models/new", cwd=project)
     assert result.returncode == 2 and "no final model in outputs/r1" in result.stderr, result.stderr
     assert not (project / "models" / "new").exists()

@@ -42,19 +42,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     from orchestrator.core import owned
     from orchestrator.core import trackio_files as tracking
-    from orchestrator.launch import records, storage
+    from orchestrator.launch import backends, records
 
     record = records.find(args.run)
     work = Path(os.environ.get("ORCH_CACHE_DIR") or Path.home() / ".cache" / "orch") / "dashboards" / record.run
     if args.dir is not None:
         output_dir = args.dir
-    elif record.get("backend").startswith("local"):
-        output_dir = Path(record.get("output_dir"))
     else:
-        output_dir = work / "fetched"
         instead = "sync its output dir from the checkpoint bucket and give it with --dir"
-        storage.fetch_from_head(record, "trackio/", output_dir / "trackio", otherwise=instead,
-                                with_copy=", give it with --dir")  # fmt: skip
+        output_dir = backends.for_record(record).output(record, "trackio", work / "fetched", otherwise=instead)
     found = tracking.node_databases(output_dir)
     if not found:
         raise OrchError(

@@ -89,9 +89,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"{preflight.label(one.setup)} on {args.gpus} GPU(s): {one.describe()}")
         return 0
     per_node = args.gpus_per_node
-    from orchestrator.launch.backends import sky as sky_backend
+    from orchestrator.launch import backends
 
-    prices = sky_backend.node_prices(per_node)
+    prices = backends.node_prices(per_node)
     rows = [("ACCELERATOR", "NODES", "STRATEGY", "GIB/GPU", "OF", "$/H", "INSTANCE", "FEWER NODES WITH CPU OFFLOAD")]
     for name, capacity in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: (-kv[1], kv[0])):
         usable = capacity * preflight.USABLE_FRACTION

@@ -45,9 +45,17 @@ def _from_directory(source: Path, dest: Path) -> None:
         shutil.copy2(path, dest / path.name)
 
 
+def _shown(path: Path) -> str:
+    """A path as short as it is clear: relative to the current directory when it is under it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def main(args: argparse.Namespace) -> int:
     from orchestrator.core import owned
-    from orchestrator.launch import records
+    from orchestrator.launch import backends, records
 
     record = records.find(args.run)
     dest = args.dir or Path("models") / record.run
@@ -61,17 +69,12 @@ def main(args: argparse.Namespace) -> int:
             from orchestrator.launch.model_out import download
 
             download(repo, dest)
-        elif record.get("backend", "").startswith("local"):
-            where = record.get("output_dir")
-            _from_directory(Path(where), dest)
         else:
-            from orchestrator.core.final_model import FILES
-            from orchestrator.launch import storage
-
-            where = f"cluster {record.get('cluster')}"
-            rules = tuple(f"--include={pattern}" for pattern in FILES) + ("--exclude=*",)  # top-level files only
-            storage.fetch_from_head(record, "", dest, rules, otherwise="its final model is in the checkpoint bucket "
-                                    "the recipe mounts; or rerun with --push-to-hub")  # fmt: skip
+            instead = "its final model is in the checkpoint bucket the recipe mounts; or rerun with --push-to-hub"
+            source = backends.for_record(record).output(record, "final", dest, otherwise=instead)
+            where = _shown(source) if source != dest else f"cluster {record.get('cluster')}"
+            if source != dest:
+                _from_directory(source, dest)
     except BaseException:
         if made:  # nothing half written
             owned.remove(dest, record.run, "orch pull")

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import sys
-import time
-from typing import TYPE_CHECKING
 
 from orchestrator.commands import add
 from orchestrator.core.errors import OrchError
-
-if TYPE_CHECKING:  # imported where they run: `orch --help` and the other subcommands never load the launch side
-    from orchestrator.launch.resolved import Launch
+from orchestrator.launch.placement import DEFAULT_IDLE_MINUTES, DEFAULT_RESTARTS
 
 EPILOG = """\
 examples:
@@ -38,8 +32,6 @@ Before a cloud launch orch shows SkyPilot's choice and its $/h (and the recipe's
 (InfiniBand/EFA where the cloud has it) unless the recipe sets a tier.
 """
 
-DEFAULT_RESTARTS = 3  # launch/placement.py: job_recovery.max_restarts_on_errors
-DEFAULT_IDLE_MINUTES = 10  # a cluster `orch run` launched stops by itself: no idle GPUs on the bill
 _CLUSTER = re.compile(r"^[a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?$")
 
 
@@ -171,7 +163,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "its setup); also ORCH_REHEARSAL=off",
     )
     local = p.add_argument_group("local emulation")
-    local.add_argument("--local", action="store_true", help="emulate the nodes on this machine (CPU processes)")
+    local.add_argument(
+        "--local",
+        dest="platform",
+        action="store_const",
+        const="local",
+        default="sky",
+        help="emulate the nodes on this machine (CPU processes); without it: SkyPilot",
+    )
     local.add_argument(
         "--fresh",
         action="store_true",
@@ -198,11 +197,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from orchestrator.core import accelerators, overrides
-    from orchestrator.core.accelerators import CPU, Gpus
-    from orchestrator.launch import secrets
+    from orchestrator.core import overrides
+    from orchestrator.launch import backends, secrets
     from orchestrator.launch.recipe import check_paired_files, default_name, load
-    from orchestrator.launch.resolved import parse_env_assignments, resolve
+    from orchestrator.launch.resolved import parse_env_assignments
 
     if args.recipe and "=" in args.recipe and not args.recipe.endswith((".yaml", ".yml")):
         args.overrides.insert(0, args.recipe)  # `orch run lr=1e-5 --local`: a key=value word, no recipe named
@@ -215,164 +213,24 @@ def main(args: argparse.Namespace) -> int:
         raise OrchError("--keep-up keeps the cluster up: it does not go with --down or --idle-minutes")
     if args.idle_minutes is not None and args.idle_minutes < 0:
         raise OrchError(f"--idle-minutes {args.idle_minutes}: give 0 or more minutes")
-    if args.cluster and not _CLUSTER.match(args.cluster):
+    if args.cluster is not None and not _CLUSTER.match(args.cluster):
         raise OrchError(f"--cluster {args.cluster!r}: use letters, digits, '-', '_' or '.', starting with a letter")
-    gpus = accelerators.parse(args.gpus) if args.gpus is not None else None
+    if args.gpus is not None:
+        from orchestrator.core import accelerators
+
+        accelerators.parse(args.gpus)  # a malformed --gpus is refused before anything else
     user_envs = parse_env_assignments(args.env)
     if args.max_cost is not None:
         user_envs["ORCH_MAX_COST"] = args.max_cost  # parsed with the other knobs by plan()
     if args.track:
         user_envs["ORCH_TRACK"] = re.sub(r"[^A-Za-z0-9_-]", "-", recipe.name)[:100]
     user_overrides = overrides.parse(args.overrides)
-    data_file = None
-    if args.data:
-        from orchestrator.launch import data
-
-        data_file = data.use(args.data, recipe.trainer, args.local, args.smoke, user_overrides)
     secret_values = secrets.values_for(recipe, secrets.parse_secrets(args.secret), smoke=args.smoke)
     if args.push_to_hub:
         user_envs["ORCH_PUSH_TO_HUB"] = args.push_to_hub  # checked with the other knobs by plan()
         if "HF_TOKEN" not in secret_values:
             raise OrchError("--push-to-hub needs a Hub token with write access on the nodes: pass --secret HF_TOKEN")
     check_paired_files(recipe)
-    if args.local:
-        if (args.managed or args.spot or args.cluster or args.dry_run or args.detach or args.keep_up or args.infra
-                or args.network_tier or args.image_id):  # fmt: skip
-            raise OrchError(
-                "--managed, --spot, --cluster, --detach, --dry-run, --infra, --network-tier and --image-id are for "
-                "SkyPilot launches, not --local"
-            )
-        if gpus and gpus.name not in (None, CPU):
-            raise OrchError(f"--gpus {args.gpus}: --local runs CPU processes; use --gpus CPU:{gpus.count}")
-        local_gpus = Gpus(CPU, gpus.count if gpus else 1)
-        launch = resolve(recipe, nodes=args.nodes, gpus=local_gpus, envs=user_envs, trl_overrides=user_overrides,
-                         secrets=secret_values)  # fmt: skip
-        from orchestrator.commands import run_local
-
-        return run_local.run(args, launch, user_envs, user_overrides, secret_values)
-    if args.smoke or args.fresh or args.netns or args.auto_fit:
-        raise OrchError("--smoke, --fresh, --netns and --auto-fit are for runs on this machine: add --local")
-    if gpus and gpus.name == CPU:
-        raise OrchError(f"--gpus {args.gpus}: CPU processes are for --local; on a cloud give a GPU, e.g. A100:8")
-    launch = resolve(recipe, nodes=args.nodes, gpus=gpus, envs=user_envs, trl_overrides=user_overrides,
-                     secrets=secret_values)  # fmt: skip
-    if launch.gpus is None or launch.gpus.name is None:
-        example = f"--gpus A100:{gpus.count}" if gpus else "--gpus A100:8"
-        raise OrchError(f"the recipe names no accelerator in resources.accelerators; give one, e.g. {example}")
-    return _cloud(args, launch, user_envs, secret_values, data_file)
-
-
-def _cloud(args, launch: Launch, user_envs: dict[str, str], secret_values: dict[str, str], data_file=None) -> int:
-    from orchestrator.launch import placement, records, secrets, storage
-    from orchestrator.launch.checks import check, rehearse
-
-    launch = launch.replace(resources=placement.resources(args, launch))
-    bucket, note = launch.envs.get("CHECKPOINT_BUCKET", ""), ""
-    if "CHECKPOINT_BUCKET" not in user_envs and storage.shipped_bucket(bucket):
-        mine = storage.personal_bucket(launch.recipe.name, storage.user_id())
-        launch = launch.replace(envs={**launch.envs, "CHECKPOINT_BUCKET": mine})
-        note = (
-            f"[orch] checkpoints: bucket {mine} (the recipe's {bucket} is a name anyone may hold; this one is yours "
-            "and the recipe's; --env CHECKPOINT_BUCKET=NAME chooses another)"
-        )
-    # Batch math, parallelism, memory and env errors surface here, before anything is sent.
-    checked = check(launch)
-    task = launch.task()
-    if data_file is not None:
-        from orchestrator.launch import data
-
-        data.mount(task, data_file)
-    if args.managed or args.spot:
-        placement.preemption_hook(task)
-    nodes = launch.nodes
-    reasons = {"a managed job's recovery": args.managed, f"a run on {nodes} nodes": nodes > 1, "--down": args.down}
-    if any(reasons.values()):
-        storage.require_durable(task, [why for why, applies in reasons.items() if applies])
-    run = f"{launch.recipe.name.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cluster = args.cluster or run
-    if not args.dry_run and not args.yes and not sys.stdin.isatty():
-        raise OrchError("a cloud launch asks before it spends money, but stdin is not a terminal: pass -y to launch")
-    if args.no_rehearsal or os.environ.get("ORCH_REHEARSAL", "").lower() in ("off", "0", "no"):
-        rehearsal = "rehearsal: skipped here (--no-rehearsal); the head node rehearses in its setup"
-    else:
-        rehearsal = rehearse(launch, checked)  # an OrchError naming role, owner and fix stops here
-    if args.dry_run:
-        from orchestrator.launch import dryrun
-
-        if note:
-            print(note, flush=True)
-        return dryrun.show(launch, task, checked, args.skip_optimizer, rehearsal)
-    if note:
-        print(note, flush=True)
-    print(f"[orch] {rehearsal}", flush=True)
-    from orchestrator.launch.backends import sky as sky_backend
-
-    sky_backend.to_task(task, secret_values)  # SkyPilot's own validation, before anything is asked or written
-    from orchestrator.launch.dryrun import confirm
-
-    if not args.yes and not confirm(launch, task, checked.plans, args.managed):
-        print("[orch] not launched", flush=True)
-        return 1
-    if task["envs"].get("ORCH_MAX_COST") and not task["envs"].get("ORCH_PRICE_PER_HOUR"):
-        placement.price(task, checked.plans[0].topology.total_gpus)
-    record = records.new(
-        run,
-        task,
-        launch.recipe.path,
-        secrets.redacted_command(args.argv, secret_values.values()),
-        backend=sky_backend.BACKEND_MANAGED if args.managed else sky_backend.BACKEND_CLUSTER,
-        cluster="" if args.managed else cluster,
-        state="launching",
-    )
-    path = records.write(record)
-    print(
-        f"[orch] run {run}: {launch.recipe.name} on {nodes} x {launch.gpus}{' (spot)' if args.spot else ''}, "
-        f"{'managed job' if args.managed else f'cluster {cluster}'}; recorded in {path}",
-        flush=True,
-    )
-
-    idle = args.idle_minutes
-    if not args.managed:  # SkyPilot owns a managed job's cluster and ends it with the job
-        if idle is None and not args.down and not args.keep_up:
-            idle = DEFAULT_IDLE_MINUTES
-        if args.down:
-            after = f"after {idle} idle minutes" if idle is not None else "when the job ends"
-            print(f"[orch] cluster {cluster}: torn down {after} (--down)", flush=True)
-        elif idle is not None:
-            print(f"[orch] cluster {cluster}: stops by itself after {idle} idle minutes (autostop; --down tears it "
-                  "down instead, --keep-up keeps it up)", flush=True)  # fmt: skip
-        else:
-            print(f"[orch] cluster {cluster}: kept up after the job (--keep-up): `orch down {run}` ends it", flush=True)
-
-    def submitted(meta: dict) -> None:
-        record.meta.update(meta)
-        records.write(record)
-        print(f"[orch] submitted: {', '.join(f'{k}={v}' for k, v in meta.items() if v)}", flush=True)
-
-    try:
-        return sky_backend.launch(
-            task,
-            secret_values,
-            run=run,
-            managed=args.managed,
-            cluster=cluster,
-            idle_minutes=idle,
-            down=args.down,
-            detach=args.detach,
-            on_submitted=submitted,
-        )
-    except OrchError as exc:
-        if record.get("state") == "launching":  # never submitted: the record says why
-            record.meta.update(state="failed to launch", error=str(exc))
-            records.write(record)
-        raise
-    except KeyboardInterrupt:
-        if record.get("state") == "launching":
-            record.meta["state"] = "interrupted while launching"
-            records.write(record)
-            print(
-                f"[orch] interrupted before SkyPilot answered: the request may still provision; `orch status` and "
-                f"`sky status` show it, `orch down {run}` tears it down",
-                flush=True,
-            )
-        raise
+    request = backends.RunRequest(recipe, backends.RunOptions.from_args(args), user_envs, user_overrides,
+                                  secret_values, args.data)  # fmt: skip
+    return backends.get(args.platform).run(request)

@@ -10,6 +10,8 @@ from orchestrator.core.errors import EXIT_RETRYABLE, OrchError
 if TYPE_CHECKING:
     from orchestrator.launch.resolved import Launch
 
+DEFAULT_RESTARTS = 3  # a managed job's job_recovery.max_restarts_on_errors (`orch run --max-restarts`)
+DEFAULT_IDLE_MINUTES = 10  # a cluster `orch run` launched stops by itself: no idle GPUs on the bill
 PREEMPTION_HOOK = (
     '"${ORCH_VENV:-$HOME/.orch/venv}/bin/orch" node --checkpoint-now --wait 150'  # SkyPilot's hook: save first
 )

@@ -4,6 +4,10 @@ The body is the task exactly as launched (secret values never: only their names,
 `sky launch --secret NAME sky_jobs/<run>.yaml` relaunches it). The header holds `# key: value` lines that
 `orch status/logs/cancel/down` read back. Files are written atomically (temp file + rename), and only
 after every check of the run passed.
+
+A run's state is a `RunState`; the header keeps it as text (`failed (exit 1)`, or SkyPilot's own word for a live
+cloud job, `RECOVERING`), which `RunState.of` reads back, so records of earlier versions read as before. Which
+backend answers for a run is its `platform` (`local`, `sky`; records without one: from their `backend` text).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from orchestrator.core import yamlio
@@ -23,12 +28,67 @@ from orchestrator.core.yamlio import dump_task
 
 SKY_JOBS = Path("sky_jobs")
 HEADER_KEYS = (
-    "run", "recipe", "command", "time", "git", "backend", "cluster", "job_id", "state", "error", "stopped",
+    "run", "recipe", "command", "time", "git", "platform", "backend", "cluster", "job_id", "state", "error", "stopped",
     "output_dir", "pid", "token",
     "step", "loss", "tok_s", "eta", "spent",  # the last progress `orch status RUN` read (launch/progress.py)
 )  # fmt: skip
 """The record's fields, in the order the header lists them."""
 _LINE = re.compile(r"^# ([a-z_]+): (.*)$")
+
+
+class RunState(Enum):
+    """Where a run is. `final` states never change again: `orch status` answers for them from the record."""
+
+    LAUNCHING = "launching"  # a cloud launch before SkyPilot answered
+    SUBMITTED = "submitted"  # SkyPilot took it
+    RUNNING = "running"  # a local run's orch is alive, or SkyPilot says the job is live (PENDING, RECOVERING...)
+    IDLE = "idle"  # a cluster is UP with no live job: it costs money until it stops or goes down
+    STOPPED = "stopped"  # a cluster autostopped: its disks are kept
+    SUCCEEDED = "succeeded"
+    STOPPED_EARLY = "stopped early"  # the cost cap ended it cleanly, after a checkpoint
+    FAILED = "failed"
+    FAILED_TO_LAUNCH = "failed to launch"
+    INTERRUPTED = "interrupted"
+    INTERRUPTED_LAUNCHING = "interrupted while launching"
+    CANCELLED = "cancelled"
+    DOWN = "down"
+    NOT_FOUND = "not found"
+    UNKNOWN = "?"
+
+    @property
+    def final(self) -> bool:
+        return self in _FINAL
+
+    @classmethod
+    def of(cls, text: str) -> RunState:
+        """The state a record's `state:` text says, in orch's words (`failed (exit 1)`) or SkyPilot's (`RECOVERING`,
+        `cluster UP, IDLE at ...`)."""
+        text = text.strip()
+        for state in sorted(cls, key=lambda s: -len(s.value)):  # `failed to launch` before `failed`
+            if text == state.value or text.startswith(state.value + " ("):
+                return state
+        for word in sorted(_SKYPILOT, key=len, reverse=True):  # `cluster UP, IDLE` before `cluster UP`
+            if text == word or text.startswith((word + ",", word + " ", word + "_")):
+                return _SKYPILOT[word]
+        return cls.UNKNOWN
+
+    def text(self, detail: str = "") -> str:
+        """What the record's header says: the state, and what it came from in parentheses."""
+        return f"{self.value} ({detail})" if detail else self.value
+
+
+_FINAL = {RunState.SUCCEEDED, RunState.STOPPED_EARLY, RunState.FAILED, RunState.FAILED_TO_LAUNCH,
+          RunState.INTERRUPTED, RunState.INTERRUPTED_LAUNCHING, RunState.CANCELLED, RunState.DOWN,
+          RunState.NOT_FOUND}  # fmt: skip
+# SkyPilot's job and managed-job statuses (sky.JobStatus, sky.jobs.ManagedJobStatus) and orch's `cluster X` words for a
+# cluster's (sky.ClusterStatus); a FAILED_* status reads as FAILED.
+_SKYPILOT = {
+    **dict.fromkeys(("INIT", "PENDING", "SUBMITTED", "STARTING", "SETTING_UP", "RUNNING", "RECOVERING",
+                     "CANCELLING", "cluster UP"), RunState.RUNNING),  # fmt: skip
+    "SUCCEEDED": RunState.SUCCEEDED, "FAILED": RunState.FAILED, "CANCELLED": RunState.CANCELLED,
+    "cluster UP, IDLE": RunState.IDLE, "cluster STOPPED": RunState.STOPPED, "cluster INIT": RunState.RUNNING,
+    "cluster down": RunState.DOWN,
+}  # fmt: skip
 
 
 @dataclass
@@ -43,6 +103,19 @@ class Record:
 
     def get(self, key: str, default: str = "") -> str:
         return self.meta.get(key, default)
+
+    @property
+    def state(self) -> RunState:
+        return RunState.of(self.meta.get("state", "?"))
+
+    def set_state(self, state: RunState | str, detail: str = "", **meta: str) -> None:
+        """Record a state (a RunState, or a live platform's own word for it) and any other header fields."""
+        self.meta.update(meta, state=state.text(detail) if isinstance(state, RunState) else state)
+
+    @property
+    def platform(self) -> str:
+        """The backend that answers for this run (launch/backends): `local` or `sky` for every record so far."""
+        return self.meta.get("platform") or ("local" if self.get("backend").startswith("local") else "sky")
 
 
 def new(run: str, task: dict, recipe_path, command: str, **meta: str) -> Record:

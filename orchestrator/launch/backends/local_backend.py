@@ -1,0 +1,224 @@
+"""The `local` platform: runs on emulated nodes on this machine (launch/backends/local.py runs them), their records,
+run locks and out-of-memory fix (with --auto-fit, one retry with it), and the answers for them: state from the run
+lock, progress and logs from the run's output dir, cancel and down by SIGTERM to the run's orch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from orchestrator.core.errors import OrchError
+from orchestrator.launch.records import Record, RunState
+
+if TYPE_CHECKING:
+    from orchestrator.launch.backends import RunOptions, RunRequest
+    from orchestrator.launch.resolved import Launch
+
+SMOKE_GLOBAL_BATCH = 16
+CLOUD_ONLY = ("managed", "spot", "cluster", "dry_run", "detach", "keep_up", "infra", "network_tier", "image_id")
+
+
+class LocalBackend:
+    name = "local"
+
+    # ------------------------------------------------------------ launch
+
+    def run(self, request: RunRequest) -> int:
+        """A local run; on out of memory, one line with the fix that keeps the math, and with --auto-fit one retry
+        with that fix applied."""
+        from orchestrator.core.accelerators import CPU, Gpus
+        from orchestrator.core.accelerators import parse as parse_gpus
+        from orchestrator.launch import memory_fix
+        from orchestrator.launch.resolved import resolve
+
+        options = request.options
+        if any(getattr(options, name) for name in CLOUD_ONLY):
+            raise OrchError(
+                "--managed, --spot, --cluster, --detach, --dry-run, --keep-up, --infra, --network-tier and --image-id "
+                "are for SkyPilot launches, not --local"
+            )
+        gpus = parse_gpus(options.gpus) if options.gpus is not None else None
+        if gpus and gpus.name not in (None, CPU):
+            raise OrchError(f"--gpus {options.gpus}: --local runs CPU processes; use --gpus CPU:{gpus.count}")
+        if request.data:
+            from orchestrator.launch import data
+
+            data.use(request.data, request.recipe.trainer, True, options.smoke, request.overrides)
+        launch = resolve(request.recipe, nodes=options.nodes, gpus=Gpus(CPU, gpus.count if gpus else 1),
+                         envs=request.envs, trl_overrides=request.overrides, secrets=request.secrets)  # fmt: skip
+        result, ran = _local_once(options, launch, request.envs, request.overrides, request.secrets)
+        if result.returncode == 0 or not memory_fix.is_oom(result.error):
+            return result.returncode
+        fix = memory_fix.propose(ran.settings, ran.envs)
+        print(f"[orch] out of memory: {fix.describe()}", flush=True)
+        if fix.overrides is None:
+            return result.returncode
+        if not options.auto_fit:
+            print(f"[orch] rerun with {fix.words()}, or add --auto-fit to do it by itself", flush=True)
+            return result.returncode
+        print(f"[orch] --auto-fit: retrying once with {fix.words()}", flush=True)
+        retry = launch.replace(overrides={**launch.overrides, **fix.overrides})
+        overrides = {**request.overrides, **fix.overrides}
+        return _local_once(options, retry, request.envs, overrides, request.secrets)[0].returncode
+
+    # ------------------------------------------------------------ the runs it recorded
+
+    def state(self, record: Record, refresh: bool = False) -> str:
+        """A recorded `running` whose lock nobody holds lost its orch (SIGKILL, a crash): what is left of it is killed
+        (processes carrying its launch token) and the record says so."""
+        from orchestrator.launch import records, runlock
+
+        if record.state is not RunState.RUNNING or runlock.held(_output_dir(record)):
+            return record.get("state", "?")
+        reaped = runlock.reap(record.get("token"))
+        record.set_state(RunState.INTERRUPTED, f"orch pid {record.get('pid', '?')} ended without recording it" + (
+            f"; reaped {len(reaped)} leftover process(es)" if reaped else "; no process of it was left"))  # fmt: skip
+        records.write(record)
+        return record.get("state")
+
+    def progress(self, record: Record) -> dict[str, str]:
+        from orchestrator.launch import progress
+
+        return progress.from_log(_output_dir(record) / "orch" / "log.jsonl")
+
+    def logs(self, record: Record, follow: bool = False) -> int:
+        log = _output_dir(record) / "orch" / "run.log"
+        if not log.is_file():
+            raise OrchError(f"run {record.run} has no log at {log}; rerun it with `{record.get('command')}`")
+        print(log.read_text(errors="replace"), end="")
+        return 0
+
+    def cancel(self, record: Record) -> str:
+        return _stop(self, record, "cancel")
+
+    def down(self, record: Record) -> str:
+        return _stop(self, record, "tear down")
+
+    def output(self, record: Record, part: str, dest: Path, otherwise: str) -> Path:
+        return _output_dir(record)
+
+
+def _output_dir(record: Record) -> Path:
+    """The run's output dir: absolute in records from this version on; earlier ones wrote it relative to the
+    directory orch ran in (the repository root, as a rule)."""
+    return Path(record.get("output_dir"))
+
+
+def _stop(backend: LocalBackend, record: Record, verb: str) -> str:
+    """cancel/down of a local run: SIGTERM to its orch, which stops every node and records `interrupted`."""
+    import signal
+    import time
+
+    from orchestrator.launch import runlock
+
+    state = backend.state(record)
+    if record.state is not RunState.RUNNING:
+        raise OrchError(f"run {record.run} ran locally and is not running ({state}): there is nothing to {verb}")
+    pid = int(record.get("pid"))
+    os.kill(pid, signal.SIGTERM)
+    print(f"[orch] sent SIGTERM to orch (pid {pid}) of {record.run}; it stops its nodes", flush=True)
+    deadline = time.monotonic() + 30
+    while runlock.held(_output_dir(record)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if runlock.held(_output_dir(record)):
+        raise OrchError(f"run {record.run} is still stopping after 30 s; `orch status` shows when it has ended")
+    return f"[orch] stopped {record.run}"
+
+
+def _smoke(launch: Launch, user_envs: dict[str, str], user_overrides: dict[str, str]):
+    """The launch pointed at the tiny artifacts of the recipe's family (built later, after every check)."""
+    from orchestrator.core import smoke
+
+    artifacts = smoke.plan(str(launch.setting("model_name_or_path", "")), launch.recipe.trainer)
+    envs = {
+        **launch.envs,
+        "GLOBAL_BATCH_SIZE": user_envs.get("GLOBAL_BATCH_SIZE", str(SMOKE_GLOBAL_BATCH)),
+        "HF_HUB_OFFLINE": "0" if launch.envs.get("ORCH_PUSH_TO_HUB") else "1",  # a hub only to push the model
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    if launch.envs.get("VLLM_SERVER_NODES", "0") not in ("", "0"):
+        envs["VLLM_SERVER_NODES"] = "0"
+        print("[orch] smoke: no vLLM on CPU: every node trains and generates with the tiny model itself")
+    # the recipe's overrides, then smoke's, then the user's key=value words
+    trl = {**launch.overrides, **smoke.trl_overrides(artifacts), **user_overrides}
+    return launch.replace(envs=envs, overrides=trl), artifacts
+
+
+def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, secret_values: dict[str, str]):
+    import contextlib
+    import hashlib
+    import json
+    import secrets as secrets_module
+
+    from orchestrator.core import smoke
+    from orchestrator.launch import records, runlock, secrets, storage
+    from orchestrator.launch.backends import local, netns
+    from orchestrator.launch.checks import check
+
+    recipe = launch.recipe
+    artifacts = None
+    if options.smoke:
+        launch, artifacts = _smoke(launch, user_envs, user_overrides)
+    elif "model_name_or_path" not in user_overrides:
+        print("[orch] note: --local without --smoke trains the recipe's real model on this machine's CPU")
+    # Stable for the same resolved task: rerunning a command finds (and resumes from) its checkpoints.
+    shape = json.dumps([launch.task(recipe_accelerators=True), launch.nodes, launch.gpus.count], sort_keys=True)
+    run = f"{recipe.name}-{hashlib.sha256(shape.encode()).hexdigest()[:8]}"
+    # Checkpoints are keyed by the run id (SKYPILOT_TASK_ID locally), unless the user chose output_dir.
+    root = "" if "output_dir" in user_overrides else "outputs"
+    launch = launch.replace(envs={**launch.envs, "CHECKPOINT_ROOT": root})
+    if recipe.task.get("file_mounts"):
+        print("[orch] local: the recipe's file_mounts are not mounted; checkpoints go to outputs/")
+    # The recipe's own consistency (memory is a GPU matter), batch math and env errors, before anything
+    # starts: bad input builds no smoke model either.
+    check(launch, task_id=run, device="cpu")
+    if options.netns and (why := netns.available()):
+        raise OrchError(why)
+    command = secrets.redacted_command(list(options.argv), secret_values.values())
+    output_dir = local.output_dir_of(launch, run)
+    storage.check_writable(recipe.workdir / output_dir, "output_dir")
+    local.prepare(launch, run, fresh=options.fresh, check_only=True)  # --fresh deletes only what orch made for it
+    lock = runlock.acquire(run, recipe.workdir / output_dir, command)  # one owner; refused while another lives
+    try:
+        local.prepare(launch, run, fresh=options.fresh)
+        if artifacts is not None:
+            smoke.ensure(artifacts)
+        token = secrets_module.token_hex(8)
+        record = records.new(
+            run,
+            launch.task(recipe_accelerators=True),  # the record stays a cloud task; its header says what ran here
+            recipe.path,
+            command,
+            platform=LocalBackend.name,
+            backend=f"local ({launch.nodes} emulated node(s) x {launch.gpus.count} CPU process(es))",
+            state=RunState.RUNNING.value,
+            output_dir=str((recipe.workdir / output_dir).resolve()),
+            pid=str(os.getpid()),
+            token=token,
+        )
+        records.write(record)
+        try:
+            with contextlib.ExitStack() as stack:
+                network = stack.enter_context(netns.Network(launch.nodes)) if options.netns else None
+                result = local.launch(launch, run, secret_values, token, (lock,), network)
+        except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: the nodes are stopped by now
+            record.set_state(RunState.INTERRUPTED, getattr(exc, "signame", "SIGINT"))
+            records.write(record)
+            raise
+        except BaseException as exc:
+            record.set_state(RunState.FAILED, type(exc).__name__)
+            records.write(record)
+            raise
+        if result.returncode != 0:
+            record.set_state(RunState.FAILED, f"exit {result.returncode}")
+        elif result.stopped:
+            record.set_state(RunState.STOPPED_EARLY, "cost cap", stopped=result.stopped)
+        else:
+            record.set_state(RunState.SUCCEEDED)
+        if result.error:
+            record.meta["error"] = result.error
+        records.write(record)
+        return result, launch
+    finally:
+        os.close(lock)

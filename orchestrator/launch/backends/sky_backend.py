@@ -1,0 +1,232 @@
+"""The `sky` platform: a cluster job or a managed job through the SkyPilot SDK (its calls are in
+launch/backends/sky.py, the only module that imports SkyPilot), and the answers for those runs from SkyPilot."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from orchestrator.core.errors import OrchError
+from orchestrator.launch.placement import DEFAULT_IDLE_MINUTES
+from orchestrator.launch.records import Record, RunState
+
+if TYPE_CHECKING:
+    from orchestrator.launch.backends import RunOptions, RunRequest
+    from orchestrator.launch.resolved import Launch
+
+LOCAL_ONLY = ("smoke", "fresh", "netns", "auto_fit")
+
+
+class SkyBackend:
+    name = "sky"
+
+    # ------------------------------------------------------------ launch
+
+    def run(self, request: RunRequest) -> int:
+        from orchestrator.core.accelerators import CPU
+        from orchestrator.core.accelerators import parse as parse_gpus
+        from orchestrator.launch.resolved import resolve
+
+        options = request.options
+        if any(getattr(options, name) for name in LOCAL_ONLY):
+            raise OrchError("--smoke, --fresh, --netns and --auto-fit are for runs on this machine: add --local")
+        gpus = parse_gpus(options.gpus) if options.gpus is not None else None
+        if gpus and gpus.name == CPU:
+            raise OrchError(f"--gpus {options.gpus}: CPU processes are for --local; on a cloud give a GPU, e.g. A100:8")
+        data_file = None
+        if request.data:
+            from orchestrator.launch import data
+
+            data_file = data.use(request.data, request.recipe.trainer, False, False, request.overrides)
+        launch = resolve(request.recipe, nodes=options.nodes, gpus=gpus, envs=request.envs,
+                         trl_overrides=request.overrides, secrets=request.secrets)  # fmt: skip
+        if launch.gpus is None or launch.gpus.name is None:
+            example = f"--gpus A100:{gpus.count}" if gpus else "--gpus A100:8"
+            raise OrchError(f"the recipe names no accelerator in resources.accelerators; give one, e.g. {example}")
+        return _launch(options, launch, request.envs, request.secrets, data_file)
+
+    # ------------------------------------------------------------ the runs it recorded
+
+    def state(self, record: Record, refresh: bool = False) -> str:
+        """SkyPilot's live answer for a run not known to be over (kept in its record), else the recorded one. With
+        `refresh`, also its progress, from the last step line in SkyPilot's logs."""
+        from orchestrator.launch import progress, records
+        from orchestrator.launch.backends import sky
+
+        text = record.get("state", "?")
+        if not record.get("job_id", "").isdigit() or (record.state.final and not refresh):
+            return text
+        try:
+            text = sky.state(record)
+            if refresh:
+                record.meta.update(progress.from_lines(sky.recent_output(record)))
+        except OrchError as exc:  # SkyPilot API unreachable, no credentials, ...: the recorded state
+            return f"{text} (live state unavailable: {str(exc).split(': ')[1] if ': ' in str(exc) else exc})"
+        record.set_state(text)
+        records.write(record)
+        return text
+
+    def progress(self, record: Record) -> dict[str, str]:
+        from orchestrator.launch import progress
+
+        return {key: record.get(key) for key in progress.KEYS}
+
+    def logs(self, record: Record, follow: bool = False) -> int:
+        from orchestrator.launch.backends import sky
+
+        return sky.logs(record, follow=follow)
+
+    def cancel(self, record: Record) -> str:
+        from orchestrator.launch import records
+        from orchestrator.launch.backends import sky
+
+        sky.cancel(record)
+        record.set_state(RunState.CANCELLED)
+        records.write(record)
+        return f"[orch] cancelled {record.run}"
+
+    def down(self, record: Record) -> str:
+        from orchestrator.launch import records
+        from orchestrator.launch.backends import sky
+
+        sky.down(record)
+        cluster = record.get("cluster")
+        record.set_state(RunState.DOWN if cluster else RunState.CANCELLED)
+        records.write(record)
+        return f"[orch] {'tore down cluster ' + cluster if cluster else 'cancelled'} ({record.run})"
+
+    def node_prices(self, per_node: int) -> dict[str, tuple[float, str]]:
+        """SkyPilot's catalogs on this machine: the cheapest on-demand node per accelerator (`orch plan`)."""
+        from orchestrator.launch.backends import sky
+
+        return sky.node_prices(per_node)
+
+    def output(self, record: Record, part: str, dest: Path, otherwise: str) -> Path:
+        """rsync from the cluster's head node into dest (the final model's top-level files, or trackio/)."""
+        from orchestrator.core.final_model import FILES
+        from orchestrator.launch import storage
+
+        if part == "final":
+            rules = tuple(f"--include={pattern}" for pattern in FILES) + ("--exclude=*",)  # top-level files only
+            storage.fetch_from_head(record, "", dest, rules, otherwise=otherwise)
+            return dest
+        storage.fetch_from_head(record, f"{part}/", dest / part, otherwise=otherwise, with_copy=", give it with --dir")
+        return dest
+
+
+def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secret_values: dict[str, str],
+            data_file=None) -> int:  # fmt: skip
+    from orchestrator.launch import placement, records, secrets, storage
+    from orchestrator.launch.backends import sky
+    from orchestrator.launch.checks import check, rehearse
+
+    launch = launch.replace(resources=placement.resources(options, launch))
+    bucket, note = launch.envs.get("CHECKPOINT_BUCKET", ""), ""
+    if "CHECKPOINT_BUCKET" not in user_envs and storage.shipped_bucket(bucket):
+        mine = storage.personal_bucket(launch.recipe.name, storage.user_id())
+        launch = launch.replace(envs={**launch.envs, "CHECKPOINT_BUCKET": mine})
+        note = (
+            f"[orch] checkpoints: bucket {mine} (the recipe's {bucket} is a name anyone may hold; this one is yours "
+            "and the recipe's; --env CHECKPOINT_BUCKET=NAME chooses another)"
+        )
+    # Batch math, parallelism, memory and env errors surface here, before anything is sent.
+    checked = check(launch)
+    task = launch.task()
+    if data_file is not None:
+        from orchestrator.launch import data
+
+        data.mount(task, data_file)
+    if options.managed or options.spot:
+        placement.preemption_hook(task)
+    nodes = launch.nodes
+    reasons = {"a managed job's recovery": options.managed, f"a run on {nodes} nodes": nodes > 1,
+               "--down": options.down}  # fmt: skip
+    if any(reasons.values()):
+        storage.require_durable(task, [why for why, applies in reasons.items() if applies])
+    run = f"{launch.recipe.name.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cluster = options.cluster or run
+    if not options.dry_run and not options.yes and not sys.stdin.isatty():
+        raise OrchError("a cloud launch asks before it spends money, but stdin is not a terminal: pass -y to launch")
+    if options.no_rehearsal or os.environ.get("ORCH_REHEARSAL", "").lower() in ("off", "0", "no"):
+        rehearsal = "rehearsal: skipped here (--no-rehearsal); the head node rehearses in its setup"
+    else:
+        rehearsal = rehearse(launch, checked)  # an OrchError naming role, owner and fix stops here
+    if options.dry_run:
+        from orchestrator.launch import dryrun
+
+        if note:
+            print(note, flush=True)
+        return dryrun.show(launch, task, checked, options.skip_optimizer, rehearsal)
+    if note:
+        print(note, flush=True)
+    print(f"[orch] {rehearsal}", flush=True)
+    sky.to_task(task, secret_values)  # SkyPilot's own validation, before anything is asked or written
+    from orchestrator.launch.dryrun import confirm
+
+    if not options.yes and not confirm(launch, task, checked.plans, options.managed):
+        print("[orch] not launched", flush=True)
+        return 1
+    if task["envs"].get("ORCH_MAX_COST") and not task["envs"].get("ORCH_PRICE_PER_HOUR"):
+        placement.price(task, checked.plans[0].topology.total_gpus)
+    record = records.new(
+        run,
+        task,
+        launch.recipe.path,
+        secrets.redacted_command(list(options.argv), secret_values.values()),
+        platform=SkyBackend.name,
+        backend=sky.BACKEND_MANAGED if options.managed else sky.BACKEND_CLUSTER,
+        cluster="" if options.managed else cluster,
+        state=RunState.LAUNCHING.value,
+    )
+    path = records.write(record)
+    print(
+        f"[orch] run {run}: {launch.recipe.name} on {nodes} x {launch.gpus}{' (spot)' if options.spot else ''}, "
+        f"{'managed job' if options.managed else f'cluster {cluster}'}; recorded in {path}",
+        flush=True,
+    )
+    idle = _say_autostop(options, cluster, run)
+
+    def submitted(meta: dict) -> None:
+        record.meta.update(meta)
+        records.write(record)
+        print(f"[orch] submitted: {', '.join(f'{k}={v}' for k, v in meta.items() if v)}", flush=True)
+
+    try:
+        return sky.launch(task, secret_values, run=run, managed=options.managed, cluster=cluster, idle_minutes=idle,
+                          down=options.down, detach=options.detach, on_submitted=submitted)  # fmt: skip
+    except OrchError as exc:
+        if record.state is RunState.LAUNCHING:  # never submitted: the record says why
+            record.set_state(RunState.FAILED_TO_LAUNCH, error=str(exc))
+            records.write(record)
+        raise
+    except KeyboardInterrupt:
+        if record.state is RunState.LAUNCHING:
+            record.set_state(RunState.INTERRUPTED_LAUNCHING)
+            records.write(record)
+            print(
+                f"[orch] interrupted before SkyPilot answered: the request may still provision; `orch status` and "
+                f"`sky status` show it, `orch down {run}` tears it down",
+                flush=True,
+            )
+        raise
+
+
+def _say_autostop(options: RunOptions, cluster: str, run: str) -> int | None:
+    """The cluster's autostop in idle minutes (None: none), said as it will happen."""
+    idle = options.idle_minutes
+    if options.managed:  # SkyPilot owns a managed job's cluster and ends it with the job
+        return idle
+    if idle is None and not options.down and not options.keep_up:
+        idle = DEFAULT_IDLE_MINUTES
+    if options.down:
+        after = f"after {idle} idle minutes" if idle is not None else "when the job ends"
+        print(f"[orch] cluster {cluster}: torn down {after} (--down)", flush=True)
+    elif idle is not None:
+        print(f"[orch] cluster {cluster}: stops by itself after {idle} idle minutes (autostop; --down tears it "
+              "down instead, --keep-up keeps it up)", flush=True)  # fmt: skip
+    else:
+        print(f"[orch] cluster {cluster}: kept up after the job (--keep-up): `orch down {run}` ends it", flush=True)
+    return idle
