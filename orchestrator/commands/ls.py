@@ -1,4 +1,4 @@
-"""`orch ls`: the recipes, with trainer, strategy, model and default GPUs."""
+"""`orch ls`: the recipes, with trainer, strategy, model and default GPUs; `--trainers`: the TRL trainers orch runs."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from orchestrator.commands import add
 EPILOG = """\
 examples:
   orch ls                                  # every recipe in ./recipes and orch's own
+  orch ls --trainers                       # the TRL trainers a recipe's TRL_TRAINER may name
   orch cp qwen25_sft_ddp my_sft            # start your own from the closest one
 """
 
@@ -21,10 +22,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="List the recipes.",
         epilog=EPILOG,
     )
+    parser.add_argument("--trainers", action="store_true", help="list the TRL trainers orch runs instead")
     parser.set_defaults(func=main)
 
 
+def trainers() -> int:
+    from orchestrator.commands import print_table
+    from orchestrator.core.trainers import SPECS
+
+    rows = [("TRAINER", "TRL CLASS", "DATASET COLUMNS", "REFERENCE MODEL", "GENERATES")]
+    for spec in SPECS.values():
+        reference = {"none": "-", "always": "yes (not with PEFT)", "beta": f"when beta != 0 (TRL: {spec.beta_default})"}
+        generates = "yes: reward functions score them" if spec.generates else "-"
+        rows.append((spec.name, spec.trl_class, spec.needs(), reference[spec.reference], generates))
+    print_table(rows)
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.trainers:
+        return trainers()
     from orchestrator.commands import print_table
     from orchestrator.core.errors import OrchError
     from orchestrator.launch import recipe as recipes

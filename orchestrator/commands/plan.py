@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from orchestrator.commands import add
+from orchestrator.core import trainers
 
 EPILOG = """\
 examples:
@@ -28,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
     )
     parser.add_argument("model", help="Hugging Face id orch knows, or a model's config.json (or its directory)")
-    parser.add_argument("--trainer", default="sft", choices=("sft", "dpo", "kto", "grpo", "reward"))
+    parser.add_argument("--trainer", default="sft", choices=trainers.TRAINERS, help="the TRL trainer (default: sft)")
     parser.add_argument("--max-length", type=int, default=1024, help="tokens per sequence (TRL's max_length: 1024)")
     parser.add_argument("--batch", type=int, default=1, help="per-device micro-batch, in sequences (default 1)")
     parser.add_argument("--peft", choices=("lora", "qlora"), help="train a LoRA adapter (qlora: on 4-bit weights)")
@@ -71,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
         method=args.peft or "full",
         micro_batch=args.batch,
         seq_len=args.max_length,
-        completion_len=args.max_length // 2 if args.trainer == "grpo" else 0,
+        completion_len=args.max_length // 2 if trainers.spec(args.trainer).generates else 0,
         checkpointing=not args.no_checkpointing,
         lora_r=args.lora_r,
         lora_targets=("all-linear",) if args.all_linear else memory.PEFT_DEFAULT_TARGETS,

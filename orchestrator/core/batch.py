@@ -71,18 +71,16 @@ def accumulation_steps(
     return solve(global_batch, per_device_batch(settings), data_parallel_size)
 
 
-GRPO_DEFAULT_GENERATIONS = 8  # trl.GRPOConfig.num_generations
-
-
-def check_generations(global_batch: int | None, settings: Mapping) -> None:
-    """GRPO: every optimizer step must hold whole groups of num_generations completions of one prompt."""
+def check_generations(global_batch: int | None, settings: Mapping, trainer: str, default: int) -> None:
+    """A generating trainer (GRPO, RLOO): every optimizer step must hold whole groups of num_generations completions
+    of one prompt (default: TRL's num_generations for that trainer)."""
     if global_batch is None:
         return
-    generations = positive_int(settings.get("num_generations", GRPO_DEFAULT_GENERATIONS), "num_generations")
+    generations = positive_int(settings.get("num_generations", default), "num_generations")
     if global_batch % generations:
         lower = global_batch // generations * generations
         choices = " or ".join(str(g) for g in (lower, lower + generations) if g > 0)
         raise OrchError(
-            f"GRPO: GLOBAL_BATCH_SIZE={global_batch} completions is not a multiple of num_generations="
+            f"{trainer.upper()}: GLOBAL_BATCH_SIZE={global_batch} completions is not a multiple of num_generations="
             f"{generations}; use GLOBAL_BATCH_SIZE={choices}"
         )

@@ -1,7 +1,7 @@
 """Per-GPU memory of a training step, from the model's shape and what the recipe asks for (no torch import).
 
     weights + gradients + optimizer states   (per strategy: what is sharded over how many ranks, in which dtype)
-  + frozen weights                          (LoRA's base model, 16-bit or 4-bit; DPO/KTO's reference model)
+  + frozen weights                          (LoRA's base model, 16-bit or 4-bit; a trainer's reference model)
   + activations                             (tokens per micro-batch, per layer, checkpointed or not, split by CP/SP)
   + logits                                  (tokens x vocabulary, unless Liger's fused loss chunks them)
   + gathered units / buckets                (FSDP and ZeRO-3 all-gather one decoder layer ahead; DDP's buckets)
@@ -22,18 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from orchestrator.core import trainers
+
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 # nvidia-smi-style figures include what the caching allocator holds beyond the live tensors and the CUDA context.
 FRAGMENTATION = 0.10  # of the live peak: the allocator's reserved-but-free blocks
 CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspaces, NCCL buffers
 NF4_BYTES = {True: (4 + 8 / 64 + 32 / (64 * 256)) / 8, False: (4 + 32 / 64) / 8}  # nested quantisation or not
-PAIRED_TRAINERS = {"dpo": 2, "reward": 2}  # chosen and rejected go through the model together
-# Bytes per token and vocabulary entry for the logits. SFT: the model's loss upcasts bf16 logits to fp32, keeps the
-# log-softmax and makes an fp32 gradient (2 + 4 + 4 + 2). DPO, KTO and GRPO take log-probabilities with TRL's
-# selective_log_softmax row by row: the bf16 logits and their gradient. A reward model ends in a 1-label head.
-LOGIT_BYTES = {"sft": 12, "dpo": 4, "kto": 4, "grpo": 4, "reward": 0}
-REFERENCE_TRAINERS = ("dpo", "kto")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for Llama, Qwen, Mistral when none are named
 
@@ -107,7 +103,10 @@ class Setup:
     micro_batch: int = 8
     seq_len: int = 1024
     completion_len: int = 0
-    """GRPO: the completion part of seq_len, the only part with logits."""
+    """A generating trainer's (GRPO, RLOO) completion part of seq_len, the only part with logits."""
+    beta: float | str | None = None
+    """The KL coefficient of a trainer whose reference model depends on it, as the TRL config or an override gives
+    it (None: TRL's default)."""
     checkpointing: bool = True
     seq_split: int = 1
     """Context- or sequence-parallel degree: each rank holds seq_len / seq_split tokens of a sequence."""
@@ -175,7 +174,8 @@ def states(setup: Setup) -> dict[str, float]:
         linear = a.layers * a.layer_linear_params
         per_linear = NF4_BYTES[setup.nested_quant] if setup.method == "qlora" else dtype
         frozen = linear * per_linear + a.other_params * dtype
-    if setup.trainer in REFERENCE_TRAINERS and not peft:  # TRL prepares a frozen copy, sharded like the policy
+    spec = trainers.spec(setup.trainer)
+    if spec.has_reference({} if setup.beta is None else {"beta": setup.beta}, peft):  # a frozen copy, sharded alike
         frozen += a.params * dtype
     out["frozen weights"] = 0.0 if setup.offload else frozen / (n if sharded else 1)
     return out
@@ -197,14 +197,15 @@ def layer_bytes_per_token(setup: Setup) -> float:
 
 def activations(setup: Setup) -> dict[str, float]:
     a = setup.arch
-    tokens = setup.micro_batch * setup.seq_len * PAIRED_TRAINERS.get(setup.trainer, 1) / setup.seq_split
+    spec = trainers.spec(setup.trainer)
+    tokens = setup.micro_batch * setup.seq_len * spec.rows_per_sample / setup.seq_split
     layer = layer_bytes_per_token(setup)
     if setup.checkpointing:  # each layer's input, plus one layer recomputed in backward
         act = tokens * (a.layers * 2 * a.hidden + layer)
     else:
         act = tokens * a.layers * layer
-    with_logits = setup.micro_batch * setup.completion_len if setup.trainer == "grpo" else tokens
-    logits = 0.0 if setup.liger else with_logits * a.vocab * LOGIT_BYTES.get(setup.trainer, 12)  # Liger: chunked
+    with_logits = setup.micro_batch * setup.completion_len if spec.generates else tokens
+    logits = 0.0 if setup.liger else with_logits * a.vocab * spec.logit_bytes  # Liger: chunked
     return {"activations": act, "logits": logits}
 
 

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.core import trainers
 from orchestrator.core.errors import OrchError
 from orchestrator.core.models import family_of
 
@@ -44,7 +45,7 @@ def plan(model_id: str, trainer: str, root: Path | None = None) -> SmokePlan:
     """Pure apart from reading this file: where the artifacts for (model family, trainer) live."""
     family = family_of(model_id)
     builder = Path(__file__).resolve().parent.parent / "train" / "smoke_build.py"
-    sources = Path(__file__).read_bytes() + builder.read_bytes()
+    sources = Path(__file__).read_bytes() + builder.read_bytes() + Path(trainers.__file__).read_bytes()
     digest = hashlib.sha256(sources + f"{family.model_type}/{trainer}".encode()).hexdigest()
     root = cache_root() if root is None else root
     return SmokePlan(family.model_type, trainer, root / f"{family.model_type}-{trainer}-{digest[:12]}")
@@ -76,21 +77,7 @@ def trl_overrides(smoke: SmokePlan) -> dict[str, str]:
         "ddp_find_unused_parameters": "false",
         "seed": "42",
     }
-    if smoke.trainer == "grpo":
-        out.update(
-            num_generations="2",
-            max_completion_length="8",
-            use_vllm="false",
-            reward_funcs=f"{BUILDER}.digit_reward",
-            log_completions="false",  # tables of random tokens from the tiny model: noise in the log
-        )
-    else:
-        out["max_length"] = "64"
-    if smoke.trainer == "kto":
-        out["per_device_train_batch_size"] = "2"  # KTO's KL term needs two samples in a micro-batch
-    if smoke.trainer == "sft":
-        out.update(packing="false", padding_free="false")
-    return out
+    return {**out, **trainers.spec(smoke.trainer).smoke_overrides}  # the trainer's own (core/trainers.py)
 
 
 def ensure(smoke: SmokePlan) -> None:

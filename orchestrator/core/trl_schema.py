@@ -14,18 +14,10 @@ from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 
+from orchestrator.core import trainers
 from orchestrator.core.errors import OrchError, did_you_mean
 
 SCHEMA = Path(__file__).parent / "trl_args.json"
-TRAINER_CLASSES = {
-    "sft": "SFTTrainer",
-    "dpo": "DPOTrainer",
-    "grpo": "GRPOTrainer",
-    "kto": "KTOTrainer",
-    "reward": "RewardTrainer",
-}
-"""The TRL trainers orch runs: name (trl.scripts.<name>) -> the trainer class in trl."""
-TRAINERS = tuple(TRAINER_CLASSES)
 _TRUE = {"true", "t", "yes", "y", "1"}
 _FALSE = {"false", "f", "no", "n", "0"}
 CONFIG_ONLY_KEYS = {"env"}  # TrlParser reads `env:` from a config file and exports it
@@ -49,10 +41,8 @@ def profiles() -> dict[str, dict]:
 
 
 def check_trainer(trainer: str) -> str:
-    """A TRL_TRAINER value orch runs, or one clear error."""
-    if trainer not in TRAINERS:
-        raise OrchError(f"TRL_TRAINER={trainer!r} is not a trainer orch runs; use one of {', '.join(TRAINERS)}")
-    return trainer
+    """A TRL_TRAINER value orch runs (core/trainers.py), or one clear error."""
+    return trainers.spec(trainer).name
 
 
 def fields(trainer: str) -> dict[str, object]:

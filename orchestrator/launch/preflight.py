@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from orchestrator.core import accelerators, memory, models, parallel, strategy
+from orchestrator.core import accelerators, memory, models, parallel, strategy, trainers
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import effective, truthy
@@ -40,13 +40,14 @@ def setup_of(launch, gpus: int) -> memory.Setup | None:
     peft = truthy(launch.setting("use_peft", False))
     targets = launch.setting("lora_target_modules") or memory.PEFT_DEFAULT_TARGETS
     seq, completion = int(launch.setting("max_length", 1024)), 0
-    if launch.trainer == "grpo":
+    if trainers.spec(launch.trainer).generates:  # prompt + completion; logits over the completion only
         completion = int(launch.setting("max_completion_length", 512))
         seq = int(launch.setting("max_prompt_length", 512)) + completion
     fsdp_ac = truthy((accel.get("fsdp_config") or {}).get("fsdp_activation_checkpointing", False))
     return memory.Setup(
         arch=arch,
         trainer=launch.trainer,
+        beta=launch.setting("beta"),
         method=("qlora" if truthy(launch.setting("load_in_4bit", False)) else "lora") if peft else "full",
         strategy=asked.sharding,
         gpus=gpus,

@@ -8,7 +8,7 @@ launch side computes every rank's plan with this same code before anything is se
 
 Variables read (all set by SkyPilot or by the recipe's `envs:`):
   SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE  (SkyPilot)
-  TRL_TRAINER        sft | dpo | grpo | kto | reward
+  TRL_TRAINER        the TRL trainer: a name in core/trainers.py (`orch ls --trainers`)
   TRL_CONFIG         path of the TRL config (YAML of the trainer's arguments)
   ACCELERATE_CONFIG  path of the Accelerate config, or a TRL profile name (zero1..3, fsdp1, fsdp2, multi_gpu)
   GLOBAL_BATCH_SIZE  optional: samples per optimizer step over all ranks; sets gradient_accumulation_steps

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from orchestrator.core import batch
+from orchestrator.core import batch, trainers
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import truthy
 from orchestrator.core.parallel import Sizes
@@ -27,12 +27,13 @@ def check_final_model_is_written(accelerate_config: Mapping, accel_path: str) ->
 
 
 def check_reference_model_loading(trainer: str, accelerate_config: Mapping, settings: Mapping, accel_path: str) -> None:
-    """FSDP2 + cpu-RAM-efficient loading + a frozen reference model (DPO, KTO; GRPO with beta > 0): transformers
-    loads the weights on each node's first process only and leaves the others empty, counting on a broadcast from
-    rank 0 when the model is sharded. accelerate does that broadcast for the policy; TRL's `prepare_fsdp` shards the
-    reference model with `fully_shard` alone, so every other rank's shards of the reference stay zeros (seen on CPU
-    with FSDP2 for real: 1 node x 2 processes, step-1 DPO loss 0.6949 instead of log 2; the reference model's first
-    weight summed to 0.47 against the policy's 2.41). DPO then trains against a broken reference, silently."""
+    """FSDP2 + cpu-RAM-efficient loading + a frozen reference model (core/trainers.py: DPO, KTO; GRPO with beta != 0):
+    transformers loads the weights on each node's first process only and leaves the others empty, counting on a
+    broadcast from rank 0 when the model is sharded. accelerate does that broadcast for the policy; TRL's
+    `prepare_fsdp` shards the reference model with `fully_shard` alone, so every other rank's shards of the reference
+    stay zeros (seen on CPU with FSDP2 for real: 1 node x 2 processes, step-1 DPO loss 0.6949 instead of log 2; the
+    reference model's first weight summed to 0.47 against the policy's 2.41). DPO then trains against a broken
+    reference, silently."""
     if str(accelerate_config.get("distributed_type", "")).upper() != "FSDP":
         return
     fsdp = accelerate_config.get("fsdp_config") or {}
@@ -40,8 +41,7 @@ def check_reference_model_loading(trainer: str, accelerate_config: Mapping, sett
         return
     if truthy(settings.get("use_peft", False)) or truthy(settings.get("precompute_ref_log_probs", False)):
         return  # no separate reference model is sharded
-    has_ref = trainer in ("dpo", "kto") or (trainer == "grpo" and float(settings.get("beta", 0.0) or 0.0) != 0.0)
-    if has_ref:
+    if trainers.spec(trainer).has_reference(settings):
         raise OrchError(
             f"{accel_path}: fsdp_cpu_ram_efficient_loading with {trainer.upper()}'s reference model under FSDP2 leaves "
             "the reference weights empty on every rank but each node's first (TRL shards it without accelerate's "
@@ -50,23 +50,25 @@ def check_reference_model_loading(trainer: str, accelerate_config: Mapping, sett
 
 
 def check_packing(trainer: str, sizes: Sizes, settings: Mapping) -> None:
-    """TRL's SFTTrainer refuses packing with context parallelism: ring attention drops the block-diagonal mask."""
-    if trainer != "sft" or sizes.cp < 2:
+    """TRL's SFTTrainer refuses packing with context parallelism: ring attention drops the block-diagonal mask. (Only
+    SFT's arguments have packing: TRL's parser refuses the key for any other trainer.)"""
+    if sizes.cp < 2:
         return
     for key in ("packing", "eval_packing"):
         if truthy(settings.get(key, False)):
             raise OrchError(
-                f"{key} is on, but TRL's SFTTrainer refuses packing with context parallelism (cp_size={sizes.cp}): "
-                f"ring attention drops the mask that keeps packed documents apart; set {key}=false"
+                f"{key} is on, but TRL's {trainers.spec(trainer).trl_class} refuses packing with context parallelism "
+                f"(cp_size={sizes.cp}): ring attention drops the mask that keeps packed documents apart; set {key}=false"
             )
 
 
 def check_trainer_batch(trainer: str, global_batch: int | None, settings: Mapping) -> None:
-    if trainer == "grpo":
-        batch.check_generations(global_batch, settings)
-    if trainer == "kto" and batch.per_device_batch(settings) < 2:
+    spec = trainers.spec(trainer)
+    if spec.generates:
+        batch.check_generations(global_batch, settings, trainer, spec.generations_default)
+    if batch.per_device_batch(settings) < spec.min_micro_batch:
         raise OrchError(
-            "KTO needs per_device_train_batch_size >= 2: its KL baseline pairs mismatched samples of one micro-batch"
+            f"{trainer.upper()} needs per_device_train_batch_size >= {spec.min_micro_batch}: {spec.min_micro_batch_why}"
         )
 
 

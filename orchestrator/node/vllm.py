@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from orchestrator.core import trainers
 from orchestrator.core.errors import OrchError
 from orchestrator.core.topology import Topology
 from orchestrator.node.env import env_port, knob
@@ -24,8 +25,12 @@ def server_nodes(env: Mapping[str, str], cluster: Topology, trainer: str) -> int
         raise OrchError(f"VLLM_SERVER_NODES={raw!r}: orch runs TRL's vLLM server on 0 or 1 node (the last one)")
     if raw == "1" and cluster.nodes < 2:
         raise OrchError("VLLM_SERVER_NODES=1 needs at least 2 nodes (one trains, the last serves): pass --nodes 2")
-    if raw == "1" and trainer != "grpo":
-        raise OrchError(f"VLLM_SERVER_NODES=1 is for GRPO; TRL_TRAINER is {trainer}: set VLLM_SERVER_NODES: 0")
+    if raw == "1" and not trainers.spec(trainer).generates:
+        generating = ", ".join(name for name, spec in trainers.SPECS.items() if spec.generates)
+        raise OrchError(
+            f"VLLM_SERVER_NODES=1 serves generations for {generating}; TRL_TRAINER is {trainer}: set "
+            "VLLM_SERVER_NODES: 0"
+        )
     return int(raw)
 
 

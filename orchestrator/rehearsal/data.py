@@ -16,7 +16,7 @@ import json
 import sys
 import warnings
 
-from orchestrator.core import dataset_format
+from orchestrator.core import dataset_format, trainers
 
 
 def _why(exc: BaseException) -> str:
@@ -31,7 +31,8 @@ def _ids(encoded) -> list:
 
 
 def _texts(row: dict, trainer: str) -> list:
-    """What TRL feeds the model for this row: message lists or strings (DPO/reward: chosen and rejected)."""
+    """What TRL feeds the model for this row, by the trainer's dataset format (core/trainers.py): message lists or
+    strings (a preference pair: chosen and rejected; a generating trainer: the prompt alone)."""
     prompt = row.get("prompt")
 
     def joined(completion):
@@ -41,9 +42,10 @@ def _texts(row: dict, trainer: str) -> list:
             return prompt + completion
         return f"{prompt}{completion}"
 
-    if trainer in ("dpo", "reward"):
+    shape = trainers.spec(trainer).format
+    if shape == "preference":
         return [joined(row["chosen"]), joined(row["rejected"])]
-    if trainer == "grpo":
+    if shape == "prompt":
         return [prompt]
     if "messages" in row:
         return [row["messages"]]

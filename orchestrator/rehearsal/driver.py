@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+from orchestrator.core import trainers
 from orchestrator.node.plan import NodePlan
 
 PORTABLE_ATTENTION = ("sdpa", "eager")
@@ -123,7 +124,7 @@ def substitutions(trainer: str, settings: Mapping[str, object], smoke_dir: Path,
         words += ["--attn_implementation", "sdpa"]
     if str(settings.get("use_liger_kernel", "false")).lower() == "true" and not importable("liger_kernel"):
         words += ["--use_liger_kernel", "false"]
-    if trainer == "grpo" and str(settings.get("use_vllm", "false")).lower() == "true":
+    if trainers.spec(trainer).generates and str(settings.get("use_vllm", "false")).lower() == "true":
         words += ["--use_vllm", "false"]
     return words
 

@@ -218,16 +218,16 @@ def _preimport(trainers: set[str]) -> None:
     import torch.distributed.run  # noqa: F401
     from accelerate.commands import launch  # noqa: F401
 
-    from orchestrator.core.trl_schema import TRAINER_CLASSES
+    from orchestrator.core import trainers as specs
     from orchestrator.train import entry  # noqa: F401
 
     for trainer in trainers:
-        getattr(importlib.import_module("trl"), TRAINER_CLASSES[trainer])
+        getattr(importlib.import_module("trl"), specs.spec(trainer).trl_class)
     with contextlib.suppress(ImportError):  # QLoRA: a node quantises on its own GPU; here bitsandbytes' CPU kernels
         from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
         Bnb4BitHfQuantizer.update_device_map = lambda self, device_map: device_map or {"": "cpu"}
-    if "grpo" in trainers:
+    if any(specs.spec(trainer).generates for trainer in trainers):
         importlib.import_module("trl.scripts.vllm_serve")
 
 

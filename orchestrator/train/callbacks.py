@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from orchestrator.core import trainers
 from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home
 from orchestrator.core.timeline import time_to_first_step
 from orchestrator.train.checkpoints import write_manifest
@@ -18,16 +19,13 @@ from orchestrator.train.throughput import Meter, tokens_in
 
 DEFAULT_SAVE_SECONDS = 60.0  # what the cost cap keeps for a checkpoint before one was timed here
 
-# Preference collators stack chosen rows then rejected rows into one input_ids batch: 2 rows per sample.
-ROWS_PER_SAMPLE = {"dpo": 2, "reward": 2}
-
 
 def _rows_in(inputs, trainer_name: str) -> int:
     """Samples in one micro-batch, from the leading dimension of its input_ids (GRPO: one per completion)."""
     for key in ("input_ids", "prompt_ids", "completion_ids"):
         value = inputs.get(key) if hasattr(inputs, "get") else None
         if value is not None and hasattr(value, "shape"):
-            return int(value.shape[0]) // ROWS_PER_SAMPLE.get(trainer_name, 1)
+            return int(value.shape[0]) // trainers.spec(trainer_name).rows_per_sample  # a pair stacks 2 rows
     raise RuntimeError(f"orch cannot count samples in a {trainer_name} batch of {type(inputs).__name__}")
 
 

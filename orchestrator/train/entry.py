@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from orchestrator.core.trl_schema import TRAINER_CLASSES
+from orchestrator.core import trainers
 from orchestrator.train import cpu_deepspeed, cpu_fsdp, hub, netcheck, tracking
 from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, for_collective, node_of_process
 from orchestrator.train.checkpoints import choose_resume, quarantine, save_final_model
@@ -46,8 +46,8 @@ class Parsed(NamedTuple):
 
 def parse(argv: list[str]) -> Parsed:
     """`<trainer> --config FILE [--key value ...]` through TRL's own parser for that trainer."""
-    if not argv or argv[0] not in TRAINER_CLASSES:
-        raise SystemExit(f"usage: python -m orchestrator.train {{{','.join(TRAINER_CLASSES)}}} --config FILE [...]")
+    if not argv or argv[0] not in trainers.SPECS:
+        raise SystemExit(f"usage: python -m orchestrator.train {{{','.join(trainers.TRAINERS)}}} --config FILE [...]")
     parser = importlib.import_module(f"trl.scripts.{argv[0]}").make_parser()
     return Parsed(argv[0], *parser.parse_args_and_config(args=argv[1:]))
 
@@ -69,7 +69,7 @@ def trainer_class(trainer_name: str, *mixins: type) -> type:
     """TRL's trainer class for `trainer_name` with orch's mixin (and any others, first in the MRO)."""
     import trl
 
-    base = getattr(trl, TRAINER_CLASSES[trainer_name])
+    base = getattr(trl, trainers.spec(trainer_name).trl_class)
     return type(f"Orch{base.__name__}", (*mixins, OrchTrainerMixin, base), {"orch_trainer_name": trainer_name})
 
 
@@ -91,7 +91,7 @@ def build(parsed: Parsed, callbacks: list, *mixins: type):
     else:
         dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
     kwargs = {}
-    if parsed.trainer == "grpo":
+    if trainers.spec(parsed.trainer).generates:  # GRPO, RLOO: the policy's completions are scored
         kwargs["reward_funcs"] = _reward_funcs(script_args.reward_funcs) + (
             [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
         )

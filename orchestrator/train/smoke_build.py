@@ -11,6 +11,8 @@ import random
 import sys
 from pathlib import Path
 
+from orchestrator.core import trainers
+
 # Tiny shapes, as TRL's own test models (2 layers, 4 heads, 2 KV heads), a little wider so loss moves.
 TINY = dict(
     hidden_size=64,
@@ -38,22 +40,24 @@ def _rows(trainer: str, rng: random.Random) -> list[dict]:
         prompt = [{"role": "user", "content": f"What is {a} plus {b}?"}]
         good = [{"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]
         bad = [{"role": "assistant", "content": f"{a} plus {b} is {wrong}."}]
-        if trainer == "sft":
+        shape = trainers.spec(trainer).format  # one row builder per TRL dataset format, not per trainer
+        if shape == "conversation":
             rows.append({"messages": prompt + good})
-        elif trainer in ("dpo", "reward"):
+        elif shape == "preference":
             rows.append({"prompt": prompt, "chosen": good, "rejected": bad})
-        elif trainer == "kto":
+        elif shape == "unpaired":
             rows.append({"prompt": prompt, "completion": good, "label": True})
             rows.append({"prompt": prompt, "completion": bad, "label": False})
-        elif trainer == "grpo":
-            rows.append({"prompt": prompt, "answer": str(a + b)})
+        elif shape == "prompt":
+            rows.append({"prompt": prompt, "answer": str(a + b)})  # `answer`: for the smoke reward, digit_reward
         else:
-            raise ValueError(f"no smoke data for trainer {trainer!r}")
+            raise ValueError(f"no smoke rows for dataset format {shape!r} (trainer {trainer!r})")
     return rows[:ROWS]
 
 
 def digit_reward(completions, answer=None, **_) -> list[float]:
-    """GRPO smoke reward: 1.0 when the completion contains the right sum, a little for any digit."""
+    """The smoke reward of generating trainers (GRPO, RLOO): 1.0 when the completion contains the right sum, a little
+    for any digit."""
     rewards = []
     for i, completion in enumerate(completions):
         text = completion[-1]["content"] if isinstance(completion, list) else str(completion)

@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 
 from orchestrator.core import accelerate_schema, trl_schema
-from orchestrator.core.trl_schema import TRAINERS
 
 
 def _kind(tp) -> object:
@@ -65,6 +64,24 @@ def help_choices(help_text: str) -> list[str]:
     return re.findall(r"'([A-Za-z0-9_.-]+)'", segment) if not rest else []  # a plain list, nothing else
 
 
+def trainer_scripts() -> list[str]:
+    """Every training script TRL ships (trl.scripts.<name> whose parser builds TrainingArguments), whether or not orch's
+    registry (core/trainers.py) runs it yet: a trainer added there finds its arguments here."""
+    import importlib
+    import pkgutil
+
+    import trl.scripts
+    from transformers import TrainingArguments
+
+    names = []
+    for info in pkgutil.iter_modules(trl.scripts.__path__):
+        module = importlib.import_module(f"trl.scripts.{info.name}")
+        make = getattr(module, "make_parser", None)
+        if make and any(isinstance(t, type) and issubclass(t, TrainingArguments) for t in make().dataclass_types):
+            names.append(info.name)
+    return sorted(names)
+
+
 def generate_trl() -> dict[str, dict[str, object]]:
     import dataclasses
     import importlib
@@ -74,7 +91,7 @@ def generate_trl() -> dict[str, dict[str, object]]:
     out: dict[str, dict[str, object]] = {
         "versions": {p: importlib.metadata.version(p) for p in ("trl", "transformers", "accelerate")}
     }
-    for trainer in TRAINERS:
+    for trainer in trainer_scripts():
         parser = importlib.import_module(f"trl.scripts.{trainer}").make_parser()
         names: dict[str, object] = {}
         for dtype in parser.dataclass_types:

@@ -1,0 +1,117 @@
+"""The TRL trainers orch runs, one spec each. Every fact orch needs about a trainer lives here and every site reads
+it: the launch side's argument checks (core/trl_schema.py), the dataset checks (core/dataset_format.py), the memory
+model and `orch plan`, preflight, the node's rules and vLLM server, the training entry (which TRL class, whether it
+takes reward functions), the smoke artifacts (their TRL overrides here, their rows in train/smoke_build.py by
+format), the rehearsal and the one-row data check. Adding a trainer is a spec here plus its recipe files
+(CONTRIBUTING.md); TRL's argument snapshot (core/trl_args.json) already holds every trainer script TRL ships.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from orchestrator.core.errors import OrchError
+
+# The row shapes of TRL's dataset formats orch knows, for the smoke data and the one-row check (what TRL feeds the
+# model): a conversation (SFT), a preference pair (chosen + rejected), an unpaired preference (completion + label),
+# a prompt alone (the policy generates, reward functions score).
+FORMATS = ("conversation", "preference", "unpaired", "prompt")
+_CHAT = [{"role": "user", "content": "2+2?"}]
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    name: str
+    """TRL_TRAINER's value and TRL's script module, trl.scripts.<name> (its make_parser parses the arguments)."""
+    trl_class: str
+    """The trainer class in trl."""
+    format: str
+    """One of FORMATS: the smoke data's rows and what the one-row check feeds the model."""
+    columns: tuple[tuple[str, ...], ...]
+    """The dataset columns it reads: any one of these sets (TRL's dataset formats, conversational or standard)."""
+    example: Mapping[str, object]
+    """A row that would do, shown when a row lacks a column."""
+    rows_per_sample: int = 1
+    """Rows one sample puts in a micro-batch (a preference pair's chosen and rejected go through the model together)."""
+    logit_bytes: int = 4
+    """Bytes per token and vocabulary entry its loss keeps: 12 for a causal LM's own loss (bf16 logits, their fp32
+    copy, the log-softmax, the gradient), 4 for TRL's row-by-row selective_log_softmax, 0 for a 1-label head."""
+    reference: str = "none"
+    """A frozen reference model: "always" (TRL prepares one for full fine-tuning), "beta" (when beta != 0), "none".
+    Never with PEFT: TRL disables the adapter instead."""
+    beta_default: float = 0.0
+    """TRL's default beta, for reference == "beta"."""
+    generates: bool = False
+    """The policy generates completions during training: reward functions, num_generations groups, a vLLM server."""
+    generations_default: int = 0
+    """TRL's default num_generations (generating trainers)."""
+    min_micro_batch: int = 1
+    """The smallest per_device_train_batch_size it accepts."""
+    min_micro_batch_why: str = ""
+    smoke_overrides: Mapping[str, str] = field(default_factory=dict)
+    """TRL arguments a smoke run adds for this trainer (core/smoke.py sets the shared ones)."""
+
+    def has_reference(self, settings: Mapping[str, object], peft: bool = False) -> bool:
+        """Whether TRL builds a separate frozen reference model with these settings (beta from them or TRL's)."""
+        if peft or self.reference == "none":
+            return False
+        if self.reference == "always":
+            return True
+        beta = settings.get("beta")
+        try:
+            return float(str(self.beta_default if beta in (None, "") else beta)) != 0.0
+        except ValueError:
+            return True  # a value TRL's parser will refuse: the checks that parse it say so
+
+    def needs(self) -> str:
+        return " or ".join(" + ".join(s) for s in self.columns)
+
+
+_GENERATING_SMOKE = MappingProxyType({
+    "num_generations": "2", "max_completion_length": "8", "use_vllm": "false",
+    "reward_funcs": "orchestrator.train.smoke_build.digit_reward",
+    "log_completions": "false",  # tables of random tokens from the tiny model: noise in the log
+})  # fmt: skip
+_PAIR = MappingProxyType({"prompt": _CHAT, "chosen": [{"role": "assistant", "content": "4"}],
+                          "rejected": [{"role": "assistant", "content": "5"}]})  # fmt: skip
+
+SPECS: dict[str, TrainerSpec] = {
+    spec.name: spec
+    for spec in (
+        TrainerSpec(
+            "sft", "SFTTrainer", "conversation", (("messages",), ("text",), ("prompt", "completion")),
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+            logit_bytes=12, smoke_overrides={"max_length": "64", "packing": "false", "padding_free": "false"},
+        ),
+        TrainerSpec(
+            "dpo", "DPOTrainer", "preference", (("chosen", "rejected"),), _PAIR, rows_per_sample=2,
+            reference="always", smoke_overrides={"max_length": "64"},
+        ),
+        TrainerSpec(
+            "kto", "KTOTrainer", "unpaired", (("prompt", "completion", "label"),),
+            {"prompt": _CHAT, "completion": [{"role": "assistant", "content": "4"}], "label": True},
+            reference="always", min_micro_batch=2,
+            min_micro_batch_why="its KL baseline pairs mismatched samples of one micro-batch",
+            smoke_overrides={"max_length": "64", "per_device_train_batch_size": "2"},
+        ),
+        TrainerSpec(
+            "reward", "RewardTrainer", "preference", (("chosen", "rejected"),), _PAIR, rows_per_sample=2,
+            logit_bytes=0, smoke_overrides={"max_length": "64"},
+        ),
+        TrainerSpec(
+            "grpo", "GRPOTrainer", "prompt", (("prompt",),), {"prompt": [{"role": "user", "content": "What is 2+2?"}]},
+            reference="beta", beta_default=0.0, generates=True, generations_default=8,
+            smoke_overrides=_GENERATING_SMOKE,
+        ),
+    )
+}  # fmt: skip
+TRAINERS = tuple(SPECS)
+
+
+def spec(name: str) -> TrainerSpec:
+    """A TRL_TRAINER value orch runs, or one clear error."""
+    if name not in SPECS:
+        raise OrchError(f"TRL_TRAINER={name!r} is not a trainer orch runs; use one of {', '.join(TRAINERS)}")
+    return SPECS[name]

@@ -1,0 +1,87 @@
+"""The trainer registry (core/trainers.py): each spec against TRL's own classes, scripts and defaults, and the rule
+that no other module decides anything by a trainer's name."""
+
+import ast
+import dataclasses
+import importlib
+
+import pytest
+from conftest import ROOT
+
+from orchestrator.core import trainers, trl_schema
+from orchestrator.core.trainers import SPECS
+
+PACKAGE = ROOT / "orchestrator"
+
+
+def _config_defaults(name: str) -> tuple[dict, set]:
+    """TRL's own parser for a trainer: its TrainingArguments subclass's defaults, and every argument it takes."""
+    from transformers import TrainingArguments
+
+    parser = importlib.import_module(f"trl.scripts.{name}").make_parser()
+    config = next(t for t in parser.dataclass_types if issubclass(t, TrainingArguments))
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    arguments = {f.name for t in parser.dataclass_types for f in dataclasses.fields(t)}
+    return defaults, arguments
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_each_spec_agrees_with_trls_class_script_and_defaults(name):
+    import trl
+    from transformers import Trainer
+
+    spec = SPECS[name]
+    assert issubclass(getattr(trl, spec.trl_class), Trainer)
+    defaults, arguments = _config_defaults(name)
+    assert set(trl_schema.fields(name)) == arguments  # the launch side's snapshot of the same parser
+    if spec.generates:
+        assert defaults["num_generations"] == spec.generations_default
+        assert {"reward_funcs", "use_vllm", "max_completion_length"} <= arguments
+    else:
+        assert "num_generations" not in arguments
+    if spec.reference == "beta":
+        assert defaults["beta"] == spec.beta_default
+    assert spec.format in trainers.FORMATS
+    assert all(set(spec.example) >= set(columns) for columns in spec.columns[:1])  # the example has the columns
+    assert set(spec.smoke_overrides) <= arguments
+
+
+def test_reference_models_follow_the_spec():
+    grpo, dpo, sft = SPECS["grpo"], SPECS["dpo"], SPECS["sft"]
+    assert not grpo.has_reference({}) and grpo.has_reference({"beta": "0.04"}) and not grpo.has_reference({"beta": 0})
+    assert dpo.has_reference({}) and not dpo.has_reference({}, peft=True)
+    assert not sft.has_reference({"beta": 1})
+
+
+def _names_a_trainer(tree: ast.AST) -> list[str]:
+    """Decisions by a trainer's name: a comparison with one, membership in a literal holding one, a dict keyed by
+    one, a subscript with one."""
+    names = set(SPECS)
+    found = []
+
+    def literal(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(literal(e) for e in node.elts)
+        return False
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(literal(p) for p in [node.left, *node.comparators]):
+            found.append(f"line {node.lineno}: compares with a trainer's name")
+        if isinstance(node, ast.Dict) and any(k is not None and literal(k) for k in node.keys):
+            found.append(f"line {node.lineno}: a dict keyed by trainer names")
+        if isinstance(node, ast.Subscript) and literal(node.slice):
+            found.append(f"line {node.lineno}: indexed by a trainer's name")
+    return found
+
+
+def test_no_module_but_the_registry_decides_by_a_trainers_name():
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "core" / "trainers.py":
+            continue
+        bad += [(path.relative_to(PACKAGE).as_posix(), why) for why in _names_a_trainer(ast.parse(path.read_text()))]
+    assert not bad, bad
+    planted = 'if trainer == "grpo":\n    pass\nx = {"dpo": 2}\ny = trainer in ("kto", "x")\nz = table["sft"]\n'
+    assert len(_names_a_trainer(ast.parse(planted))) == 4
