@@ -85,3 +85,19 @@ def test_no_module_but_the_registry_decides_by_a_trainers_name():
     assert not bad, bad
     planted = 'if trainer == "grpo":\n    pass\nx = {"dpo": 2}\ny = trainer in ("kto", "x")\nz = table["sft"]\n'
     assert len(_names_a_trainer(ast.parse(planted))) == 4
+
+
+def test_the_recipes_reward_functions_run_in_the_environment_the_nodes_install():
+    """Every reward function a recipe names, resolved as the training entry resolves it and called on a sample, in
+    this environment (uv.lock's, as the nodes install it): TRL's accuracy reward needs math-verify."""
+    from orchestrator.core import yamlio
+    from orchestrator.train.entry import _reward_funcs
+
+    named = set()
+    for path in sorted((ROOT / "recipes" / "trl").glob("*.yaml")):
+        named |= set(yamlio.load(path.read_text()).get("reward_funcs") or [])
+    assert named, "no recipe names a reward function"
+    completions = [[{"role": "assistant", "content": "2 + 2 = \\boxed{4}"}], [{"role": "assistant", "content": "5"}]]
+    for func in _reward_funcs(sorted(named)):
+        rewards = func(completions=completions, solution=["4", "4"], prompts=[[], []])
+        assert len(rewards) == 2 and rewards[0] > (rewards[1] or 0), (func.__name__, rewards)
