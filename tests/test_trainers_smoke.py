@@ -177,3 +177,15 @@ def test_lora_sft_pushes_its_adapter_to_the_hub_and_pull_brings_it_back(project,
     model = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "mine"))
     assert sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) == json.loads(
         next((project / "outputs").rglob("rank0.json")).read_text())["adapter"]["trainable_params"]  # fmt: skip
+
+
+def test_rloo_trains_with_its_rewards_and_reference_model(project):
+    """RLOO (TRL's RLOOTrainer), added as a registry entry and a recipe: 2 emulated nodes, one world, the smoke
+    reward scoring its completions and a KL term against the reference model TRL keeps at its default beta 0.05."""
+    result = orch("run", "qwen25_rloo_ddp", "--local", "--nodes", "2", "--smoke", cwd=project)
+    check_one_group(result, project, "rloo", "MULTI_CPU")
+    output_dir = project / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
+    logged = [json.loads(x) for x in (output_dir / "orch" / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in logged if "loss" in r]
+    assert all("rewards/digit_reward/mean" in r and r["completions/mean_length"] > 0 for r in steps), steps[0]
+    assert steps[0]["kl"] == 0 and max(r["kl"] for r in steps) > 0  # the policy moves away from a real reference

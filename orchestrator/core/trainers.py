@@ -105,6 +105,11 @@ SPECS: dict[str, TrainerSpec] = {
             reference="beta", beta_default=0.0, generates=True, generations_default=8,
             smoke_overrides=_GENERATING_SMOKE,
         ),
+        TrainerSpec(
+            "rloo", "RLOOTrainer", "prompt", (("prompt",),), {"prompt": [{"role": "user", "content": "What is 2+2?"}]},
+            reference="beta", beta_default=0.05, generates=True, generations_default=2,
+            smoke_overrides=_GENERATING_SMOKE,
+        ),
     )
 }  # fmt: skip
 TRAINERS = tuple(SPECS)
