@@ -103,6 +103,9 @@ BAD = [
     (["cp", "phi3_dpo_fsdp", LONG], "too long"),
     (["cp", "phi3_dpo_fsdp", "phi3_dpo_fsdp", "--force"], "is the recipe itself"),
     (["cp", "nope", "mine"], "unknown recipe 'nope'"),
+    # Accelerate config blocks and values of the wrong type: one line naming the key (core/accelerate_config.py)
+    (["run", "accel_listed", "--dry-run"], "fsdp_config must be a mapping of settings, not a list"),
+    (["run", "accel_stage", "--local", "--smoke"], "deepspeed_config.zero_stage='x' is not a whole number"),
     # records and runs
     (["logs", LONG], "no run"),
     (["cancel", "nope"], "no run 'nope'"),
@@ -134,6 +137,12 @@ def bad_project(project):
     (recipes / "accelerate" / "broken.yaml").write_text("distributed_type: [FSDP\n")
     accel = phi3.replace("recipes/accelerate/fsdp2_phi3.yaml", "recipes/accelerate/broken.yaml")
     (recipes / "accel_broken.yaml").write_text(accel)
+    (recipes / "accelerate" / "listed.yaml").write_text("distributed_type: FSDP\nfsdp_config: [1]\n")
+    accel = phi3.replace("recipes/accelerate/fsdp2_phi3.yaml", "recipes/accelerate/listed.yaml")
+    (recipes / "accel_listed.yaml").write_text(accel)
+    (recipes / "accelerate" / "stage.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: x}")
+    accel = phi3.replace("recipes/accelerate/fsdp2_phi3.yaml", "recipes/accelerate/stage.yaml")
+    (recipes / "accel_stage.yaml").write_text(accel)
     jobs = project / "sky_jobs"
     jobs.mkdir()
     (jobs / "corrupt.yaml").write_bytes(b"# run: corrupt\n\xff\xfe: [\n")

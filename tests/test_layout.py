@@ -219,6 +219,84 @@ def test_a_platform_is_added_by_registering_it(tmp_path, monkeypatch):
         backends.get("nope")
 
 
+def _root(node) -> str:
+    while isinstance(node, (ast.Subscript, ast.Attribute)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _edits_a_task(tree) -> list[str]:
+    """Writes into a rendered task mapping: `task[...] = `, `task["envs"][k] = `, task.setdefault/update/... ."""
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AugAssign) else node.targets if isinstance(node, ast.Delete) else []  # fmt: skip
+        found += [f"line {node.lineno}" for t in targets if isinstance(t, ast.Subscript) and _root(t) == "task"]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+            "setdefault", "update", "append", "pop", "clear"
+        ):
+            if _root(node.func.value) == "task":
+                found.append(f"line {node.lineno}: .{node.func.attr}")
+    return found
+
+
+def test_the_task_is_rendered_last_and_never_edited():
+    """A launch's additions (smoke, data mounts, hooks, buckets, prices) are applied to the resolved Launch; only
+    Launch.task() builds a task mapping, and nothing on the launch side writes into one afterwards."""
+    bad = []
+    for path in sorted((PACKAGE / "launch").rglob("*.py")):
+        if path.name != "resolved.py":
+            bad += [(path.relative_to(PACKAGE).as_posix(), w) for w in _edits_a_task(ast.parse(path.read_text()))]
+    assert not bad, bad
+    planted = 'task["envs"]["X"] = "1"\ntask.setdefault("config", {})\ntask["file_mounts"]["/d"] = p\n'
+    assert len(_edits_a_task(ast.parse(planted))) == 3
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """orch module -> the orch modules it imports (at any depth: lazy imports in functions count)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_between_orchs_modules():
+    assert _cycles(_import_graph()) == []
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # it finds one
+
+
 def test_no_module_is_over_400_lines():
     long = {
         p.relative_to(PACKAGE).as_posix(): n

@@ -97,7 +97,7 @@ def test_overrides_reach_the_trl_script_after_config(node_env):
             r"or 8 data-parallel ranks$",
         ),
         ({"TRL_OVERRIDES": "gradient_accumulation_steps=4"}, r"derived from GLOBAL_BATCH_SIZE"),
-        ({"ORCH_DEVICE": "tpu"}, r"ORCH_DEVICE='tpu': use gpu or cpu"),
+        ({"ORCH_DEVICE": "tpu"}, r"ORCH_DEVICE='tpu': ORCH_DEVICE takes gpu or cpu"),
     ],
 )
 def test_bad_node_env(node_env, extra, message):

@@ -51,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"\n# Accelerate config {accel}" + (f" (TRL profile {value})" if value in PROFILES else ""))
     if value in PROFILES and not accel.is_file():
         print("# (trl is not installed here: TRL's profile as orch's snapshot of it has it)")
-        print(yaml.safe_dump(launch.paired.accelerate, sort_keys=False).rstrip())
+        print(yaml.safe_dump(dict(launch.paired.accelerate.raw), sort_keys=False).rstrip())
     else:
         print((recipe.workdir / accel if value not in PROFILES else accel).read_text().rstrip())
     return 0

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from orchestrator.core import trl_schema, yamlio
+from orchestrator.core.accelerate_config import AccelerateConfig
+from orchestrator.core.accelerate_config import parse as parse_accelerate
 from orchestrator.core.errors import OrchError
 
 PROFILES = ("zero1", "zero2", "zero3", "fsdp1", "fsdp2", "multi_gpu", "single_gpu")
@@ -25,8 +27,8 @@ CPU_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "cpu.yaml"
 class Configs(NamedTuple):
     """A recipe's paired configs, parsed."""
 
-    accelerate: dict
-    """The Accelerate config."""
+    accelerate: AccelerateConfig
+    """The Accelerate config, parsed (its mapping as written: `.raw`)."""
     trl: dict
     """The TRL config file's arguments (key=value overrides are applied by the caller)."""
     accelerate_file: Path
@@ -78,12 +80,13 @@ def load_yaml(path: Path, what: str) -> dict:
     return data
 
 
-def load_accelerate(value: str, workdir: Path = Path(".")) -> tuple[dict, Path]:
+def load_accelerate(value: str, workdir: Path = Path(".")) -> tuple[AccelerateConfig, Path]:
     """(the parsed Accelerate config, the file accelerate will read) for a path or a TRL profile name."""
     if value in PROFILES:
         path = profile_path(value)
-        return (load_yaml(path, "Accelerate config") if path.is_file() else trl_schema.profiles()[value]), path
-    return load_yaml(workdir / value, "Accelerate config"), Path(value)
+        raw = load_yaml(path, "Accelerate config") if path.is_file() else trl_schema.profiles()[value]
+        return parse_accelerate(raw, f"Accelerate config {value}"), path
+    return parse_accelerate(load_yaml(workdir / value, "Accelerate config"), f"Accelerate config {value}"), Path(value)
 
 
 def load(env: Mapping[str, str], workdir: Path = Path(".")) -> Configs:

@@ -62,21 +62,19 @@ def declared(accelerate_config: Mapping) -> Sizes | None:
     return Sizes(**values)
 
 
-def check_backend(sizes: Sizes, accelerate_config: Mapping) -> None:
-    """Context parallelism needs FSDP2; ALST/Ulysses needs DeepSpeed ZeRO-3 (TRL's requirements)."""
-    kind = str(accelerate_config.get("distributed_type", "NO")).upper()
+def check_backend(sizes: Sizes, config) -> None:
+    """Context parallelism needs FSDP2; ALST/Ulysses needs DeepSpeed ZeRO-3 (TRL's requirements). config: a parsed
+    core.accelerate_config.AccelerateConfig."""
     if sizes.cp > 1 and sizes.sp > 1:
         raise OrchError("the Accelerate config sets both cp_size and sp_size; use ring attention (cp) or Ulysses (sp)")
     if sizes.cp > 1:
-        version = str((accelerate_config.get("fsdp_config") or {}).get("fsdp_version", 1))
-        if kind != "FSDP" or version != "2":
+        if not config.fsdp or config.fsdp_version != 2:
             raise OrchError(
                 f"context parallelism (cp_size={sizes.cp}) needs FSDP2: set distributed_type: FSDP and "
                 "fsdp_config.fsdp_version: 2 in the Accelerate config"
             )
     if sizes.sp > 1:
-        stage = str((accelerate_config.get("deepspeed_config") or {}).get("zero_stage", ""))
-        if kind != "DEEPSPEED" or stage != "3":
+        if not config.deepspeed or config.zero_stage != 3:
             raise OrchError(
                 f"ALST/Ulysses sequence parallelism (sp_size={sizes.sp}) needs DeepSpeed ZeRO-3: set "
                 "distributed_type: DEEPSPEED and deepspeed_config.zero_stage: 3 in the Accelerate config"

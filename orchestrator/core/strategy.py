@@ -7,8 +7,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from orchestrator.core import parallel
-
-_NONE = ("none", "", "None")
+from orchestrator.core.accelerate_config import AccelerateConfig
 
 
 class Strategy(NamedTuple):
@@ -37,19 +36,15 @@ class Strategy(NamedTuple):
         return "ddp" if self.kind == "single-gpu" else self.kind
 
 
-def of(accelerate_config: Mapping) -> Strategy:
-    kind = str(accelerate_config.get("distributed_type", "NO")).upper()
-    sizes = parallel.declared(accelerate_config) or parallel.Sizes()
-    if kind == "FSDP":
-        fsdp = accelerate_config.get("fsdp_config") or {}
-        offload = str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
-        return Strategy(f"fsdp{fsdp.get('fsdp_version', 1)}", offload, sizes.cp, sizes.sp)
-    if kind == "DEEPSPEED":
-        ds = accelerate_config.get("deepspeed_config") or {}
-        devices = (ds.get("offload_param_device", "none"), ds.get("offload_optimizer_device", "none"))
-        offload = any(str(d) not in _NONE for d in devices)
-        return Strategy(f"zero{ds.get('zero_stage', '?')}", offload, sizes.cp, sizes.sp)
-    return Strategy("ddp" if kind == "MULTI_GPU" else "single-gpu", False, sizes.cp, sizes.sp)
+def of(accelerate_config: AccelerateConfig | Mapping) -> Strategy:
+    config = AccelerateConfig.of(accelerate_config)
+    sizes = config.parallelism or parallel.Sizes()
+    if config.fsdp:
+        return Strategy(f"fsdp{config.fsdp_version}", config.fsdp_offload_params, sizes.cp, sizes.sp)
+    if config.deepspeed:
+        stage = "?" if config.zero_stage is None else config.zero_stage
+        return Strategy(f"zero{stage}", config.deepspeed_offload, sizes.cp, sizes.sp)
+    return Strategy("ddp" if config.distributed_type == "MULTI_GPU" else "single-gpu", False, sizes.cp, sizes.sp)
 
 
 def cpu_fallback(s: Strategy, processes: int) -> str | None:

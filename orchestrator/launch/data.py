@@ -101,6 +101,6 @@ def use(file: str, trainer: str, local: bool, smoke: bool, user_overrides: dict[
     return path
 
 
-def mount(task: dict, path: Path) -> None:
-    """A cloud task reads the file from DATA_MOUNT (SkyPilot uploads it with the task)."""
-    task.setdefault("file_mounts", {})[f"{DATA_MOUNT}/train{path.suffix}"] = str(path.resolve())
+def mount(launch, path: Path):
+    """A cloud task reads the file from DATA_MOUNT (SkyPilot uploads it with the task): the launch with that mount."""
+    return launch.replace(mounts={**launch.mounts, f"{DATA_MOUNT}/train{path.suffix}": str(path.resolve())})

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from orchestrator.core.errors import OrchError
+from orchestrator.core.knobs import knob
 from orchestrator.launch.resolved import Launch
 
 TIMEOUT_S = 180
@@ -17,7 +18,7 @@ TIMEOUT_S = 180
 
 def run(launch: Launch) -> str | None:
     """The line to print, or None when skipped; an OrchError when the data cannot train."""
-    if os.environ.get("ORCH_DATA_CHECK", "on").strip().lower() == "off":
+    if knob(os.environ, "ORCH_DATA_CHECK", "on") == "off":
         return None
     name = str(launch.setting("dataset_name", ""))
     if not name or name.startswith("/orch-data"):  # no dataset, or a --data file (checked row by row already)

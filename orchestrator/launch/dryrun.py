@@ -7,6 +7,7 @@ from orchestrator.core.errors import OrchError
 from orchestrator.core.yamlio import dump_task
 from orchestrator.launch import preflight, storage
 from orchestrator.launch.checks import Checked
+from orchestrator.launch.placement import check_cap
 from orchestrator.launch.resolved import Launch
 from orchestrator.node.plan import render
 
@@ -15,7 +16,8 @@ def _section(title: str) -> None:
     print(f"\n--- {title} ---")
 
 
-def show(launch: Launch, task: dict, checked: Checked, skip_optimizer: bool, rehearsal: str) -> int:
+def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str) -> int:
+    task = launch.task()
     if not skip_optimizer:  # SkyPilot's own parser and schema first: one line naming what it rejects, exit 2
         from orchestrator.launch.backends import sky as sky_backend
 
@@ -66,7 +68,7 @@ def show(launch: Launch, task: dict, checked: Checked, skip_optimizer: bool, reh
         return 0
     print(describe(plan))
     print(estimate(task, plan, head.topology.total_gpus))
-    check_cap(task, plan, head.topology.total_gpus)
+    check_cap(task["envs"], plan, head.topology.total_gpus)
     return 0
 
 
@@ -77,25 +79,6 @@ def describe(plan) -> str:
         f"{plan.cloud} {plan.region} {plan.instance_type} x {plan.nodes} node(s), {kind}: "
         f"${plan.node_dollars_per_hour:.2f}/h per node, ${plan.dollars_per_hour:.2f}/h in all"
     )
-
-
-def dollars(task: dict, plan, total_gpus: int) -> float | None:
-    """The recipe's EXPECTED_GPU_HOURS at the plan's price (ideal scaling), None when the recipe does not say."""
-    try:
-        return float(str(task["envs"].get("EXPECTED_GPU_HOURS", ""))) / total_gpus * plan.dollars_per_hour
-    except ValueError:
-        return None
-
-
-def check_cap(task: dict, plan, total_gpus: int) -> None:
-    """Refuse a launch whose estimated cost exceeds ORCH_MAX_COST (--max-cost)."""
-    cap = str(task["envs"].get("ORCH_MAX_COST", "")).strip()
-    cost = dollars(task, plan, total_gpus)
-    if cap and cost is not None and cost > float(cap):
-        raise OrchError(
-            f"the estimated cost ${cost:,.2f} exceeds --max-cost ${float(cap):,.2f}: raise the cap, use fewer or "
-            "cheaper GPUs (--gpus, --spot), or lower max_steps / num_train_epochs"
-        )
 
 
 def estimate(task: dict, plan, total_gpus: int) -> str:
@@ -113,11 +96,13 @@ def estimate(task: dict, plan, total_gpus: int) -> str:
     )
 
 
-def confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
-    """Show what SkyPilot would launch and its price, then ask. SkyPilot's optimizer runs in this process when the
-    catalogs and credentials are here, else on the API server (which prints its own table of choices)."""
-    from orchestrator.launch import placement
+def confirm(launch: Launch, plans, managed: bool) -> tuple[bool, object]:
+    """Show what SkyPilot would launch and its price, then ask: (the answer, SkyPilot's plan or None). SkyPilot's
+    optimizer runs in this process when the catalogs and credentials are here, else on the API server (which prints
+    its own table of choices)."""
     from orchestrator.launch.backends import sky as sky_backend
+
+    task = launch.task()
 
     total = plans[0].topology.total_gpus
     what = "managed job" if managed else "cluster"
@@ -130,10 +115,7 @@ def confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
     if plan is not None:
         print(f"[orch] SkyPilot's plan: {describe(plan)}")
         print(f"[orch] {estimate(task, plan, total)}")
-        check_cap(task, plan, total)
-        if not task["envs"].get("ORCH_PRICE_PER_HOUR"):  # spend on every step (a price the user gave stays)
-            task["envs"]["ORCH_PRICE_PER_HOUR"] = f"{plan.dollars_per_hour:.4f}"
-            placement.price_table(task, plan)
+        check_cap(task["envs"], plan, total)
     else:
         try:
             sky_backend.show_server_plan(task)
@@ -144,4 +126,4 @@ def confirm(launch: Launch, task: dict, plans, managed: bool) -> bool:
         answer = input("Launch? [y/N] ")
     except EOFError:
         answer = ""
-    return answer.strip().lower() in ("y", "yes")
+    return answer.strip().lower() in ("y", "yes"), plan

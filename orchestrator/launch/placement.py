@@ -3,6 +3,7 @@ backends/sky.to_task), and the price the nodes spend against (node/price.py pick
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from orchestrator.core.errors import EXIT_RETRYABLE, OrchError
@@ -40,37 +41,59 @@ def resources(args, launch: Launch) -> dict[str, object]:
     return resources
 
 
-def preemption_hook(task: dict) -> None:
+def preemption_hook(launch: Launch) -> Launch:
     """Spot and managed runs: on SkyPilot's preemption notice the node asks its trainers for a checkpoint first."""
-    task["envs"]["ORCH_SAVE_ON_REQUEST"] = "on"
-    config = task.setdefault("config", {})
-    hooks = config.setdefault("hooks", [])
-    if not any(PREEMPTION_HOOK in str(h.get("run", "")) for h in hooks if isinstance(h, dict)):
-        hooks.append({"run": PREEMPTION_HOOK, "events": ["preemption"], "timeout": 180})
+    config = launch.recipe.task.get("config")
+    hooks = config.get("hooks") if isinstance(config, dict) else None
+    has = any(PREEMPTION_HOOK in str(h.get("run", "")) for h in hooks or [] if isinstance(h, dict))
+    added = () if has else ({"run": PREEMPTION_HOOK, "events": ["preemption"], "timeout": 180},)
+    return launch.replace(envs={**launch.envs, "ORCH_SAVE_ON_REQUEST": "on"}, hooks=(*launch.hooks, *added))
 
 
-def price(task: dict, total_gpus: int) -> None:
+def price(launch: Launch, total_gpus: int) -> Launch:
     """--max-cost needs the cluster's $/h on the nodes: SkyPilot's plan, computed here (-y skipped the question)."""
-    from orchestrator.launch import dryrun
     from orchestrator.launch.backends import sky as sky_backend
 
     try:
-        plan = sky_backend.optimize(task)
+        plan = sky_backend.optimize(launch.task())
     except OrchError as exc:
         raise OrchError(
             f"--max-cost needs the cluster's price and SkyPilot's optimizer could not compute it here ({exc}); give "
             "it with --env ORCH_PRICE_PER_HOUR=<$/h for all nodes>"
         ) from None
-    dryrun.check_cap(task, plan, total_gpus)
-    task["envs"]["ORCH_PRICE_PER_HOUR"] = f"{plan.dollars_per_hour:.4f}"
-    price_table(task, plan)
+    check_cap(launch.envs, plan, total_gpus)
+    return priced(launch, plan)
 
 
-def price_table(task: dict, plan) -> None:
-    """Every region's price of the planned cluster, for the head node to pick where it really runs (node/price.py)."""
+def priced(launch: Launch, plan) -> Launch:
+    """The plan's $/h for the nodes' spend (a price the user gave stays), and every region's price of the planned
+    cluster, for the head node to pick where it really runs (node/price.py)."""
     import json
 
     from orchestrator.launch.backends import sky as sky_backend
 
+    envs = dict(launch.envs)
+    if not envs.get("ORCH_PRICE_PER_HOUR"):
+        envs["ORCH_PRICE_PER_HOUR"] = f"{plan.dollars_per_hour:.4f}"
     if table := sky_backend.region_prices(plan):
-        task["envs"]["ORCH_PRICES"] = json.dumps(table, separators=(",", ":"), sort_keys=True)
+        envs["ORCH_PRICES"] = json.dumps(table, separators=(",", ":"), sort_keys=True)
+    return launch.replace(envs=envs)
+
+
+def dollars(envs: Mapping[str, str], plan, total_gpus: int) -> float | None:
+    """The recipe's EXPECTED_GPU_HOURS at the plan's price (ideal scaling), None when the recipe does not say."""
+    try:
+        return float(str(envs.get("EXPECTED_GPU_HOURS", ""))) / total_gpus * plan.dollars_per_hour
+    except ValueError:
+        return None
+
+
+def check_cap(envs: Mapping[str, str], plan, total_gpus: int) -> None:
+    """Refuse a launch whose estimated cost exceeds ORCH_MAX_COST (--max-cost)."""
+    cap = str(envs.get("ORCH_MAX_COST", "")).strip()
+    cost = dollars(envs, plan, total_gpus)
+    if cap and cost is not None and cost > float(cap):
+        raise OrchError(
+            f"the estimated cost ${cost:,.2f} exceeds --max-cost ${float(cap):,.2f}: raise the cap, use fewer or "
+            "cheaper GPUs (--gpus, --spot), or lower max_steps / num_train_epochs"
+        )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from orchestrator.core import accelerators, memory, models, parallel, strategy, trainers
+from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import effective, truthy
@@ -43,7 +44,7 @@ def setup_of(launch, gpus: int) -> memory.Setup | None:
     if trainers.spec(launch.trainer).generates:  # prompt + completion; logits over the completion only
         completion = int(launch.setting("max_completion_length", 512))
         seq = int(launch.setting("max_prompt_length", 512)) + completion
-    fsdp_ac = truthy((accel.get("fsdp_config") or {}).get("fsdp_activation_checkpointing", False))
+    fsdp_ac = accel.fsdp_activation_checkpointing
     return memory.Setup(
         arch=arch,
         trainer=launch.trainer,
@@ -58,7 +59,7 @@ def setup_of(launch, gpus: int) -> memory.Setup | None:
         checkpointing=fsdp_ac or truthy(launch.setting("gradient_checkpointing", True)),
         seq_split=asked.cp * asked.sp,
         weights_dtype=str(launch.setting("dtype", "float32")),
-        mixed_precision=str(accel.get("mixed_precision", "no")).lower() not in ("no", "none"),
+        mixed_precision=accel.mixed,
         lora_r=int(launch.setting("lora_r", 16)),
         lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
         lora_dropout=float(launch.setting("lora_dropout", 0.05)),
@@ -100,11 +101,12 @@ def check_memory(setup: memory.Setup, gpu_name: str) -> memory.Estimate:
     )
 
 
-def check_fsdp_wrap(accelerate_config: Mapping, model_id: str) -> None:
+def check_fsdp_wrap(accelerate_config: AccelerateConfig | Mapping, model_id: str) -> None:
     """The FSDP wrap class is the model's decoder layer (a wrong name wraps nothing, silently)."""
-    if str(accelerate_config.get("distributed_type", "")).upper() != "FSDP":
+    accelerate_config = AccelerateConfig.of(accelerate_config)
+    if not accelerate_config.fsdp:
         return
-    wrap = (accelerate_config.get("fsdp_config") or {}).get("fsdp_transformer_layer_cls_to_wrap")
+    wrap = accelerate_config.fsdp_wrap
     if not wrap:
         return  # accelerate then wraps the model's _no_split_modules
     try:
@@ -118,9 +120,12 @@ def check_fsdp_wrap(accelerate_config: Mapping, model_id: str) -> None:
         )
 
 
-def check_context_parallel(accelerate_config: Mapping, trl_config: Mapping, user: Mapping[str, str]) -> None:
+def check_context_parallel(
+    accelerate_config: AccelerateConfig | Mapping, trl_config: Mapping, user: Mapping[str, str]
+) -> None:
     """Ring attention (cp > 1): FSDP2, SDPA attention, and activation checkpointing in FSDP or TRL, not both."""
-    sizes = parallel.declared(accelerate_config)
+    accelerate_config = AccelerateConfig.of(accelerate_config)
+    sizes = accelerate_config.parallelism
     if not sizes or sizes.cp == 1:
         return
     parallel.check_backend(sizes, accelerate_config)
@@ -128,7 +133,7 @@ def check_context_parallel(accelerate_config: Mapping, trl_config: Mapping, user
     attn = str(settings.get("attn_implementation") or "sdpa")
     if attn != "sdpa":
         raise OrchError(f"context parallelism needs SDPA attention, not {attn}: set attn_implementation: sdpa")
-    fsdp_ac = bool((accelerate_config.get("fsdp_config") or {}).get("fsdp_activation_checkpointing", False))
+    fsdp_ac = accelerate_config.fsdp_activation_checkpointing
     if fsdp_ac and truthy(settings.get("gradient_checkpointing", True)):
         raise OrchError(
             "fsdp_activation_checkpointing and TRL's gradient_checkpointing cannot both be on with context "
@@ -136,9 +141,10 @@ def check_context_parallel(accelerate_config: Mapping, trl_config: Mapping, user
         )
 
 
-def check_sequence_parallel(accelerate_config: Mapping) -> None:
+def check_sequence_parallel(accelerate_config: AccelerateConfig | Mapping) -> None:
     """ALST/Ulysses (sp > 1): DeepSpeed ZeRO-3."""
-    sizes = parallel.declared(accelerate_config)
+    accelerate_config = AccelerateConfig.of(accelerate_config)
+    sizes = accelerate_config.parallelism
     if sizes and sizes.sp > 1:
         parallel.check_backend(sizes, accelerate_config)
 

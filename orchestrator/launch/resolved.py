@@ -1,8 +1,10 @@
 """One resolved launch: a recipe with what the user typed applied, parsed once, typed, immutable.
 
 Built once per command (`resolve`) from the CLI's flags and the recipe's files, then handed to the checks, the
-node previews, the dry run, the records and the backends. Strings appear only at the edges: `env()` is what the
-nodes get (TRL_OVERRIDES rendered), `task()` the SkyPilot task written to sky_jobs/ and sent.
+node previews, the dry run, the records and the backends. What a launch adds on the way (smoke artifacts, a --data
+mount, the preemption hook, a personal bucket, the plan's prices) is applied with `replace`, never by editing a task.
+Strings appear only at the edges: `env()` is what the nodes get (TRL_OVERRIDES rendered), `task()` the SkyPilot task
+written to sky_jobs/ and sent, rendered last.
 """
 
 from __future__ import annotations
@@ -43,10 +45,15 @@ class Launch:
     """Names of the secrets the run gets (values never live here)."""
     resources: Mapping[str, object] = dataclasses.field(default_factory=dict)
     """Extra SkyPilot resources fields orch sets (use_spot, network_tier)."""
+    mounts: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Extra SkyPilot file_mounts orch adds (a --data file): path on the nodes -> path here."""
+    hooks: tuple[Mapping[str, object], ...] = ()
+    """Task-level config.hooks orch adds (the preemption hook of spot and managed launches)."""
 
     def __post_init__(self):
-        for name in ("envs", "overrides", "resources"):
+        for name in ("envs", "overrides", "resources", "mounts"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+        object.__setattr__(self, "hooks", tuple(MappingProxyType(copy.deepcopy(dict(h))) for h in self.hooks))
 
     @property
     def trainer(self) -> str:
@@ -89,6 +96,12 @@ class Launch:
         task["envs"] = self.env()
         if self.secrets:
             task["secrets"] = {name: None for name in self.secrets}
+        if self.mounts:
+            task["file_mounts"] = {**(task.get("file_mounts") or {}), **self.mounts}
+        if self.hooks:
+            config = dict(task.get("config") or {})
+            config["hooks"] = [*(config.get("hooks") or []), *(copy.deepcopy(dict(h)) for h in self.hooks)]
+            task["config"] = config
         return task
 
 

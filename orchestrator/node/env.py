@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 
 from orchestrator.core.errors import OrchError
+from orchestrator.core.knobs import env_port
 from orchestrator.core.topology import Topology
 
 SKYPILOT_VARS = (
@@ -182,14 +183,6 @@ def from_env(env: Mapping[str, str]) -> Topology:
     return torchrun_style(env)
 
 
-def env_port(env: Mapping[str, str], name: str, default: int) -> str:
-    """A TCP port from the env (a recipe's MAIN_PROCESS_PORT, ORCH_BARRIER_PORT, ...), default when unset."""
-    raw = env.get(name, "").strip() or str(default)
-    if not raw.isdigit() or not 0 < int(raw) < 65536:
-        raise OrchError(f"{name}={raw!r} is not a TCP port (1-65535)")
-    return raw
-
-
 def check_address(text: str, source: str) -> str:
     """A node address: an IPv4 or IPv6 address (SkyPilot writes IPs; a host name would need DNS on every node)."""
     import ipaddress
@@ -199,87 +192,6 @@ def check_address(text: str, source: str) -> str:
     except ValueError:
         raise OrchError(f"{source}: {text!r} is not an IPv4 or IPv6 address (one per line, head node first)") from None
     return text.strip("[]")
-
-
-def _seconds(raw: str) -> float:
-    value = float(raw)
-    if not value > 0 or value != value or value == float("inf"):
-        raise ValueError(raw)
-    return value
-
-
-def _count(raw: str) -> int:
-    value = int(raw)
-    if value < 1:
-        raise ValueError(raw)
-    return value
-
-
-def _choice(*choices: str):
-    def parse(raw: str) -> str:
-        if raw.lower() not in choices:
-            raise ValueError(raw)
-        return raw.lower()
-
-    return parse
-
-
-def _project(raw: str) -> str:
-    if raw.lower() != "off" and not re.fullmatch(r"[A-Za-z0-9_-]{1,100}", raw):
-        raise ValueError(raw)
-    return raw
-
-
-def _repo_id(raw: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}", raw) or "--" in raw or ".." in raw:
-        raise ValueError(raw)
-    return raw
-
-
-# orch's own env knobs read on the nodes: name -> (parser, what it takes). plan() parses every one that is set, so
-# the launch side (which computes every node's plan before sending anything) refuses a bad one first. (ORCH_DEVICE,
-# DDP_TIMEOUT and the TRL/Accelerate variables are parsed by plan() itself.)
-KNOBS = {
-    "ORCH_RENDEZVOUS_TIMEOUT": (_seconds, "a number of seconds > 0"),
-    "ORCH_STOP_GRACE": (_seconds, "a number of seconds > 0"),
-    "ORCH_VLLM_POLL_SECONDS": (_seconds, "a number of seconds > 0"),
-    "ORCH_VLLM_CLOSED_POLLS": (_count, "a whole number >= 1"),
-    # the progress watchdog (node/watchdog.py) and the network check (train/netcheck.py)
-    "ORCH_WATCHDOG": (_choice("on", "off"), "on or off"),
-    "ORCH_STALL_FLOOR": (_seconds, "a number of seconds > 0"),
-    "ORCH_STALL_FIRST": (_seconds, "a number of seconds > 0"),
-    "ORCH_STALL_BUSY": (_seconds, "a number of seconds > 0"),
-    "ORCH_NETCHECK": (_choice("warn", "error", "off"), "warn, error or off"),
-    "ORCH_MIN_BUS_GBPS": (_seconds, "a number of GB/s > 0"),
-    # the cluster's price in $/h (train/throughput.py: dollars spent and projected)
-    "ORCH_PRICE_PER_HOUR": (_seconds, "a price in dollars per hour > 0"),
-    "ORCH_MAX_COST": (_seconds, "a number of dollars > 0"),
-    # a checkpoint on request (`orch node --checkpoint-now`, the preemption hook of spot and managed launches)
-    "ORCH_SAVE_ON_REQUEST": (_choice("on", "off"), "on or off"),
-    # Trackio (train/tracking.py): the project the nodes log to, or off
-    "ORCH_TRACK": (_project, "off or a Trackio project name (letters, digits, _ and -, at most 100)"),
-    # the final model pushed to the Hugging Face Hub (train/hub.py)
-    "ORCH_PUSH_TO_HUB": (_repo_id, "a Hub repo id, <owner>/<name> (letters, digits, -, _ and .)"),
-}
-
-
-def knob(env: Mapping[str, str], name: str, default=None):
-    """An orch env knob's parsed value (default when unset or empty), or one error naming what it takes."""
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    parse, takes = KNOBS[name]
-    try:
-        return parse(raw)
-    except (ValueError, KeyError):
-        raise OrchError(f"{name}={raw!r}: {name} takes {takes}") from None
-
-
-def check_knobs(env: Mapping[str, str]) -> None:
-    for name in KNOBS:
-        knob(env, name)
-    for name in ("MAIN_PROCESS_PORT", "ORCH_BARRIER_PORT", "VLLM_SERVER_PORT"):
-        env_port(env, name, 1)
 
 
 SETUP_VARS = ("SKYPILOT_SETUP_NODE_RANK", "SKYPILOT_SETUP_NODE_IPS", "SKYPILOT_SETUP_NUM_GPUS_PER_NODE")

@@ -12,9 +12,10 @@ from collections.abc import Mapping
 
 from orchestrator.core.errors import OrchError
 from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home
+from orchestrator.core.knobs import env_port, knob
 from orchestrator.core.topology import Topology
 from orchestrator.node import vllm
-from orchestrator.node.env import env_port, from_env, knob
+from orchestrator.node.env import from_env
 from orchestrator.node.plan import DEFAULT_PORT, describe, plan_from_env, render
 from orchestrator.node.price import provisioned
 
@@ -63,7 +64,7 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
         node_rank=node_plan.cluster.node_rank,
         ips=node_plan.cluster.node_ips,
         probe_port=int(env_port(env, "ORCH_BARRIER_PORT", main_port + 1)),
-        gpus=env.get("ORCH_DEVICE", "").lower() != "cpu",
+        gpus=knob(env, "ORCH_DEVICE", "gpu") != "cpu",
     )
 
 
@@ -135,7 +136,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     from orchestrator.rehearsal import driver
 
     env = run_env(os.environ if env is None else env)
-    if env.get("ORCH_REHEARSAL", "").lower() in ("off", "0", "no"):
+    if knob(env, "ORCH_REHEARSAL", "on") == "off":
         print("[orch] rehearsal: skipped (ORCH_REHEARSAL=off)", flush=True)
         return 0
     cluster = from_env(env)
@@ -145,8 +146,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     paired = configs.load(env)
     ranks = sorted({0, min(1, cluster.nodes - 1), cluster.nodes - 1})
     plans = [plan({**env, "SKYPILOT_NODE_RANK": str(r)}, *paired) for r in ranks]
-    trainer = env["TRL_TRAINER"]  # checked by plan()
-    settings = overrides.effective(paired.trl, overrides.loads(env.get("TRL_OVERRIDES", "")))
+    trainer, settings = plans[0].trainer, plans[0].settings  # as plan() checked and read them
     artifacts = smoke.plan(str(settings.get("model_name_or_path", "")), trainer)
     batch = driver.Batch(
         trainer=trainer,
@@ -172,8 +172,8 @@ def setup_times(env: Mapping[str, str]) -> dict[str, float]:
     """What scripts/node-setup.sh recorded on this node (ORCH_HOME/setup.times: started, installed, prefetched);
     the local backend records when orch started the nodes instead (ORCH_LAUNCHED_AT)."""
     times: dict[str, float] = {}
-    if env.get("ORCH_LAUNCHED_AT"):
-        times["launched"] = float(env["ORCH_LAUNCHED_AT"])
+    if launched := knob(env, "ORCH_LAUNCHED_AT"):
+        times["launched"] = launched
     home = orch_home(env)
     try:
         lines = open(os.path.join(home, "setup.times")).read().splitlines()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from orchestrator.core import parallel, strategy
+from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.configs import CPU_CONFIG
 from orchestrator.core.topology import Topology
 
@@ -30,18 +31,19 @@ class Flags(NamedTuple):
     """TRL arguments the device needs: `--use_cpu true` (CPU processes) or `--ddp_backend gloo` (DeepSpeed on CPU)."""
 
 
-def parallel_sizes(accelerate_config: Mapping, device: str, total: int) -> parallel.Sizes | None:
+def parallel_sizes(accelerate_config: AccelerateConfig | Mapping, device: str, total: int) -> parallel.Sizes | None:
     """The Accelerate config's parallelism_config refit to `total` processes (None without one, or on CPU where
     it cannot run there: core.strategy.cpu_fallback)."""
-    sizes = parallel.declared(accelerate_config)
-    if sizes is None or (device == "cpu" and strategy.cpu_fallback(strategy.of(accelerate_config), total)):
+    config = AccelerateConfig.of(accelerate_config)
+    sizes = config.parallelism
+    if sizes is None or (device == "cpu" and strategy.cpu_fallback(strategy.of(config), total)):
         return None
-    parallel.check_backend(sizes, accelerate_config)
+    parallel.check_backend(sizes, config)
     return parallel.refit(sizes, total)
 
 
 def flags(
-    accelerate_config: Mapping,
+    accelerate_config: AccelerateConfig | Mapping,
     config_file: Path,
     accel_path: str,
     device: str,
@@ -51,14 +53,15 @@ def flags(
     accumulation: int,
 ) -> Flags:
     """accumulation: the gradient_accumulation_steps the TRL script will use (given to DeepSpeed too)."""
-    asked = str(accelerate_config.get("distributed_type", "NO")).upper()
+    config = AccelerateConfig.of(accelerate_config, accel_path)
+    asked = config.distributed_type
     total = trainers.total_gpus
     argv = ["accelerate", "launch"]
     notes = []
     script_args: tuple[str, ...] = ()
     sharded = asked if asked in ("FSDP", "DEEPSPEED") else None
     if device == "cpu":
-        asked_strategy = strategy.of(accelerate_config)
+        asked_strategy = strategy.of(config)
         why_not = strategy.cpu_fallback(asked_strategy, total) if sharded else "not sharded"
         if why_not is None:  # the recipe's own config, without mixed precision (fp32 on CPU)
             argv += ["--config_file", str(config_file), "--mixed_precision", "no"]
@@ -78,7 +81,7 @@ def flags(
             argv += ["--config_file", str(CPU_CONFIG)] + (["--multi_gpu"] if total > 1 else [])
             runs_as = "DDP over gloo" if total > 1 else "single process"
             script_args = ("--use_cpu", "true")
-            if asked in ("FSDP", "DEEPSPEED") or parallel.declared(accelerate_config):
+            if asked in ("FSDP", "DEEPSPEED") or config.parallelism:
                 notes.append(
                     f"the recipe asks for {asked_strategy.label} ({accel_path}); on CPU orch runs {runs_as} "
                     f"instead: {why_not} (same data, batch and optimizer steps; no sharding, no context/sequence "

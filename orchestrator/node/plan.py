@@ -34,11 +34,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 from orchestrator.core import accelerate_schema, batch, configs, overrides, parallel, strategy
+from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
+from orchestrator.core.knobs import check_knobs, env_port, knob
 from orchestrator.core.topology import Topology
 from orchestrator.core.trl_schema import check_trainer
 from orchestrator.node import launcher, rules, script, vllm
-from orchestrator.node.env import check_knobs, env_port, from_env
+from orchestrator.node.env import from_env
 
 DEFAULT_PORT = 29500
 
@@ -63,6 +65,10 @@ class NodePlan(NamedTuple):
     notes: tuple[str, ...] = ()
     env: dict[str, str] = {}
     """Variables the node sets before it execs the argv (never secrets: those are in the node's own env)."""
+    trainer: str = ""
+    """The recipe's TRL trainer, as checked."""
+    settings: Mapping[str, object] = {}
+    """The TRL settings the script will see (the config file's, then TRL_OVERRIDES), as plan() read them."""
 
 
 class RecipeEnv(NamedTuple):
@@ -79,9 +85,7 @@ class RecipeEnv(NamedTuple):
 
 def read_recipe_env(env: Mapping[str, str]) -> RecipeEnv:
     trainer = check_trainer(configs.required(env, "TRL_TRAINER", "dpo"))
-    device = env.get("ORCH_DEVICE", "gpu").strip().lower() or "gpu"
-    if device not in ("gpu", "cpu"):
-        raise OrchError(f"ORCH_DEVICE={device!r}: use gpu or cpu")
+    device = knob(env, "ORCH_DEVICE", "gpu")
     return RecipeEnv(
         trainer=trainer,
         trl_path=configs.required(env, "TRL_CONFIG", "recipes/trl/phi3_dpo.yaml"),
@@ -95,7 +99,7 @@ def read_recipe_env(env: Mapping[str, str]) -> RecipeEnv:
 
 def plan(
     env: Mapping[str, str],
-    accelerate_config: Mapping,
+    accelerate_config: AccelerateConfig | Mapping,
     trl_config: Mapping,
     accelerate_file: Path | None = None,
     cpus: int | None = None,
@@ -112,7 +116,8 @@ def plan(
     check_knobs(env)
     recipe = read_recipe_env(env)
     settings = overrides.effective(trl_config, recipe.overrides)
-    accelerate_schema.check_config(accelerate_config, recipe.accel_path)
+    accelerate_config = AccelerateConfig.of(accelerate_config, f"Accelerate config {recipe.accel_path}")
+    accelerate_schema.check_config(accelerate_config.raw, recipe.accel_path)
     rules.check_final_model_is_written(accelerate_config, recipe.accel_path)
     rules.check_reference_model_loading(recipe.trainer, accelerate_config, settings, recipe.accel_path)
 
@@ -120,7 +125,8 @@ def plan(
     serving = vllm.server_nodes(env, cluster, recipe.trainer)
     if serving and cluster.node_rank >= cluster.nodes - serving:
         argv = vllm.server_argv(env, settings, cluster.gpus_per_node)
-        return NodePlan(argv=argv, topology=cluster, cluster=cluster, runs_as="vLLM server", role="vllm-server")
+        return NodePlan(argv=argv, topology=cluster, cluster=cluster, runs_as="vLLM server", role="vllm-server",
+                        trainer=recipe.trainer, settings=settings)  # fmt: skip
     if serving and len(set(cluster.node_ips)) < cluster.nodes and cluster.source in ("Kubeflow", "torchrun"):
         raise OrchError(
             f"VLLM_SERVER_NODES={serving}: a vLLM server node needs its own address, and {cluster.source}'s variables "
@@ -171,6 +177,8 @@ def plan(
         data_parallel_size=data_parallel,
         notes=flags.notes + ((note,) if note else ()),
         env=node_env,
+        trainer=recipe.trainer,
+        settings=settings,
     )
 
 

@@ -12,15 +12,19 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from orchestrator.core.knobs import knob
+
 
 def provisioned(env: Mapping[str, str]) -> tuple[str, str]:
     """(ORCH_PRICE_PER_HOUR for the training processes, a line saying where it comes from); ("", "") when nothing
     is known or there is nothing to change."""
     planned = env.get("ORCH_PRICE_PER_HOUR", "").strip()
+    table = knob(env, "ORCH_PRICES", {})
     try:
-        table = json.loads(env.get("ORCH_PRICES") or "{}")
         info = json.loads(env.get("SKYPILOT_CLUSTER_INFO") or "{}")
     except ValueError:
+        return planned, ""
+    if not isinstance(info, dict):
         return planned, ""
     if not table or not info.get("cloud") or not info.get("region"):
         return planned, ""

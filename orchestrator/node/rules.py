@@ -6,27 +6,30 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from orchestrator.core import batch, trainers
+from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import truthy
 from orchestrator.core.parallel import Sizes
 
 
-def check_final_model_is_written(accelerate_config: Mapping, accel_path: str) -> None:
+def check_final_model_is_written(accelerate_config: AccelerateConfig | Mapping, accel_path: str) -> None:
     """ZeRO-3 without 16-bit gathering on save writes only a DeepSpeed checkpoint, which transformers cannot load.
 
     (FSDP's sharded state dict is handled in the training process: orch gathers a full state dict at the end.)
     """
-    ds = accelerate_config.get("deepspeed_config") or {}
-    if str(accelerate_config.get("distributed_type", "")).upper() != "DEEPSPEED" or ds.get("deepspeed_config_file"):
+    config = AccelerateConfig.of(accelerate_config, accel_path)
+    if not config.deepspeed or config.deepspeed_config_file:
         return  # a DeepSpeed JSON says stage3_gather_16bit_weights_on_model_save itself: the rehearsal checks it
-    if str(ds.get("zero_stage", "")) == "3" and not truthy(ds.get("zero3_save_16bit_model", False)):
+    if config.zero_stage == 3 and not config.zero3_save_16bit_model:
         raise OrchError(
             f"{accel_path}: ZeRO-3 without zero3_save_16bit_model writes the final model as a DeepSpeed checkpoint "
             "that transformers cannot load; set deepspeed_config.zero3_save_16bit_model: true"
         )
 
 
-def check_reference_model_loading(trainer: str, accelerate_config: Mapping, settings: Mapping, accel_path: str) -> None:
+def check_reference_model_loading(
+    trainer: str, accelerate_config: AccelerateConfig | Mapping, settings: Mapping, accel_path: str
+) -> None:
     """FSDP2 + cpu-RAM-efficient loading + a frozen reference model (core/trainers.py: DPO, KTO; GRPO with beta != 0):
     transformers loads the weights on each node's first process only and leaves the others empty, counting on a
     broadcast from rank 0 when the model is sharded. accelerate does that broadcast for the policy; TRL's
@@ -34,10 +37,8 @@ def check_reference_model_loading(trainer: str, accelerate_config: Mapping, sett
     stay zeros (seen on CPU with FSDP2 for real: 1 node x 2 processes, step-1 DPO loss 0.6949 instead of log 2; the
     reference model's first weight summed to 0.47 against the policy's 2.41). DPO then trains against a broken
     reference, silently."""
-    if str(accelerate_config.get("distributed_type", "")).upper() != "FSDP":
-        return
-    fsdp = accelerate_config.get("fsdp_config") or {}
-    if str(fsdp.get("fsdp_version", 1)) != "2" or not truthy(fsdp.get("fsdp_cpu_ram_efficient_loading", False)):
+    config = AccelerateConfig.of(accelerate_config, accel_path)
+    if not config.fsdp or config.fsdp_version != 2 or not config.fsdp_cpu_ram_efficient_loading:
         return
     if truthy(settings.get("use_peft", False)) or truthy(settings.get("precompute_ref_log_probs", False)):
         return  # no separate reference model is sharded
@@ -58,7 +59,8 @@ def check_packing(trainer: str, sizes: Sizes, settings: Mapping) -> None:
         if truthy(settings.get(key, False)):
             raise OrchError(
                 f"{key} is on, but TRL's {trainers.spec(trainer).trl_class} refuses packing with context parallelism "
-                f"(cp_size={sizes.cp}): ring attention drops the mask that keeps packed documents apart; set {key}=false"
+                f"(cp_size={sizes.cp}): ring attention drops the mask that keeps packed documents apart; set "
+                f"{key}=false"
             )
 
 

@@ -129,7 +129,7 @@ def supervise(
     argv: list[str], env: Mapping[str, str], node_rank: int, ips: tuple[str, ...], probe_port: int, gpus: bool
 ) -> int:
     """Run `argv` (accelerate launch) under the watchdog; return its exit code, or EXIT_STALLED."""
-    from orchestrator.node.env import knob
+    from orchestrator.core.knobs import knob
 
     bounds = Bounds.from_env(env)
     progress_dir = tempfile.mkdtemp(prefix="orch-progress-")

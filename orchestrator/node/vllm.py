@@ -12,8 +12,8 @@ from collections.abc import Mapping
 
 from orchestrator.core import trainers
 from orchestrator.core.errors import OrchError
+from orchestrator.core.knobs import env_port, knob
 from orchestrator.core.topology import Topology
-from orchestrator.node.env import env_port, knob
 
 DEFAULT_PORT = 8000
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from orchestrator.core.errors import EXIT_RETRYABLE
-from orchestrator.node.env import knob
+from orchestrator.core.knobs import knob
 
 DEFAULT_FLOOR = 300.0
 DEFAULT_FIRST = 1800.0

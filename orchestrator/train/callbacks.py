@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 
 from orchestrator.core import trainers
 from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home
+from orchestrator.core.knobs import knob
 from orchestrator.core.timeline import time_to_first_step
 from orchestrator.train.checkpoints import write_manifest
 from orchestrator.train.throughput import Meter, tokens_in
@@ -70,14 +71,13 @@ class OrchCallback(TrainerCallback):
         self.meter = Meter(started=min(self.timeline.values()) if self.timeline else None)
         self.report_dir = output_dir / "orch"
         self.steps_run = 0
-        cap = os.environ.get("ORCH_MAX_COST", "").strip()
-        self.cap = float(cap) if cap else None  # dollars (--max-cost), parsed on the launch side first
+        self.cap = knob(os.environ, "ORCH_MAX_COST")  # dollars (--max-cost), refused on the launch side first
         self.saves: list[float] = []  # seconds each checkpoint took here: the cap keeps room for one more
         self.save_began = 0.0
         self.stopped = ""  # why the run stopped before max_steps (the cost cap), for the report
         self.tracker = None  # train/tracking.NodeTracker under --track
         # `orch node --checkpoint-now` (SkyPilot's preemption hook) asks for a checkpoint through a file on the node
-        self.request = save_request_path() if os.environ.get("ORCH_SAVE_ON_REQUEST", "").lower() == "on" else None
+        self.request = save_request_path() if knob(os.environ, "ORCH_SAVE_ON_REQUEST") == "on" else None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.request is not None and state.is_local_process_zero:

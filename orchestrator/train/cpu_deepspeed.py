@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import os
 
+from orchestrator.core.knobs import knob
+
 SHM_COMM = "deepspeed_shm_comm"
 
 
 def wanted(env=os.environ) -> bool:
     """A CPU process (orch's ORCH_DEVICE=cpu) that accelerate launched with a DeepSpeed config."""
-    return env.get("ORCH_DEVICE") == "cpu" and env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    return knob(env, "ORCH_DEVICE") == "cpu" and env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
 def skip_shm_comm() -> None:

@@ -23,12 +23,14 @@ from __future__ import annotations
 import functools
 import os
 
+from orchestrator.core.knobs import knob
+
 _INSTALLED = "_orch_cpu_fsdp"
 
 
 def wanted(env=os.environ) -> bool:
     """A CPU process (orch's ORCH_DEVICE=cpu) that accelerate launched with an FSDP config."""
-    return env.get("ORCH_DEVICE") == "cpu" and env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return knob(env, "ORCH_DEVICE") == "cpu" and env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def install() -> None:

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 
 import torch
 
+from orchestrator.core.knobs import knob
+
 MULTI_NODE_GPU_GBPS = 10.0  # TCP between 8-GPU nodes gives ~1-5 GB/s; InfiniBand/EFA 20-100+
 CAUSES = (
     "usual causes: NCCL fell back to TCP sockets (no InfiniBand/EFA: check the recipe's network_tier and that the "
@@ -26,9 +28,9 @@ CAUSES = (
 
 
 def expectation(env: Mapping[str, str], gpus: bool, nodes: int) -> float | None:
-    raw = env.get("ORCH_MIN_BUS_GBPS", "").strip()
-    if raw:
-        return float(raw)  # parsed on the launch side first (node/env.py KNOBS)
+    given = knob(env, "ORCH_MIN_BUS_GBPS")
+    if given:
+        return given
     return MULTI_NODE_GPU_GBPS if gpus and nodes > 1 else None
 
 
@@ -37,7 +39,7 @@ def bus_gbps(size_bytes: int, seconds: float, world: int) -> float:
 
 
 def run(training_args, env: Mapping[str, str] = os.environ) -> float | None:
-    mode = env.get("ORCH_NETCHECK", "warn").strip().lower() or "warn"
+    mode = knob(env, "ORCH_NETCHECK", "warn")
     if mode == "off":
         return None
     device = training_args.device  # TrainingArguments sets up the process group here, its own way (backend, timeout)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from orchestrator.core.accelerators import peak_tflops
+from orchestrator.core.knobs import knob
 from orchestrator.core.timeline import duration
 
 
@@ -38,8 +39,7 @@ def tokens_in(inputs) -> tuple[int, bool]:
 
 class Meter:
     def __init__(self, env: Mapping[str, str] = os.environ, started: float | None = None):
-        price = env.get("ORCH_PRICE_PER_HOUR", "").strip()
-        self.price = float(price) if price else None  # parsed on the launch side first (node/env.py KNOBS)
+        self.price = knob(env, "ORCH_PRICE_PER_HOUR")  # $/h of the cluster (core/knobs.py)
         self.run_started = started or time.time()  # the run's start (launch), for elapsed time and dollars
         self.train_started = 0.0
         self.step_times: list[float] = []

@@ -26,14 +26,15 @@ import torch
 
 from orchestrator.core import owned
 from orchestrator.core.home import orch_home
+from orchestrator.core.knobs import knob
 from orchestrator.core.trackio_files import backup as _backup
 from orchestrator.core.trackio_files import node_copy
 
 
 def project_of(env=os.environ) -> str:
     """The Trackio project when tracking is on (ORCH_TRACK: a project name; `off` or unset: no tracking)."""
-    value = env.get("ORCH_TRACK", "").strip()
-    return "" if value.lower() in ("", "off") else value
+    value = knob(env, "ORCH_TRACK", "off")
+    return "" if value.lower() == "off" else value
 
 
 class NodeTracker:

@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 
-from orchestrator.node.env import knob
+from orchestrator.core.knobs import knob
 from orchestrator.node.procs import DEFAULT_GRACE, end_tree, reap, subreaper
 
 

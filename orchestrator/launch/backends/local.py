@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.core.errors import OrchError
+from orchestrator.core.knobs import knob
 from orchestrator.launch.backends import netns
 from orchestrator.launch.backends.summary import stop_reason, summary
-from orchestrator.node.env import knob
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, printable
 from orchestrator.node.procs import DEFAULT_GRACE
 

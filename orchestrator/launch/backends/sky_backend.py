@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.core.errors import OrchError
+from orchestrator.core.knobs import knob
 from orchestrator.launch.placement import DEFAULT_IDLE_MINUTES
 from orchestrator.launch.records import Record, RunState
 
@@ -132,15 +133,15 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
             f"[orch] checkpoints: bucket {mine} (the recipe's {bucket} is a name anyone may hold; this one is yours "
             "and the recipe's; --env CHECKPOINT_BUCKET=NAME chooses another)"
         )
-    # Batch math, parallelism, memory and env errors surface here, before anything is sent.
-    checked = check(launch)
-    task = launch.task()
     if data_file is not None:
         from orchestrator.launch import data
 
-        data.mount(task, data_file)
+        launch = data.mount(launch, data_file)
     if options.managed or options.spot:
-        placement.preemption_hook(task)
+        launch = placement.preemption_hook(launch)
+    # Batch math, parallelism, memory and env errors surface here, before anything is sent.
+    checked = check(launch)
+    task = launch.task()  # a view for the checks below; the task sent is rendered last, from the final launch
     nodes = launch.nodes
     reasons = {"a managed job's recovery": options.managed, f"a run on {nodes} nodes": nodes > 1,
                "--down": options.down}  # fmt: skip
@@ -150,7 +151,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
     cluster = options.cluster or run
     if not options.dry_run and not options.yes and not sys.stdin.isatty():
         raise OrchError("a cloud launch asks before it spends money, but stdin is not a terminal: pass -y to launch")
-    if options.no_rehearsal or os.environ.get("ORCH_REHEARSAL", "").lower() in ("off", "0", "no"):
+    if options.no_rehearsal or knob(os.environ, "ORCH_REHEARSAL", "on") == "off":
         rehearsal = "rehearsal: skipped here (--no-rehearsal); the head node rehearses in its setup"
     else:
         rehearsal = rehearse(launch, checked)  # an OrchError naming role, owner and fix stops here
@@ -159,18 +160,23 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
 
         if note:
             print(note, flush=True)
-        return dryrun.show(launch, task, checked, options.skip_optimizer, rehearsal)
+        return dryrun.show(launch, checked, options.skip_optimizer, rehearsal)
     if note:
         print(note, flush=True)
     print(f"[orch] {rehearsal}", flush=True)
     sky.to_task(task, secret_values)  # SkyPilot's own validation, before anything is asked or written
     from orchestrator.launch.dryrun import confirm
 
-    if not options.yes and not confirm(launch, task, checked.plans, options.managed):
-        print("[orch] not launched", flush=True)
-        return 1
-    if task["envs"].get("ORCH_MAX_COST") and not task["envs"].get("ORCH_PRICE_PER_HOUR"):
-        placement.price(task, checked.plans[0].topology.total_gpus)
+    if not options.yes:
+        answer, plan = confirm(launch, checked.plans, options.managed)
+        if not answer:
+            print("[orch] not launched", flush=True)
+            return 1
+        if plan is not None:  # spend on every step at the plan's price
+            launch = placement.priced(launch, plan)
+    if launch.envs.get("ORCH_MAX_COST") and not launch.envs.get("ORCH_PRICE_PER_HOUR"):
+        launch = placement.price(launch, checked.plans[0].topology.total_gpus)
+    task = launch.task()  # last: nothing edits it from here
     record = records.new(
         run,
         task,

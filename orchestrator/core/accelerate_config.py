@@ -1,0 +1,105 @@
+"""An Accelerate config, parsed once into what orch decides by (core/configs.py loads it; every module reads these
+fields, never the mapping): the distributed type, mixed precision, FSDP's and DeepSpeed's settings that orch's rules,
+the launcher, the memory model and the strategy label depend on, and the parallelism sizes. Booleans are read as
+accelerate reads them from YAML (`true`, `"true"`, `True`); a block of the wrong type is one error line. `raw` keeps
+the mapping as written, for the checks that hand it to accelerate's own names (core/accelerate_schema.py) and for
+`orch show`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from orchestrator.core import parallel
+from orchestrator.core.errors import OrchError
+from orchestrator.core.overrides import truthy
+
+_NONE = ("none", "", "None")
+
+
+@dataclass(frozen=True)
+class AccelerateConfig:
+    distributed_type: str = "NO"
+    """FSDP, DEEPSPEED, MULTI_GPU, NO, ... (upper-case, as accelerate's DistributedType names them)."""
+    mixed_precision: str = "no"
+    """no, bf16, fp16 or fp8 (lower-case)."""
+    fsdp_version: int = 1
+    fsdp_offload_params: bool = False
+    fsdp_cpu_ram_efficient_loading: bool = False
+    fsdp_activation_checkpointing: bool = False
+    fsdp_wrap: str | None = None
+    """fsdp_transformer_layer_cls_to_wrap: the decoder layer class(es) FSDP wraps, as written."""
+    zero_stage: int | None = None
+    deepspeed_config_file: str = ""
+    """A DeepSpeed JSON the config points at instead of inline settings."""
+    zero3_save_16bit_model: bool = False
+    offload_param_device: str = "none"
+    offload_optimizer_device: str = "none"
+    parallelism: parallel.Sizes | None = None
+    """parallelism_config's sizes as declared (refit to the real process count on the node), None without one."""
+    raw: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def fsdp(self) -> bool:
+        return self.distributed_type == "FSDP"
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.distributed_type == "DEEPSPEED"
+
+    @property
+    def mixed(self) -> bool:
+        """Mixed precision is on (bf16/fp16/fp8 compute over fp32 weights)."""
+        return self.mixed_precision not in ("no", "none")
+
+    @property
+    def deepspeed_offload(self) -> bool:
+        return any(d not in _NONE for d in (self.offload_param_device, self.offload_optimizer_device))
+
+    @classmethod
+    def of(cls, config: Mapping | AccelerateConfig, where: str = "the Accelerate config") -> AccelerateConfig:
+        """The parsed config (a mapping is parsed; a parsed one is returned as it is)."""
+        return config if isinstance(config, AccelerateConfig) else parse(config, where)
+
+
+def _block(config: Mapping, key: str, where: str) -> Mapping:
+    value = config.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise OrchError(f"{where}: {key} must be a mapping of settings, not a {type(value).__name__}")
+    return value
+
+
+def _int(value: object, key: str, where: str) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        raise OrchError(f"{where}: {key}={value!r} is not a whole number") from None
+
+
+def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateConfig:
+    """Parse an Accelerate config mapping (OrchError naming the key when a value has the wrong type)."""
+    if not isinstance(config, Mapping):
+        raise OrchError(f"{where} must be a YAML mapping of settings")
+    fsdp = _block(config, "fsdp_config", where)
+    ds = _block(config, "deepspeed_config", where)
+    _block(config, "parallelism_config", where)
+    stage = ds.get("zero_stage")
+    return AccelerateConfig(
+        distributed_type=str(config.get("distributed_type") or "NO").upper(),
+        mixed_precision=str(config.get("mixed_precision") or "no").lower(),
+        fsdp_version=_int(fsdp.get("fsdp_version", 1), "fsdp_config.fsdp_version", where),
+        fsdp_offload_params=truthy(fsdp.get("fsdp_offload_params", False)),
+        fsdp_cpu_ram_efficient_loading=truthy(fsdp.get("fsdp_cpu_ram_efficient_loading", False)),
+        fsdp_activation_checkpointing=truthy(fsdp.get("fsdp_activation_checkpointing", False)),
+        fsdp_wrap=None if fsdp.get("fsdp_transformer_layer_cls_to_wrap") is None
+        else str(fsdp["fsdp_transformer_layer_cls_to_wrap"]),
+        zero_stage=None if stage in (None, "") else _int(stage, "deepspeed_config.zero_stage", where),
+        deepspeed_config_file=str(ds.get("deepspeed_config_file") or ""),
+        zero3_save_16bit_model=truthy(ds.get("zero3_save_16bit_model", False)),
+        offload_param_device=str(ds.get("offload_param_device", "none")),
+        offload_optimizer_device=str(ds.get("offload_optimizer_device", "none")),
+        parallelism=parallel.declared(config),
+        raw=MappingProxyType(dict(config)),
+    )  # fmt: skip

@@ -1,0 +1,134 @@
+"""orch's own environment knobs, parsed in one place by every process that reads one: the launch side (which
+computes every node's plan before anything is sent, so a bad value is refused there first), the node launcher, the
+guards, and the training ranks. Each knob: a parser and what it takes, for the one error line.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from orchestrator.core.errors import OrchError
+
+
+def _seconds(raw: str) -> float:
+    value = float(raw)
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(raw)
+    return value
+
+
+def _count(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError(raw)
+    return value
+
+
+def _choice(*choices: str):
+    def parse(raw: str) -> str:
+        if raw.lower() not in choices:
+            raise ValueError(raw)
+        return raw.lower()
+
+    return parse
+
+
+def _project(raw: str) -> str:
+    if raw.lower() != "off" and not re.fullmatch(r"[A-Za-z0-9_-]{1,100}", raw):
+        raise ValueError(raw)
+    return raw
+
+
+def _switch(raw: str) -> str:
+    """on/off, with the spellings people use for them."""
+    value = raw.lower()
+    if value in ("on", "true", "yes", "1"):
+        return "on"
+    if value in ("off", "false", "no", "0"):
+        return "off"
+    raise ValueError(raw)
+
+
+def _time(raw: str) -> float:
+    """A Unix time (seconds since 1970), as `time.time()` writes it."""
+    value = float(raw)
+    if not 0 < value < 1e11:
+        raise ValueError(raw)
+    return value
+
+
+def _prices(raw: str) -> dict[str, float]:
+    """{"<cloud>/<region>": $/h of the whole cluster} (launch/placement.price_table writes it)."""
+    import json
+
+    table = json.loads(raw)
+    if not isinstance(table, dict):
+        raise ValueError(raw)
+    return {str(where): _seconds(str(price)) for where, price in table.items()}
+
+
+def _repo_id(raw: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}", raw) or "--" in raw or ".." in raw:
+        raise ValueError(raw)
+    return raw
+
+
+# name -> (parser, what it takes). node/plan.plan() parses every one that is set, so the launch side refuses a bad
+# one first. (DDP_TIMEOUT and the TRL/Accelerate variables are parsed by plan() itself.)
+KNOBS = {
+    "ORCH_RENDEZVOUS_TIMEOUT": (_seconds, "a number of seconds > 0"),
+    "ORCH_STOP_GRACE": (_seconds, "a number of seconds > 0"),
+    "ORCH_VLLM_POLL_SECONDS": (_seconds, "a number of seconds > 0"),
+    "ORCH_VLLM_CLOSED_POLLS": (_count, "a whole number >= 1"),
+    # the progress watchdog (node/watchdog.py) and the network check (train/netcheck.py)
+    "ORCH_WATCHDOG": (_choice("on", "off"), "on or off"),
+    "ORCH_STALL_FLOOR": (_seconds, "a number of seconds > 0"),
+    "ORCH_STALL_FIRST": (_seconds, "a number of seconds > 0"),
+    "ORCH_STALL_BUSY": (_seconds, "a number of seconds > 0"),
+    "ORCH_NETCHECK": (_choice("warn", "error", "off"), "warn, error or off"),
+    "ORCH_MIN_BUS_GBPS": (_seconds, "a number of GB/s > 0"),
+    # the cluster's price in $/h (train/throughput.py: dollars spent and projected)
+    "ORCH_PRICE_PER_HOUR": (_seconds, "a price in dollars per hour > 0"),
+    "ORCH_MAX_COST": (_seconds, "a number of dollars > 0"),
+    # a checkpoint on request (`orch node --checkpoint-now`, the preemption hook of spot and managed launches)
+    "ORCH_SAVE_ON_REQUEST": (_choice("on", "off"), "on or off"),
+    # Trackio (train/tracking.py): the project the nodes log to, or off
+    "ORCH_TRACK": (_project, "off or a Trackio project name (letters, digits, _ and -, at most 100)"),
+    # the final model pushed to the Hugging Face Hub (train/hub.py)
+    "ORCH_PUSH_TO_HUB": (_repo_id, "a Hub repo id, <owner>/<name> (letters, digits, -, _ and .)"),
+    # where the training processes run (the local backend sets cpu), and what the launch side checks before sending
+    "ORCH_DEVICE": (_choice("gpu", "cpu"), "gpu or cpu"),
+    "ORCH_REHEARSAL": (_switch, "on or off"),
+    "ORCH_DATA_CHECK": (_switch, "on or off"),
+    # set by the launch side and the node launcher for the training processes
+    "ORCH_LAUNCHED_AT": (_time, "a Unix time in seconds"),
+    "ORCH_PRICES": (_prices, 'a JSON object of "<cloud>/<region>": price in dollars per hour'),
+}
+
+
+def knob(env: Mapping[str, str], name: str, default=None):
+    """An orch env knob's parsed value (default when unset or empty), or one error naming what it takes."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    parse, takes = KNOBS[name]
+    try:
+        return parse(raw)
+    except (ValueError, KeyError):
+        raise OrchError(f"{name}={raw!r}: {name} takes {takes}") from None
+
+
+def check_knobs(env: Mapping[str, str]) -> None:
+    for name in KNOBS:
+        knob(env, name)
+    for name in ("MAIN_PROCESS_PORT", "ORCH_BARRIER_PORT", "VLLM_SERVER_PORT"):
+        env_port(env, name, 1)
+
+
+def env_port(env: Mapping[str, str], name: str, default: int) -> str:
+    """A TCP port from the env (a recipe's MAIN_PROCESS_PORT, ORCH_BARRIER_PORT, ...), default when unset."""
+    raw = env.get(name, "").strip() or str(default)
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise OrchError(f"{name}={raw!r} is not a TCP port (1-65535)")
+    return raw
