@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # module-scoped fixture (rehearsals, the Slurm cluster) is one xdist_group, run by one worker.
 PYTEST_WORKERS ?= 2
 
-.PHONY: install demo test lint bench gpu-check snapshots lock clean
+.PHONY: install demo test test-fast lint bench gpu-check snapshots lock clean
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ demo: install
 test: install
 	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
+# The inner loop (< 60 s here): the unit and cli tiers (tests/conftest.py; what each tier means: pyproject.toml).
+test-fast: install
+	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --tier unit,cli -q -p no:cacheprovider $(PYTEST_ARGS)
+
 bench: install
 	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) bench/run.py
 
@@ -55,6 +59,7 @@ lock:
 
 lint: install
 	$(VENV)/bin/ruff check orchestrator tests bench
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

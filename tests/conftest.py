@@ -76,6 +76,34 @@ def node_env():
     return make
 
 
+TIERS = ("unit", "cli", "e2e", "root")
+"""Every test has one (its own marker, else its module's): pyproject.toml's markers say what each means."""
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tier", default="", help="run only the tests of these tiers, comma-separated (unit,cli,e2e,root); default all"
+    )
+
+
+def tier_of(item) -> str:
+    """The closest tier marker: a test's own, else its class's, else its module's."""
+    return next((mark.name for mark in item.iter_markers() if mark.name in TIERS), "")
+
+
+def pytest_collection_modifyitems(config, items):
+    untiered = [item.nodeid for item in items if not tier_of(item)]
+    if untiered:
+        raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {', '.join(untiered[:5])}")
+    wanted = {t.strip() for t in config.getoption("--tier").split(",") if t.strip()}
+    if wanted - set(TIERS):
+        raise pytest.UsageError(f"--tier {','.join(sorted(wanted))}: tiers are {', '.join(TIERS)}")
+    if wanted:
+        keep = [item for item in items if tier_of(item) in wanted]
+        config.hook.pytest_deselected(items=[item for item in items if tier_of(item) not in wanted])
+        items[:] = keep
+
+
 def pytest_collection_finish(session):
     """Slurm's packages install in the background while the tests before test_slurm.py run (apt takes a minute)."""
     if any(item.module.__name__ == "test_slurm" for item in session.items):

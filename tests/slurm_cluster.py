@@ -1,4 +1,4 @@
-"""A real Slurm cluster on this machine for the tests (issue 18): Debian's slurm-wlm with munge, slurmctld in one
+"""A real Slurm cluster on this machine for the tests: Debian's slurm-wlm with munge, slurmctld in one
 network namespace and one slurmd per emulated node in namespaces of their own (orch's --netns namespaces, each with
 its own address and host name on a bridge), each slurmd with its own spool directory. Root only.
 

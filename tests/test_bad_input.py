@@ -1,4 +1,4 @@
-"""Bad input through the real CLI (issue 15, point 10): each of these exits 2 with one `orch: error:` line, no
+"""Bad input through the real CLI: each of these exits 2 with one `orch: error:` line, no
 traceback, and writes nothing. The table is orch's own, by class: flags, env knobs, TRL values and lists, secrets,
 recipe and config files (binary, empty, wrong shape), paths (outside the repository, under a file, unwritable, too
 long), `orch cp` onto what others use, run records."""
@@ -10,6 +10,8 @@ import pytest
 from conftest import ROOT, orch
 
 from orchestrator import cli
+
+pytestmark = pytest.mark.cli
 
 LONG = "r" * 300
 BAD = [
@@ -46,7 +48,7 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "--env", "DB_PASSWORD=k"], "looks like a credential"),
     (["run", "phi3_dpo_fsdp", "hub_token=hf_v4lue"], "pass --secret HF_TOKEN"),
     (["run", "phi3_dpo_fsdp", "--secret", "HF-TOKEN"], "not an environment variable name"),
-    # the model out (issue 19)
+    # the model out: --push-to-hub, orch pull
     (["run", "phi3_dpo_fsdp", "--local", "--smoke", "--push-to-hub", "me/model"], "pass --secret HF_TOKEN"),
     (["run", "phi3_dpo_fsdp", "--push-to-hub", "no slash", "--secret", "HF_TOKEN=hf_v4lue"], "ORCH_PUSH_TO_HUB"),
     (["run", "phi3_dpo_fsdp", "--push-to-hub", "me/a..b", "--secret", "HF_TOKEN=hf_v4lue"], "a Hub repo id"),
@@ -172,11 +174,14 @@ def test_the_table_runs_through_the_installed_cli(bad_project):
     """One row through `python -m orchestrator`, to show the in-process rows are the CLI's own exits."""
     import subprocess
 
+    before = _tree(bad_project)
     result = subprocess.run(
         [sys.executable, "-m", "orchestrator", "run", "binary"], cwd=bad_project, capture_output=True, text=True
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert ROOT.is_dir()
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("orch: error: ") and "binary" in line, line
+    assert _tree(bad_project) == before
 
 
 @pytest.mark.parametrize(
@@ -203,8 +208,8 @@ def test_a_data_file_without_the_trainers_columns_is_refused_with_one_line(proje
 
 
 def test_a_parquet_data_file_is_checked_too(project):
-    pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"prompt": ["2+2?"], "completion": ["4"]}), project / "kto.parquet")
     result = orch("run", "qwen25_kto_ddp", "--local", "--smoke", "--data", "kto.parquet", cwd=project)

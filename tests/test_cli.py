@@ -1,6 +1,8 @@
 import pytest
 from conftest import orch
 
+pytestmark = pytest.mark.cli
+
 
 def test_top_help_has_examples():
     result = orch("--help")

@@ -15,6 +15,8 @@ from orchestrator.core import strategy
 from orchestrator.node import env as node_envs
 from orchestrator.node import launcher
 
+pytestmark = pytest.mark.unit
+
 PROBE = ROOT / "tests" / "accelerate_probe.py"
 
 
@@ -50,7 +52,7 @@ def probe(mode: str, world: int) -> list[dict]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_accelerate_alone_ignores_fsdp_on_cpu_and_the_help_makes_it_fsdp2():
     (alone,) = probe("fsdp", 1)
     assert alone["distributed_type"] == "MULTI_CPU" and alone["dtensor"] == 0, (
@@ -61,7 +63,7 @@ def test_accelerate_alone_ignores_fsdp_on_cpu_and_the_help_makes_it_fsdp2():
     assert helped["dtensor"] == 4, "accelerate's FSDP2 prepare did not shard the parameters (fully_shard: DTensor)"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_deepspeed_world_size_mismatch_comes_from_partialstate_without_a_backend():
     # Without a backend, PartialState calls the run "no distributed training" (1 process) while DeepSpeed's comm
     # initialised gloo over both ranks: the "train_batch_size ... 4 != 4 * 1 * 2" of DeepSpeed on CPU.

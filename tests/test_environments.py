@@ -1,4 +1,4 @@
-"""Where `orch node` runs (issue 18): SkyPilot, Slurm (srun), Kubeflow's PyTorchJob and torchrun-style variables,
+"""Where `orch node` runs: SkyPilot, Slurm (srun), Kubeflow's PyTorchJob and torchrun-style variables,
 each read by its own pure detector into the same topology, then the same argv contract and the same checks."""
 
 import pytest
@@ -7,6 +7,8 @@ from conftest import check_snapshot, orch
 from orchestrator.core.errors import OrchError
 from orchestrator.node import env as node_env_module
 from orchestrator.node import plan as node
+
+pytestmark = pytest.mark.unit
 
 FSDP = {"distributed_type": "FSDP"}
 TRL = {"per_device_train_batch_size": 2}

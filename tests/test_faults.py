@@ -1,5 +1,5 @@
 """Survive faults: resume from complete checkpoints, stop the whole gang fast, name a node that never joins,
-reject bad input with one line and nothing written (issue 6). Secrets kept out of files, logs and argv: the Hub push
+reject bad input with one line and nothing written. Secrets kept out of files, logs and argv: the Hub push
 smoke run in test_trainers_smoke.py, which holds a real one."""
 
 import json
@@ -21,6 +21,8 @@ from orchestrator.train.checkpoints import (
     verify,
     write_manifest,
 )
+
+pytestmark = pytest.mark.unit
 
 
 def processes_with(env_entry: str) -> list[int]:
@@ -180,7 +182,7 @@ def loss_log(output_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_killed_node_stops_the_gang_and_the_rerun_resumes_exactly(project):
     command = ["run", "phi3_dpo_fsdp", "--local", "--nodes", "2", "--smoke", "max_steps=16"]
     reference = orch(*command, "output_dir=outputs/reference", cwd=project)
@@ -243,7 +245,7 @@ def test_worker_says_the_head_is_unreachable(node_env):
     assert f"orch: error: node 1 could not reach the head node 127.0.0.1:{port} within 1 s" in result.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_local_run_with_a_node_that_never_joins_fails_fast(project):
     recipe = project / "recipes" / "late.yaml"
     recipe.write_text(

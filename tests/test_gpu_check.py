@@ -6,6 +6,8 @@ import sys
 import pytest
 from conftest import ROOT
 
+pytestmark = pytest.mark.cli
+
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check  # noqa: E402
 

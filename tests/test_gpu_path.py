@@ -1,4 +1,4 @@
-"""What breaks on GPUs, checked before a GPU is paid for (issue 10).
+"""What breaks on GPUs, checked before a GPU is paid for.
 
 Every recipe's GPU launch is pushed through the owners' code by the rehearsal (orchestrator/rehearse_role.py):
 accelerate's launch parser, config merge and env builders, torchrun's own env rules, TRL's parser and trainer
@@ -11,6 +11,7 @@ import re
 import shlex
 
 import pytest
+import sky
 import tomllib
 import yaml
 from conftest import ROOT, orch
@@ -25,7 +26,7 @@ from orchestrator.rehearsal import driver as rehearsal
 
 # each rehearsal imports the training stack in a subprocess (~5-10 s); one pytest-xdist worker runs the module, so
 # that the module-scoped `rehearsed` fixture runs once
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_gpu_path")]
+pytestmark = [pytest.mark.unit, pytest.mark.xdist_group("test_gpu_path")]  # the rehearsed ones: e2e
 TASKS = sorted(p for p in (ROOT / "recipes").glob("*.yaml"))
 
 
@@ -131,6 +132,7 @@ def rehearsed():
 
 
 @pytest.mark.parametrize("recipe, flags", DRY_RUNS)
+@pytest.mark.e2e
 def test_dry_run_argv_is_accepted_by_accelerate_trl_and_transformers(rehearsed, recipe, flags):
     """Each rank of the dry run, through accelerate's launcher and TRL's trainer; DeepSpeed's config finalized by
     transformers and the final model saved, as the end of train() would."""
@@ -154,6 +156,7 @@ def test_dry_run_argv_is_accepted_by_accelerate_trl_and_transformers(rehearsed, 
 # ---------------------------------------------------------------- DeepSpeed: one accumulation for all
 
 
+@pytest.mark.e2e
 def test_without_the_accelerate_flag_transformers_refuses_zero1(rehearsed):
     """What the flag fixes, shown by the owners' code: TRL's zero1 profile's accumulation 1 reaches DeepSpeed."""
     _, outcomes = rehearse("qwen3_sft_zero1", 1, 8, strip=("--gradient_accumulation_steps",))
@@ -162,6 +165,7 @@ def test_without_the_accelerate_flag_transformers_refuses_zero1(rehearsed):
     assert "ds gradient_accumulation_steps=1 vs hf gradient_accumulation_steps=4" in outcome.error
 
 
+@pytest.mark.e2e
 def test_deepspeed_config_pinning_another_accumulation_gets_orchs(project, monkeypatch):
     """An edited copy whose Accelerate config pins gradient_accumulation_steps: 2 where the batch needs 8."""
     monkeypatch.chdir(project)
@@ -185,6 +189,7 @@ def dry_run_argvs_in(project, recipe: str, *flags: str):
     return [shlex.split(x) for x in lines], result.stdout
 
 
+@pytest.mark.e2e
 def test_zero3_recipes_write_a_loadable_final_model(rehearsed):
     facts = ok(rehearse("llama3_sft_zero3", 2, 8)[1])
     assert facts["zero_stage"] == 3 and facts["final_model"].startswith("16-bit weights")
@@ -210,6 +215,7 @@ def env(nodes, gpus, rank=0, **extra):
 # ---------------------------------------------------------------- context parallelism without packing
 
 
+@pytest.mark.e2e
 def test_trl_refuses_packing_with_context_parallelism_and_so_does_orch(rehearsed):
     """TRL's own check fires in the rehearsal; orch's node plan refuses the same earlier, on the laptop."""
     (outcome,) = rehearsal.rehearse_batches([packing_cp_batch()], ROOT)[0]
@@ -223,6 +229,7 @@ def test_trl_refuses_packing_with_context_parallelism_and_so_does_orch(rehearsed
 # ---------------------------------------------------------------- CPU threads for offload
 
 
+@pytest.mark.e2e
 def test_offload_gets_the_nodes_cores_not_torchruns_one_thread(rehearsed):
     plans, outcomes = rehearse("llama3_sft_zero3_offload", 1, 8, cpus=96)
     assert plans[0].env == {"OMP_NUM_THREADS": "12"}
@@ -284,6 +291,7 @@ def test_accelerate_snapshot_matches_installed_accelerate():
     )
 
 
+@pytest.mark.e2e
 def test_alst_recipe_rehearses_at_two_nodes(rehearsed):
     facts = ok(rehearse("qwen3_sft_alst", 2, 8)[1])
     assert facts["parallelism"]["sp"] == 2 and facts["parallelism"]["dp_shard"] == 8
@@ -355,7 +363,6 @@ def test_packages_trl_bounds_come_through_trls_extras(group):
 
 # ---------------------------------------------------------------- multi-node network and durable storage
 
-sky = pytest.importorskip("sky")
 
 
 @pytest.mark.parametrize("path", TASKS, ids=lambda p: p.stem)

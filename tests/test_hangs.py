@@ -1,4 +1,4 @@
-"""Hangs are found, explained and ended (issue 16): the progress watchdog's rule, the stack summaries, and a frozen
+"""Hangs are found, explained and ended: the progress watchdog's rule, the stack summaries, and a frozen
 rank in a real 2-node run."""
 
 import json
@@ -15,6 +15,8 @@ from test_faults import processes_with, start_orch
 from orchestrator.launch.backends import netns
 from orchestrator.node.stacks import RankStack, odd_ones, parse_faulthandler, parse_py_spy
 from orchestrator.node.watchdog import Bounds, Watchdog, hang_tools
+
+pytestmark = pytest.mark.unit
 
 # ---------------------------------------------------------------- the rule
 
@@ -124,7 +126,7 @@ def rank_pid(run: str, rank: int) -> int:
     return pid
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_frozen_rank_is_named_and_the_gang_ends(project):
     proc, run = start_orch(
         project,
@@ -175,7 +177,7 @@ def orch_namespaces(owner: int) -> list[str]:
 
 
 @needs_root
-@pytest.mark.slow
+@pytest.mark.root
 def test_a_cut_link_is_found_named_and_every_rank_ends(project):
     proc, run = start_orch(project, [*COMMAND, "--netns", "--env", f"ORCH_STALL_FLOOR={FLOOR}"], until="[orch] step 3/")
     assert len(orch_namespaces(proc.pid)) == 2
@@ -197,6 +199,7 @@ def test_a_cut_link_is_found_named_and_every_rank_ends(project):
 
 
 @needs_root
+@pytest.mark.root
 def test_a_node_that_never_joins_is_named_by_the_barrier(project, monkeypatch, capsys):
     from orchestrator import cli
 
@@ -220,6 +223,7 @@ def test_a_node_that_never_joins_is_named_by_the_barrier(project, monkeypatch, c
 
 
 @needs_root
+@pytest.mark.root
 def test_leftovers_of_a_killed_owner_are_swept(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that no longer exists

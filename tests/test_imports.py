@@ -1,4 +1,4 @@
-"""The launch side and `orch node --print` never import the training stack or SkyPilot (issue 7).
+"""The launch side and `orch node --print` never import the training stack or SkyPilot.
 
 Not a timing test: it checks what is imported, which is what makes these commands fast.
 """
@@ -8,6 +8,8 @@ import sys
 
 import pytest
 from conftest import ROOT
+
+pytestmark = pytest.mark.cli
 
 HEAVY = ("torch", "transformers", "trl", "accelerate", "datasets", "deepspeed", "sky")
 PROBE = """

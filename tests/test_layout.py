@@ -1,4 +1,4 @@
-"""The launch side as one resolved launch, the rooms of the package and their import rules, the wheel (issue 11)."""
+"""The launch side as one resolved launch, the rooms of the package and their import rules, the wheel."""
 
 import ast
 import re
@@ -11,6 +11,8 @@ from conftest import ROOT, orch
 
 from orchestrator.launch import recipe as recipes
 from orchestrator.launch.resolved import resolve
+
+pytestmark = pytest.mark.unit
 
 PACKAGE = ROOT / "orchestrator"
 HEAVY = {"torch", "transformers", "trl", "accelerate", "datasets", "deepspeed", "peft", "vllm", "sky", "tokenizers"}
@@ -309,6 +311,7 @@ def test_no_module_is_over_400_lines():
 # ---------------------------------------------------------------- the wheel
 
 
+@pytest.mark.cli
 def test_wheel_holds_the_package_and_its_data(tmp_path):
     argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
     result = subprocess.run([*argv, str(ROOT)], capture_output=True, text=True, timeout=300)
@@ -320,3 +323,31 @@ def test_wheel_holds_the_package_and_its_data(tmp_path):
         assert data in names, data
     sources = {p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.py")}
     assert sources <= names, sorted(sources - names)
+
+
+# ---------------------------------------------------------------- habits: types, pre-commit
+
+
+@pytest.mark.e2e  # a cold mypy cache (a fresh clone) takes ~40 s of CPU; `make lint` runs the same check
+def test_the_launch_and_node_sides_type_check_at_zero_errors():
+    """mypy over core/, launch/ and node/ as pyproject.toml configures it, no blanket ignores: every `type: ignore`
+    names its error code and says why."""
+    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "Success: no issues found" in result.stdout
+    for path in PACKAGE.rglob("*.py"):
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if "type: ignore" in line:
+                assert re.search(r"type: ignore\[[a-z-]+(, ?[a-z-]+)*\] *(#|-) *\S", line), f"{path}:{number}"
+
+
+def test_pre_commit_runs_the_environments_own_ruff_and_mypy():
+    config = ROOT / ".pre-commit-config.yaml"
+    result = subprocess.run([sys.executable, "-m", "pre_commit", "validate-config", str(config)], capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    import yaml
+
+    hooks = [hook for repo in yaml.safe_load(config.read_text())["repos"] for hook in repo["hooks"]]
+    assert {h["id"]: h["entry"].split()[0] for h in hooks} == {"ruff": ".venv/bin/ruff", "mypy": ".venv/bin/mypy"}
+    assert all(h["language"] == "system" for h in hooks)

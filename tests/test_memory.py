@@ -8,6 +8,8 @@ import pytest
 from orchestrator import cli
 from orchestrator.core import memory, models
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def plan(capsys, monkeypatch, tmp_path):

@@ -7,6 +7,8 @@ from orchestrator.core.configs import CPU_CONFIG, resolve_accelerate_config
 from orchestrator.core.errors import OrchError
 from orchestrator.node import plan as node
 
+pytestmark = pytest.mark.unit
+
 FSDP = {"distributed_type": "FSDP"}
 DPO = {"per_device_train_batch_size": 4}
 
@@ -157,3 +159,4 @@ def test_the_node_runs_accelerates_launch_module_with_the_planned_arguments(node
     parsed = launch_command_parser().parse_args(run[3:])  # the parser `python -m accelerate.commands.launch` builds
     assert (parsed.num_processes, parsed.num_machines, parsed.machine_rank) == (16, 2, 1)
     assert runnable(["vllm", "serve", "m"]) == ["vllm", "serve", "m"]
+

@@ -1,4 +1,4 @@
-"""The nodes' setup: one lock (uv.lock) installed by uv, the model and data prefetched (issue 12)."""
+"""The nodes' setup: one lock (uv.lock) installed by uv, the model and data prefetched."""
 
 import os
 import re
@@ -15,6 +15,8 @@ from hub_standin import Hub
 
 from orchestrator.core import accelerate_schema, trl_schema
 from orchestrator.launch import storage
+
+pytestmark = pytest.mark.cli
 
 LOCK = tomllib.loads((ROOT / "uv.lock").read_text())
 LOCKED = {p["name"]: p["version"] for p in LOCK["package"] if "version" in p}
@@ -88,7 +90,7 @@ def hub_recipe(project: Path, model: str) -> dict[str, str]:
     return {**{k: str(v) for k, v in envs.items()}, "TRL_CONFIG": "recipes/trl/hub.yaml"}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_on_reuse(tmp_path, hub):
     # An environment with torch already in it, as on a GPU image. Wheels come from uv's cache (filled by
     # `make install`) or the package registry; the model and data from the stand-in Hub.
@@ -155,6 +157,7 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
     assert re.search(r"^\[orch\] rehearsed 2 role\(s\) .*\(cached\)$", again.stdout, re.M)
 
 
+@pytest.mark.e2e
 def test_prefetch_names_the_fix_for_a_gated_model(tmp_path, hub, project):
     env = {**os.environ, **hub_recipe(project, "org/gated-phi3"), "HF_HOME": str(tmp_path / "hf"),
            "HF_ENDPOINT": hub.endpoint}  # fmt: skip

@@ -1,4 +1,4 @@
-"""Out of memory on a rank (issue 15, point 9): the run ends with the rank's error and one line naming the fix that
+"""Out of memory on a rank: the run ends with the rank's error and one line naming the fix that
 keeps the math; --auto-fit retries once with it. The error is injected on node 1 the way a rank prints it."""
 
 import re
@@ -8,6 +8,8 @@ from conftest import orch
 
 from orchestrator.launch import memory_fix
 from orchestrator.node.output import error_of, first_error
+
+pytestmark = pytest.mark.cli
 
 CUDA_OOM = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
@@ -61,7 +63,7 @@ def oom_recipe(project):
     return project
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_out_of_memory_names_the_fix_and_auto_fit_retries_once(oom_recipe):
     command = ["run", "qwen25_sft_oom", "--local", "--nodes", "2", "--smoke", "per_device_train_batch_size=2"]
     failed = orch(*command, cwd=oom_recipe, timeout=300)

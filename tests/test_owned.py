@@ -13,6 +13,8 @@ from conftest import orch
 from orchestrator.core import owned
 from orchestrator.core.errors import OrchError
 
+pytestmark = pytest.mark.cli
+
 
 def _files(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))

@@ -1,4 +1,4 @@
-"""orch owns its processes (issue 15): however orch ends, nothing of a local run outlives it by 30 s, the record says
+"""orch owns its processes: however orch ends, nothing of a local run outlives it by 30 s, the record says
 how the run ended, and one run directory has one owner."""
 
 import os
@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import orch
 from test_faults import processes_with, start_orch
+
+pytestmark = pytest.mark.cli
 
 COMMAND = ["run", "phi3_dpo_fsdp", "--local", "--nodes", "2", "--smoke", "max_steps=400", "save_steps=1000"]
 
@@ -35,7 +37,7 @@ def wait_gone(run: str, since: float) -> float:
     return time.monotonic() - since
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGKILL])  # SIGTERM: `orch cancel` below sends it; SIGHUP takes its path
 def test_ending_orch_ends_every_process_of_the_run(project, sig):
     proc, run = start(project)
@@ -55,7 +57,7 @@ def test_ending_orch_ends_every_process_of_the_run(project, sig):
     assert record_state(project, run).startswith("interrupted")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_second_launch_of_a_live_run_is_refused_and_cancel_stops_it(project):
     first, run = start(project)
     second = orch(*COMMAND, cwd=project, timeout=120)

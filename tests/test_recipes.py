@@ -13,6 +13,8 @@ from orchestrator.core import overrides, trainers
 from orchestrator.core.configs import PROFILES, resolve_accelerate_config
 from orchestrator.launch import recipe as recipes
 
+pytestmark = pytest.mark.cli
+
 RECIPES_DIR = ROOT / "recipes"
 ALL_YAML = sorted(RECIPES_DIR.rglob("*.yaml"))
 TASKS = [p for p in ALL_YAML if p.parent == RECIPES_DIR]
@@ -36,7 +38,7 @@ def test_every_yaml_is_claimed():
 
 @pytest.mark.parametrize("path", TASKS, ids=lambda p: p.stem)
 def test_skypilot_accepts_recipe(path):
-    sky = pytest.importorskip("sky")
+    import sky
     task = sky.Task.from_yaml(str(path))
     assert task.run and "orch node" in task.run
     assert task.num_nodes >= 1
@@ -93,7 +95,6 @@ def test_trl_parser_accepts_config_with_each_recipes_overrides(path):
 
 
 def test_trl_argument_list_matches_installed_trl():
-    pytest.importorskip("trl")
     from orchestrator.core import trl_schema
     from orchestrator.train import snapshots
 
@@ -127,6 +128,7 @@ def test_long_context_configs_follow_trl_rules():
     assert alst["distributed_type"] == "DEEPSPEED" and alst["deepspeed_config"]["zero_stage"] == 3
 
 
+@pytest.mark.e2e
 def test_a_hub_style_dataset_is_checked_one_row_before_a_cloud_launch(project):
     """`orch run` streams one row of the recipe's dataset (here a dataset saved to disk, read by datasets' streaming
     loader as a Hub dataset would be), checks its columns, applies the model's chat template and says what

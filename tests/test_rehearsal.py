@@ -1,4 +1,4 @@
-"""Every launch rehearsed against the owners' code before a GPU is paid for (issue 13).
+"""Every launch rehearsed against the owners' code before a GPU is paid for.
 
 The matrix rehearses every recipe at every topology where its global batch can be kept, and edited copies, in one
 subprocess (the training stack imported once, one fork per role); its results land in the session's rehearsal
@@ -23,7 +23,7 @@ from orchestrator.launch.resolved import resolve
 from orchestrator.rehearsal import driver
 
 # one pytest-xdist worker runs the module: its module-scoped fixtures rehearse once
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_rehearsal")]
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("test_rehearsal")]
 ON = {"ORCH_REHEARSAL": "on"}
 TOPOLOGIES = [(1, 1), (1, 8), (2, 8), (3, 4), (16, 8)]
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
@@ -361,14 +361,15 @@ def test_without_the_training_stack_the_laptop_says_so(monkeypatch):
     assert "the head node rehearses in its setup, before it downloads the model" in line
 
 
-def test_ten_thousand_nodes_dry_run_is_linear_once_rehearsed():
+def test_a_ten_thousand_node_dry_run_reuses_the_cached_rehearsal_and_summarises_the_ranks():
+    """The same launch rehearsed once is not rehearsed again, and ranks beyond the first two are one line (how long it
+    takes is `make bench`'s: orch run --nodes 10000 --dry-run)."""
     command = ["run", "llama3_sft_fsdp", "--gpus", "H100:8", "--nodes", "10000", "--env", "GLOBAL_BATCH_SIZE=160000",
                "--secret", "HF_TOKEN=x", "--dry-run", "--skip-optimizer"]  # fmt: skip
     first = orch(*command, env=ON)
     assert first.returncode == 0, first.stderr
-    started = time.monotonic()
     again = orch(*command, env=ON)
-    assert time.monotonic() - started < 2.0 and again.returncode == 0
+    assert again.returncode == 0
     assert "rehearsed 2 role(s) of 80000 rank(s)" in again.stdout and "(cached)" in again.stdout
     assert "ranks 2..9998: as rank 1, with --machine_rank 2..9998" in again.stdout
     as_asked = orch("run", "llama3_sft_fsdp", "--gpus", "H100:8", "--nodes", "10000", "--secret", "HF_TOKEN=x",

@@ -1,5 +1,5 @@
 """A damaged newest checkpoint is skipped, quarantined and training goes on from the previous one, with the losses of
-an uninterrupted run (issue 15); its Trackio curves (--track) continue from that checkpoint (issue 17)."""
+an uninterrupted run; its Trackio curves (--track) continue from that checkpoint."""
 
 import json
 import os
@@ -10,6 +10,8 @@ import sys
 import pytest
 from conftest import orch
 from test_faults import loss_log
+
+pytestmark = pytest.mark.e2e
 
 COMMAND = ["run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "max_steps=8", "--track"]
 
@@ -30,7 +32,7 @@ def trackio_runs(trackio_dir, project: str) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(project):
     first = orch(*COMMAND, cwd=project)
     assert first.returncode == 0, first.stdout[-3000:]

@@ -1,4 +1,4 @@
-"""Scale without changing the math: batch invariance, parallelism refit, preflight checks (issue 5)."""
+"""Scale without changing the math: batch invariance, parallelism refit, preflight checks."""
 
 import itertools
 import json
@@ -17,6 +17,8 @@ from orchestrator.core.errors import OrchError
 from orchestrator.launch import preflight
 from orchestrator.node import plan as node
 from orchestrator.node import vllm as node_exec
+
+pytestmark = pytest.mark.unit
 
 CP = {
     "distributed_type": "FSDP",
@@ -290,7 +292,7 @@ def test_dry_run_shows_batch_and_memory():
 # ---------------------------------------------------------------- the same math at every shape (end to end)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_loss_is_the_same_at_every_cluster_shape(project):
     """FSDP2 for real on 2x1, 1x2 and 1x1 (doubled accumulation) trains the same losses as DDP on 2x1, every step; the
     2x1 run (the demo's command) is also checked end to end (test_local_run.check_demo_run)."""

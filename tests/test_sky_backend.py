@@ -8,13 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import sky
 import yaml
 from conftest import ROOT
 from fake_sky import FakeSky
 
 from orchestrator import cli
 
-sky = pytest.importorskip("sky")
+pytestmark = pytest.mark.cli
+
 SECRET = "hf_s3cr3t_VALUE_never_written"
 
 
@@ -183,6 +185,7 @@ raise SystemExit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.e2e
 def test_dry_run_runs_skypilots_optimizer_on_a_local_catalog(tmp_path):
     env = seeded_catalog(tmp_path)
     argv = ["run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "--dry-run"]
@@ -209,6 +212,7 @@ def test_dry_run_runs_skypilots_optimizer_on_a_local_catalog(tmp_path):
     )
 
 
+@pytest.mark.e2e
 def test_dry_run_without_cloud_access_says_why_and_prints_the_rest(tmp_path):
     env = {**os.environ, "SKY_RUNTIME_DIR": str(tmp_path), "SKYPILOT_DISABLE_LOCAL_API_SERVER": "1"}
     result = subprocess.run(
@@ -281,6 +285,7 @@ def launch_in_a_terminal(project, env, answer: str, *argv: str):
     return proc.returncode, out, err
 
 
+@pytest.mark.e2e
 def test_launch_shows_plan_and_price_and_asks_first(project, tmp_path):
     env = seeded_catalog(tmp_path)
     argv = ("phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2")
@@ -458,9 +463,10 @@ def test_status_refreshes_one_run_from_skypilots_logs_and_lists_from_records(in_
     assert " SUCCEEDED " in row and " 41/400 " in row and fake.calls == []
 
 
+@pytest.mark.e2e
 def test_dry_run_places_and_recovers_in_skypilots_spellings(tmp_path):
-    """Issue 18's acceptance: the task SkyPilot's own parser accepts, with infra, network_tier and job_recovery; and
-    a data file of the user's travels as a file mount TRL reads (issue 19)."""
+    """The task SkyPilot's own parser accepts, with infra, network_tier and job_recovery; and
+    a data file of the user's travels as a file mount TRL reads."""
     env = {**os.environ, "SKY_RUNTIME_DIR": str(tmp_path), "SKYPILOT_DISABLE_LOCAL_API_SERVER": "1", "HF_TOKEN": "x"}
     mine = tmp_path / "mine.jsonl"
     mine.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
@@ -487,6 +493,7 @@ def test_dry_run_places_and_recovers_in_skypilots_spellings(tmp_path):
     assert "$.infra" in bad.stderr and "--- resolved task" not in bad.stdout
 
 
+@pytest.mark.e2e
 def test_orch_plan_prices_nodes_from_skypilots_catalog_on_this_machine(tmp_path):
     """$/h per node count from SkyPilot's own catalog reader (list_accelerators) over the catalog files present here:
     8 x A100 nodes at p4d.24xlarge's $32.77/h, times the nodes the estimate needs; no file, no price, said so."""

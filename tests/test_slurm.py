@@ -1,4 +1,4 @@
-"""Slurm without SkyPilot, on a real Slurm cluster (issue 18): Debian's slurm-wlm and munge, slurmctld and one slurmd
+"""Slurm without SkyPilot, on a real Slurm cluster: Debian's slurm-wlm and munge, slurmctld and one slurmd
 per emulated node, each in its own network namespace with its own address, host name and spool directory
 (tests/slurm_cluster.py). The example sbatch script trains a 2-node smoke recipe as one world of 2 ranks across the
 two slurmd nodes, and `scancel` stops every rank. As root with the packages installable, nothing here skips."""
@@ -12,7 +12,7 @@ from conftest import ROOT
 from slurm_cluster import SlurmCluster, missing
 from test_faults import processes_with
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_slurm")]  # one cluster, one pytest-xdist worker
+pytestmark = [pytest.mark.root, pytest.mark.xdist_group("test_slurm")]  # one cluster, one pytest-xdist worker
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ from conftest import ROOT, orch
 from orchestrator.core import trl_schema
 from orchestrator.core.errors import OrchError
 
+pytestmark = pytest.mark.cli
+
 
 def test_ls_lists_every_recipe_with_its_shape():
     result = orch("ls")
@@ -36,7 +38,7 @@ def test_cp_makes_a_template_that_names_its_own_files(project):
     assert "ACCELERATE_CONFIG: recipes/accelerate/my_sft.yaml" in text  # the multi_gpu profile, copied to edit
     assert "orch run my_sft" in text and "sky launch -c my-sft recipes/my_sft.yaml" in text
     assert "output_dir: outputs/my_sft" in (project / "recipes" / "trl" / "my_sft.yaml").read_text()
-    sky = pytest.importorskip("sky")
+    import sky
     assert sky.Task.from_yaml(str(project / "recipes" / "my_sft.yaml")).name == "my-sft"
     listed = orch("ls", cwd=project)
     assert any(line.startswith("my_sft ") for line in listed.stdout.splitlines())

@@ -1,4 +1,4 @@
-"""See the run (issue 17): tokens/s, ETA, MFU and dollars on every step, checked against a count made without orch's
+"""See the run: tokens/s, ETA, MFU and dollars on every step, checked against a count made without orch's
 code: the smoke dataset's tokens, recounted with its tokenizer, over wall time measured outside the training."""
 
 import json
@@ -10,6 +10,8 @@ import pytest
 
 from orchestrator.core.accelerators import peak_tflops
 from orchestrator.train.throughput import Meter, tokens_in
+
+pytestmark = pytest.mark.unit
 
 
 def test_peak_figures_by_device_name():
@@ -48,7 +50,7 @@ def test_figures_and_dollars():
     assert "tok/s" in line and "MFU 3.0%" in line and "ETA 0m10s" in line and "$1.00 spent, $1.10 at the end" in line
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_throughput_matches_an_independent_count(project):
     """A 2-node SFT smoke run sees every row of the 128-row smoke dataset once (8 steps x 16 samples). Its tokens,
     recounted here with the dataset's own tokenizer and chat template, over the time between the line rank 0 prints
@@ -110,7 +112,7 @@ def test_throughput_matches_an_independent_count(project):
     assert row[row.index("succeeded") + 1 :][:3] == ["8/8", f"{last['loss']:.4g}", f"{last['tokens_per_s']:,.0f}"]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_cost_cap_stops_after_a_checkpoint_and_says_why(project):
     """$10 per second and a $600 cap: 60 s kept for a save (none timed yet) leaves no room for a second step, so
     the run stops cleanly (exit 0) with a checkpoint after its first step, long before max_steps."""
@@ -134,6 +136,7 @@ def test_the_cost_cap_stops_after_a_checkpoint_and_says_why(project):
     assert "# state: stopped early (cost cap)" in record and "# stopped: cost cap:" in record
 
 
+@pytest.mark.e2e
 def test_orchs_own_collectives_use_the_groups_device():
     """NCCL (GPU runs) takes only CUDA tensors: orch's all-reduces (tokens, the cost cap, resume step, samples) must
     put theirs on the GPU there; gloo (CPU runs, where every other test runs) takes only CPU ones."""

@@ -3,6 +3,8 @@ import pytest
 from orchestrator.core.errors import OrchError
 from orchestrator.node.env import from_env
 
+pytestmark = pytest.mark.unit
+
 
 def env(**kw):
     base = {

@@ -11,6 +11,8 @@ from conftest import ROOT
 from orchestrator.core import trainers, trl_schema
 from orchestrator.core.trainers import SPECS
 
+pytestmark = pytest.mark.unit
+
 PACKAGE = ROOT / "orchestrator"
 
 

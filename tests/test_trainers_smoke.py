@@ -16,7 +16,7 @@ from test_faults import processes_with
 from orchestrator.core.final_model import is_final_file
 from orchestrator.train.checkpoints import verify
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 SECRET = "hf_SmokeTest_0123456789abcdef"
 
 # One recipe per trainer and per strategy that runs for real on CPU, and between them every model family orch
@@ -92,7 +92,7 @@ def test_trainer_smoke_trains_on_two_nodes(project, label):
 
 
 def test_copied_template_runs_on_the_users_own_file(project):
-    """A copied template, trained on 2 nodes on a preference file of the user's (issue 19): a sample of its rows. The
+    """A copied template, trained on 2 nodes on a preference file of the user's: a sample of its rows. The
     template is the LoRA DPO recipe, so this is also its smoke run (a copy is the recipe, file for file)."""
     copied = orch("cp", "llama3_dpo_lora_ddp", "my_dpo", cwd=project)
     assert copied.returncode == 0, copied.stderr

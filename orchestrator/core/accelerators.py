@@ -101,6 +101,7 @@ def from_resources(value) -> Gpus | None:
 def parse(value: str) -> Gpus:
     """`A100:8`, `A100` (1 device), `8` (count only), `CPU:2` (local processes per node)."""
     text = value.strip()
+    name: str | None
     name, sep, count_text = text.rpartition(":")
     if not sep:
         name, count_text = (None, text) if text.isdigit() or text.lstrip("-").isdigit() else (text, "1")

@@ -74,18 +74,21 @@ def _repo_id(raw: str) -> str:
     return raw
 
 
+SECONDS = (_seconds, "a number of seconds > 0")
+ON_OFF = (_switch, "on or off")
+
 # name -> (parser, what it takes). node/plan.plan() parses every one that is set, so the launch side refuses a bad
 # one first. (DDP_TIMEOUT and the TRL/Accelerate variables are parsed by plan() itself.)
 KNOBS = {
-    "ORCH_RENDEZVOUS_TIMEOUT": (_seconds, "a number of seconds > 0"),
-    "ORCH_STOP_GRACE": (_seconds, "a number of seconds > 0"),
-    "ORCH_VLLM_POLL_SECONDS": (_seconds, "a number of seconds > 0"),
+    "ORCH_RENDEZVOUS_TIMEOUT": SECONDS,
+    "ORCH_STOP_GRACE": SECONDS,
+    "ORCH_VLLM_POLL_SECONDS": SECONDS,
     "ORCH_VLLM_CLOSED_POLLS": (_count, "a whole number >= 1"),
     # the progress watchdog (node/watchdog.py) and the network check (train/netcheck.py)
     "ORCH_WATCHDOG": (_choice("on", "off"), "on or off"),
-    "ORCH_STALL_FLOOR": (_seconds, "a number of seconds > 0"),
-    "ORCH_STALL_FIRST": (_seconds, "a number of seconds > 0"),
-    "ORCH_STALL_BUSY": (_seconds, "a number of seconds > 0"),
+    "ORCH_STALL_FLOOR": SECONDS,
+    "ORCH_STALL_FIRST": SECONDS,
+    "ORCH_STALL_BUSY": SECONDS,
     "ORCH_NETCHECK": (_choice("warn", "error", "off"), "warn, error or off"),
     "ORCH_MIN_BUS_GBPS": (_seconds, "a number of GB/s > 0"),
     # the cluster's price in $/h (train/throughput.py: dollars spent and projected)
@@ -99,8 +102,8 @@ KNOBS = {
     "ORCH_PUSH_TO_HUB": (_repo_id, "a Hub repo id, <owner>/<name> (letters, digits, -, _ and .)"),
     # where the training processes run (the local backend sets cpu), and what the launch side checks before sending
     "ORCH_DEVICE": (_choice("gpu", "cpu"), "gpu or cpu"),
-    "ORCH_REHEARSAL": (_switch, "on or off"),
-    "ORCH_DATA_CHECK": (_switch, "on or off"),
+    "ORCH_REHEARSAL": ON_OFF,
+    "ORCH_DATA_CHECK": ON_OFF,
     # set by the launch side and the node launcher for the training processes
     "ORCH_LAUNCHED_AT": (_time, "a Unix time in seconds"),
     "ORCH_PRICES": (_prices, 'a JSON object of "<cloud>/<region>": price in dollars per hour'),

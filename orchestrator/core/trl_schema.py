@@ -62,10 +62,11 @@ def _list_items(value: object) -> list[str]:
     return str(value).split()
 
 
-def _kind_ok(kind: object, value: str) -> bool:
+def _kind_ok(kind: object, value: object) -> bool:
+    """A value fits an argument's kind: an override's text, or a list from a config file (list arguments)."""
     if isinstance(kind, dict):  # a list whose items have choices
         return all(item in kind["list"] for item in _list_items(value))
-    text = value.strip()
+    text = str(value).strip()
     if isinstance(kind, list):  # choices
         return text in [str(c) for c in kind] or (text in ("None", "none") and None in kind)
     if text in ("None", "none", "null") and kind not in ("bool",):

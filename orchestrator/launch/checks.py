@@ -83,7 +83,7 @@ def rehearse(launch: Launch, checked: Checked) -> str:
         trainer=launch.trainer,
         roles=[driver.Role(name, p.argv, p.env, p.role) for name, p in driver.roles(checked.plans)],
         substitute=driver.substitutions(launch.trainer, launch.settings, artifacts.dir, driver.output_dir()),
-        devices=launch.gpus.count,
+        devices=launch.gpus_per_node,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
         quantized=quantized,
     )

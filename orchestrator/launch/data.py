@@ -39,7 +39,7 @@ def _rows(path: Path):
                 continue
             try:
                 row = json.loads(line)
-            except ValueError as exc:
+            except json.JSONDecodeError as exc:
                 raise OrchError(
                     f"--data {path}: line {number} is not JSON ({exc.msg}); give one JSON object per line"
                 ) from None

@@ -42,7 +42,7 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
             f"batch: GLOBAL_BATCH_SIZE {launch.envs['GLOBAL_BATCH_SIZE']} = {head.per_device_batch} per device x "
             f"{head.data_parallel_size} data-parallel ranks x {head.gradient_accumulation_steps} accumulation steps"
         )
-    if checked.memory is not None:
+    if checked.memory is not None and launch.gpus is not None and launch.gpus.name:  # estimated for a named GPU
         name, setup = launch.gpus.name, checked.memory.setup
         print(
             f"memory: {checked.memory.describe()} under {preflight.label(setup)} on {setup.gpus} GPUs, "

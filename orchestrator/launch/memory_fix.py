@@ -46,14 +46,14 @@ class Fix:
 
 
 def propose(settings: Mapping[str, object], envs: Mapping[str, str]) -> Fix:
-    batch = int(settings.get("per_device_train_batch_size") or TRAINING_ARGUMENTS_DEFAULT_BATCH)
+    batch = int(str(settings.get("per_device_train_batch_size") or TRAINING_ARGUMENTS_DEFAULT_BATCH))
     if batch < 2:
         return Fix(batch, "", None)
     overrides = {"per_device_train_batch_size": str(batch // 2)}
     if str(envs.get("GLOBAL_BATCH_SIZE", "")).strip():
         accumulation = f"GLOBAL_BATCH_SIZE={envs['GLOBAL_BATCH_SIZE']} is kept: orch doubles it on the nodes"
     else:
-        steps = int(settings.get("gradient_accumulation_steps") or 1)
+        steps = int(str(settings.get("gradient_accumulation_steps") or 1))
         overrides["gradient_accumulation_steps"] = str(steps * 2)
         accumulation = f"{steps} -> {steps * 2}" + (
             f"; from an odd batch of {batch} the global batch shrinks" if batch % 2 else ""

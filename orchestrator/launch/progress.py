@@ -36,7 +36,7 @@ def from_log(path: Path) -> dict[str, str]:
     if not logged:
         return {}
     last = logged[-1]
-    trained = next((x for x in reversed(logged) if "loss" in x), {})
+    trained: dict = next((x for x in reversed(logged) if "loss" in x), {})
     total = last.get("max_steps") or trained.get("max_steps") or "?"
     shown = {"step": f"{last['step']}/{total}"} if "step" in last else {}
     if "loss" in trained:

@@ -69,8 +69,13 @@ class Launch:
         return default if value is None else value
 
     @property
+    def gpus_per_node(self) -> int:
+        """Processes per node: the accelerator count (CPU processes locally), 1 where the recipe names none."""
+        return self.gpus.count if self.gpus else 1
+
+    @property
     def total_gpus(self) -> int:
-        return self.nodes * (self.gpus.count if self.gpus else 1)
+        return self.nodes * self.gpus_per_node
 
     def replace(self, **changes) -> Launch:
         return dataclasses.replace(self, **changes)

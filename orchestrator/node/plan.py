@@ -155,7 +155,8 @@ def plan(
     flags = launcher.flags(
         accelerate_config, config_file, recipe.accel_path, recipe.device, trainers, port, sizes, accumulation
     )
-    node_env, note = {}, None
+    node_env: dict[str, str] = {}
+    note = None
     if recipe.device == "gpu":
         node_env, note = rules.cpu_threads(strategy.of(accelerate_config).offload, env, cpus, trainers.gpus_per_node)
     argv = script.arguments(

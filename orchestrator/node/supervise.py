@@ -51,12 +51,12 @@ class Peers:
         except OSError:
             return
         self.sock = sock
-        threading.Thread(target=self._serve, daemon=True).start()
+        threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
 
-    def _serve(self) -> None:
+    def _serve(self, sock: socket.socket) -> None:
         while True:
             try:
-                conn, _ = self.sock.accept()
+                conn, _ = sock.accept()
                 conn.close()
             except OSError:
                 return

@@ -198,7 +198,8 @@ def rehearse_batches(batches: list[Batch], workdir: Path = Path("."), parallel: 
                 part = _cache_dir() / f"{keys[i]}.json.{os.getpid()}"  # whole or absent for a concurrent reader
                 part.write_text(json.dumps([list(o) for o in outcomes]))
                 os.replace(part, _cache_dir() / f"{keys[i]}.json")
-    return [[o._replace(facts={**o.facts, "cached": i not in todo}) for o in r] for i, r in enumerate(results)]
+    done = [r for r in results if r is not None]  # every batch: from the cache or rehearsed just now
+    return [[o._replace(facts={**o.facts, "cached": i not in todo}) for o in r] for i, r in enumerate(done)]
 
 
 def _run(batches: list[Batch], workdir: Path, parallel: int) -> list[list[Outcome]]:

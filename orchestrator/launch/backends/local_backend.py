@@ -33,7 +33,7 @@ class LocalBackend:
         from orchestrator.launch.resolved import resolve
 
         options = request.options
-        if any(getattr(options, name) for name in CLOUD_ONLY):
+        if any(getattr(options.sky, name) for name in CLOUD_ONLY):
             raise OrchError(
                 "--managed, --spot, --cluster, --detach, --dry-run, --keep-up, --infra, --network-tier and --image-id "
                 "are for SkyPilot launches, not --local"
@@ -44,7 +44,7 @@ class LocalBackend:
         if request.data:
             from orchestrator.launch import data
 
-            data.use(request.data, request.recipe.trainer, True, options.smoke, request.overrides)
+            data.use(request.data, request.recipe.trainer, True, options.local.smoke, request.overrides)
         launch = resolve(request.recipe, nodes=options.nodes, gpus=Gpus(CPU, gpus.count if gpus else 1),
                          envs=request.envs, trl_overrides=request.overrides, secrets=request.secrets)  # fmt: skip
         result, ran = _local_once(options, launch, request.envs, request.overrides, request.secrets)
@@ -54,7 +54,7 @@ class LocalBackend:
         print(f"[orch] out of memory: {fix.describe()}", flush=True)
         if fix.overrides is None:
             return result.returncode
-        if not options.auto_fit:
+        if not options.local.auto_fit:
             print(f"[orch] rerun with {fix.words()}, or add --auto-fit to do it by itself", flush=True)
             return result.returncode
         print(f"[orch] --auto-fit: retrying once with {fix.words()}", flush=True)
@@ -158,12 +158,12 @@ def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, 
 
     recipe = launch.recipe
     artifacts = None
-    if options.smoke:
+    if options.local.smoke:
         launch, artifacts = _smoke(launch, user_envs, user_overrides)
     elif "model_name_or_path" not in user_overrides:
         print("[orch] note: --local without --smoke trains the recipe's real model on this machine's CPU")
     # Stable for the same resolved task: rerunning a command finds (and resumes from) its checkpoints.
-    shape = json.dumps([launch.task(recipe_accelerators=True), launch.nodes, launch.gpus.count], sort_keys=True)
+    shape = json.dumps([launch.task(recipe_accelerators=True), launch.nodes, launch.gpus_per_node], sort_keys=True)
     run = f"{recipe.name}-{hashlib.sha256(shape.encode()).hexdigest()[:8]}"
     # Checkpoints are keyed by the run id (SKYPILOT_TASK_ID locally), unless the user chose output_dir.
     root = "" if "output_dir" in user_overrides else "outputs"
@@ -173,15 +173,15 @@ def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, 
     # The recipe's own consistency (memory is a GPU matter), batch math and env errors, before anything
     # starts: bad input builds no smoke model either.
     check(launch, task_id=run, device="cpu")
-    if options.netns and (why := netns.available()):
+    if options.local.netns and (why := netns.available()):
         raise OrchError(why)
     command = secrets.redacted_command(list(options.argv), secret_values.values())
     output_dir = local.output_dir_of(launch, run)
     storage.check_writable(recipe.workdir / output_dir, "output_dir")
-    local.prepare(launch, run, fresh=options.fresh, check_only=True)  # --fresh deletes only what orch made for it
+    local.prepare(launch, run, fresh=options.local.fresh, check_only=True)  # --fresh deletes only what orch made for it
     lock = runlock.acquire(run, recipe.workdir / output_dir, command)  # one owner; refused while another lives
     try:
-        local.prepare(launch, run, fresh=options.fresh)
+        local.prepare(launch, run, fresh=options.local.fresh)
         if artifacts is not None:
             smoke.ensure(artifacts)
         token = secrets_module.token_hex(8)
@@ -191,7 +191,7 @@ def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, 
             recipe.path,
             command,
             platform=LocalBackend.name,
-            backend=f"local ({launch.nodes} emulated node(s) x {launch.gpus.count} CPU process(es))",
+            backend=f"local ({launch.nodes} emulated node(s) x {launch.gpus_per_node} CPU process(es))",
             state=RunState.RUNNING.value,
             output_dir=str((recipe.workdir / output_dir).resolve()),
             pid=str(os.getpid()),
@@ -200,7 +200,7 @@ def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, 
         records.write(record)
         try:
             with contextlib.ExitStack() as stack:
-                network = stack.enter_context(netns.Network(launch.nodes)) if options.netns else None
+                network = stack.enter_context(netns.Network(launch.nodes)) if options.local.netns else None
                 result = local.launch(launch, run, secret_values, token, (lock,), network)
         except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: the nodes are stopped by now
             record.set_state(RunState.INTERRUPTED, getattr(exc, "signame", "SIGINT"))

@@ -15,7 +15,7 @@ from orchestrator.launch.placement import DEFAULT_IDLE_MINUTES
 from orchestrator.launch.records import Record, RunState
 
 if TYPE_CHECKING:
-    from orchestrator.launch.backends import RunOptions, RunRequest
+    from orchestrator.launch.backends import RunOptions, RunRequest, SkyOptions
     from orchestrator.launch.resolved import Launch
 
 LOCAL_ONLY = ("smoke", "fresh", "netns", "auto_fit")
@@ -32,7 +32,7 @@ class SkyBackend:
         from orchestrator.launch.resolved import resolve
 
         options = request.options
-        if any(getattr(options, name) for name in LOCAL_ONLY):
+        if any(getattr(options.local, name) for name in LOCAL_ONLY):
             raise OrchError("--smoke, --fresh, --netns and --auto-fit are for runs on this machine: add --local")
         gpus = parse_gpus(options.gpus) if options.gpus is not None else None
         if gpus and gpus.name == CPU:
@@ -124,7 +124,8 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
     from orchestrator.launch.backends import sky
     from orchestrator.launch.checks import check, rehearse
 
-    launch = launch.replace(resources=placement.resources(options, launch))
+    flags = options.sky
+    launch = launch.replace(resources=placement.resources(flags, launch))
     bucket, note = launch.envs.get("CHECKPOINT_BUCKET", ""), ""
     if "CHECKPOINT_BUCKET" not in user_envs and storage.shipped_bucket(bucket):
         mine = storage.personal_bucket(launch.recipe.name, storage.user_id())
@@ -137,38 +138,38 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         from orchestrator.launch import data
 
         launch = data.mount(launch, data_file)
-    if options.managed or options.spot:
+    if flags.managed or flags.spot:
         launch = placement.preemption_hook(launch)
     # Batch math, parallelism, memory and env errors surface here, before anything is sent.
     checked = check(launch)
     task = launch.task()  # a view for the checks below; the task sent is rendered last, from the final launch
     nodes = launch.nodes
-    reasons = {"a managed job's recovery": options.managed, f"a run on {nodes} nodes": nodes > 1,
-               "--down": options.down}  # fmt: skip
+    reasons = {"a managed job's recovery": flags.managed, f"a run on {nodes} nodes": nodes > 1,
+               "--down": flags.down}  # fmt: skip
     if any(reasons.values()):
         storage.require_durable(task, [why for why, applies in reasons.items() if applies])
     run = f"{launch.recipe.name.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cluster = options.cluster or run
-    if not options.dry_run and not options.yes and not sys.stdin.isatty():
+    cluster = flags.cluster or run
+    if not flags.dry_run and not flags.yes and not sys.stdin.isatty():
         raise OrchError("a cloud launch asks before it spends money, but stdin is not a terminal: pass -y to launch")
-    if options.no_rehearsal or knob(os.environ, "ORCH_REHEARSAL", "on") == "off":
+    if flags.no_rehearsal or knob(os.environ, "ORCH_REHEARSAL", "on") == "off":
         rehearsal = "rehearsal: skipped here (--no-rehearsal); the head node rehearses in its setup"
     else:
         rehearsal = rehearse(launch, checked)  # an OrchError naming role, owner and fix stops here
-    if options.dry_run:
+    if flags.dry_run:
         from orchestrator.launch import dryrun
 
         if note:
             print(note, flush=True)
-        return dryrun.show(launch, checked, options.skip_optimizer, rehearsal)
+        return dryrun.show(launch, checked, flags.skip_optimizer, rehearsal)
     if note:
         print(note, flush=True)
     print(f"[orch] {rehearsal}", flush=True)
     sky.to_task(task, secret_values)  # SkyPilot's own validation, before anything is asked or written
     from orchestrator.launch.dryrun import confirm
 
-    if not options.yes:
-        answer, plan = confirm(launch, checked.plans, options.managed)
+    if not flags.yes:
+        answer, plan = confirm(launch, checked.plans, flags.managed)
         if not answer:
             print("[orch] not launched", flush=True)
             return 1
@@ -183,17 +184,17 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         launch.recipe.path,
         secrets.redacted_command(list(options.argv), secret_values.values()),
         platform=SkyBackend.name,
-        backend=sky.BACKEND_MANAGED if options.managed else sky.BACKEND_CLUSTER,
-        cluster="" if options.managed else cluster,
+        backend=sky.BACKEND_MANAGED if flags.managed else sky.BACKEND_CLUSTER,
+        cluster="" if flags.managed else cluster,
         state=RunState.LAUNCHING.value,
     )
     path = records.write(record)
     print(
-        f"[orch] run {run}: {launch.recipe.name} on {nodes} x {launch.gpus}{' (spot)' if options.spot else ''}, "
-        f"{'managed job' if options.managed else f'cluster {cluster}'}; recorded in {path}",
+        f"[orch] run {run}: {launch.recipe.name} on {nodes} x {launch.gpus}{' (spot)' if flags.spot else ''}, "
+        f"{'managed job' if flags.managed else f'cluster {cluster}'}; recorded in {path}",
         flush=True,
     )
-    idle = _say_autostop(options, cluster, run)
+    idle = _say_autostop(flags, cluster, run)
 
     def submitted(meta: dict) -> None:
         record.meta.update(meta)
@@ -201,8 +202,8 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         print(f"[orch] submitted: {', '.join(f'{k}={v}' for k, v in meta.items() if v)}", flush=True)
 
     try:
-        return sky.launch(task, secret_values, run=run, managed=options.managed, cluster=cluster, idle_minutes=idle,
-                          down=options.down, detach=options.detach, on_submitted=submitted)  # fmt: skip
+        return sky.launch(task, secret_values, run=run, managed=flags.managed, cluster=cluster, idle_minutes=idle,
+                          down=flags.down, detach=flags.detach, on_submitted=submitted)  # fmt: skip
     except OrchError as exc:
         if record.state is RunState.LAUNCHING:  # never submitted: the record says why
             record.set_state(RunState.FAILED_TO_LAUNCH, error=str(exc))
@@ -220,14 +221,14 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         raise
 
 
-def _say_autostop(options: RunOptions, cluster: str, run: str) -> int | None:
+def _say_autostop(flags: SkyOptions, cluster: str, run: str) -> int | None:
     """The cluster's autostop in idle minutes (None: none), said as it will happen."""
-    idle = options.idle_minutes
-    if options.managed:  # SkyPilot owns a managed job's cluster and ends it with the job
+    idle = flags.idle_minutes
+    if flags.managed:  # SkyPilot owns a managed job's cluster and ends it with the job
         return idle
-    if idle is None and not options.down and not options.keep_up:
+    if idle is None and not flags.down and not flags.keep_up:
         idle = DEFAULT_IDLE_MINUTES
-    if options.down:
+    if flags.down:
         after = f"after {idle} idle minutes" if idle is not None else "when the job ends"
         print(f"[orch] cluster {cluster}: torn down {after} (--down)", flush=True)
     elif idle is not None:
