@@ -36,6 +36,12 @@ def check_demo_run(result, project: Path) -> None:
         assert line.endswith("--use_cpu true") and "--multi_gpu" not in line
     assert "(node1) [orch] node 1/2: 1 process(es) here, 2 in all, head 127.0.0.1, running FSDP2 over gloo" in out
     assert "instead" not in out  # no fallback note: the recipe's strategy ran
+    # no third-party notice nobody can act on (DeepSpeed's "Setting accelerator to CPU" is printed by every CPU
+    # run); each node says how many lines it hid
+    from orchestrator.node.output import notice
+
+    assert not [x for x in out.splitlines() if notice(x.partition(") ")[2], cpu=True)], out[-3000:]
+    assert re.search(r"^\(node0\) \[orch\] node 0: hid \d+ line\(s\) of third-party notices", out, re.M), out[-3000:]
     # from inside the training processes: one group of world size 2, each rank its own
     output_dir = output_dir_of(out, project)
     ranks = reports(output_dir)

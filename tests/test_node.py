@@ -1,5 +1,7 @@
 """The node launcher: SkyPilot env -> accelerate argv (pure, snapshot-tested) and its CLI."""
 
+import sys
+
 import pytest
 from conftest import check_snapshot, orch
 
@@ -160,3 +162,58 @@ def test_the_node_runs_accelerates_launch_module_with_the_planned_arguments(node
     assert (parsed.num_processes, parsed.num_machines, parsed.machine_rank) == (16, 2, 1)
     assert runnable(["vllm", "serve", "m"]) == ["vllm", "serve", "m"]
 
+
+def test_the_relay_hides_known_notices_and_keeps_everything_else():
+    """Third-party notices nobody can act on are held back (node/output.NOTICES), with the rest of their block; what
+    follows, errors included, is relayed; DeepSpeed's no-GPU warning is hidden on CPU runs only."""
+    import io
+
+    from orchestrator.node.supervise import _Relay
+
+    ds = ("[2026-11-23 20:18:29,480] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU. "
+          "If you have GPU or other accelerator, we were unable to detect it.\n")  # fmt: skip
+    race = [
+        "[W1123 20:19:49.104546805 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed on SocketImpl(fd=4, "
+        "addr=[::1]:1, remote=[::1]:2): Failed to recv, got 0 bytes. Connection was likely closed. Did the remote "
+        "server shutdown or crash?\n",
+        "frame #0: c10::Error::Error(c10::SourceLocation) + 0x9d (0x7f in libc10.so)\n",
+        "<omitting python frames>\n",
+        "\n",
+        "E1123 20:19:49.158000 12952 torch/distributed/elastic/agent/server/api.py:1008] Error waiting on exit "
+        "barrier. Elapsed: 0.02 seconds\n",
+        "E1123 20:19:49.158000 12952 torch/distributed/elastic/agent/server/api.py:1008] Traceback (most recent call\n",
+    ]
+    after = ["[orch] done\n", "frame #9: a C++ frame of something else\n", "ValueError: x\n"]  # not a notice's block
+    lines = [ds, "[orch] step 1/8 loss=0.69\n", *race, *after]
+    for cpu, hidden in ((True, 1 + len(race)), (False, len(race))):
+        out = io.StringIO()
+        sys_stdout, sys.stdout = sys.stdout, out
+        try:
+            relay = _Relay(io.StringIO("".join(lines)), cpu=cpu)
+            relay.thread.join(5)
+        finally:
+            sys.stdout = sys_stdout
+        assert len(relay.hidden) == hidden, relay.hidden
+        shown = out.getvalue().splitlines()
+        assert shown == [*([] if cpu else [ds.strip()]), "[orch] step 1/8 loss=0.69", *(x.strip() for x in after)]
+        assert relay.errors == ["ValueError: x"]
+
+
+def test_a_failing_node_shows_the_notices_it_held_back(tmp_path):
+    """supervise() in a process of its own (it makes its process a child subreaper)."""
+    import subprocess
+
+    script = (
+        "print(\"Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. Please make "
+        "sure you already `pip install kernels` and the kernels >= 0.11.1\", flush=True); raise ValueError('bad')"
+    )
+    runner = (
+        "import sys; from orchestrator.node.supervise import supervise; "
+        "sys.exit(supervise([sys.executable, '-c', sys.argv[1]], {'PATH': '/usr/bin:/bin', 'ORCH_WATCHDOG': 'off', "
+        "'ORCH_HOME': sys.argv[2]}, node_rank=0, ips=('127.0.0.1',), probe_port=1, gpus=False))"
+    )
+    done = subprocess.run([sys.executable, "-c", runner, script, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Failed to load CPU gemm_4bit_forward" in done.stdout  # a failing node hides nothing
+    assert "[orch] failed on node 0: accelerate exited with code 1: ValueError: bad" in done.stdout + done.stderr

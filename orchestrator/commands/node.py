@@ -32,7 +32,8 @@ multi-node run reports to the head (ORCH_BARRIER_PORT, ORCH_RENDEZVOUS_TIMEOUT):
 named. While it trains, a watchdog ends a stalled node (no step for max(10 x median step, ORCH_STALL_FLOOR=300 s);
 ORCH_STALL_FIRST=1800 s before the first step; ORCH_WATCHDOG=off) after dumping every rank's stack with py-spy
 into <output_dir>/orch/hang/, and exits 75. ORCH_NETCHECK=warn|error|off and ORCH_MIN_BUS_GBPS set the network
-check before the model loads.
+check before the model loads. Third-party notices nobody can act on are hidden and counted (shown when the node
+fails, or with ORCH_SHOW_NOTICES=on).
 """
 
 

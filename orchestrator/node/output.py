@@ -21,6 +21,46 @@ RETRYABLE = re.compile(
 )
 
 
+# Third-party notices a user can do nothing about, each matched as a whole line: the node's relay hides them, says
+# how many it hid, and prints them after all when the training fails (ORCH_SHOW_NOTICES=on shows them as they come).
+# (pattern, on CPU runs only)
+NOTICES: tuple[tuple[re.Pattern[str], bool], ...] = (
+    # bitsandbytes 0.50 on an x86 CPU with AVX512-BF16 (GPU hosts have them too) without the optional `kernels`
+    # package: its own CPU kernel is used instead, and only CPU 4-bit inference would have used the other one
+    (re.compile(r"Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'\. Please "
+                r"make sure you already `pip install kernels` and the kernels >= 0\.11\.1"), False),
+    # DeepSpeed, imported by transformers, finds no GPU: every CPU run. On a GPU node it is a real problem: shown there
+    (re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] \[WARNING\] \[real_accelerator\.py:\d+:get_accelerator\] "
+                r"Setting accelerator to CPU\. If you have GPU or other accelerator, we were unable to detect it\."),
+     True),
+    # transformers' checkpoint rotation where two checkpoints have the same mtime: it sorts by step, which is right
+    (re.compile(r"\[transformers\] mtime may not be reliable on this filesystem, falling back to numerical ordering"),
+     False),
+    # torchrun's exit barrier race (pytorch/pytorch#69520): the head node's agent closes the rendezvous store while
+    # another node's agent still waits in the barrier, after every rank has finished; that agent logs it and exits 0
+    (re.compile(r"\[W\d{4} [\d:.]+ TCPStore\.cpp:\d+\] \[c10d\] recvValueWithTimeout failed on SocketImpl\(.*\): "
+                r"Failed to recv, got 0 bytes\. Connection was likely closed\. Did the remote server shutdown or "
+                r"crash\?"),
+     False),
+    (re.compile(r"E\d{4} [\d:.]+ \d+ torch/distributed/elastic/agent/server/api\.py:\d+\] Error waiting on exit "
+                r"barrier\. Elapsed: [\d.]+ seconds"), False),
+)  # fmt: skip
+# The rest of a notice's block: hidden only right after a hidden line (a C++ trace, the logger's traceback lines).
+CONTINUED = re.compile(
+    r"Exception raised from recvBytes at \S+ \(most recent call first\):|frame #\d+: .*|<omitting python frames>|"
+    r"E\d{4} [\d:.]+ \d+ torch/distributed/elastic/agent/server/api\.py:\d+\] .*|"  # and a blank line within
+)
+
+
+def notice(line: str, cpu: bool, continuing: bool = False) -> bool:
+    """Whether a line of a node's output is one of NOTICES (for this device), or the rest of one (`continuing`: the
+    line before was hidden)."""
+    text = line.strip()
+    if continuing and CONTINUED.fullmatch(text):
+        return True
+    return any((cpu or not cpu_only) and pattern.fullmatch(text) for pattern, cpu_only in NOTICES)
+
+
 def retryable(error: str) -> bool:
     """Whether a node's first error is the cluster's failure (a rerun on another node may not hit it)."""
     return bool(error) and bool(RETRYABLE.search(error))

@@ -25,6 +25,7 @@ Variables read (all set by SkyPilot or by the recipe's `envs:`):
   ORCH_DEVICE        optional: `cpu` makes every process a CPU process (the local backend sets it)
   ORCH_WATCHDOG, ORCH_STALL_FLOOR, ORCH_STALL_FIRST, ORCH_STALL_BUSY  optional: the progress watchdog
                      (node/watchdog.py); ORCH_NETCHECK, ORCH_MIN_BUS_GBPS: the network check (train/netcheck.py)
+  ORCH_SHOW_NOTICES  optional: on shows the third-party notices the node otherwise hides (node/output.py)
 """
 
 from __future__ import annotations

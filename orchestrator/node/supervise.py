@@ -22,7 +22,7 @@ from pathlib import Path
 
 from orchestrator.core.home import orch_home
 from orchestrator.node import stacks as stack_dump
-from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, printable, retryable
+from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, notice, printable, retryable
 from orchestrator.node.procs import DEFAULT_GRACE, end_tree, subreaper
 from orchestrator.node.watchdog import EXIT_STALLED, Bounds, Watchdog, hang_tools
 
@@ -103,19 +103,26 @@ def say(line: str, stream=None) -> None:
 
 
 class _Relay:
-    """The child's output to ours, its first error lines kept; muted once a stall is declared (what the killed ranks
-    print then is noise)."""
+    """The child's output to ours, its first error lines kept, third-party notices nobody can act on held back
+    (node/output.NOTICES; `hidden`); muted once a stall is declared (what the killed ranks print then is noise)."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, cpu: bool, hide: bool = True):
         self.errors: list[str] = []
+        self.hidden: list[str] = []
         self.muted = False
+        self.cpu, self.hide = cpu, hide
         self.thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
         self.thread.start()
 
     def _run(self, stream) -> None:
+        continuing = False
         for line in iter(stream.readline, ""):
             if len(self.errors) < MAX_ERROR_LINES and (error := error_of(line)):
                 self.errors.append(error)
+            continuing = self.hide and notice(line, self.cpu, continuing)
+            if continuing:
+                self.hidden.append(line.rstrip("\n"))
+                continue
             if not self.muted:
                 try:
                     sys.stdout.write(printable(line))
@@ -149,7 +156,7 @@ def supervise(
     peers = Peers(node_rank, ips, probe_port)
     child = subprocess.Popen(argv, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              errors="replace")  # fmt: skip
-    relay = _Relay(child.stdout)
+    relay = _Relay(child.stdout, cpu=not gpus, hide=knob(env, "ORCH_SHOW_NOTICES", "off") == "off")
     dog = Watchdog(bounds, started=time.time())
     grace = knob(env, "ORCH_STOP_GRACE", DEFAULT_GRACE)
     try:
@@ -176,7 +183,12 @@ def supervise(
     if stopped:
         return 128 + stopped[0]
     code = child.returncode if child.returncode >= 0 else 128 - child.returncode
+    if relay.hidden and not code:
+        say(f"[orch] node {node_rank}: hid {len(relay.hidden)} line(s) of third-party notices that need no action "
+            "(node/output.py NOTICES; ORCH_SHOW_NOTICES=on shows them)")  # fmt: skip
     if code:
+        for line in relay.hidden:  # a failing node hides nothing
+            say(line)
         error = first_error(relay.errors)
         said = f": {error}" if error else ""
         if retryable(error):  # the cluster's failure: exit 75, which a managed job recovers from
