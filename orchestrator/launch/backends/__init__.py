@@ -34,50 +34,31 @@ PLATFORMS: dict[str, str] = {
 class LocalOptions:
     """`orch run --local`'s own flags (local_backend.py)."""
 
-    smoke: bool = False
-    """--smoke: the tiny model of the recipe's family and synthetic data, 8 steps."""
-    fresh: bool = False
-    """--fresh: delete this run's checkpoints first (only a directory orch made for it: core/owned.py)."""
-    netns: bool = False
-    """--netns: each emulated node in a network namespace of its own (root)."""
-    auto_fit: bool = False
-    """--auto-fit: on out of memory, one retry with the per-device batch halved and the accumulation doubled."""
+    smoke: bool = False  # --smoke: the tiny model of the recipe's family and synthetic data, 8 steps.
+    fresh: bool = False  # --fresh: delete this run's checkpoints first (only what orch made: core/owned.py)
+    netns: bool = False  # --netns: each emulated node in a network namespace of its own (root).
+    auto_fit: bool = False  # --auto-fit: on out of memory, retry once with half the batch, twice the accumulation
 
 
 @dataclass(frozen=True)
 class SkyOptions:
     """`orch run`'s SkyPilot flags (sky_backend.py, launch/placement.py)."""
 
-    managed: bool = False
-    """--managed: a managed job (recovered after preemption) instead of a cluster job."""
-    spot: bool = False
-    """--spot: resources.use_spot."""
-    infra: str | None = None
-    """--infra: resources.infra (aws/us-east-1, k8s/<context>, slurm/<cluster>/<partition>...)."""
-    network_tier: str | None = None
-    """--network-tier: resources.network_tier (best: InfiniBand/EFA where the cloud has it)."""
-    image_id: str | None = None
-    """--image-id: resources.image_id."""
-    max_restarts: int = 3
-    """--max-restarts: a managed job's restarts on a retryable failure (launch/placement.DEFAULT_RESTARTS)."""
-    cluster: str | None = None
-    """--cluster: the cluster's name (default: the run's)."""
-    idle_minutes: int | None = None
-    """--idle-minutes: autostop after this many idle minutes (default: placement.DEFAULT_IDLE_MINUTES)."""
-    down: bool = False
-    """--down: tear the cluster down when the job ends."""
-    keep_up: bool = False
-    """--keep-up: no autostop."""
-    detach: bool = False
-    """--detach: return once submitted."""
-    yes: bool = False
-    """-y: launch without showing the plan and asking."""
-    dry_run: bool = False
-    """--dry-run: print the resolved task, every rank's command and SkyPilot's plan; launch nothing."""
-    skip_optimizer: bool = False
-    """--skip-optimizer: with --dry-run, no optimizer."""
-    no_rehearsal: bool = False
-    """--no-rehearsal: the head node rehearses in its setup, not the laptop."""
+    managed: bool = False  # --managed: a managed job (recovered after preemption) instead of a cluster job.
+    spot: bool = False  # --spot: resources.use_spot.
+    infra: str | None = None  # --infra: resources.infra (aws/us-east-1, k8s/<context>, slurm/<cluster>...)
+    network_tier: str | None = None  # --network-tier: resources.network_tier (best: InfiniBand/EFA)
+    image_id: str | None = None  # --image-id: resources.image_id.
+    max_restarts: int = 3  # --max-restarts: a managed job's restarts on exit 75 (placement.DEFAULT_RESTARTS)
+    cluster: str | None = None  # --cluster: the cluster's name (default: the run's).
+    idle_minutes: int | None = None  # --idle-minutes: autostop after M idle minutes (placement.DEFAULT_IDLE_MINUTES)
+    down: bool = False  # --down: tear the cluster down when the job ends.
+    keep_up: bool = False  # --keep-up: no autostop.
+    detach: bool = False  # --detach: return once submitted.
+    yes: bool = False  # -y: launch without showing the plan and asking.
+    dry_run: bool = False  # --dry-run: show the task, every rank's command, the plan; launch nothing
+    skip_optimizer: bool = False  # --skip-optimizer: with --dry-run, no optimizer.
+    no_rehearsal: bool = False  # --no-rehearsal: the head node rehearses in its setup, not the laptop.
 
 
 @dataclass(frozen=True)
