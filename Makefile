@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # module-scoped fixture (rehearsals, the Slurm cluster) is one xdist_group, run by one worker.
 PYTEST_WORKERS ?= 2
 
-.PHONY: install demo test test-fast lint bench gpu-check snapshots lock clean
+.PHONY: install demo test test-fast lint bench gpu-check snapshots lock clean sky-bed
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ test: install
 # The inner loop (< 60 s here): the unit and cli tiers (tests/conftest.py; what each tier means: pyproject.toml).
 test-fast: install
 	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --tier unit,cli -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# Real SkyPilot without a cloud (root): a 2-node Slurm cluster in network namespaces with a login node and SkyPilot's
+# API server (tests/sky_bed.py); prints the commands to try and takes it all down when you press Enter.
+sky-bed: install
+	cd tests && ../$(PY) sky_bed.py
 
 bench: install
 	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) bench/run.py

@@ -55,6 +55,10 @@ has_locked_torch() {  # python: does it hold torch at the locked version (any lo
 sys.exit(version('torch').split('+')[0] != '$locked_torch')" 2>/dev/null
 }
 
+# One node installs at a time: on Slurm every node shares the home (and so ORCH_VENV); the others then find the stamp.
+mkdir -p "$(dirname "$ORCH_VENV")"
+locked=
+if command -v flock >/dev/null 2>&1; then exec 9>"$ORCH_VENV.lock" && flock 9 && locked=1; fi
 if [ -f "$stamp" ]; then
   say "$ORCH_VENV already holds uv.lock's orch[$extras] (a reused cluster): nothing to install"
 else
@@ -91,6 +95,15 @@ else
   "${UV[@]}" pip install -q --python "$py" --no-deps -e .
   touch "$stamp"
 fi
+# orch itself is installed from this checkout (editable): an environment kept from another cluster (ORCH_VENV on a
+# shared file system) points at that cluster's copy, which may be gone
+here=$(pwd -P)
+if ! (cd / && "$ORCH_VENV/bin/python" -c "import orchestrator, os, sys
+sys.exit(not os.path.realpath(orchestrator.__file__).startswith('$here/'))") 2>/dev/null; then  # not from the cwd
+  say "orch from this checkout ($here)"
+  "${UV[@]}" pip install -q --python "$ORCH_VENV/bin/python" --no-deps -e .
+fi
+[ -z "$locked" ] || flock -u 9
 echo "installed=$(now)" >> "$times"
 
 # 4. the rehearsal (on the head node: the owners' code on this cluster's roles), then the model and the data

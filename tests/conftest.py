@@ -106,7 +106,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """Slurm's packages install in the background while the tests before test_slurm.py run (apt takes a minute)."""
-    if any(item.module.__name__ == "test_slurm" for item in session.items):
+    if any(item.module.__name__ in ("test_slurm", "test_sky_bed") for item in session.items):
         from slurm_cluster import start_install
 
         start_install()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from orchestrator.launch.backends.netns import Network
 
-PACKAGES = ("slurm-wlm", "munge")
+PACKAGES = ("slurm-wlm", "munge", "openssh-server", "rsync")  # the last two: tests/sky_bed.py's login node
 
 
 INSTALLING: list[subprocess.Popen] = []  # apt-get, started in the background when the session collects Slurm tests
@@ -27,15 +27,21 @@ def start_install() -> None:
     """Install the packages in the background (conftest calls it once the Slurm tests are collected), so that apt's
     minute overlaps the tests that run before them. Under pytest-xdist every worker collects the Slurm tests and
     calls this: flock lets one install while the others wait for it, then find the packages there."""
-    if os.geteuid() != 0 or (shutil.which("slurmctld") and shutil.which("munged")) or not shutil.which("apt-get"):
+    if os.geteuid() != 0 or _installed() or not shutil.which("apt-get"):
         return
     script = (
-        "command -v slurmctld >/dev/null && command -v munged >/dev/null || "
+        "command -v slurmctld >/dev/null && command -v munged >/dev/null && [ -x /usr/sbin/sshd ] && "
+        "command -v rsync >/dev/null || "
         f"{{ apt-get update -qq && apt-get install -y -qq --no-install-recommends {' '.join(PACKAGES)}; }}"
     )
     INSTALLING.append(subprocess.Popen(["flock", "/var/lock/orch-test-slurm-install", "bash", "-c", script],
                                        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+
+
+def _installed() -> bool:
+    return bool(shutil.which("slurmctld") and shutil.which("munged") and Path("/usr/sbin/sshd").exists()
+                and shutil.which("rsync"))  # fmt: skip
 
 
 def missing() -> str:
@@ -51,9 +57,9 @@ def missing() -> str:
         output = proc.communicate(timeout=900)[0] if proc.returncode is None else ""
         if proc.returncode != 0:
             raise RuntimeError(f"installing {' and '.join(PACKAGES)} failed: {(output or '').strip()[-300:]}")
-    if shutil.which("slurmctld") and shutil.which("munged"):
+    if _installed():
         return ""
-    return "slurm-wlm and munge are not installed and there is no apt-get to install them"
+    return f"{', '.join(PACKAGES)} are not installed and there is no apt-get to install them"
 
 
 CONF = """\
@@ -88,10 +94,24 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
 
+def started(bed):
+    """`bed._start()`, and `bed.close()` if it fails partway: whatever came up goes down again."""
+    try:
+        bed._start()
+    except BaseException:
+        bed.close()
+        raise
+    return bed
+
+
 class SlurmCluster:
-    def __init__(self, nodes: int, root: Path):
+    def __init__(self, nodes: int, root: Path, node_prefix=None, cpus: int = 1):
+        """node_prefix(i): words that run before node i's slurmd inside its namespace (tests/sky_bed.py mounts each
+        node's own scratch directory there)."""
         self.nodes = nodes
         self.root = root
+        self.node_prefix = node_prefix or (lambda node: [])
+        self.cpus = cpus  # what each node offers Slurm (SkyPilot's smallest default asks for 2)
         self.conf = root / "slurm.conf"
         self.network = Network(nodes + 1)  # namespace 0: slurmctld; 1..nodes: one slurmd each
         self.daemons: list[subprocess.Popen] = []
@@ -106,19 +126,14 @@ class SlurmCluster:
 
     def __enter__(self) -> SlurmCluster:
         self.network.__enter__()
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
+        return started(self)
 
     def _start(self) -> None:
         ips = self.network.ips
         for sub in ("state", *(f"spool/{name}" for name in self.names())):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         (self.root / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n")
-        lines = "\n".join(f"NodeName={name} NodeAddr={ip} CPUs=1 RealMemory=2000 State=UNKNOWN"
+        lines = "\n".join(f"NodeName={name} NodeAddr={ip} CPUs={self.cpus} RealMemory=4000 State=UNKNOWN"
                           for name, ip in zip(self.names(), ips[1:], strict=True))  # fmt: skip
         # slurmctld checks that it runs on SlurmctldHost: this machine's name (namespaces share it)
         controller = socket.gethostname().split(".")[0]
@@ -136,7 +151,7 @@ class SlurmCluster:
             self._wait(lambda: subprocess.run(["munge", "-n"], capture_output=True).returncode == 0, "munged")
         self._daemon(0, ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         for i, name in enumerate(self.names(), start=1):
-            self._daemon(i, ["slurmd", "-D", "-N", name, "-f", str(self.conf)])
+            self._daemon(i, [*self.node_prefix(i), "slurmd", "-D", "-N", name, "-f", str(self.conf)])
         self._wait(self._idle, f"{self.nodes} idle node(s) in `sinfo`", timeout=60)
 
     def _daemon(self, ns: int, argv: list[str]) -> None:

@@ -129,3 +129,30 @@ def test_a_vllm_server_node_needs_every_nodes_address():
            "VLLM_SERVER_NODES": "1"}  # fmt: skip
     with pytest.raises(OrchError, match="a vLLM server node needs its own address"):
         node.plan(env, {"distributed_type": "MULTI_GPU"}, {"per_device_train_batch_size": 2})
+
+
+def test_skypilot_cpu_nodes_run_one_process_each_or_what_orch_gpus_per_node_says():
+    """`sky launch --gpus none` (a CPU cluster, as on the Slurm bed) sets SKYPILOT_NUM_GPUS_PER_NODE=0."""
+    cpu = {**RECIPE, **skypilot(2, 0, 1), "ORCH_DEVICE": "cpu", "GLOBAL_BATCH_SIZE": "16"}
+    assert node_env_module.from_env(cpu).gpus_per_node == 1
+    assert node_env_module.from_env({**cpu, "ORCH_GPUS_PER_NODE": "3"}).gpus_per_node == 3
+    with pytest.raises(OrchError, match=r"SKYPILOT_NUM_GPUS_PER_NODE=0: the task has no GPUs"):
+        node_env_module.from_env({**cpu, "ORCH_DEVICE": "gpu"})
+
+
+def test_checkpoint_root_under_home_is_the_accounts_home_and_orch_smoke_uses_the_tiny_model(monkeypatch, tmp_path):
+    """On Slurm SkyPilot points $HOME at a per-cluster directory; `~` in CHECKPOINT_ROOT is the account's home, shared
+    by the nodes and kept after the cluster. ORCH_SMOKE=on points the recipe at its tiny model (built here)."""
+    import pwd
+
+    from orchestrator.node import exec as node_exec
+
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(node_exec, "smoke_env", lambda env: {**env, "TRL_OVERRIDES": "model_name_or_path=/tiny"})
+    env = node_exec.node_env({**RECIPE, "HOME": "/x/.sky_clusters/c1", "CHECKPOINT_ROOT": "~/orch-checkpoints",
+                              "ORCH_SMOKE": "on"})  # fmt: skip
+    assert env["CHECKPOINT_ROOT"] == pwd.getpwuid(__import__("os").getuid()).pw_dir + "/orch-checkpoints"
+    assert env["TRL_OVERRIDES"] == "model_name_or_path=/tiny"
+    assert node_exec.node_env({**RECIPE, "CHECKPOINT_ROOT": "/shared/ckpt"})["CHECKPOINT_ROOT"] == "/shared/ckpt"
+    with pytest.raises(OrchError, match="ORCH_SMOKE='maybe': ORCH_SMOKE takes on or off"):
+        node_exec.node_env({**RECIPE, "ORCH_SMOKE": "maybe"})

@@ -196,3 +196,23 @@ def test_cloud_launch_says_which_bucket_it_uses():
     assert f"checkpoints and final model: bucket {name} mounted at /checkpoints" in derived.stdout
     chosen = orch("run", "phi3_dpo_fsdp", "--env", "CHECKPOINT_BUCKET=team-ckpt", "--dry-run", "--skip-optimizer")
     assert "[orch] checkpoints: bucket" not in chosen.stdout and "CHECKPOINT_BUCKET: team-ckpt" in chosen.stdout
+
+
+def test_on_slurm_drops_the_bucket_and_roots_checkpoints_on_the_shared_home(tmp_path):
+    """scripts/on-slurm.py: the recipe as a Slurm task (no object store to mount there), the rest untouched; SkyPilot's
+    own parser takes it."""
+    import sky
+
+    done = subprocess.run([sys.executable, "scripts/on-slurm.py", "recipes/phi3_dpo_fsdp.yaml"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    task = yaml.safe_load(done.stdout)
+    recipe = yaml.safe_load((ROOT / "recipes" / "phi3_dpo_fsdp.yaml").read_text())
+    assert "file_mounts" not in task and "CHECKPOINT_BUCKET" not in task["envs"]
+    assert task["envs"]["CHECKPOINT_ROOT"] == "~/orch-checkpoints"
+    assert {k: v for k, v in task.items() if k != "envs"} == {k: v for k, v in recipe.items()
+                                                             if k not in ("envs", "file_mounts")}  # fmt: skip
+    assert done.stdout.startswith("# recipes/phi3_dpo_fsdp.yaml for a Slurm cluster")
+    assert sky.Task.from_yaml_config(task).num_nodes == 1
+    bad = subprocess.run([sys.executable, "scripts/on-slurm.py", "nowhere.yaml"], cwd=ROOT, capture_output=True,
+                         text=True)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.startswith("on-slurm: error: nowhere.yaml:")

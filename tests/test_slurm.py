@@ -12,7 +12,7 @@ from conftest import ROOT
 from slurm_cluster import SlurmCluster, missing
 from test_faults import processes_with
 
-pytestmark = [pytest.mark.root, pytest.mark.xdist_group("test_slurm")]  # one cluster, one pytest-xdist worker
+pytestmark = [pytest.mark.root, pytest.mark.xdist_group("slurm")]  # one worker: the Slurm clusters share munged
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,9 @@ KNOBS = {
     # where the training processes run (the local backend sets cpu), and what the launch side checks before sending
     "ORCH_DEVICE": (_choice("gpu", "cpu"), "gpu or cpu"),
     "ORCH_REHEARSAL": ON_OFF,
-    "ORCH_SHOW_NOTICES": ON_OFF,  # third-party notices the node hides (node/output.py NOTICES)
+    "ORCH_SHOW_NOTICES": ON_OFF,
+    # `orch node` trains the recipe's tiny model on synthetic data, built on the node (a CPU cluster, a first check)
+    "ORCH_SMOKE": ON_OFF,  # third-party notices the node hides (node/output.py NOTICES)
     "ORCH_DATA_CHECK": ON_OFF,
     # set by the launch side and the node launcher for the training processes
     "ORCH_LAUNCHED_AT": (_time, "a Unix time in seconds"),

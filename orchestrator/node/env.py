@@ -92,6 +92,10 @@ def skypilot(env: Mapping[str, str]) -> Topology:
     """SkyPilot's per-node variables, checked against each other."""
     nodes = _int_var(env, "SKYPILOT_NUM_NODES")
     gpus = _int_var(env, "SKYPILOT_NUM_GPUS_PER_NODE")
+    if env.get("ORCH_GPUS_PER_NODE", "").strip():  # processes per node, when they are not GPUs (a CPU cluster)
+        gpus = _int_var(env, "ORCH_GPUS_PER_NODE")
+    elif gpus == 0 and env.get("ORCH_DEVICE", "").strip().lower() == "cpu":
+        gpus = 1  # SkyPilot says 0 GPUs on a CPU node (`--gpus none`): one CPU process there
     rank = _int_var(env, "SKYPILOT_NODE_RANK")
     if "SKYPILOT_NODE_IPS" not in env:
         _int_var(env, "SKYPILOT_NODE_IPS")  # raises the "is not set" error

@@ -20,9 +20,23 @@ from orchestrator.node.plan import DEFAULT_PORT, describe, plan_from_env, render
 from orchestrator.node.price import provisioned
 
 
+def node_env(env: Mapping[str, str]) -> Mapping[str, str]:
+    """The environment `orch node` plans from: with ORCH_SMOKE=on the recipe's tiny model and data (smoke_env), and a
+    CHECKPOINT_ROOT under `~` made absolute with this account's home (on Slurm, SkyPilot points $HOME at a per-cluster
+    directory; the account's home is the shared one that outlives the cluster)."""
+    root = env.get("CHECKPOINT_ROOT", "").strip()
+    if root == "~" or root.startswith("~/"):
+        import pwd
+
+        env = {**env, "CHECKPOINT_ROOT": pwd.getpwuid(os.getuid()).pw_dir + root[1:]}
+    if knob(env, "ORCH_SMOKE", "off") == "on":
+        env = smoke_env(env)
+    return env
+
+
 def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     """`orch node`: print the plan; unless print_only, pass the barrier and run accelerate under the watchdog."""
-    env = os.environ if env is None else env
+    env = node_env(os.environ if env is None else env)
     started = time.time()
     node_plan = plan_from_env(env, cpus=usable_cpus())
     if print_only:
@@ -118,8 +132,9 @@ def smoke_env(env: Mapping[str, str]) -> dict[str, str]:
     words = {**overrides.loads(env.get("TRL_OVERRIDES", "")), **smoke.trl_overrides(artifacts)}
     return {
         **env,
+        "ORCH_SMOKE": "off",  # applied
         "TRL_OVERRIDES": overrides.dumps(words),
-        "GLOBAL_BATCH_SIZE": os.environ.get("GLOBAL_BATCH_SIZE", SMOKE_GLOBAL_BATCH),
+        "GLOBAL_BATCH_SIZE": os.environ.get("ORCH_SMOKE_GLOBAL_BATCH", SMOKE_GLOBAL_BATCH),
         "VLLM_SERVER_NODES": "0",
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
@@ -143,6 +158,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     if cluster.node_rank != 0:
         print(f"[orch] rehearsal: node {cluster.node_rank} leaves it to the head node", flush=True)
         return 0
+    env = node_env(env)
     paired = configs.load(env)
     ranks = sorted({0, min(1, cluster.nodes - 1), cluster.nodes - 1})
     plans = [plan({**env, "SKYPILOT_NODE_RANK": str(r)}, *paired) for r in ranks]

@@ -44,6 +44,9 @@ NOTICES: tuple[tuple[re.Pattern[str], bool], ...] = (
      False),
     (re.compile(r"E\d{4} [\d:.]+ \d+ torch/distributed/elastic/agent/server/api\.py:\d+\] Error waiting on exit "
                 r"barrier\. Elapsed: [\d.]+ seconds"), False),
+    # c10d on a network without reverse DNS for the nodes (seen on the Slurm bed: SkyPilot's Slurm nodes): cosmetic
+    (re.compile(r"\[W\d{4} [\d:.]+ socket\.cpp:\d+\] \[c10d\] The hostname of the client socket cannot be "
+                r"retrieved\. err=-?\d+"), False),
 )  # fmt: skip
 # The rest of a notice's block: hidden only right after a hidden line (a C++ trace, the logger's traceback lines).
 CONTINUED = re.compile(

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from orchestrator.core import configs, overrides
 from orchestrator.core.errors import OrchError
+from orchestrator.core.knobs import knob
 
 # Weights in other formats and the original (non-transformers) checkpoints that Meta's repos carry: never loaded.
 MODEL_IGNORE = ["original/*", "*.pth", "*.pt", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "*.ot", "*.tflite"]
@@ -90,6 +91,10 @@ def _load_dataset(repo: Repo, token: str | None) -> tuple[str, int]:
 
 
 def prefetch(env: Mapping[str, str], out=sys.stdout) -> int:
+    if knob(env, "ORCH_SMOKE", "off") == "on":
+        print("[orch] prefetch: ORCH_SMOKE=on: the nodes build the tiny model and data, nothing to download", file=out,
+              flush=True)  # fmt: skip
+        return 0
     trl = configs.load_yaml(Path(configs.required(env, "TRL_CONFIG", "recipes/trl/phi3_dpo.yaml")), "TRL config")
     settings = overrides.effective(trl, overrides.loads(env.get("TRL_OVERRIDES", "")))
     wanted = repos(settings)

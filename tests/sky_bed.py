@@ -1,0 +1,384 @@
+"""Real SkyPilot on a local Slurm cluster: SkyPilot's own API server and Slurm provisioner against
+tests/slurm_cluster.py's cluster, offline. Root only.
+
+    with SkyBed(root) as bed:
+        bed.sky("launch", "-c", "c1", "--infra", f"slurm/{bed.name}", "task.yaml", "-y")
+
+What the bed adds to the Slurm cluster (../shared/skypilot-on-slurm.md has the measurements behind each):
+- a login node: sshd in the controller's namespace, a user of its own (SkyPilot logs in as a user and runs sbatch and
+  srun there; its home, under the bed, is seen by every node as on a shared file system);
+- an isolated client home for SkyPilot (HOME=<bed>/client: ~/.slurm/config naming the login node) and SkyPilot's
+  local API server, started and stopped by the bed;
+- as on a real cluster, every node has a /tmp of its own (bind-mounted inside its mount namespace: SkyPilot keeps its
+  runtime and each node's setup script there) and shares the home directories (the bed lives under /var/tmp);
+- SHIMS, offline stand-ins for what SkyPilot fetches from the internet, in the login user's PATH only; each names the
+  SkyPilot line it answers, and tests/test_sky_bed.py fails, naming the shim, when a SkyPilot upgrade moves that line.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from slurm_cluster import SlurmCluster, start_install, started
+
+USER = "orchsky"
+BED_HOMES = "/var/tmp/orch-skybed"  # beds live under paths starting with this (not /tmp: each node has its own)
+CACHE = Path("/var/tmp/orch-skybed-cache")  # kept between beds: the user's uv cache, filled once per version
+NAME = "orchbed"
+UV_INSTALLER = "https://astral.sh/uv/install.sh"
+
+# Offline shims: (what SkyPilot runs, where: module and the text the shim answers). A test reads the module's source
+# and fails naming the shim when the text is gone.
+SHIMS = {
+    "curl": ("sky.skylet.constants", "curl -LsSf https://astral.sh/uv/install.sh"),
+    "uv": ("sky.skylet.constants", "venv --seed {SKY_REMOTE_PYTHON_ENV} --python 3.10"),
+    "uv cache": ("sky.utils.command_runner", "export UV_CACHE_DIR=/tmp/uv_cache_$(id -u)"),
+    # not a shim but the bed's shape: SkyPilot writes each node's setup script to one /tmp path, so nodes need their own
+    "node-local /tmp": ("sky.backends.cloud_vm_ray_backend", "remote_setup_file_name = f'/tmp/sky_setup_"),
+}
+CURL = """#!/bin/bash
+# Offline shim (tests/sky_bed.py SHIMS["curl"]): SkyPilot installs uv with `curl -LsSf {url} | sh`
+# (sky/skylet/constants.py SKY_UV_INSTALL_CMD). Answer that URL with a script that installs the bed's uv wrapper.
+for arg in "$@"; do
+  if [ "$arg" = "{url}" ]; then
+    dir='${{UV_INSTALL_DIR:-$HOME/.local/bin}}'
+    printf '%s\\n' "mkdir -p \"$dir\" && cp {shims}/uv \"$dir/uv\""
+    exit 0
+  fi
+done
+exec /usr/bin/curl "$@"
+"""
+UV = """#!/bin/bash
+# Offline shim (tests/sky_bed.py SHIMS["uv"]): SkyPilot makes its runtime with `uv venv --seed ... --python 3.10`
+# (sky/skylet/constants.py UV_INSTALLATION_COMMANDS); there is no 3.10 here and uv would download one. Use 3.11.
+args=()
+prev=
+for arg in "$@"; do
+  if [ "$prev" = "--python" ] && [ "$arg" = "3.10" ]; then arg={python}; fi
+  args+=("$arg"); prev=$arg
+done
+exec {uv} "${{args[@]}}"
+"""
+SSHD = """\
+ListenAddress {ip}
+Port 22
+HostKey {root}/ssh/host_key
+PidFile {root}/ssh/sshd.pid
+AuthorizedKeysFile {root}/ssh/authorized_keys
+UsePAM no
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PermitRootLogin no
+StrictModes no
+AllowUsers {user}
+MaxSessions 200
+MaxStartups 200
+SetEnv SLURM_CONF={conf}
+Subsystem sftp internal-sftp
+"""
+
+
+def missing() -> str:
+    """Why the bed cannot be made here ("" when it can: as root, tests/slurm_cluster.py installs Slurm, munge, sshd
+    and rsync from Debian's packages)."""
+    from slurm_cluster import missing as slurm_missing
+
+    return slurm_missing()
+
+
+class SkyBed:
+    def __init__(self, root: Path, nodes: int = 2, name: str = NAME):
+        self.root = root
+        self.name = name
+        self.nodes = nodes
+        self.client = root / "client"  # SkyPilot's home on the laptop side
+        self.home = root / "home" / USER
+        self.shims = root / "shims"
+        self.cluster = SlurmCluster(nodes=nodes, root=root / "slurm", node_prefix=self._node_prefix, cpus=2)
+        self.sshd: subprocess.Popen | None = None
+
+    # ------------------------------------------------------------ up
+
+    def __enter__(self) -> SkyBed:
+        return started(self)
+
+    @property
+    def uv_cache(self) -> Path:
+        """The login user's uv cache, shared by the nodes at the path SkyPilot's Slurm runner sets (SHIMS["uv cache"]:
+        /tmp/uv_cache_<uid>, bind-mounted into each node's own /tmp)."""
+        return CACHE / f"uv_cache_{self.uid}"
+
+    def _node_prefix(self, node: int) -> list[str]:
+        """Each slurmd in its namespace with a /tmp of its own, and the shared uv cache inside it."""
+        own = self.root / "tmp" / f"node{node}"
+        own.mkdir(parents=True, exist_ok=True)
+        own.chmod(0o1777)
+        cache = f"/tmp/uv_cache_{self.uid}"
+        script = f'mount --bind {own} /tmp && mkdir -p {cache} && mount --bind {self.uv_cache} {cache} && exec "$@"'
+        return ["bash", "-c", script, "bed"]
+
+    def _start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o755)
+        self._user()
+        self.uv_cache.mkdir(parents=True, exist_ok=True)
+        shutil.chown(self.uv_cache, USER, USER)
+        self.cluster.__enter__()
+        login_ip = self.cluster.network.ips[0]
+        # the client (this namespace) reaches the login node over the bridge
+        subnet = login_ip.rsplit(".", 1)[0]
+        subprocess.run(["ip", "addr", "add", f"{subnet}.254/24", "dev", self.cluster.network.bridge], check=True)
+        self._shims()
+        self._sshd(login_ip)
+        self._client(login_ip)
+        self._warm_uv_cache()
+        self._api_server()
+
+    def _user(self) -> None:
+        try:
+            home = pwd.getpwnam(USER).pw_dir
+        except KeyError:
+            home = None
+        if home is not None and not home.startswith(BED_HOMES):
+            raise RuntimeError(f"a user {USER} exists on this machine (home {home}): the bed will not take it over")
+        if home is not None:  # left by a bed that was killed
+            subprocess.run(["userdel", USER], check=True)
+        self.home.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["useradd", "-m", "-d", str(self.home), "-s", "/bin/bash", USER], check=True)
+        subprocess.run(["usermod", "-p", "*", USER], check=True)  # no password, but not locked: sshd lets it in
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.uid = pwd.getpwnam(USER).pw_uid
+        shutil.chown(self.home, USER, USER)
+
+    def _shims(self) -> None:
+        self.shims.mkdir(exist_ok=True)
+        uv = self.shims / "uv-real"
+        shutil.copy2(Path(sys.executable).parent / "uv", uv)
+        python = "/usr/bin/python3.11" if Path("/usr/bin/python3.11").exists() else "/usr/bin/python3"  # the image's
+        (self.shims / "uv").write_text(UV.format(python=python, uv=uv))
+        (self.shims / "curl").write_text(CURL.format(url=UV_INSTALLER, shims=self.shims))
+        for path in self.shims.iterdir():
+            path.chmod(0o755)
+        profile = (
+            f'export PATH="{self.shims}:$PATH"\n'  # after Debian's /etc/profile, which resets PATH
+            f"export SLURM_CONF={self.cluster.conf}\n"
+            "export UV_OFFLINE=1\n"
+        )
+        (self.home / ".profile").write_text(profile)
+        (self.home / ".bashrc").write_text(profile)
+        shutil.chown(self.home / ".profile", USER, USER)
+        shutil.chown(self.home / ".bashrc", USER, USER)
+
+    def _sshd(self, ip: str) -> None:
+        ssh = self.root / "ssh"
+        ssh.mkdir(exist_ok=True)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(ssh / "host_key")], check=True)
+        (self.client / ".ssh").mkdir(parents=True, exist_ok=True)
+        key = self.client / ".ssh" / "id_ed25519"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+        (ssh / "authorized_keys").write_text((self.client / ".ssh" / "id_ed25519.pub").read_text())
+        (ssh / "authorized_keys").chmod(0o644)
+        config = ssh / "sshd_config"
+        config.write_text(SSHD.format(ip=ip, root=self.root, user=USER, conf=self.cluster.conf))
+        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation directory
+        self.sshd = subprocess.Popen([*self.cluster.network.prefix(0), "/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
+                                     stdout=subprocess.DEVNULL, stderr=open(ssh / "sshd.log", "w"))  # fmt: skip
+        deadline = time.monotonic() + 20
+        while self.ssh("true").returncode != 0:
+            if time.monotonic() > deadline or self.sshd.poll() is not None:
+                raise RuntimeError(f"sshd on the login node did not answer: {(ssh / 'sshd.log').read_text()[-800:]}")
+            time.sleep(0.3)
+
+    def ssh(self, command: str) -> subprocess.CompletedProcess:
+        """A command on the login node as the bed's user (what SkyPilot's Slurm runner does)."""
+        key = self.client / ".ssh" / "id_ed25519"
+        return subprocess.run(["ssh", "-i", str(key), "-o", "StrictHostKeyChecking=no", "-o",
+                               "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
+                               f"{USER}@{self.cluster.network.ips[0]}", command],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    def _client(self, ip: str) -> None:
+        (self.client / ".slurm").mkdir(parents=True, exist_ok=True)
+        (self.client / ".slurm" / "config").write_text(
+            f"Host {self.name}\n  HostName {ip}\n  User {USER}\n  IdentityFile {self.client}/.ssh/id_ed25519\n"
+            "  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
+        )
+        (self.client / ".sky").mkdir(exist_ok=True)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment the SkyPilot client (sky CLI, the SDK, orch) runs with."""
+        env = {k: v for k, v in os.environ.items() if k != "SKYPILOT_DISABLE_LOCAL_API_SERVER"}
+        return {**env, "HOME": str(self.client), "SKYPILOT_DEBUG": env.get("SKYPILOT_DEBUG", "0")}
+
+    def _warm_uv_cache(self) -> None:
+        """SkyPilot installs its runtime on the nodes with uv from PyPI (sky/skylet/constants.py); the nodes have no
+        route out. Fill the login user's uv cache (the path SkyPilot's Slurm runner sets, SHIMS["uv cache"]) once,
+        from this namespace, by installing the same wheel into a scratch environment."""
+        cache = self.uv_cache
+        stamp = cache / f".orch-bed-sky-{self._sky_version()}"
+        if stamp.exists():
+            return
+        work = self.root / "warm"
+        work.mkdir(exist_ok=True)
+        shutil.chown(work, USER, USER)
+        build = (
+            "from sky.backends import wheel_utils; path, _ = wheel_utils.build_sky_wheel(); "
+            "print(sorted(path.glob('skypilot-*.whl'))[-1])"
+        )
+        wheel = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, timeout=300,
+                               env=self.env, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
+        shutil.copy(wheel, work / Path(wheel).name)
+        wheel = str(work / Path(wheel).name)
+        os.chmod(wheel, 0o644)
+        script = (
+            f"set -e; export UV_CACHE_DIR={cache}; {self.shims}/uv venv -q --seed {work}/venv --python 3.10; "
+            f"VIRTUAL_ENV={work}/venv {self.shims}/uv pip install -q '{wheel}[slurm,remote]'"
+        )
+        done = subprocess.run(["runuser", "-u", USER, "--", "bash", "-c", script], capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"warming the uv cache failed: {done.stderr[-1500:]}")
+        stamp.touch()
+
+    def orch_image(self) -> Path:
+        """An environment holding the lock's torch (the CPU build on this machine's disk), as a GPU image holds its
+        CUDA torch, owned by the bed's user: node-setup.sh keeps its torch (ORCH_VENV) and installs the rest of
+        uv.lock into it, offline, from the user's uv cache, filled here from this machine's (what `make install`
+        downloaded)."""
+        image = self.root / "image"
+        if not (image / "bin" / "python").exists():
+            uv = str(self.shims / "uv-real")
+            subprocess.run([uv, "venv", "-q", "--seed", "--python", "/usr/bin/python3.11", str(image)], check=True)
+            torch = self._locked("torch")
+            subprocess.run([str(image / "bin" / "python"), "-m", "pip", "install", "-q", f"torch=={torch}"],
+                           check=True, capture_output=True, timeout=900)  # fmt: skip
+            subprocess.run(["chown", "-R", f"{USER}:{USER}", str(image)], check=True)
+        cache = self.uv_cache
+        stamp = cache / f".orch-bed-lock-{self._lock_key()}"
+        if not stamp.exists():
+            mine = subprocess.run([str(self.shims / "uv-real"), "cache", "dir"], capture_output=True, text=True,
+                                  check=True).stdout.strip()  # fmt: skip
+            subprocess.run(["cp", "-a", f"{mine}/.", str(cache)], check=True)
+            subprocess.run(["chown", "-R", f"{USER}:{USER}", str(cache)], check=True)
+            stamp.touch()
+        return image
+
+    def _locked(self, package: str) -> str:
+        import tomllib
+
+        lock = tomllib.loads((Path(__file__).resolve().parent.parent / "uv.lock").read_text())
+        return next(p["version"] for p in lock["package"] if p["name"] == package)
+
+    def _lock_key(self) -> str:
+        import hashlib
+
+        return hashlib.sha256((Path(__file__).resolve().parent.parent / "uv.lock").read_bytes()).hexdigest()[:12]
+
+    def _sky_version(self) -> str:
+        import importlib.metadata
+
+        return importlib.metadata.version("skypilot")
+
+    def _api_server(self) -> None:
+        done = self.sky("api", "start", timeout=180)
+        if done.returncode != 0:
+            raise RuntimeError(f"sky api start failed: {done.stdout[-1500:]}{done.stderr[-1500:]}")
+
+    def sky(self, *argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        """The `sky` CLI of this environment, as a user of the bed runs it."""
+        sky = Path(sys.executable).parent / "sky"
+        return subprocess.run([str(sky), *argv], capture_output=True, text=True, timeout=timeout, env=self.env)
+
+    # ------------------------------------------------------------ down
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if (self.client / ".sky").exists():
+            subprocess.run([str(Path(sys.executable).parent / "sky"), "api", "stop"], env=self.env,
+                           capture_output=True, timeout=120)  # fmt: skip
+        if self.sshd is not None:
+            self.sshd.terminate()
+            self.sshd.wait(timeout=15)
+        self.cluster.close()
+        deadline = time.monotonic() + 20
+        while self._user_pids() and time.monotonic() < deadline:  # sshd's sessions, jobs' shells: by PID, until gone
+            for pid in self._user_pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.2)
+        try:  # the user, when it is this bed's (its home is here): a user of the machine's own is left alone
+            ours = Path(pwd.getpwnam(USER).pw_dir) == self.home
+        except KeyError:
+            ours = False
+        if ours:
+            subprocess.run(["userdel", USER], capture_output=True)
+
+    def _user_pids(self) -> list[int]:
+        """Live processes of the bed's user (a zombie, already dead, waits for its parent to reap it)."""
+        uid = getattr(self, "uid", None)
+        if uid is None:
+            return []
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                    if os.stat(f"/proc/{entry}").st_uid == uid and state != "Z":
+                        pids.append(int(entry))
+                except (FileNotFoundError, ProcessLookupError, IndexError):
+                    continue
+        return pids
+
+
+def main() -> int:
+    """`make sky-bed`: the same bed for a person: up, the commands to try, down when Enter is pressed (or on Ctrl-C)."""
+    import tempfile
+
+    from slurm_cluster import INSTALLING
+
+    start_install()
+    for proc in INSTALLING:
+        proc.wait()
+    why = missing()
+    if why:
+        print(f"sky-bed: {why}", file=sys.stderr)
+        return 2
+    root = Path(tempfile.mkdtemp(prefix=Path(BED_HOMES).name + "-", dir=Path(BED_HOMES).parent))
+    print(f"[bed] bringing up 2 Slurm nodes, a login node and SkyPilot's API server under {root} ...", flush=True)
+    with SkyBed(root) as bed:
+        image = bed.orch_image()
+        repo = Path(__file__).resolve().parent.parent
+        env = f"HOME={bed.client} PATH={os.path.normpath(Path(sys.executable).parent)}:$PATH"
+        print(f"""
+[bed] up. In another shell, from {repo}:
+  export {env}; unset SKYPILOT_DISABLE_LOCAL_API_SERVER
+  sky check slurm
+  python3 scripts/on-slurm.py recipes/phi3_dpo_fsdp.yaml > /tmp/phi3_slurm.yaml
+  sky launch /tmp/phi3_slurm.yaml --infra slurm/{bed.name} --gpus none --num-nodes 2 -c phi3 -y \\
+      --env ORCH_DEVICE=cpu --env ORCH_SMOKE=on --env ORCH_VENV={image}
+  sky queue phi3; sky logs phi3 1 --no-follow; sky down phi3 -y
+(a SkyPilot cluster holds its Slurm nodes until `sky down`: the bed has two)
+""", flush=True)  # fmt: skip
+        try:
+            input("[bed] press Enter to take it down\n")
+        except (EOFError, KeyboardInterrupt):
+            pass
+        print("[bed] taking it down ...", flush=True)
+    print("[bed] down: no process, namespace or user of the bed is left", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
