@@ -58,7 +58,15 @@ sys.exit(version('torch').split('+')[0] != '$locked_torch')" 2>/dev/null
 # One node installs at a time: on Slurm every node shares the home (and so ORCH_VENV); the others then find the stamp.
 mkdir -p "$(dirname "$ORCH_VENV")"
 locked=
-if command -v flock >/dev/null 2>&1; then exec 9>"$ORCH_VENV.lock" && flock 9 && locked=1; fi
+if ! command -v flock >/dev/null 2>&1; then
+  say "no flock on this node: nodes that share $ORCH_VENV may install into it at once"
+elif ! { exec 9>"$ORCH_VENV.lock"; } 2>/dev/null; then
+  echo "[orch] setup: cannot write $ORCH_VENV.lock (the lock that lets one node install at a time): make" \
+    "$(dirname "$ORCH_VENV") writable by $(id -un), or set ORCH_VENV to a directory under a writable parent" >&2
+  exit 2
+else
+  flock 9 && locked=1
+fi
 if [ -f "$stamp" ]; then
   say "$ORCH_VENV already holds uv.lock's orch[$extras] (a reused cluster): nothing to install"
 else

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A recipe as a task for a Slurm cluster, for plain `sky launch` (no orch on the laptop):
+"""A recipe as a task for a Slurm cluster, for plain `sky launch` (no orch installed on the laptop):
 
     python3 scripts/on-slurm.py recipes/phi3_dpo_fsdp.yaml > /tmp/phi3_slurm.yaml
     sky launch /tmp/phi3_slurm.yaml --infra slurm/<cluster> -c my-run
@@ -7,38 +7,28 @@
 Every recipe mounts a cloud bucket at CHECKPOINT_ROOT (file_mounts, mode MOUNT_CACHED): durable checkpoints on a
 cloud, where a cluster's disks go with it. A Slurm cluster has no object store SkyPilot can mount, and `--env` cannot
 remove a mount, so this prints the same task without the bucket and with CHECKPOINT_ROOT on the cluster's shared file
-system instead (default `~/orch-checkpoints`: the login user's home, which Slurm's nodes share; `~` is that account's
-home on the nodes, not SkyPilot's per-cluster $HOME). Everything else (setup, run, envs, resources) is the recipe's.
-Needs only Python and PyYAML, which SkyPilot installs. `orch run --infra slurm/...` does the same by itself.
+system (default `~/orch-checkpoints`: the login account's home, which Slurm's nodes share; `~` is that account's home
+on the nodes, not SkyPilot's per-cluster $HOME). Everything else is the recipe's. It reads the repository's own
+orchestrator/launch/storage.py (standard library and PyYAML, which SkyPilot installs): nothing to install.
+`orch run --infra slurm/...` does the same by itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import yaml
 
-DEFAULT_ROOT = "~/orch-checkpoints"
-
-
-def for_slurm(task: dict, root: str = DEFAULT_ROOT) -> dict:
-    envs = dict(task.get("envs") or {})
-    mounted = str(envs.get("CHECKPOINT_ROOT") or "").rstrip("/")
-    mounts = {k: v for k, v in (task.get("file_mounts") or {}).items() if str(k).rstrip("/") != mounted}
-    out = {k: v for k, v in task.items() if k != "file_mounts"}
-    if mounts:
-        out["file_mounts"] = mounts
-    envs.pop("CHECKPOINT_BUCKET", None)
-    envs["CHECKPOINT_ROOT"] = root
-    out["envs"] = envs
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's orchestrator, not an installed one
+from orchestrator.launch.storage import SLURM_ROOT, slurm_task  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Print a recipe as a Slurm task (shared-filesystem checkpoints).")
     parser.add_argument("recipe", help="a recipe YAML, e.g. recipes/phi3_dpo_fsdp.yaml")
-    parser.add_argument("--checkpoint-root", default=DEFAULT_ROOT, help=f"a shared path (default {DEFAULT_ROOT})")
+    parser.add_argument("--checkpoint-root", default=SLURM_ROOT, help=f"a shared path (default {SLURM_ROOT})")
     args = parser.parse_args(argv)
     try:
         with open(args.recipe) as fh:
@@ -53,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sys.stdout.write(f"# {args.recipe} for a Slurm cluster (scripts/on-slurm.py): no bucket, checkpoints under "
                      f"{args.checkpoint_root}\n{header}")  # fmt: skip
-    sys.stdout.write(yaml.safe_dump(for_slurm(task, args.checkpoint_root), sort_keys=False, width=1000))
+    sys.stdout.write(yaml.safe_dump(slurm_task(task, args.checkpoint_root), sort_keys=False, width=1000))
     return 0
 
 

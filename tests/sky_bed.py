@@ -253,8 +253,10 @@ class SkyBed:
         CUDA torch, owned by the bed's user: node-setup.sh keeps its torch (ORCH_VENV) and installs the rest of
         uv.lock into it, offline, from the user's uv cache, filled here from this machine's (what `make install`
         downloaded)."""
-        image = self.root / "image"
+        image = self.root / "images" / "orch"  # its parent is the user's too: node-setup.sh locks ORCH_VENV.lock there
         if not (image / "bin" / "python").exists():
+            image.parent.mkdir(exist_ok=True)
+            shutil.chown(image.parent, USER, USER)
             uv = str(self.shims / "uv-real")
             subprocess.run([uv, "venv", "-q", "--seed", "--python", "/usr/bin/python3.11", str(image)], check=True)
             torch = self._locked("torch")

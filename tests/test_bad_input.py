@@ -18,7 +18,7 @@ BAD = [
     # flags and their values
     (["run", "phi3_dpo_fsdp", "--gpus", ""], "--gpus"),
     (["run", "phi3_dpo_fsdp", "--gpus", "A100:8:2"], "unknown accelerator 'A100:8'"),
-    (["run", "phi3_dpo_fsdp", "--gpus", "CPU:2"], "CPU processes are for --local"),
+    (["run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--smoke"], "--smoke trains the recipe's tiny model"),
     (["run", "phi3_dpo_fsdp", "--nodes", "-3"], "at least 1 node"),
     (["run", "phi3_dpo_fsdp", "--nodes", "20000"], "at most 16384 nodes"),
     (["run", "phi3_dpo_fsdp", "--nodes", "1.5"], "invalid int value"),

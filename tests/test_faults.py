@@ -316,7 +316,7 @@ BAD_INPUT = [
     (["run", "phi3_dpo_fsdp", "--local", "--gpus", "A100:2"], "--local runs CPU processes; use --gpus CPU:2"),
     (
         ["run", "phi3_dpo_fsdp", "--smoke"],
-        "--smoke, --fresh, --netns and --auto-fit are for runs on this machine: add --local",
+        "--smoke trains the recipe's tiny model: on this machine (--local) or on CPU nodes (--gpus none)",
     ),
     (["run", "phi3_dpo_fsdp", "--local", "--managed"], "are for SkyPilot launches, not --local"),
     (["run", "phi3_dpo_fsdp", "--cluster", "bad name!"], "--cluster 'bad name!'"),

@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,36 @@ def test_on_slurm_drops_the_bucket_and_roots_checkpoints_on_the_shared_home(tmp_
     bad = subprocess.run([sys.executable, "scripts/on-slurm.py", "nowhere.yaml"], cwd=ROOT, capture_output=True,
                          text=True)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("on-slurm: error: nowhere.yaml:")
+
+
+@pytest.mark.root
+def test_setup_stops_with_one_line_when_it_cannot_take_the_install_lock():
+    # Nodes that share ORCH_VENV (a Slurm home) install one at a time under ORCH_VENV.lock. A user who cannot write
+    # that lock is told so before anything is installed, instead of two nodes racing into one environment.
+    if os.geteuid() != 0:
+        pytest.fail("this test runs as root (CI does): it runs the setup as the user nobody")
+    base = Path(tempfile.mkdtemp(prefix="orch-lock-", dir="/var/tmp"))
+    try:
+        base.chmod(0o755)
+        home = base / "home"
+        home.mkdir(mode=0o777)
+        home.chmod(0o777)
+        (base / "image").mkdir()  # root's: nobody cannot write image.lock beside it
+        project = base / "repo"
+        project.mkdir()
+        for name in ("uv.lock", "pyproject.toml"):
+            shutil.copy(ROOT / name, project)
+        shutil.copytree(ROOT / "scripts", project / "scripts")
+        env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(home),
+               "ORCH_HOME": str(home / ".orch"), "ORCH_VENV": str(base / "image" / "venv")}  # fmt: skip
+        done = subprocess.run(["runuser", "-u", "nobody", "--", "env", *[f"{k}={v}" for k, v in env.items()], "bash",
+                               "scripts/node-setup.sh", "train"], cwd=project, capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stderr.strip().splitlines() == [
+            f"[orch] setup: cannot write {base}/image/venv.lock (the lock that lets one node install at a time): make "
+            f"{base}/image writable by nobody, or set ORCH_VENV to a directory under a writable parent"
+        ]
+        assert not (base / "image" / "venv").exists()
+    finally:
+        shutil.rmtree(base)

@@ -140,7 +140,7 @@ def test_cluster_commands_map_to_cluster_calls(in_project, fake, capsys):
         (["--gpus", "A100:0"], "must be a positive integer"),
         (["--gpus", "A100:x"], "is not a whole number"),
         (["--nodes", "0"], "at least 1 node"),
-        (["--gpus", "CPU:2"], "CPU processes are for --local"),
+        (["--gpus", "A100:8", "--fresh"], "--fresh, --netns and --auto-fit are for runs on this machine"),
         (["--cluster", "bad name!"], "--cluster 'bad name!'"),
         (["--nodes", "3"], "GLOBAL_BATCH_SIZE=64 is not a multiple"),
     ],
@@ -510,3 +510,52 @@ def test_orch_plan_prices_nodes_from_skypilots_catalog_on_this_machine(tmp_path)
     bare = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**env, "SKY_RUNTIME_DIR": str(tmp_path / "empty")})  # fmt: skip
     assert "$/h: SkyPilot's catalog is not on this machine" in bare.stdout, bare.stdout
+
+
+def test_a_cpu_slurm_launch_drops_the_bucket_and_smokes_on_the_nodes(in_project, fake, capsys):
+    """`orch run ... --infra slurm/NAME --gpus none --smoke`: CPU nodes (no accelerator asked for), the tiny model
+    built on the nodes (ORCH_SMOKE), and checkpoints on the cluster's shared home instead of a bucket no Slurm
+    cluster can mount (as scripts/on-slurm.py prints for plain `sky launch`)."""
+    argv = ["run", "phi3_dpo_fsdp", "--infra", "slurm/bed", "--nodes", "2", "--gpus", "none", "--smoke", "--detach",
+            "-y", "--no-rehearsal"]  # fmt: skip
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    _, task, kw = fake.calls[0]
+    # SkyPilot cannot stop a Slurm allocation (autostop needs a Pyxis container): the idle cluster is torn down
+    assert (kw["idle_minutes_to_autostop"], kw["down"]) == (10, True)
+    assert "its Slurm allocation ends after 10 idle minutes" in capsys.readouterr().out
+    (resources,) = list(task.resources)
+    assert not resources.accelerators and str(resources.cloud) == "Slurm"
+    assert not task.storage_mounts and not task.file_mounts
+    assert task.envs["CHECKPOINT_ROOT"] == "~/orch-checkpoints" and "CHECKPOINT_BUCKET" not in task.envs
+    assert (task.envs["ORCH_DEVICE"], task.envs["ORCH_GPUS_PER_NODE"], task.envs["ORCH_SMOKE"]) == ("cpu", "1", "on")
+    (record,) = run_files(in_project)
+    assert "file_mounts" not in yaml.safe_load(record.read_text())
+
+
+@pytest.mark.parametrize("history", [["NotSupportedError"], ["ResourcesUnavailableError", "NotSupportedError"], []])
+def test_a_failed_provisioning_quotes_its_first_failure_that_was_not_about_capacity(history):
+    # Through the API server the error comes back by SkyPilot's own (de)serializer, failover history included.
+    from sky import exceptions
+
+    from orchestrator.launch.backends.sky import sdk_error
+
+    causes = {
+        "NotSupportedError": exceptions.NotSupportedError(
+            "The following features are not supported by Slurm:\n\tFeature Reason\n\tautostop  Autostop is "
+            "supported only for container clusters on Slurm clusters with Pyxis installed."
+        ),
+        "ResourcesUnavailableError": exceptions.ResourcesUnavailableError("No capacity in us-east-1a"),
+    }
+    raised = exceptions.ResourcesUnavailableError(
+        "Failed to provision all possible launchable resources.", failover_history=[causes[n] for n in history]
+    )
+    came = exceptions.deserialize_exception(exceptions.serialize_exception(raised))
+    line = str(sdk_error("launch (sky launch)", came))
+    assert "\n" not in line
+    if "NotSupportedError" in history:
+        assert line.startswith("SkyPilot launch (sky launch) failed: NotSupportedError: The following features are not "
+                               "supported by Slurm: Feature Reason autostop Autostop is supported only for container")  # fmt: skip
+        assert "no capacity" not in line and "lacks a feature" in line
+    else:
+        assert line.startswith("SkyPilot launch (sky launch) failed: ResourcesUnavailableError: Failed to provision")
+        assert "no capacity or quota" in line

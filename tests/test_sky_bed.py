@@ -66,7 +66,7 @@ def test_plain_sky_launch_runs_the_recipe_on_two_slurm_nodes(bed, tmp_path):
     task.write_text(made.stdout)
     result = launch(bed, str(task), "--infra", f"slurm/{bed.name}", "--gpus", "none", "--num-nodes", "2", "-c", "phi3",
                     "-y", "--env", "ORCH_DEVICE=cpu", "--env", "ORCH_SMOKE=on", "--env",
-                    f"ORCH_VENV={bed.root / 'image'}")  # fmt: skip
+                    f"ORCH_VENV={bed.orch_image()}")  # fmt: skip
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-6000:]
     assert "Job finished (status: SUCCEEDED)" in out
@@ -92,3 +92,37 @@ def test_plain_sky_launch_runs_the_recipe_on_two_slurm_nodes(bed, tmp_path):
     assert down.returncode == 0, down.stdout + down.stderr
     assert "phi3" not in bed.sky("status").stdout
     assert bed.cluster.run("squeue", "-h").stdout.strip() == ""  # the cluster's Slurm job is gone with it
+
+
+def test_orch_run_through_skypilots_sdk_and_its_commands_act_on_real_state(bed, tmp_path):
+    """`orch run --infra slurm/... --gpus none --smoke` through SkyPilot's SDK and API server: it launches, follows
+    the logs, records the run; `orch status`, `orch logs`, `orch down` answer from SkyPilot."""
+    import shutil
+
+    project = tmp_path / "repo"
+    shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(".venv", ".git", "outputs", "sky_jobs", "__pycache__",
+                                                                  ".mypy_cache", "*.egg-info", "build"))  # fmt: skip
+    env = {**bed.env, "ORCH_REHEARSAL": "off"}  # the head node rehearses in its setup, as ever
+
+    def orch(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator", *argv], cwd=project, env=env, capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
+
+    run = orch("run", "phi3_dpo_fsdp", "--infra", f"slurm/{bed.name}", "--nodes", "2", "--gpus", "none", "--smoke",
+               "--cluster", "orch1", "-y", "--env", f"ORCH_VENV={bed.orch_image()}")  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-6000:]
+    assert "[orch] step 8/8 loss=" in out and "running FSDP2 over gloo" in out
+    assert "[orch] rehearsed 2 role(s) of 2 rank(s)" in out  # the head's setup
+    (record,) = sorted((project / "sky_jobs").glob("*.yaml"))
+    text = record.read_text()
+    assert "# platform: sky" in text and "# cluster: orch1" in text and "# job_id: 1" in text
+    assert "CHECKPOINT_ROOT: ~/orch-checkpoints" in text and "file_mounts" not in text
+    status = orch("status", record.stem)
+    assert status.returncode == 0 and "cluster UP" in status.stdout, status.stdout + status.stderr
+    logs = orch("logs", record.stem)
+    assert logs.returncode == 0 and "[orch] step 8/8" in logs.stdout, logs.stdout[-2000:] + logs.stderr[-2000:]
+    down = orch("down", record.stem)
+    assert down.returncode == 0 and "tore down cluster orch1" in down.stdout, down.stdout + down.stderr
+    assert "# state: down" in record.read_text()
+    assert bed.cluster.run("squeue", "-h").stdout.strip() == ""

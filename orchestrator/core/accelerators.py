@@ -99,8 +99,11 @@ def from_resources(value) -> Gpus | None:
 
 
 def parse(value: str) -> Gpus:
-    """`A100:8`, `A100` (1 device), `8` (count only), `CPU:2` (local processes per node)."""
+    """`A100:8`, `A100` (1 device), `8` (count only), `CPU:2` (CPU processes per node), `none` (CPU nodes: one process
+    each, as SkyPilot's `--gpus none`)."""
     text = value.strip()
+    if text.lower() == "none":
+        return Gpus(CPU, 1)
     name: str | None
     name, sep, count_text = text.rpartition(":")
     if not sep:

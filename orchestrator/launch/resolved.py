@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 from orchestrator.core import configs, overrides, trl_schema
-from orchestrator.core.accelerators import Gpus
+from orchestrator.core.accelerators import CPU, Gpus
 from orchestrator.core.errors import OrchError
 from orchestrator.launch.recipe import Recipe
 
@@ -45,8 +45,9 @@ class Launch:
     """Names of the secrets the run gets (values never live here)."""
     resources: Mapping[str, object] = dataclasses.field(default_factory=dict)
     """Extra SkyPilot resources fields orch sets (use_spot, network_tier)."""
-    mounts: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    """Extra SkyPilot file_mounts orch adds (a --data file): path on the nodes -> path here."""
+    mounts: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    """SkyPilot file_mounts orch adds (a --data file: path on the nodes -> path here) or drops (None: a recipe's
+    bucket on a Slurm cluster, which has no object store)."""
     hooks: tuple[Mapping[str, object], ...] = ()
     """Task-level config.hooks orch adds (the preemption hook of spot and managed launches)."""
 
@@ -95,14 +96,20 @@ class Launch:
         task["num_nodes"] = self.nodes
         resources = dict(task.get("resources") or {})
         if self.gpus is not None and not recipe_accelerators:
-            resources["accelerators"] = str(self.gpus)
+            if self.gpus.name == CPU:  # CPU nodes (`--gpus none`): no accelerator to ask SkyPilot for
+                resources.pop("accelerators", None)
+            else:
+                resources["accelerators"] = str(self.gpus)
         resources.update(self.resources)
         task["resources"] = resources
         task["envs"] = self.env()
         if self.secrets:
             task["secrets"] = {name: None for name in self.secrets}
         if self.mounts:
-            task["file_mounts"] = {**(task.get("file_mounts") or {}), **self.mounts}
+            mounts = {**(task.get("file_mounts") or {}), **self.mounts}
+            task["file_mounts"] = {k: v for k, v in mounts.items() if v is not None}
+            if not task["file_mounts"]:
+                del task["file_mounts"]
         if self.hooks:
             config = dict(task.get("config") or {})
             config["hooks"] = [*(config.get("hooks") or []), *(copy.deepcopy(dict(h)) for h in self.hooks)]

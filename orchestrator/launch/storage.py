@@ -32,12 +32,40 @@ def _expand(value: str, envs: Mapping[str, str]) -> str:
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: str(envs.get(m.group(1) or m.group(2), m.group(0))), value)
 
 
+SLURM_ROOT = "~/orch-checkpoints"
+"""Where checkpoints go on a Slurm cluster: the account's home, which the nodes share (the node reads `~` as the
+account's home, not SkyPilot's per-cluster $HOME there)."""
+
+
+def on_slurm(task: Mapping) -> bool:
+    infra = str((task.get("resources") or {}).get("infra") or "")
+    return infra == "slurm" or infra.startswith("slurm/")
+
+
+def slurm_task(task: Mapping, root: str = SLURM_ROOT) -> dict:
+    """A recipe's task for a Slurm cluster: no object store there to mount (and `--env` cannot remove a mount), so the
+    bucket mounted at CHECKPOINT_ROOT goes and CHECKPOINT_ROOT moves to the shared home (scripts/on-slurm.py prints
+    it for plain `sky launch`; `orch run --infra slurm/...` applies it)."""
+    envs = dict(task.get("envs") or {})
+    mounted = str(envs.get("CHECKPOINT_ROOT") or "").rstrip("/")
+    mounts = {k: v for k, v in (task.get("file_mounts") or {}).items() if not mounted or str(k).rstrip("/") != mounted}
+    out = {k: v for k, v in task.items() if k != "file_mounts"}
+    if mounts:
+        out["file_mounts"] = mounts
+    envs.pop("CHECKPOINT_BUCKET", None)
+    envs["CHECKPOINT_ROOT"] = root
+    out["envs"] = envs
+    return out
+
+
 def durable_checkpoints(task: Mapping) -> str | None:
     """What holds CHECKPOINT_ROOT beyond the cluster ("bucket X mounted at /checkpoints"), or None."""
     envs = {k: "" if v is None else str(v) for k, v in (task.get("envs") or {}).items()}
     root = envs.get("CHECKPOINT_ROOT", "").strip()
     if not root:
         return None
+    if on_slurm(task) and (root == "~" or root.startswith(("~/", "/"))) and not root.startswith("/tmp"):
+        return f"the Slurm cluster's shared file system at {root}"
     for dst, src in (task.get("file_mounts") or {}).items():
         if not _under(root, str(dst)) or not isinstance(src, Mapping):
             continue

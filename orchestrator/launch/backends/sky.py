@@ -38,6 +38,7 @@ FIXES = {
     "ClusterDoesNotExist": "the cluster is gone (torn down or autostopped away): nothing to do there",
     "ClusterOwnerIdentityMismatchError": "the cluster belongs to another cloud identity: switch with `sky check`",
     "ManagedJobStatusError": "the managed job is in a state that does not allow this: `orch status` shows it",
+    "NotSupportedError": "this infra lacks a feature the launch asks for (SkyPilot's reason above)",
     "PermissionDeniedError": "your SkyPilot user may not do this in that workspace",
     "NetworkError": "the network to the API server or the cloud failed: retry",
     "ServerTemporarilyUnavailableError": "the API server is busy or restarting: retry in a minute",
@@ -52,7 +53,13 @@ def _reason(exc: BaseException) -> str:
 
 
 def sdk_error(what: str, exc: Exception) -> OrchError:
-    """One line for a failed SDK call: what failed, SkyPilot's reason, and the fix for its kind of failure."""
+    """One line for a failed SDK call: what failed, SkyPilot's reason, and the fix for its kind of failure. A failed
+    provisioning (ResourcesUnavailableError) quotes the first failure that was not about capacity, when there was
+    one: "no capacity" would send the user after quota for an unsupported feature or a refused request."""
+    causes = [c for c in getattr(exc, "failover_history", None) or [] if isinstance(c, Exception)]
+    first = next((c for c in causes if type(c).__name__ != "ResourcesUnavailableError"), None)
+    if first is not None:
+        exc = first
     name = type(exc).__name__
     fix = next((FIXES[n] for n in [c.__name__ for c in type(exc).__mro__] if n in FIXES), "")
     if not fix and isinstance(exc, (ConnectionError, TimeoutError)):

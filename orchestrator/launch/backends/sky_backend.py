@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from orchestrator.core.accelerators import CPU
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
 from orchestrator.launch.placement import DEFAULT_IDLE_MINUTES
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from orchestrator.launch.backends import RunOptions, RunRequest, SkyOptions
     from orchestrator.launch.resolved import Launch
 
-LOCAL_ONLY = ("smoke", "fresh", "netns", "auto_fit")
+LOCAL_ONLY = ("fresh", "netns", "auto_fit")
 
 
 class SkyBackend:
@@ -27,22 +28,31 @@ class SkyBackend:
     # ------------------------------------------------------------ launch
 
     def run(self, request: RunRequest) -> int:
-        from orchestrator.core.accelerators import CPU
         from orchestrator.core.accelerators import parse as parse_gpus
         from orchestrator.launch.resolved import resolve
 
         options = request.options
         if any(getattr(options.local, name) for name in LOCAL_ONLY):
-            raise OrchError("--smoke, --fresh, --netns and --auto-fit are for runs on this machine: add --local")
+            raise OrchError("--fresh, --netns and --auto-fit are for runs on this machine: add --local")
         gpus = parse_gpus(options.gpus) if options.gpus is not None else None
-        if gpus and gpus.name == CPU:
-            raise OrchError(f"--gpus {options.gpus}: CPU processes are for --local; on a cloud give a GPU, e.g. A100:8")
+        cpus = gpus.count if gpus is not None and gpus.name == CPU else 0  # CPU nodes (`--gpus none`, CPU:N)
+        cpu = cpus > 0
+        if options.local.smoke and not cpu:
+            raise OrchError(
+                "--smoke trains the recipe's tiny model: on this machine (--local) or on CPU nodes (--gpus none); "
+                "GPU nodes train the recipe's model"
+            )
+        envs = dict(request.envs)
+        if cpu:  # the nodes run CPU processes (ORCH_GPUS_PER_NODE of them); with --smoke they build the tiny model
+            envs.update(ORCH_DEVICE="cpu", ORCH_GPUS_PER_NODE=str(cpus))
+            if options.local.smoke:
+                envs["ORCH_SMOKE"] = "on"
         data_file = None
         if request.data:
             from orchestrator.launch import data
 
             data_file = data.use(request.data, request.recipe.trainer, False, False, request.overrides)
-        launch = resolve(request.recipe, nodes=options.nodes, gpus=gpus, envs=request.envs,
+        launch = resolve(request.recipe, nodes=options.nodes, gpus=gpus, envs=envs,
                          trl_overrides=request.overrides, secrets=request.secrets)  # fmt: skip
         if launch.gpus is None or launch.gpus.name is None:
             example = f"--gpus A100:{gpus.count}" if gpus else "--gpus A100:8"
@@ -126,6 +136,14 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
 
     flags = options.sky
     launch = launch.replace(resources=placement.resources(flags, launch))
+    task = launch.task()
+    slurm = storage.on_slurm(task)
+    if slurm:  # no object store to mount: checkpoints on the cluster's shared home (as on-slurm.py)
+        root = user_envs.get("CHECKPOINT_ROOT") or storage.SLURM_ROOT
+        kept = storage.slurm_task(task, root).get("file_mounts") or {}
+        dropped = {str(k): None for k in task.get("file_mounts") or {} if k not in kept}
+        envs = {**{k: v for k, v in launch.envs.items() if k != "CHECKPOINT_BUCKET"}, "CHECKPOINT_ROOT": root}
+        launch = launch.replace(envs=envs, mounts={**launch.mounts, **dropped})
     bucket, note = launch.envs.get("CHECKPOINT_BUCKET", ""), ""
     if "CHECKPOINT_BUCKET" not in user_envs and storage.shipped_bucket(bucket):
         mine = storage.personal_bucket(launch.recipe.name, storage.user_id())
@@ -141,7 +159,8 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
     if flags.managed or flags.spot:
         launch = placement.preemption_hook(launch)
     # Batch math, parallelism, memory and env errors surface here, before anything is sent.
-    checked = check(launch)
+    cpu_nodes = launch.gpus is not None and launch.gpus.name == CPU
+    checked = check(launch, device="cpu" if cpu_nodes else "gpu")
     task = launch.task()  # a view for the checks below; the task sent is rendered last, from the final launch
     nodes = launch.nodes
     reasons = {"a managed job's recovery": flags.managed, f"a run on {nodes} nodes": nodes > 1,
@@ -194,7 +213,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         f"{'managed job' if flags.managed else f'cluster {cluster}'}; recorded in {path}",
         flush=True,
     )
-    idle = _say_autostop(flags, cluster, run)
+    idle, down = _say_autostop(flags, cluster, run, slurm)
 
     def submitted(meta: dict) -> None:
         record.meta.update(meta)
@@ -203,7 +222,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
 
     try:
         return sky.launch(task, secret_values, run=run, managed=flags.managed, cluster=cluster, idle_minutes=idle,
-                          down=flags.down, detach=flags.detach, on_submitted=submitted)  # fmt: skip
+                          down=down, detach=flags.detach, on_submitted=submitted)  # fmt: skip
     except OrchError as exc:
         if record.state is RunState.LAUNCHING:  # never submitted: the record says why
             record.set_state(RunState.FAILED_TO_LAUNCH, error=str(exc))
@@ -221,11 +240,30 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         raise
 
 
-def _say_autostop(flags: SkyOptions, cluster: str, run: str) -> int | None:
-    """The cluster's autostop in idle minutes (None: none), said as it will happen."""
-    idle = flags.idle_minutes
+def _say_autostop(flags: SkyOptions, cluster: str, run: str, slurm: bool) -> tuple[int | None, bool]:
+    """The cluster's autostop in idle minutes (None: none) and whether it is torn down then, said as it will happen.
+    A Slurm allocation cannot be stopped (SkyPilot 0.14: autostop needs a Pyxis container there), only ended: on
+    Slurm the idle cluster is torn down instead, which loses nothing there (the home and the checkpoints are on the
+    cluster's shared file system; a relaunch finds the environment installed)."""
+    idle, down = flags.idle_minutes, flags.down
     if flags.managed:  # SkyPilot owns a managed job's cluster and ends it with the job
-        return idle
+        return idle, down
+    if idle is None and not down and not flags.keep_up:
+        idle = DEFAULT_IDLE_MINUTES
+    if slurm and idle is not None and not down:
+        down = True
+        print(f"[orch] cluster {cluster}: its Slurm allocation ends after {idle} idle minutes (SkyPilot cannot "
+              "stop one: the shared home keeps the environment and the checkpoints; --keep-up keeps it)",
+              flush=True)  # fmt: skip
+    elif down:
+        after = f"after {idle} idle minutes" if idle is not None else "when the job ends"
+        print(f"[orch] cluster {cluster}: torn down {after} (--down)", flush=True)
+    elif idle is not None:
+        print(f"[orch] cluster {cluster}: stops by itself after {idle} idle minutes (autostop; --down tears it "
+              "down instead, --keep-up keeps it up)", flush=True)  # fmt: skip
+    else:
+        print(f"[orch] cluster {cluster}: kept up after the job (--keep-up): `orch down {run}` ends it", flush=True)
+    return idle, down
     if idle is None and not flags.down and not flags.keep_up:
         idle = DEFAULT_IDLE_MINUTES
     if flags.down:
