@@ -68,7 +68,10 @@ class FakeSky(types.ModuleType):
         return self._request(("queue", None, {"cluster_name": cluster_name}), jobs)
 
     def status(self, cluster_names=None, **kw):
-        clusters = self.clusters if hasattr(self, "clusters") else [{"status": "ClusterStatus.UP"}]
+        # as SkyPilot answers (tests/test_sky_bed.py compares the shapes): name, status, autostop minutes, to_down
+        name = (cluster_names or ["c1"])[0]
+        default = [{"name": name, "status": "ClusterStatus.UP", "autostop": -1, "to_down": False}]
+        clusters = [{"name": name, **c} for c in self.clusters] if hasattr(self, "clusters") else default
         return self._request(("status", None, {"cluster_names": cluster_names}), clusters)
 
     def cancel(self, cluster_name, job_ids=None, **kw):
@@ -79,3 +82,42 @@ class FakeSky(types.ModuleType):
 
     def names(self) -> list[str]:
         return [call[0] for call in self.calls]
+
+
+# What orch reads from each answer (launch/backends/sky.py): the fake must answer with the same fields and kinds.
+READ = {
+    "status": ("name", "status", "autostop", "to_down"),
+    "queue": ("job_id", "status"),
+}
+
+
+def kind(value) -> str:
+    """A value's shape as orch reads it: a SkyPilot status by its enum's name, else its Python type."""
+    import re
+
+    if value is None:
+        return "missing"
+    text = str(value)
+    if re.fullmatch(r"[A-Za-z]+Status\.[A-Z_]+", text):
+        return text.split(".")[0]
+    return type(value).__name__
+
+
+def shapes(sky, cluster: str) -> dict:
+    """The shapes of SkyPilot's answers about a cluster with a finished job: `sky status`, `sky queue` and the exit
+    code of `sky logs`. Run against the real SDK (tests/test_sky_bed.py) and against FakeSky: they must agree."""
+    import io
+
+    def fields(items, what):
+        item = list(items)[0]
+        get = item.get if isinstance(item, dict) else lambda name: getattr(item, name, None)
+        return {name: kind(get(name)) for name in READ[what]}
+
+    out = {
+        "status": fields(sky.get(sky.status(cluster_names=[cluster])), "status"),
+        "queue": fields(sky.get(sky.queue(cluster, skip_finished=False)), "queue"),
+    }
+    job = sky.get(sky.queue(cluster, skip_finished=False))[0]
+    job_id = job.get("job_id") if isinstance(job, dict) else job.job_id
+    out["logs"] = kind(sky.tail_logs(cluster, job_id, follow=False, tail=5, output_stream=io.StringIO()))
+    return out

@@ -371,6 +371,10 @@ def main() -> int:
   sky launch /tmp/phi3_slurm.yaml --infra slurm/{bed.name} --gpus none --num-nodes 2 -c phi3 -y \\
       --env ORCH_DEVICE=cpu --env ORCH_SMOKE=on --env ORCH_VENV={image}
   sky queue phi3; sky logs phi3 1 --no-follow; sky down phi3 -y
+and orch, through the same API server:
+  orch run phi3_dpo_fsdp --infra slurm/{bed.name} --nodes 2 --gpus none --smoke --cluster o1 -y --detach \
+      --env ORCH_VENV={image} max_steps=40
+  orch status; orch logs RUN --follow; orch cancel RUN; orch run --resume RUN -y; orch down RUN
 (a SkyPilot cluster holds its Slurm nodes until `sky down`: the bed has two)
 """, flush=True)  # fmt: skip
         try:
@@ -378,7 +382,8 @@ def main() -> int:
         except (EOFError, KeyboardInterrupt):
             pass
         print("[bed] taking it down ...", flush=True)
-    print("[bed] down: no process, namespace or user of the bed is left", flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    print(f"[bed] down: no process, namespace, user or file of the bed is left ({root} removed)", flush=True)
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -184,7 +185,45 @@ class SlurmCluster:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _kill_stragglers(self) -> None:
+        """Every process still inside one of the cluster's namespaces (a step's slurmstepd that outlived its slurmd,
+        what it ran): found by network namespace, killed by PID, until none is left."""
+        mine = set()
+        for ns in self.network.namespaces:
+            try:
+                mine.add(os.stat(f"/run/netns/{ns}").st_ino)
+            except FileNotFoundError:
+                continue
+        deadline = time.monotonic() + 20
+        while mine and time.monotonic() < deadline:
+            left = []
+            for entry in os.listdir("/proc"):
+                if not entry.isdigit():
+                    continue
+                try:
+                    if os.stat(f"/proc/{entry}/ns/net").st_ino in mine:
+                        left.append(int(entry))
+                except (FileNotFoundError, ProcessLookupError, PermissionError):
+                    continue
+            if not left:
+                return
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.2)
+
     def close(self) -> None:
+        # A job left running (a failed test, a SkyPilot cluster not taken down) is cancelled first: its slurmstepd
+        # processes would outlive slurmd, reparented to init.
+        if self.daemons and all(proc.poll() is None for proc in self.daemons):
+            jobs = self.run("squeue", "-h", "-o", "%i", timeout=30).stdout.split()
+            if jobs:
+                self.run("scancel", *jobs, timeout=30)
+                deadline = time.monotonic() + 20
+                while self.run("squeue", "-h", timeout=30).stdout.strip() and time.monotonic() < deadline:
+                    time.sleep(0.5)
         for proc in reversed(self.daemons):
             proc.terminate()
         for proc in self.daemons:
@@ -195,4 +234,5 @@ class SlurmCluster:
         if self.munged is not None:
             self.munged.terminate()
             self.munged.wait(timeout=15)
+        self._kill_stragglers()
         self.network.close()

@@ -156,3 +156,42 @@ def test_checkpoint_root_under_home_is_the_accounts_home_and_orch_smoke_uses_the
     assert node_exec.node_env({**RECIPE, "CHECKPOINT_ROOT": "/shared/ckpt"})["CHECKPOINT_ROOT"] == "/shared/ckpt"
     with pytest.raises(OrchError, match="ORCH_SMOKE='maybe': ORCH_SMOKE takes on or off"):
         node_exec.node_env({**RECIPE, "ORCH_SMOKE": "maybe"})
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"ORCH_RUN_ID": "phi3-dpo-fsdp-1123", "SKYPILOT_TASK_ID": "sky-2026-11-23_c1_2"}, "phi3-dpo-fsdp-1123"),
+        ({"SKYPILOT_TASK_ID": "sky-2026-11-23-22-05-18-465711_phi3_1"}, "sky-2026-11-23-22-05-18-465711_phi3_1"),
+        ({"SLURM_JOB_ID": "4242"}, "slurm-4242"),
+        ({}, ""),
+    ],
+)
+def test_the_run_id_that_keys_checkpoints_is_orchs_name_first(env, expected):
+    # orch's run name survives a relaunch (`orch run --resume`); SkyPilot's task id is new at every `sky launch`
+    assert node_env_module.run_id(env) == expected
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", ".hidden", "a b", "x" * 129, "run;rm -rf ~"])
+def test_a_run_id_that_is_no_plain_directory_name_is_refused(bad):
+    with pytest.raises(OrchError, match="keys a checkpoint directory"):
+        node_env_module.run_id({"ORCH_RUN_ID": bad})
+    args = {**RECIPE, **skypilot(2, 8, 0), "CHECKPOINT_ROOT": "/ckpt", "ORCH_RUN_ID": bad}
+    with pytest.raises(OrchError, match="keys a checkpoint directory"):
+        node.plan(args, FSDP, TRL)
+
+
+def test_smoke_on_a_node_keeps_the_runs_own_schedule_and_the_tiny_artifacts(monkeypatch, tmp_path):
+    # `orch run --gpus none --smoke max_steps=400` reaches the node as TRL_OVERRIDES: the run's length and saves are
+    # its own (as with --local --smoke); the model, data and batch stay the tiny ones even where the recipe set them.
+    from orchestrator.core import overrides, smoke
+    from orchestrator.node import exec as node_exec
+
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(smoke, "ensure", lambda artifacts: None)  # the build itself is tested by the smoke runs
+    given = "max_steps=400 save_steps=20 dataset_name=/mine per_device_train_batch_size=4 max_length=2048"
+    words = overrides.loads(node_exec.smoke_env({**RECIPE, "TRL_OVERRIDES": given})["TRL_OVERRIDES"])
+    assert (words["max_steps"], words["save_steps"]) == ("400", "20") and words["max_length"] != "2048"
+    assert words["dataset_name"].startswith(str(tmp_path)) and words["per_device_train_batch_size"] == "1"
+    plain = overrides.loads(node_exec.smoke_env(dict(RECIPE))["TRL_OVERRIDES"])
+    assert (plain["max_steps"], plain["save_steps"]) == (str(smoke.STEPS), "4")

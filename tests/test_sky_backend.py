@@ -559,3 +559,72 @@ def test_a_failed_provisioning_quotes_its_first_failure_that_was_not_about_capac
     else:
         assert line.startswith("SkyPilot launch (sky launch) failed: ResourcesUnavailableError: Failed to provision")
         assert "no capacity or quota" in line
+
+
+def test_resume_relaunches_the_recorded_task_under_the_same_run_id(in_project, fake, capsys, monkeypatch):
+    """`orch run --resume RUN` sends the recorded task again, unchanged, to the run's cluster: ORCH_RUN_ID (the run's
+    name) keys the checkpoints, so the trainer finds its last one; the record is the same file with the new job id."""
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    assert cli.main(["run", "phi3_dpo_fsdp", "--nodes", "2", "--secret", "HF_TOKEN", "--cluster", "c1", "-y"]) == 0
+    (record,) = run_files(in_project)
+    run = record.stem
+    _, first, _ = fake.calls[0]
+    assert first.envs["ORCH_RUN_ID"] == run
+    # still running: refused, nothing sent
+    capsys.readouterr()
+    assert cli.main(["run", "--resume", run, "-y"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == f"orch: error: run {run} is cluster UP: `orch cancel {run}` stops it first (its last checkpoint is " \
+                   f"kept), `orch logs {run} --follow` follows it"  # fmt: skip
+    assert cli.main(["cancel", run]) == 0
+    fake.calls.clear()
+    assert cli.main(["run", "--resume", run[:12], "-y", "--detach"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert f"[orch] run {run}: relaunch 1, resuming from its last checkpoint (/checkpoints/{run})" in out
+    (name, again, kw) = fake.calls[0]
+    assert name == "launch" and kw["cluster_name"] == "c1" and (kw["idle_minutes_to_autostop"], kw["down"]) == (10, False)
+    assert again.envs == first.envs and again.secrets["HF_TOKEN"].get_secret_value() == SECRET
+    assert [r.accelerators for r in again.resources] == [r.accelerators for r in first.resources]
+    assert again.num_nodes == 2
+    text = record.read_text()
+    assert "# relaunches: 1" in text and "# job_id: 7" in text and "# state: submitted" in text
+    assert SECRET not in text and run_files(in_project) == [record]
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["phi3_dpo_fsdp"], "drop the recipe"),
+        (["lr=1e-5"], "drop key=value words"),
+        (["--gpus", "H100:8", "--nodes", "4"], "drop --gpus, --nodes"),
+        (["--local"], "drop --local"),
+        (["--env", "A=1", "--managed"], "drop --env, --managed"),
+        (["--secret", "WANDB_API_KEY=x"], "--secret WANDB_API_KEY: the recorded run has no such secret (it has HF_TOKEN)"),
+        (["--keep-up", "--down"], "--keep-up keeps the cluster up"),
+    ],
+)
+def test_resume_refuses_what_would_change_the_run(in_project, fake, capsys, monkeypatch, argv, says):
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    assert cli.main(["run", "phi3_dpo_fsdp", "--secret", "HF_TOKEN", "-y"]) == 0
+    (record,) = run_files(in_project)
+    assert cli.main(["cancel", record.stem]) == 0
+    before, calls = record.read_text(), len(fake.calls)
+    capsys.readouterr()
+    assert cli.main(["run", "--resume", record.stem, "-y", *argv]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert says in line, line
+    assert record.read_text() == before and len(fake.calls) == calls
+
+
+def test_resume_refuses_a_run_keyed_by_skypilots_task_id_and_a_local_run(in_project, fake, capsys):
+    assert cli.main(["run", "phi3_dpo_fsdp", "-y"]) == 0
+    (record,) = run_files(in_project)
+    assert cli.main(["cancel", record.stem]) == 0
+    record.write_text(record.read_text().replace(f"ORCH_RUN_ID: {record.stem}\n", ""))  # a record from before
+    capsys.readouterr()
+    assert cli.main(["run", "--resume", record.stem, "-y"]) == 2
+    assert "keyed its checkpoints by SkyPilot's task id" in capsys.readouterr().err
+    assert cli.main(["run", "--resume", "no-such-run", "-y"]) == 2
+    assert "no run 'no-such-run'" in capsys.readouterr().err
+    assert cli.main(["run", "phi3_dpo_fsdp", "--env", "ORCH_RUN_ID=mine", "-y"]) == 2
+    assert "--env ORCH_RUN_ID: orch sets it to the run's name" in capsys.readouterr().err

@@ -6,9 +6,12 @@ on two Slurm nodes: one world of two ranks, FSDP2 over gloo."""
 import importlib
 import inspect
 import json
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -37,9 +40,12 @@ def bed():
     if why:
         pytest.skip(f"the SkyPilot bed {why}")
     root = Path(tempfile.mkdtemp(prefix=Path(BED_HOMES).name + "-", dir=Path(BED_HOMES).parent))
-    with SkyBed(root) as made:
-        made.orch_image()
-        yield made
+    try:
+        with SkyBed(root) as made:
+            made.orch_image()
+            yield made
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # its homes, image and checkpoints (GBs): the uv cache is shared
     # teardown left nothing: no process of the bed's user, no namespace, no user
     import pwd
 
@@ -50,6 +56,10 @@ def bed():
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not [n for n in namespaces.split() if n in made.cluster.network.namespaces]
     assert not made._user_pids()
+    # nor a job step's slurmstepd (root's, reparented to init when its slurmd stops): the suite runs Slurm tests one
+    # at a time (xdist_group "slurm"), so any here is this bed's
+    steps = subprocess.run(["pgrep", "-a", "-x", "slurmstepd"], capture_output=True, text=True).stdout.strip()
+    assert not steps, steps
 
 
 def launch(bed, *argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -95,9 +105,10 @@ def test_plain_sky_launch_runs_the_recipe_on_two_slurm_nodes(bed, tmp_path):
 
 
 def test_orch_run_through_skypilots_sdk_and_its_commands_act_on_real_state(bed, tmp_path):
-    """`orch run --infra slurm/... --gpus none --smoke` through SkyPilot's SDK and API server: it launches, follows
-    the logs, records the run; `orch status`, `orch logs`, `orch down` answer from SkyPilot."""
-    import shutil
+    """`orch run --infra slurm/... --gpus none --smoke` through SkyPilot's SDK and API server: it launches and
+    records the run; `orch cancel` mid-training ends every rank on both nodes and SkyPilot's job; `orch run --resume`
+    relaunches it on the same cluster, whose setup finds nothing to do, from its last checkpoint to the end;
+    `orch status`, `orch logs`, `orch down` answer from SkyPilot."""
 
     project = tmp_path / "repo"
     shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(".venv", ".git", "outputs", "sky_jobs", "__pycache__",
@@ -108,21 +119,71 @@ def test_orch_run_through_skypilots_sdk_and_its_commands_act_on_real_state(bed, 
         return subprocess.run([sys.executable, "-m", "orchestrator", *argv], cwd=project, env=env, capture_output=True,
                               text=True, timeout=timeout)  # fmt: skip
 
+    def training() -> list[str]:  # the run's processes on either node (the nodes share this machine's PIDs)
+        found = subprocess.run(["pgrep", "-a", "-u", "orchsky", "-f", "orchestrator.train|accelerate|orch node"],
+                               capture_output=True, text=True).stdout  # fmt: skip
+        return found.strip().splitlines()
+
+    steps = 400  # about 0.1 s each here: long enough to be cancelled mid-training
     run = orch("run", "phi3_dpo_fsdp", "--infra", f"slurm/{bed.name}", "--nodes", "2", "--gpus", "none", "--smoke",
-               "--cluster", "orch1", "-y", "--env", f"ORCH_VENV={bed.orch_image()}")  # fmt: skip
+               "--cluster", "orch1", "-y", "--detach", "--env", f"ORCH_VENV={bed.orch_image()}", f"max_steps={steps}",
+               "save_steps=20")  # fmt: skip
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
-    assert "[orch] step 8/8 loss=" in out and "running FSDP2 over gloo" in out
-    assert "[orch] rehearsed 2 role(s) of 2 rank(s)" in out  # the head's setup
+    assert "its Slurm allocation ends after 10 idle minutes" in out
     (record,) = sorted((project / "sky_jobs").glob("*.yaml"))
+    name = record.stem
     text = record.read_text()
     assert "# platform: sky" in text and "# cluster: orch1" in text and "# job_id: 1" in text
     assert "CHECKPOINT_ROOT: ~/orch-checkpoints" in text and "file_mounts" not in text
-    status = orch("status", record.stem)
+    assert f"ORCH_RUN_ID: {name}" in text
+    # checkpoints on the account's shared home, keyed by the run's name
+    checkpoints = bed.home / "orch-checkpoints" / name
+    deadline = time.monotonic() + 600
+    while not any(checkpoints.glob("checkpoint-20/orch_manifest.node1.json")):
+        over = (checkpoints / "model.safetensors").exists() or time.monotonic() > deadline
+        assert not over, orch("logs", name).stdout[-4000:]
+        time.sleep(0.5)
+    assert training(), "no training process while its checkpoints are being written"
+    cancel = orch("cancel", name)
+    assert cancel.returncode == 0 and f"[orch] cancelled {name}" in cancel.stdout, cancel.stdout + cancel.stderr
+    cancelled = time.monotonic()
+    while training():
+        assert time.monotonic() - cancelled < 60, f"ranks outlived `orch cancel` by 60 s: {training()}"
+        time.sleep(0.5)
+    assert "# state: cancelled" in record.read_text()
+    queue = subprocess.run([str(Path(sys.executable).parent / "sky"), "queue", "orch1"], env=bed.env,
+                           capture_output=True, text=True)  # fmt: skip
+    assert re.search(r"^\s*1\s.*CANCELLED", queue.stdout, re.M), queue.stdout + queue.stderr
+    done = max(int(p.name.split("-")[1]) for p in checkpoints.glob("checkpoint-*"))
+    assert done < steps, "the run finished before it was cancelled: nothing left to resume"
+
+    again = orch("run", "--resume", name, "-y")
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-6000:]
+    assert f"[orch] run {name}: relaunch 1, resuming from its last checkpoint (~/orch-checkpoints/{name})" in out
+    assert "already holds uv.lock's orch[train] (a reused cluster): nothing to install" in out
+    start = int(re.search(r"resuming from \S+/checkpoint-(\d+)", out).group(1))
+    assert 20 <= start <= done, out[-3000:]
+    assert f"[orch] step {steps}/{steps} loss=" in out and "running FSDP2 over gloo" in out
+    assert f"[orch] step {start}/{steps}" not in out  # the steps before the checkpoint were not trained again
+    text = record.read_text()
+    assert "# job_id: 2" in text and "# relaunches: 1" in text
+    status = orch("status", name)
     assert status.returncode == 0 and "cluster UP" in status.stdout, status.stdout + status.stderr
-    logs = orch("logs", record.stem)
-    assert logs.returncode == 0 and "[orch] step 8/8" in logs.stdout, logs.stdout[-2000:] + logs.stderr[-2000:]
-    down = orch("down", record.stem)
+    logs = orch("logs", name)
+    assert logs.returncode == 0 and f"[orch] step {steps}/{steps}" in logs.stdout, logs.stdout[-2000:] + logs.stderr
+    # the fake SDK the other tests use answers in the real one's shapes (the fields orch reads, and their kinds)
+    import sky
+    from fake_sky import FakeSky, shapes
+
+    probe = ("import json, sys, sky; sys.path.insert(0, 'tests'); import fake_sky; "
+             "print(json.dumps(fake_sky.shapes(sky, 'orch1')))")
+    real = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=bed.env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert real.returncode == 0, real.stderr[-2000:]
+    assert json.loads(real.stdout.strip().splitlines()[-1]) == shapes(FakeSky(sky), "orch1")
+    down = orch("down", name)
     assert down.returncode == 0 and "tore down cluster orch1" in down.stdout, down.stdout + down.stderr
     assert "# state: down" in record.read_text()
     assert bed.cluster.run("squeue", "-h").stdout.strip() == ""

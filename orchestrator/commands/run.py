@@ -142,6 +142,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"no autostop: keep the cluster up after the job (by default it stops after {DEFAULT_IDLE_MINUTES} idle "
         "minutes)",
     )
+    cloud.add_argument(
+        "--resume",
+        metavar="RUN",
+        help="relaunch a recorded SkyPilot run as it was recorded (its task, its cluster: reused when up), under the "
+        "same run id, so it resumes from its last checkpoint and a reused cluster's setup finds nothing to do; give "
+        "no recipe or launch flags, only --secret, -y, --detach and the cluster's --idle-minutes/--down/--keep-up",
+    )
     cloud.add_argument("--detach", action="store_true", help="return once submitted; `orch logs RUN` follows later")
     cloud.add_argument(
         "-y",
@@ -205,6 +212,8 @@ def main(args: argparse.Namespace) -> int:
     if args.recipe and "=" in args.recipe and not args.recipe.endswith((".yaml", ".yml")):
         args.overrides.insert(0, args.recipe)  # `orch run lr=1e-5 --local`: a key=value word, no recipe named
         args.recipe = None
+    if args.resume is not None:
+        return _resume(args)
     name, why = (args.recipe, "") if args.recipe else default_name()
     recipe = load(name)
     if why:
@@ -220,6 +229,9 @@ def main(args: argparse.Namespace) -> int:
 
         accelerators.parse(args.gpus)  # a malformed --gpus is refused before anything else
     user_envs = parse_env_assignments(args.env)
+    if "ORCH_RUN_ID" in user_envs:
+        raise OrchError("--env ORCH_RUN_ID: orch sets it to the run's name, which keys its checkpoints; "
+                        "`orch run --resume RUN` relaunches a run under its own")  # fmt: skip
     if args.max_cost is not None:
         user_envs["ORCH_MAX_COST"] = args.max_cost  # parsed with the other knobs by plan()
     if args.track:
@@ -234,3 +246,38 @@ def main(args: argparse.Namespace) -> int:
     request = backends.RunRequest(recipe, backends.RunOptions.from_args(args), user_envs, user_overrides,
                                   secret_values, args.data)  # fmt: skip
     return backends.get(args.platform).run(request)
+
+
+# What a relaunch takes from the command line; everything else comes from the run's record.
+_RESUME_KEEPS = {"resume", "secret", "yes", "detach", "idle_minutes", "down", "keep_up", "func", "command", "argv"}
+
+
+def _resume(args: argparse.Namespace) -> int:
+    from orchestrator.launch import backends, records, secrets
+
+    defaults = build_parser_defaults()
+    given = sorted(name for name, value in vars(args).items()
+                   if name not in _RESUME_KEEPS and value != defaults.get(name))  # fmt: skip
+    if given:
+        words = {"recipe": "the recipe", "overrides": "key=value words", "platform": "--local"}
+        flags = ", ".join(words.get(n, "--" + n.replace("_", "-")) for n in given)
+        raise OrchError(f"--resume {args.resume} relaunches the run as it was recorded: drop {flags} (to change it, "
+                        "launch a new run)")  # fmt: skip
+    if args.keep_up and (args.down or args.idle_minutes is not None):
+        raise OrchError("--keep-up keeps the cluster up: it does not go with --down or --idle-minutes")
+    if args.idle_minutes is not None and args.idle_minutes < 0:
+        raise OrchError(f"--idle-minutes {args.idle_minutes}: give 0 or more minutes")
+    record = records.find(args.resume)
+    backend = backends.for_record(record)
+    resume = getattr(backend, "resume", None)
+    if resume is None:
+        raise OrchError(f"run {record.run} ran on {record.platform}: it resumes by running its command again "
+                        f"({record.get('command') or 'orch run ...'})")  # fmt: skip
+    return resume(record, backends.RunOptions.from_args(args), secrets.parse_secrets(args.secret))
+
+
+def build_parser_defaults() -> dict:
+    """`orch run`'s defaults, from its own parser (what a flag left out is)."""
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return vars(parser.parse_args(["run"]))

@@ -23,6 +23,11 @@ from orchestrator.core.models import family_of
 
 BUILDER = "orchestrator.train.smoke_build"
 STEPS = 8
+# The smoke settings a run's own TRL_OVERRIDES may change on a node (`orch run --gpus none --smoke max_steps=400`, or
+# plain `sky launch --env ORCH_SMOKE=on --env TRL_OVERRIDES=...`): its length and schedule. The rest points TRL at the
+# tiny artifacts and keeps it CPU-friendly, and wins over the recipe's own TRL_OVERRIDES.
+SCHEDULE = ("max_steps", "save_steps", "save_total_limit", "save_strategy", "logging_steps", "learning_rate",
+            "lr_scheduler_type", "warmup_steps", "seed")  # fmt: skip
 
 
 @dataclass(frozen=True)

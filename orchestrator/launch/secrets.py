@@ -60,3 +60,27 @@ def values_for(recipe: Recipe, given: dict[str, str], smoke: bool) -> dict[str, 
     if missing:
         raise OrchError(f"recipe needs secret {missing[0]}: pass --secret {missing[0]} (read from your environment)")
     return values
+
+
+def for_relaunch(task: dict, given: dict[str, str]) -> dict[str, str]:
+    """Secret values for a recorded task sent again (`orch run --resume`): its records keep names only, so each
+    comes from --secret or, failing that, the caller's environment. A name the task does not have is refused (a
+    relaunch sends the task as recorded); a missing one too, except in smoke mode, which never reaches a hub."""
+    import os
+
+    names = list(task.get("secrets") or {})
+    extra = sorted(set(given) - set(names))
+    if extra:
+        raise OrchError(f"--secret {extra[0]}: the recorded run has no such secret (it has "
+                        f"{', '.join(names) or 'none'}); a relaunch sends the task as recorded")  # fmt: skip
+    values = dict(given)
+    for name in names:
+        if name not in values and os.environ.get(name):
+            values[name] = os.environ[name]
+    from orchestrator.core.knobs import knob
+
+    smoke = knob(task.get("envs") or {}, "ORCH_SMOKE", "off") == "on"
+    missing = [n for n in names if n not in values]
+    if missing and not smoke:
+        raise OrchError(f"the run needs secret {missing[0]}: pass --secret {missing[0]} (read from your environment)")
+    return values

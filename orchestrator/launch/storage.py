@@ -145,7 +145,8 @@ def check_writable(path: Path, what: str) -> None:
 def fetch_from_head(record, sub: str, dest: Path, rules: tuple[str, ...] = (), otherwise: str = "",
                     with_copy: str = "") -> None:  # fmt: skip
     """rsync <output_dir>/<sub> of a cluster run from its head node into dest, over the SSH alias SkyPilot writes
-    for the cluster (the run's task id ends with _<cluster>_<job id>, under CHECKPOINT_ROOT). What the user can do
+    for the cluster (CHECKPOINT_ROOT/<run>; a run recorded before ORCH_RUN_ID: its task id, ending with
+    _<cluster>_<job id>). What the user can do
     instead: `otherwise` when there is no cluster, `with_copy` (of the output dir) when there is no CHECKPOINT_ROOT."""
     import subprocess
 
@@ -162,7 +163,8 @@ def fetch_from_head(record, sub: str, dest: Path, rules: tuple[str, ...] = (), o
             f"that directory from cluster {cluster} (rsync -a {cluster}:~/sky_workdir/OUTPUT_DIR .){with_copy}"
         )
     dest.mkdir(parents=True, exist_ok=True)
-    source = f"{cluster}:{root}/*_{cluster}_{job}/{sub}"
+    run_id = (record.task.get("envs") or {}).get("ORCH_RUN_ID")  # orch's runs; older ones keyed by SkyPilot's task id
+    source = f"{cluster}:{root}/{run_id}/{sub}" if run_id else f"{cluster}:{root}/*_{cluster}_{job}/{sub}"
     print(f"[orch] fetching {source} (rsync over SkyPilot's SSH alias)", flush=True)
     done = subprocess.run(["rsync", "-a", *rules, source, str(dest)], capture_output=True, text=True)
     if done.returncode != 0:

@@ -217,13 +217,28 @@ def run_env(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
 def run_id(env: Mapping[str, str]) -> str:
-    """The run's id on the nodes, which keys its checkpoints: SkyPilot's task id (kept across a managed job's
-    recoveries), else ORCH_RUN_ID, else slurm-<job id> under Slurm; "" when none is known."""
-    for name in ("SKYPILOT_TASK_ID", "ORCH_RUN_ID"):
+    """The run's id on the nodes, which keys its checkpoints (CHECKPOINT_ROOT/<id>): ORCH_RUN_ID (orch sets the run's
+    name: the same at every relaunch of `orch run --resume RUN` and every recovery of a managed job), else SkyPilot's
+    task id (a plain `sky launch`: new at every launch), else slurm-<job id> under Slurm; "" when none is known. It
+    becomes a directory name: anything but letters, digits, '.', '_', '-' is refused."""
+    found = ""
+    for name in ("ORCH_RUN_ID", "SKYPILOT_TASK_ID"):
         if env.get(name, "").strip():
-            return env[name].strip()
-    return f"slurm-{env['SLURM_JOB_ID'].strip()}" if env.get("SLURM_JOB_ID", "").strip() else ""
+            found = env[name].strip()
+            break
+    else:
+        if env.get("SLURM_JOB_ID", "").strip():
+            found = f"slurm-{env['SLURM_JOB_ID'].strip()}"
+    if found and not RUN_ID.fullmatch(found):
+        raise OrchError(
+            f"run id {found!r} (ORCH_RUN_ID, SKYPILOT_TASK_ID or the Slurm job id) keys a checkpoint directory: use "
+            "up to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return found
 
 
 def with_recipe(path: str, env: Mapping[str, str]) -> dict[str, str]:

@@ -122,14 +122,17 @@ SMOKE_GLOBAL_BATCH = "16"  # as `orch run --local --smoke`
 
 def smoke_env(env: Mapping[str, str]) -> dict[str, str]:
     """`orch node --recipe FILE --smoke`: the recipe pointed at its tiny model and data (built here, offline, once;
-    the build is atomic, so nodes sharing a cache may race), 8 steps, as `orch run --local --smoke` does."""
+    the build is atomic, so nodes sharing a cache may race), 8 steps unless TRL_OVERRIDES sets its schedule
+    (smoke.SCHEDULE: max_steps, save_steps...), as `orch run --local --smoke` does."""
     from orchestrator.core import configs, overrides, smoke
 
     paired = configs.load(env)
     settings = overrides.effective(paired.trl, overrides.loads(env.get("TRL_OVERRIDES", "")))
     artifacts = smoke.plan(str(settings.get("model_name_or_path", "")), env["TRL_TRAINER"])
     smoke.ensure(artifacts)
-    words = {**overrides.loads(env.get("TRL_OVERRIDES", "")), **smoke.trl_overrides(artifacts)}
+    given = overrides.loads(env.get("TRL_OVERRIDES", ""))
+    schedule = {key: value for key, value in given.items() if key in smoke.SCHEDULE}  # the run's length is its own
+    words = {**given, **smoke.trl_overrides(artifacts), **schedule}
     return {
         **env,
         "ORCH_SMOKE": "off",  # applied

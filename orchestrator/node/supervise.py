@@ -140,7 +140,7 @@ def supervise(
 
     bounds = Bounds.from_env(env)
     progress_dir = tempfile.mkdtemp(prefix="orch-progress-")
-    traces = os.path.join(orch_home(env), "nccl-traces", env.get("SKYPILOT_TASK_ID", "run"))
+    traces = os.path.join(orch_home(env), "nccl-traces", env.get("ORCH_RUN_ID") or env.get("SKYPILOT_TASK_ID", "run"))
     child_env = {
         **env,
         **({"ORCH_PROGRESS_DIR": progress_dir, "ORCH_NODE_PID": str(os.getpid())} if bounds.on else {}),

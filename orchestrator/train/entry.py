@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
     if project := tracking.project_of():
         node, nodes = node_of_process()
-        run = os.environ.get("SKYPILOT_TASK_ID") or output_dir.resolve().name
+        run = os.environ.get("ORCH_RUN_ID") or os.environ.get("SKYPILOT_TASK_ID") or output_dir.resolve().name
         callback.tracker = tracking.NodeTracker(project, run, node, nodes, acc.is_local_main_process)
         callback.tracker.start(output_dir, Path(resume) if resume else None)
     print(

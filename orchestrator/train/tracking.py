@@ -3,7 +3,7 @@
 transformers' Trackio callback logs from world rank 0 only, and one SQLite file written by several nodes over a
 bucket mount would be corrupted. So each node's first process writes its own local database
 ($ORCH_HOME/trackio/<run>/<project>.db, Trackio's own format through its storage layer), in the Trackio run named
-after the orch run (SKYPILOT_TASK_ID, stable across a managed job's recoveries):
+after the orch run (ORCH_RUN_ID, else SKYPILOT_TASK_ID: stable across relaunches and recoveries):
   - node 0: the step record orch logs (loss, learning rate, grad norm, tok/s, MFU, ETA, dollars);
   - every node: `node<N>/tokens_per_s` and, on GPUs, `node<N>/gpu_mem_gb` (the most any of its ranks allocated)
     and `node<N>/gpu_util` (when NVML answers).

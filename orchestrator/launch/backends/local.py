@@ -77,6 +77,7 @@ def node_envs(
             SKYPILOT_NUM_NODES=str(nodes),
             SKYPILOT_NUM_GPUS_PER_NODE=str(procs_per_node),
             SKYPILOT_TASK_ID=task_id,
+            ORCH_RUN_ID=task_id,
             MAIN_PROCESS_PORT=str(port),
             ORCH_BARRIER_PORT=str(barrier_port),
             ORCH_DEVICE="cpu",

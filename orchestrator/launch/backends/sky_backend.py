@@ -109,6 +109,52 @@ class SkyBackend:
         records.write(record)
         return f"[orch] {'tore down cluster ' + cluster if cluster else 'cancelled'} ({record.run})"
 
+    def resume(self, record: Record, options: RunOptions, given_secrets: dict[str, str]) -> int:
+        """`orch run --resume RUN`: the recorded task sent again, unchanged, to the run's cluster (reused when up,
+        provisioned again when gone) or as a managed job. ORCH_RUN_ID, the run's name in that task, keys the
+        checkpoints, so the trainer resumes from the last complete one; the record is the same file, its job id
+        the new one and `relaunches` counted."""
+        from orchestrator.launch import records, secrets, storage
+        from orchestrator.launch.backends import sky
+
+        flags = options.sky
+        task = record.task
+        envs = task.get("envs") or {}
+        if envs.get("ORCH_RUN_ID") != record.run:
+            raise OrchError(
+                f"run {record.run} keyed its checkpoints by SkyPilot's task id (launched before orch named them by "
+                f"run, or its record was edited: envs.ORCH_RUN_ID is {envs.get('ORCH_RUN_ID')!r}): a relaunch "
+                f"would start from step 0; launch it again with `orch run` instead"
+            )
+        live = self.state(record)
+        if not record.state.final and record.state not in (RunState.IDLE, RunState.STOPPED):
+            raise OrchError(f"run {record.run} is {live}: `orch cancel {record.run}` stops it first (its last "
+                            f"checkpoint is kept), `orch logs {record.run} --follow` follows it")  # fmt: skip
+        values = secrets.for_relaunch(task, given_secrets)
+        managed = record.get("backend") == sky.BACKEND_MANAGED
+        cluster = record.get("cluster") or record.run
+        sky.to_task(task, values)  # SkyPilot's own validation of the recorded file, before anything is changed
+        if not flags.yes and not sys.stdin.isatty():
+            raise OrchError("a relaunch asks before it spends money, but stdin is not a terminal: pass -y to launch")
+        if not flags.yes:
+            where = "a managed job" if managed else f"cluster {cluster}"
+            answer = input(f"[orch] relaunch {record.run} on {where}? [y/N] ").strip().lower()
+            if answer not in ("y", "yes"):
+                print("[orch] not launched", flush=True)
+                return 1
+        here = records.git_commit()
+        if record.get("git") and here != record.get("git"):
+            print(f"[orch] note: this checkout is at {here}, the run was launched at {record.get('git')}: the nodes "
+                  "get this checkout's code", flush=True)  # fmt: skip
+        count = int(record.get("relaunches") or "0") + 1 if (record.get("relaunches") or "0").isdigit() else 1
+        record.set_state(RunState.LAUNCHING, relaunches=str(count), job_id="",
+                         relaunched=time.strftime("%Y-%m-%dT%H:%M:%S%z"))  # fmt: skip
+        records.write(record)
+        print(f"[orch] run {record.run}: relaunch {count}, resuming from its last checkpoint "
+              f"({envs.get('CHECKPOINT_ROOT', 'output_dir')}/{record.run})", flush=True)  # fmt: skip
+        idle, down = _say_autostop(flags, cluster, record.run, storage.on_slurm(task))
+        return _submit(record, task, values, managed, cluster, idle, down, flags.detach)
+
     def node_prices(self, per_node: int) -> dict[str, tuple[float, str]]:
         """SkyPilot's catalogs on this machine: the cheapest on-demand node per accelerator (`orch plan`)."""
         from orchestrator.launch.backends import sky
@@ -158,6 +204,10 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         launch = data.mount(launch, data_file)
     if flags.managed or flags.spot:
         launch = placement.preemption_hook(launch)
+    run = f"{launch.recipe.name.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cluster = flags.cluster or run
+    # the run's name keys its checkpoints on every node (node/env.run_id): the same at each `orch run --resume`
+    launch = launch.replace(envs={**launch.envs, "ORCH_RUN_ID": run})
     # Batch math, parallelism, memory and env errors surface here, before anything is sent.
     cpu_nodes = launch.gpus is not None and launch.gpus.name == CPU
     checked = check(launch, device="cpu" if cpu_nodes else "gpu")
@@ -167,8 +217,6 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
                "--down": flags.down}  # fmt: skip
     if any(reasons.values()):
         storage.require_durable(task, [why for why, applies in reasons.items() if applies])
-    run = f"{launch.recipe.name.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cluster = flags.cluster or run
     if not flags.dry_run and not flags.yes and not sys.stdin.isatty():
         raise OrchError("a cloud launch asks before it spends money, but stdin is not a terminal: pass -y to launch")
     if flags.no_rehearsal or knob(os.environ, "ORCH_REHEARSAL", "on") == "off":
@@ -214,6 +262,17 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         flush=True,
     )
     idle, down = _say_autostop(flags, cluster, run, slurm)
+    return _submit(record, task, secret_values, flags.managed, cluster, idle, down, flags.detach)
+
+
+def _submit(record: Record, task: dict, secret_values: dict[str, str], managed: bool, cluster: str,
+            idle: int | None, down: bool, detach: bool) -> int:  # fmt: skip
+    """Send the task; the record follows: submitted with its ids, failed to launch with the reason, or
+    interrupted before SkyPilot answered."""
+    from orchestrator.launch import records
+    from orchestrator.launch.backends import sky
+
+    run = record.run
 
     def submitted(meta: dict) -> None:
         record.meta.update(meta)
@@ -221,8 +280,8 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         print(f"[orch] submitted: {', '.join(f'{k}={v}' for k, v in meta.items() if v)}", flush=True)
 
     try:
-        return sky.launch(task, secret_values, run=run, managed=flags.managed, cluster=cluster, idle_minutes=idle,
-                          down=down, detach=flags.detach, on_submitted=submitted)  # fmt: skip
+        return sky.launch(task, secret_values, run=run, managed=managed, cluster=cluster, idle_minutes=idle,
+                          down=down, detach=detach, on_submitted=submitted)  # fmt: skip
     except OrchError as exc:
         if record.state is RunState.LAUNCHING:  # never submitted: the record says why
             record.set_state(RunState.FAILED_TO_LAUNCH, error=str(exc))
