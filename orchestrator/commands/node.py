@@ -23,8 +23,8 @@ Where it runs, in this order: SkyPilot (SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, S
 SKYPILOT_NUM_GPUS_PER_NODE, SKYPILOT_TASK_ID), Slurm under srun (SLURM_JOB_NODELIST, SLURM_NODEID,
 SLURM_JOB_NUM_NODES, SLURM_GPUS_ON_NODE), Kubeflow's PyTorchJob (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
 PET_MASTER_ADDR, PET_MASTER_PORT) or torchrun-style variables (MASTER_ADDR, MASTER_PORT, NODE_RANK, NNODES);
-ORCH_GPUS_PER_NODE or CUDA_VISIBLE_DEVICES give the GPU count where the scheduler does not, ORCH_RUN_ID the run id
-outside SkyPilot and Slurm. Then the recipe's envs TRL_TRAINER, TRL_CONFIG, ACCELERATE_CONFIG,
+ORCH_GPUS_PER_NODE or CUDA_VISIBLE_DEVICES give the GPU count where the scheduler does not; ORCH_RUN_ID, when set,
+is the run id (before SKYPILOT_TASK_ID and the Slurm job id). Then the recipe's envs TRL_TRAINER, TRL_CONFIG, ACCELERATE_CONFIG,
 GLOBAL_BATCH_SIZE, TRL_OVERRIDES, MAIN_PROCESS_PORT, CHECKPOINT_ROOT, VLLM_SERVER_NODES, VLLM_SERVER_PORT,
 DDP_TIMEOUT, OMP_NUM_THREADS (set to cores / processes when the recipe offloads to CPU); ORCH_DEVICE=cpu runs
 CPU processes (the local backend sets it). Before starting, every node of a

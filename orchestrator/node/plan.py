@@ -16,8 +16,9 @@ Variables read (all set by SkyPilot or by the recipe's `envs:`):
   MAIN_PROCESS_PORT  optional: rendezvous port on the head node (default 29500; SkyPilot's Ray uses 6380)
   VLLM_SERVER_NODES  optional: 1 makes the last node run `trl vllm-serve` (GRPO); the others train
   VLLM_SERVER_PORT   optional: that server's port (default 8000)
-  CHECKPOINT_ROOT    optional: output_dir becomes CHECKPOINT_ROOT/SKYPILOT_TASK_ID (a bucket mount on a cloud:
-                     the task id is stable across managed-job recoveries, so a recovered job resumes)
+  CHECKPOINT_ROOT    optional: output_dir becomes CHECKPOINT_ROOT/<run id> (a bucket mount on a cloud). The run id
+                     is ORCH_RUN_ID (orch run sets the run's name: stable across `orch run --resume` and managed-job
+                     recoveries, so the relaunch resumes), else SKYPILOT_TASK_ID, else slurm-<job id>
   DDP_TIMEOUT        optional: seconds a collective may wait before the process group fails (TRL's ddp_timeout)
   OMP_NUM_THREADS    optional: CPU threads per process; orch sets cores / processes per node when the recipe
                      offloads to CPU (DeepSpeed's CPU Adam, FSDP offload), where torchrun would set 1
