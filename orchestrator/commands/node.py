@@ -24,10 +24,10 @@ SKYPILOT_NUM_GPUS_PER_NODE, SKYPILOT_TASK_ID), Slurm under srun (SLURM_JOB_NODEL
 SLURM_JOB_NUM_NODES, SLURM_GPUS_ON_NODE), Kubeflow's PyTorchJob (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
 PET_MASTER_ADDR, PET_MASTER_PORT) or torchrun-style variables (MASTER_ADDR, MASTER_PORT, NODE_RANK, NNODES);
 ORCH_GPUS_PER_NODE or CUDA_VISIBLE_DEVICES give the GPU count where the scheduler does not; ORCH_RUN_ID, when set,
-is the run id (before SKYPILOT_TASK_ID and the Slurm job id). Then the recipe's envs TRL_TRAINER, TRL_CONFIG, ACCELERATE_CONFIG,
-GLOBAL_BATCH_SIZE, TRL_OVERRIDES, MAIN_PROCESS_PORT, CHECKPOINT_ROOT, VLLM_SERVER_NODES, VLLM_SERVER_PORT,
-DDP_TIMEOUT, OMP_NUM_THREADS (set to cores / processes when the recipe offloads to CPU); ORCH_DEVICE=cpu runs
-CPU processes (the local backend sets it). Before starting, every node of a
+is the run id (before SKYPILOT_TASK_ID and the Slurm job id). Then the recipe's envs TRL_TRAINER, TRL_CONFIG,
+ACCELERATE_CONFIG, GLOBAL_BATCH_SIZE, TRL_OVERRIDES, MAIN_PROCESS_PORT, CHECKPOINT_ROOT, VLLM_SERVER_NODES,
+VLLM_SERVER_PORT, DDP_TIMEOUT, OMP_NUM_THREADS (set to cores / processes when the recipe offloads to CPU);
+ORCH_DEVICE=cpu runs CPU processes (the local backend sets it). Before starting, every node of a
 multi-node run reports to the head (ORCH_BARRIER_PORT, ORCH_RENDEZVOUS_TIMEOUT): a node that never joins is
 named. While it trains, a watchdog ends a stalled node (no step for max(10 x median step, ORCH_STALL_FLOOR=300 s);
 ORCH_STALL_FIRST=1800 s before the first step; ORCH_WATCHDOG=off) after dumping every rank's stack with py-spy

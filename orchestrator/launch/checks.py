@@ -18,7 +18,7 @@ from orchestrator.launch import preflight
 from orchestrator.launch.resolved import Launch
 from orchestrator.node.plan import NodePlan, plan
 
-PLACEHOLDER_TASK_ID = "$SKYPILOT_TASK_ID"
+PLACEHOLDER_TASK_ID = "RUN_ID"  # a valid run id (node/env.run_id) standing for the one the nodes get
 
 
 class Checked(NamedTuple):

@@ -206,8 +206,6 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         launch = placement.preemption_hook(launch)
     run = f"{launch.recipe.name.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
     cluster = flags.cluster or run
-    # the run's name keys its checkpoints on every node (node/env.run_id): the same at each `orch run --resume`
-    launch = launch.replace(envs={**launch.envs, "ORCH_RUN_ID": run})
     # Batch math, parallelism, memory and env errors surface here, before anything is sent.
     cpu_nodes = launch.gpus is not None and launch.gpus.name == CPU
     checked = check(launch, device="cpu" if cpu_nodes else "gpu")
@@ -223,6 +221,9 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         rehearsal = "rehearsal: skipped here (--no-rehearsal); the head node rehearses in its setup"
     else:
         rehearsal = rehearse(launch, checked)  # an OrchError naming role, owner and fix stops here
+    # the run's name keys its checkpoints on every node (node/env.run_id): the same at each `orch run --resume`; set
+    # after the checks and the rehearsal, which see checks.PLACEHOLDER_TASK_ID (their cache outlives one run's name)
+    launch = launch.replace(envs={**launch.envs, "ORCH_RUN_ID": run})
     if flags.dry_run:
         from orchestrator.launch import dryrun
 
