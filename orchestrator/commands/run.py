@@ -218,10 +218,7 @@ def main(args: argparse.Namespace) -> int:
     recipe = load(name)
     if why:
         print(f"[orch] recipe: {recipe.name} ({why}; name another as the first word)", flush=True)
-    if args.keep_up and (args.down or args.idle_minutes is not None):
-        raise OrchError("--keep-up keeps the cluster up: it does not go with --down or --idle-minutes")
-    if args.idle_minutes is not None and args.idle_minutes < 0:
-        raise OrchError(f"--idle-minutes {args.idle_minutes}: give 0 or more minutes")
+    _check_idle_flags(args)
     if args.cluster is not None and not _CLUSTER.match(args.cluster):
         raise OrchError(f"--cluster {args.cluster!r}: use letters, digits, '-', '_' or '.', starting with a letter")
     if args.gpus is not None:
@@ -248,6 +245,14 @@ def main(args: argparse.Namespace) -> int:
     return backends.get(args.platform).run(request)
 
 
+def _check_idle_flags(args: argparse.Namespace) -> None:
+    """--keep-up, --down and --idle-minutes, for a launch and a relaunch alike."""
+    if args.keep_up and (args.down or args.idle_minutes is not None):
+        raise OrchError("--keep-up keeps the cluster up: it does not go with --down or --idle-minutes")
+    if args.idle_minutes is not None and args.idle_minutes < 0:
+        raise OrchError(f"--idle-minutes {args.idle_minutes}: give 0 or more minutes")
+
+
 # What a relaunch takes from the command line; everything else comes from the run's record.
 _RESUME_KEEPS = {"resume", "secret", "yes", "detach", "idle_minutes", "down", "keep_up", "func", "command", "argv"}
 
@@ -263,10 +268,7 @@ def _resume(args: argparse.Namespace) -> int:
         flags = ", ".join(words.get(n, "--" + n.replace("_", "-")) for n in given)
         raise OrchError(f"--resume {args.resume} relaunches the run as it was recorded: drop {flags} (to change it, "
                         "launch a new run)")  # fmt: skip
-    if args.keep_up and (args.down or args.idle_minutes is not None):
-        raise OrchError("--keep-up keeps the cluster up: it does not go with --down or --idle-minutes")
-    if args.idle_minutes is not None and args.idle_minutes < 0:
-        raise OrchError(f"--idle-minutes {args.idle_minutes}: give 0 or more minutes")
+    _check_idle_flags(args)
     record = records.find(args.resume)
     backend = backends.for_record(record)
     resume = getattr(backend, "resume", None)

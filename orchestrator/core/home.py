@@ -1,11 +1,15 @@
 """A node's own directory for orch (ORCH_HOME, default ~/.orch), shared by the node launcher and the training
-processes: setup timings, NCCL traces, Trackio's live databases, and the checkpoint request of the preemption hook."""
+processes: setup timings, NCCL traces, Trackio's live databases, and the checkpoint request of the preemption hook;
+and the run id both read (run_id)."""
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
+
+from orchestrator.core.errors import OrchError
 
 # `orch node --checkpoint-now` writes the request; the ranks (train/callbacks.py) save and write the done file
 SAVE_REQUEST, SAVE_DONE = "checkpoint-request", "checkpoint-done"
@@ -13,3 +17,27 @@ SAVE_REQUEST, SAVE_DONE = "checkpoint-request", "checkpoint-done"
 
 def orch_home(env: Mapping[str, str] = os.environ) -> Path:
     return Path(env.get("ORCH_HOME") or Path.home() / ".orch")
+
+
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def run_id(env: Mapping[str, str]) -> str:
+    """The run's id on the nodes, which keys its checkpoints (CHECKPOINT_ROOT/<id>): ORCH_RUN_ID (orch sets the run's
+    name: the same at every relaunch of `orch run --resume RUN` and every recovery of a managed job), else SkyPilot's
+    task id (a plain `sky launch`: new at every launch), else slurm-<job id> under Slurm; "" when none is known. It
+    becomes a directory name: anything but letters, digits, '.', '_', '-' is refused."""
+    found = ""
+    for name in ("ORCH_RUN_ID", "SKYPILOT_TASK_ID"):
+        if env.get(name, "").strip():
+            found = env[name].strip()
+            break
+    else:
+        if env.get("SLURM_JOB_ID", "").strip():
+            found = f"slurm-{env['SLURM_JOB_ID'].strip()}"
+    if found and not RUN_ID.fullmatch(found):
+        raise OrchError(
+            f"run id {found!r} (ORCH_RUN_ID, SKYPILOT_TASK_ID or the Slurm job id) keys a checkpoint directory: use "
+            "up to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return found

@@ -68,6 +68,8 @@ def for_relaunch(task: dict, given: dict[str, str]) -> dict[str, str]:
     relaunch sends the task as recorded); a missing one too, except in smoke mode, which never reaches a hub."""
     import os
 
+    from orchestrator.core.knobs import knob
+
     names = list(task.get("secrets") or {})
     extra = sorted(set(given) - set(names))
     if extra:
@@ -77,8 +79,6 @@ def for_relaunch(task: dict, given: dict[str, str]) -> dict[str, str]:
     for name in names:
         if name not in values and os.environ.get(name):
             values[name] = os.environ[name]
-    from orchestrator.core.knobs import knob
-
     smoke = knob(task.get("envs") or {}, "ORCH_SMOKE", "off") == "on"
     missing = [n for n in names if n not in values]
     if missing and not smoke:

@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 
 from orchestrator.core.errors import OrchError
+from orchestrator.core.home import run_id  # noqa: F401 - the node's run id, read here with its topology
 from orchestrator.core.knobs import env_port
 from orchestrator.core.topology import Topology
 
@@ -215,30 +216,6 @@ def run_env(env: Mapping[str, str]) -> dict[str, str]:
         )
         out.setdefault("SKYPILOT_TASK_ID", "setup")
     return out
-
-
-RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-def run_id(env: Mapping[str, str]) -> str:
-    """The run's id on the nodes, which keys its checkpoints (CHECKPOINT_ROOT/<id>): ORCH_RUN_ID (orch sets the run's
-    name: the same at every relaunch of `orch run --resume RUN` and every recovery of a managed job), else SkyPilot's
-    task id (a plain `sky launch`: new at every launch), else slurm-<job id> under Slurm; "" when none is known. It
-    becomes a directory name: anything but letters, digits, '.', '_', '-' is refused."""
-    found = ""
-    for name in ("ORCH_RUN_ID", "SKYPILOT_TASK_ID"):
-        if env.get(name, "").strip():
-            found = env[name].strip()
-            break
-    else:
-        if env.get("SLURM_JOB_ID", "").strip():
-            found = f"slurm-{env['SLURM_JOB_ID'].strip()}"
-    if found and not RUN_ID.fullmatch(found):
-        raise OrchError(
-            f"run id {found!r} (ORCH_RUN_ID, SKYPILOT_TASK_ID or the Slurm job id) keys a checkpoint directory: use "
-            "up to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
-    return found
 
 
 def with_recipe(path: str, env: Mapping[str, str]) -> dict[str, str]:

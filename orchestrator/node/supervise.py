@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from orchestrator.core.home import orch_home
+from orchestrator.core.home import orch_home, run_id
 from orchestrator.node import stacks as stack_dump
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, notice, printable, retryable
 from orchestrator.node.procs import DEFAULT_GRACE, end_tree, subreaper
@@ -140,7 +140,7 @@ def supervise(
 
     bounds = Bounds.from_env(env)
     progress_dir = tempfile.mkdtemp(prefix="orch-progress-")
-    traces = os.path.join(orch_home(env), "nccl-traces", env.get("ORCH_RUN_ID") or env.get("SKYPILOT_TASK_ID", "run"))
+    traces = os.path.join(orch_home(env), "nccl-traces", run_id(env) or "run")
     child_env = {
         **env,
         **({"ORCH_PROGRESS_DIR": progress_dir, "ORCH_NODE_PID": str(os.getpid())} if bounds.on else {}),

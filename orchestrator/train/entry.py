@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from orchestrator.core import trainers
+from orchestrator.core.home import run_id
 from orchestrator.train import cpu_deepspeed, cpu_fsdp, hub, netcheck, tracking
 from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, for_collective, node_of_process
 from orchestrator.train.checkpoints import choose_resume, quarantine, save_final_model
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
     if project := tracking.project_of():
         node, nodes = node_of_process()
-        run = os.environ.get("ORCH_RUN_ID") or os.environ.get("SKYPILOT_TASK_ID") or output_dir.resolve().name
+        run = run_id(os.environ) or output_dir.resolve().name
         callback.tracker = tracking.NodeTracker(project, run, node, nodes, acc.is_local_main_process)
         callback.tracker.start(output_dir, Path(resume) if resume else None)
     print(

@@ -146,7 +146,8 @@ class SkyBackend:
         if record.get("git") and here != record.get("git"):
             print(f"[orch] note: this checkout is at {here}, the run was launched at {record.get('git')}: the nodes "
                   "get this checkout's code", flush=True)  # fmt: skip
-        count = int(record.get("relaunches") or "0") + 1 if (record.get("relaunches") or "0").isdigit() else 1
+        before = record.get("relaunches", "0")
+        count = int(before) + 1 if before.isdigit() else 1
         record.set_state(RunState.LAUNCHING, relaunches=str(count), job_id="",
                          relaunched=time.strftime("%Y-%m-%dT%H:%M:%S%z"))  # fmt: skip
         records.write(record)
@@ -324,14 +325,3 @@ def _say_autostop(flags: SkyOptions, cluster: str, run: str, slurm: bool) -> tup
     else:
         print(f"[orch] cluster {cluster}: kept up after the job (--keep-up): `orch down {run}` ends it", flush=True)
     return idle, down
-    if idle is None and not flags.down and not flags.keep_up:
-        idle = DEFAULT_IDLE_MINUTES
-    if flags.down:
-        after = f"after {idle} idle minutes" if idle is not None else "when the job ends"
-        print(f"[orch] cluster {cluster}: torn down {after} (--down)", flush=True)
-    elif idle is not None:
-        print(f"[orch] cluster {cluster}: stops by itself after {idle} idle minutes (autostop; --down tears it "
-              "down instead, --keep-up keeps it up)", flush=True)  # fmt: skip
-    else:
-        print(f"[orch] cluster {cluster}: kept up after the job (--keep-up): `orch down {run}` ends it", flush=True)
-    return idle
