@@ -237,7 +237,10 @@ def test_setup_stops_with_one_line_when_it_cannot_take_the_install_lock():
         for name in ("uv.lock", "pyproject.toml"):
             shutil.copy(ROOT / name, project)
         shutil.copytree(ROOT / "scripts", project / "scripts")
-        env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(home),
+        tools = base / "bin"  # uv where `nobody` can run it (a checkout under a 0700 directory is out of its reach)
+        tools.mkdir()
+        shutil.copy(Path(sys.executable).parent / "uv", tools / "uv")
+        env = {"PATH": f"{tools}:/usr/bin:/bin", "HOME": str(home),
                "ORCH_HOME": str(home / ".orch"), "ORCH_VENV": str(base / "image" / "venv")}  # fmt: skip
         done = subprocess.run(["runuser", "-u", "nobody", "--", "env", *[f"{k}={v}" for k, v in env.items()], "bash",
                                "scripts/node-setup.sh", "train"], cwd=project, capture_output=True, text=True,
