@@ -2,6 +2,7 @@
 by an earlier orch (commit e1a0e4e, before platform: and RunState) still read, answer every command, and still launch
 with SkyPilot (tests/fixtures/records_e1a0e4e/: a local smoke run's record and output, a cluster run's record)."""
 
+import os
 import shutil
 
 import pytest
@@ -80,3 +81,69 @@ def test_records_of_an_earlier_orch_answer_every_command(old_project, capsys, mo
 def test_an_earlier_orchs_record_is_still_a_task_skypilot_launches(name):
     task = sky.Task.from_yaml(str(OLD / "sky_jobs" / f"{name}.yaml"))  # what `sky launch sky_jobs/<run>.yaml` reads
     assert task.run and "orch node" in task.run and task.num_nodes >= 1
+
+
+# ---------------------------------------------------------------- identity: one name, one run (issue 30, item 5)
+
+
+def test_two_cloud_launches_in_one_second_get_two_runs_and_two_records(project, monkeypatch, capsys):
+    from fake_sky import FakeSky
+
+    monkeypatch.chdir(project)
+    fake = FakeSky(sky)
+    monkeypatch.setitem(__import__("sys").modules, "sky", fake)
+    monkeypatch.setattr(records.time, "strftime", lambda fmt, *a: "20261123-101500" if "H" in fmt else "x")
+    argv = ["run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "--detach", "-y", "--no-rehearsal"]
+    assert cli.main(argv) == 0 and cli.main(argv) == 0, capsys.readouterr().err
+    files = sorted((project / "sky_jobs").glob("*.yaml"))
+    clusters = [kw["cluster_name"] for name, _, kw in fake.calls if name == "launch"]
+    assert len(files) == 2 and len(set(clusters)) == 2 and {f.stem for f in files} == set(clusters)
+    assert all(f.stem.startswith("phi3-dpo-fsdp-20261123-101500-") for f in files)
+
+
+def test_a_record_is_created_once_and_whole(project, monkeypatch):
+    from orchestrator.core.errors import OrchError
+
+    monkeypatch.chdir(project)
+    first = records.new("r-1", {"run": "echo 1"}, "recipes/x.yaml", "orch run x")
+    records.write(first, create=True)
+    with pytest.raises(OrchError, match="already recorded"):
+        records.write(records.new("r-1", {"run": "echo 2"}, "recipes/y.yaml", "orch run y"), create=True)
+    assert records.read(project / "sky_jobs" / "r-1.yaml").task == {"run": "echo 1"}  # the first one's, untouched
+    assert [p.name for p in (project / "sky_jobs").iterdir()] == ["r-1.yaml"]  # no temp file left
+
+
+def test_commands_that_stop_or_relaunch_take_the_full_name_and_empty_names_match_nothing(old_project, capsys):
+    assert cli.main(["cancel", "phi3-dpo"]) == 2
+    assert "no run named exactly 'phi3-dpo'; this command takes the full name: phi3-dpo-fsdp-20261122-101500" in (
+        capsys.readouterr().err)  # fmt: skip
+    for argv in (["down", "phi3-dpo"], ["run", "--resume", "phi3-dpo", "-y"], ["cancel", ""], ["logs", ""],
+                 ["pull", ""], ["status", ""], ["logs", " phi3-dpo-fsdp-20261122-101500"]):  # fmt: skip
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("orch: error:") == 1 and "Traceback" not in err, (argv, err)
+    assert "# state: down" not in (old_project / "sky_jobs" / "phi3-dpo-fsdp-20261122-101500.yaml").read_text()
+    assert cli.main(["logs", "qwen25"]) == 0  # reading accepts a unique prefix
+
+
+def test_a_local_run_is_keyed_by_its_absolute_output_dir_wherever_its_workdir_is(tmp_path, monkeypatch):
+    """A live local run whose recipe's workdir is not where orch runs is seen as live by `orch status`, never reaped."""
+    from orchestrator.launch import runlock
+    from orchestrator.launch.backends.local_backend import LocalBackend
+
+    here, workdir = tmp_path / "here", tmp_path / "elsewhere" / "project"
+    here.mkdir()
+    workdir.mkdir(parents=True)
+    monkeypatch.chdir(here)
+    fd = runlock.acquire("r-1", workdir / "outputs" / ".." / "outputs" / "r-1", "orch run x")  # any spelling
+    try:
+        record = records.new("r-1", {"run": "x"}, "x.yaml", "orch run x", platform="local", state="running",
+                             output_dir=str(workdir / "outputs" / "r-1"), token="not-a-live-token")  # fmt: skip
+        records.write(record)
+        assert LocalBackend().state(records.find("r-1")) == "running"
+        monkeypatch.chdir(workdir)  # records are per directory: from another one this run is simply not listed
+        assert not (workdir / "sky_jobs").exists()
+    finally:
+        os.close(fd)
+    monkeypatch.chdir(here)
+    assert LocalBackend().state(records.find("r-1")).startswith("interrupted (orch pid")  # its orch is gone now

@@ -125,8 +125,9 @@ def test_cluster_commands_map_to_cluster_calls(in_project, fake, capsys):
     (record,) = run_files(in_project)
     assert cli.main(["status"]) == 0
     assert "cluster UP" in capsys.readouterr().out
-    for verb in ("logs", "cancel", "down"):
-        assert cli.main([verb, record.stem[:12]]) == 0  # a unique prefix is enough
+    assert cli.main(["logs", record.stem[:12]]) == 0  # reading: a unique prefix is enough
+    for verb in ("cancel", "down"):  # stopping: the full name
+        assert cli.main([verb, record.stem]) == 0
     assert fake.names() == ["launch", "status", "queue", "tail_logs", "cancel", "down"]
     assert fake.calls[-2][2] == {"cluster_name": "my-dpo", "job_ids": [7]}
     assert fake.calls[-1][2] == {"cluster_name": "my-dpo"}
@@ -578,7 +579,7 @@ def test_resume_relaunches_the_recorded_task_under_the_same_run_id(in_project, f
                    f"kept), `orch logs {run} --follow` follows it"  # fmt: skip
     assert cli.main(["cancel", run]) == 0
     fake.calls.clear()
-    assert cli.main(["run", "--resume", run[:12], "-y", "--detach"]) == 0, capsys.readouterr().err
+    assert cli.main(["run", "--resume", run, "-y", "--detach"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert f"[orch] run {run}: relaunch 1, resuming from its last checkpoint (/checkpoints/{run})" in out
     (name, again, kw) = fake.calls[0]

@@ -38,8 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         )
         if name == "status":
             parser.add_argument("run", nargs="?", help="refresh this run (or a unique prefix) from its live source")
-        else:
+        elif name == "logs":
             parser.add_argument("run", help="run name (or a unique prefix), as `orch status` lists it")
+        else:  # it stops or tears down something: the full name, never a guess
+            parser.add_argument("run", help="the run's full name, as `orch status` lists it")
         if name == "logs":
             parser.add_argument("--follow", "-f", action="store_true", help="keep streaming until the job ends")
         parser.set_defaults(func=func)
@@ -50,7 +52,7 @@ def status(args: argparse.Namespace) -> int:
     about runs not known to be over). `orch status RUN` refreshes that one run from its live source."""
     from orchestrator.launch import backends, records
 
-    rows = [records.find(args.run)] if args.run else records.all_records()
+    rows = [records.find(args.run)] if args.run is not None else records.all_records()
     if not rows:
         print("no runs recorded in sky_jobs/ yet; start one with `orch run`")
         return 0
@@ -77,7 +79,7 @@ def logs(args: argparse.Namespace) -> int:
 def cancel(args: argparse.Namespace) -> int:
     from orchestrator.launch import backends, records
 
-    record = records.find(args.run)
+    record = records.find(args.run, exact=True)
     print(backends.for_record(record).cancel(record), flush=True)
     return 0
 
@@ -85,6 +87,6 @@ def cancel(args: argparse.Namespace) -> int:
 def down(args: argparse.Namespace) -> int:
     from orchestrator.launch import backends, records
 
-    record = records.find(args.run)
+    record = records.find(args.run, exact=True)
     print(backends.for_record(record).down(record), flush=True)
     return 0

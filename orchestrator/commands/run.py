@@ -269,7 +269,7 @@ def _resume(args: argparse.Namespace) -> int:
         raise OrchError(f"--resume {args.resume} relaunches the run as it was recorded: drop {flags} (to change it, "
                         "launch a new run)")  # fmt: skip
     _check_idle_flags(args)
-    record = records.find(args.resume)
+    record = records.find(args.resume, exact=True)
     backend = backends.for_record(record)
     resume = getattr(backend, "resume", None)
     if resume is None:

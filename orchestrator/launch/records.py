@@ -158,18 +158,36 @@ def render(record: Record) -> str:
     return "\n".join(lines) + "\n\n" + body
 
 
-def write(record: Record) -> Path:
-    """Atomically (re)write sky_jobs/<run>.yaml."""
+def write(record: Record, create: bool = False) -> Path:
+    """Atomically (re)write sky_jobs/<run>.yaml. With `create`, the record must be new: two launches that chose the
+    same name cannot both own it (the file appears whole, by a hard link that fails when the name exists)."""
+    check_name(record.run)
     SKY_JOBS.mkdir(exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{record.run}.", suffix=".tmp", dir=SKY_JOBS)
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(render(record))
-        os.replace(tmp, record.path)
+        if create:
+            try:
+                os.link(tmp, record.path)
+            except FileExistsError:
+                raise OrchError(f"run {record.run} is already recorded in {record.path}: another launch took its "
+                                "name; run the command again") from None  # fmt: skip
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, record.path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return record.path
+
+
+def new_run_name(recipe: str) -> str:
+    """A cloud run's name, unique by construction: the recipe, the second it started and 4 random hex digits (two
+    launches in one second, from two terminals or a script, get two names; `write(create=True)` backs it up)."""
+    import secrets
+
+    return f"{recipe.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def read(path: Path) -> Record:
@@ -213,7 +231,9 @@ def all_records(warn: bool = True) -> list[Record]:
     return sorted(records, key=lambda r: r.get("time"))
 
 
-def find(run: str) -> Record:
+def find(run: str, exact: bool = False) -> Record:
+    """The run named `run`, or the one run whose name starts with it. `exact` (commands that stop, tear down or
+    relaunch something) takes only the full name and says which run a prefix would have meant."""
     if not run.strip():
         raise OrchError("an empty run name matches no run: give a run name (or a unique prefix) from `orch status`")
     path = SKY_JOBS / f"{run}.yaml"
@@ -227,6 +247,8 @@ def find(run: str) -> Record:
             raise OrchError(f"{path} is not a readable run record ({reason}); delete it or restore it") from None
     runs = [r.run for r in all_records(warn=False)]
     prefixed = [r for r in runs if r.startswith(run)]
+    if len(prefixed) == 1 and exact:
+        raise OrchError(f"no run named exactly {run!r}; this command takes the full name: {prefixed[0]}")
     if len(prefixed) == 1:
         return find(prefixed[0])
     hint = f"; matches {', '.join(prefixed)}" if prefixed else ""

@@ -205,7 +205,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         launch = data.mount(launch, data_file)
     if flags.managed or flags.spot:
         launch = placement.preemption_hook(launch)
-    run = f"{launch.recipe.name.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run = records.new_run_name(launch.recipe.name)
     cluster = flags.cluster or run
     # Batch math, parallelism, memory and env errors surface here, before anything is sent.
     cpu_nodes = launch.gpus is not None and launch.gpus.name == CPU
@@ -257,7 +257,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         cluster="" if flags.managed else cluster,
         state=RunState.LAUNCHING.value,
     )
-    path = records.write(record)
+    path = records.write(record, create=True)
     print(
         f"[orch] run {run}: {launch.recipe.name} on {nodes} x {launch.gpus}{' (spot)' if flags.spot else ''}, "
         f"{'managed job' if flags.managed else f'cluster {cluster}'}; recorded in {path}",
