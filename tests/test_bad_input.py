@@ -47,6 +47,17 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "--env", "AWS_SECRET_ACCESS_KEY=k"], "looks like a credential"),
     (["run", "phi3_dpo_fsdp", "--env", "DB_PASSWORD=k"], "looks like a credential"),
     (["run", "phi3_dpo_fsdp", "hub_token=hf_v4lue"], "pass --secret HF_TOKEN"),
+    # credentials by name or by shape, under any name, and values holding a declared secret's value
+    (["run", "phi3_dpo_fsdp", "--env", "OPENAI_KEY=sk-proj-abcdefghijklmnop1234"], "pass it as --secret OPENAI_KEY"),
+    (["run", "phi3_dpo_fsdp", "--env", "GH_PAT=ghp_abcdefghijklmnop1234"], "pass it as --secret GH_PAT"),
+    (["run", "phi3_dpo_fsdp", "--env", "HF_AUTH=hf_abcdefghijklmnopqrstu"], "pass it as --secret HF_AUTH"),
+    (["run", "phi3_dpo_fsdp", "--env", "NOTE=hf_abcdefghijklmnopqrstu"], "its value looks like a credential"),
+    (["run", "phi3_dpo_fsdp", "--env", "WHO=AKIAABCDEFGHIJKLMNOP"], "its value looks like a credential"),
+    (["run", "phi3_dpo_fsdp", "run_name=ghp_abcdefghijklmnop1234"], "--secret HF_TOKEN, read from your environment"),
+    (["run", "phi3_dpo_fsdp", "--local", "--secret", "MY_HUB=s3cr3t-value-xyz", "run_name=a-s3cr3t-value-xyz"],
+     "override run_name= holds the value of secret MY_HUB"),
+    (["run", "phi3_dpo_fsdp", "--secret", "MY_HUB=s3cr3t-value-xyz", "--env", "NOTE=s3cr3t-value-xyz"],
+     "--env NOTE holds the value of secret MY_HUB"),
     (["run", "phi3_dpo_fsdp", "--secret", "HF-TOKEN"], "not an environment variable name"),
     # the model out: --push-to-hub, orch pull
     (["run", "phi3_dpo_fsdp", "--local", "--smoke", "--push-to-hub", "me/model"], "pass --secret HF_TOKEN"),
@@ -166,7 +177,8 @@ def test_bad_input(bad_project, monkeypatch, capsys, argv, message):
     assert code == 2, out.out + out.err
     assert len(lines) == 1 and lines[0].startswith("orch: error: "), out.err
     assert message in lines[0], lines[0]
-    assert "hf_v4lue" not in out.out + out.err  # a secret's value is never echoed
+    for value in ("hf_v4lue", "s3cr3t-value", "abcdefghijklmnop"):  # a secret's value is never echoed
+        assert value not in out.out + out.err
     assert _tree(bad_project) == before  # nothing written
 
 

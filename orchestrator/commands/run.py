@@ -239,6 +239,13 @@ def main(args: argparse.Namespace) -> int:
         user_envs["ORCH_PUSH_TO_HUB"] = args.push_to_hub  # checked with the other knobs by plan()
         if "HF_TOKEN" not in secret_values:
             raise OrchError("--push-to-hub needs a Hub token with write access on the nodes: pass --secret HF_TOKEN")
+    from orchestrator.core.overrides import loads
+
+    recipe_overrides = loads(str(recipe.envs.get("TRL_OVERRIDES", "")))
+    secrets.check_unwritten({**{f"{recipe.path}: envs.{k}": str(v) for k, v in recipe.envs.items()},
+                             **{f"override {k}= (the recipe's TRL_OVERRIDES)": v for k, v in recipe_overrides.items()},
+                             **{f"--env {k}": v for k, v in user_envs.items()},
+                             **{f"override {k}=": v for k, v in user_overrides.items()}}, secret_values)  # fmt: skip
     check_paired_files(recipe)
     request = backends.RunRequest(recipe, backends.RunOptions.from_args(args), user_envs, user_overrides,
                                   secret_values, args.data)  # fmt: skip

@@ -11,6 +11,7 @@ import re
 import shlex
 from collections.abc import Iterable, Mapping
 
+from orchestrator.core import credentials
 from orchestrator.core.errors import OrchError
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
@@ -40,6 +41,10 @@ def parse(words: Iterable[str]) -> dict[str, str]:
         if not sep or not _KEY.match(key):
             raise OrchError(f"override {word!r} is not key=value (for example learning_rate=1e-5)")
         check_value(f"override {key}=", value)
+        if why := credentials.looks_secret("", value):
+            raise OrchError(f"override {key}=: {why}, and overrides are written to sky_jobs/ and the task; pass "
+                            "the credential as a secret (--secret HF_TOKEN, read from your environment, never "
+                            "written)")  # fmt: skip
         out[key] = value
     return out
 

@@ -17,11 +17,12 @@ import re
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from orchestrator.core import yamlio
+from orchestrator.core import credentials, yamlio
 from orchestrator.core.errors import OrchError
 from orchestrator.core.owned import check_name
 from orchestrator.core.yamlio import dump_task
@@ -97,6 +98,8 @@ class Record:
     run: str
     task: dict
     meta: dict[str, str] = field(default_factory=dict)
+    secrets: tuple[str, ...] = field(default=(), repr=False)
+    """Secret values of this run, never written: `render` masks each wherever it would appear (an error quoted)."""
 
     @property
     def path(self) -> Path:
@@ -119,7 +122,7 @@ class Record:
         return self.meta.get("platform") or ("local" if self.get("backend").startswith("local") else "sky")
 
 
-def new(run: str, task: dict, recipe_path, command: str, **meta: str) -> Record:
+def new(run: str, task: dict, recipe_path, command: str, secrets: Iterable[str] = (), **meta: str) -> Record:
     """A record stamped with the time and the git commit of the working tree."""
     stamp = {
         "run": run,
@@ -128,7 +131,7 @@ def new(run: str, task: dict, recipe_path, command: str, **meta: str) -> Record:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git": git_commit(),
     }
-    return Record(run, task, {**stamp, **meta})
+    return Record(run, task, {**stamp, **meta}, tuple(secrets))
 
 
 def git_commit(cwd: Path = Path(".")) -> str:
@@ -155,7 +158,7 @@ def render(record: Record) -> str:
             value = str(record.meta[key]).replace("\n", " ")
             lines.append(f"# {key}: {value}")
     body = dump_task(record.task)
-    return "\n".join(lines) + "\n\n" + body
+    return credentials.Mask(record.secrets)("\n".join(lines) + "\n\n" + body)
 
 
 def write(record: Record, create: bool = False) -> Path:

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
-from orchestrator.core import configs, overrides, trl_schema
+from orchestrator.core import configs, credentials, overrides, trl_schema
 from orchestrator.core.accelerators import CPU, Gpus
 from orchestrator.core.errors import OrchError
 from orchestrator.launch.recipe import Recipe
@@ -24,8 +24,6 @@ from orchestrator.launch.recipe import Recipe
 MAX_NODES = 16384
 """A bound on --nodes: torch's rendezvous and SkyPilot's gang scheduling are not made for more."""
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-SECRET_LIKE = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)$", re.I)
-"""Env names that hold credentials: they go as --secret (never written), not --env (written to sky_jobs/)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,15 +122,13 @@ def parse_env_assignments(words: Iterable[str], environ: Mapping[str, str] = os.
         key, sep, value = word.partition("=")
         if not _ENV_NAME.match(key):
             raise OrchError(f"--env {key!r}: not an environment variable name (letters, digits, _)")
-        if SECRET_LIKE.search(key):
-            raise OrchError(
-                f"--env {key}: {key} looks like a credential and --env values are written to sky_jobs/; "
-                f"pass it as --secret {key} (read from your environment, never written)"
-            )
         if not sep:
             if key not in environ:
                 raise OrchError(f"--env {key}: {key} is not set here; give a value with --env {key}=VALUE")
             value = environ[key]
+        if why := credentials.looks_secret(key, value):
+            raise OrchError(f"--env {key}: {why}; --env values are written to sky_jobs/ and the task: pass it "
+                            f"as --secret {key} (read from your environment, never written)")  # fmt: skip
         overrides.check_value(f"--env {key}=", value)
         out[key] = value
     return out
@@ -154,6 +150,10 @@ def resolve(
     if nodes is not None and nodes > MAX_NODES:
         raise OrchError(f"--nodes {nodes}: orch launches at most {MAX_NODES} nodes in one run")
     task_envs = {**recipe.envs, **(envs or {})}
+    for key, value in recipe.envs.items():  # a recipe is a file people share: no credential in it either
+        if why := credentials.looks_secret(key, str(value)):
+            raise OrchError(f"{recipe.path}: envs.{key}: {why}; move it to the recipe's `secrets:` as "
+                            f"`{key}: null` and pass --secret {key} (never written)")  # fmt: skip
     trl_schema.check_trainer(task_envs.get("TRL_TRAINER", ""))
     merged = overrides.loads(task_envs.get("TRL_OVERRIDES", ""))
     merged.update(trl_overrides or {})

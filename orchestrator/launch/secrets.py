@@ -7,8 +7,9 @@ in shell history and in orch's own argv. Recorded commands keep secret names and
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
+from orchestrator.core import credentials
 from orchestrator.core.errors import OrchError
 from orchestrator.launch.recipe import Recipe
 
@@ -84,3 +85,12 @@ def for_relaunch(task: dict, given: dict[str, str]) -> dict[str, str]:
     if missing and not smoke:
         raise OrchError(f"the run needs secret {missing[0]}: pass --secret {missing[0]} (read from your environment)")
     return values
+
+
+def check_unwritten(written: Mapping[str, str], values: Mapping[str, str]) -> None:
+    """Refuse a value bound for the task and sky_jobs/ (`--env`, an override, a recipe env; keyed by how the user
+    wrote it) that holds a secret's value: the secret would be written in clear wherever the task goes."""
+    for what, value in written.items():
+        if name := credentials.holding(str(value), values):
+            raise OrchError(f"{what} holds the value of secret {name}, and it would be written to sky_jobs/ and the "
+                            f"task; the nodes get {name} in their environment: refer to it there instead")  # fmt: skip

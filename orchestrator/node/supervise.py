@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from orchestrator.core import credentials
 from orchestrator.core.home import orch_home, run_id
 from orchestrator.node import stacks as stack_dump
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, notice, printable, retryable
@@ -106,7 +107,8 @@ class _Relay:
     """The child's output to ours, its first error lines kept, third-party notices nobody can act on held back
     (node/output.NOTICES; `hidden`); muted once a stall is declared (what the killed ranks print then is noise)."""
 
-    def __init__(self, stream, cpu: bool, hide: bool = True):
+    def __init__(self, stream, cpu: bool, hide: bool = True, mask=lambda line: line):
+        self.mask = mask  # secrets the environment holds never reach the node's log
         self.errors: list[str] = []
         self.hidden: list[str] = []
         self.muted = False
@@ -117,6 +119,7 @@ class _Relay:
     def _run(self, stream) -> None:
         continuing = False
         for line in iter(stream.readline, ""):
+            line = self.mask(line)
             if len(self.errors) < MAX_ERROR_LINES and (error := error_of(line)):
                 self.errors.append(error)
             continuing = self.hide and notice(line, self.cpu, continuing)
@@ -156,7 +159,8 @@ def supervise(
     peers = Peers(node_rank, ips, probe_port)
     child = subprocess.Popen(argv, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              errors="replace")  # fmt: skip
-    relay = _Relay(child.stdout, cpu=not gpus, hide=knob(env, "ORCH_SHOW_NOTICES", "off") == "off")
+    relay = _Relay(child.stdout, cpu=not gpus, hide=knob(env, "ORCH_SHOW_NOTICES", "off") == "off",
+                   mask=credentials.Mask(credentials.from_env(env)))  # fmt: skip
     dog = Watchdog(bounds, started=time.time())
     grace = knob(env, "ORCH_STOP_GRACE", DEFAULT_GRACE)
     try:

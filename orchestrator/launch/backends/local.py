@@ -17,10 +17,11 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.core import credentials
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
 from orchestrator.launch.backends import netns
@@ -101,9 +102,9 @@ def node_envs(
 TAIL_LINES = 15
 
 
-def _pump(stream, prefix: str, lock: threading.Lock, sink, tail: deque, errors: list[str]) -> None:
+def _pump(stream, prefix: str, lock: threading.Lock, sink, tail: deque, errors: list[str], mask) -> None:
     for line in iter(stream.readline, ""):
-        line = printable(line)
+        line = mask(printable(line))  # run.log and the terminal never show a secret the nodes print
         tail.append(line)
         if len(errors) < MAX_ERROR_LINES and (error := error_of(line)):
             errors.append(error)
@@ -127,12 +128,14 @@ def run_nodes(
     sink=None,
     hold_fds: tuple[int, ...] = (),
     prefixes: list[list[str]] | None = None,
+    secrets: Iterable[str] = (),
 ) -> LocalResult:
     """Start one `bash -c run_script` per node env, each under a guard (orchestrator/launch/backends/guard.py) that
     ends the node's whole process tree when orch stops it or dies; return when all finish or the first one fails.
     hold_fds (the run lock) stay open in the guards, so they are held until the last node is gone; prefixes[i] runs
-    node i's guard (`ip netns exec NS` for --netns)."""
+    node i's guard (`ip netns exec NS` for --netns). Their output is masked: `secrets` and credential-named envs."""
     sink = sink or sys.stdout
+    mask = credentials.Mask([*secrets, *(v for env in envs[:1] for v in credentials.from_env(env))])
     lock = threading.Lock()
     base = dict(os.environ)
     # The node must find `orch` and `accelerate` of this Python's environment, as `setup:` would install them.
@@ -171,7 +174,7 @@ def run_nodes(
             tails.append(deque(maxlen=TAIL_LINES))
             errors.append([])
             pump = threading.Thread(
-                target=_pump, args=(proc.stdout, f"(node{rank}) ", lock, sink, tails[-1], errors[-1]), daemon=True
+                target=_pump, args=(proc.stdout, f"(node{rank}) ", lock, sink, tails[-1], errors[-1], mask), daemon=True
             )
             pump.start()
             pumps.append(pump)
@@ -350,7 +353,8 @@ def launch(
     (output_dir / "orch").mkdir(parents=True, exist_ok=True)
     with open(output_dir / "orch" / "run.log", "w") as log:
         prefixes = [network.prefix(i) for i in range(nodes)] if network else None
-        result = run_nodes(str(recipe.task["run"]), node_env, workdir, _Tee(sys.stdout, log), hold_fds, prefixes)
+        result = run_nodes(str(recipe.task["run"]), node_env, workdir, _Tee(sys.stdout, log), hold_fds, prefixes,
+                           secrets=(secrets or {}).values())  # fmt: skip
     elapsed = time.monotonic() - started
     if result.returncode != 0:
         print(

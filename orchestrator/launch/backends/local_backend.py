@@ -196,6 +196,7 @@ def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, 
             output_dir=str((recipe.workdir / output_dir).resolve()),
             pid=str(os.getpid()),
             token=token,
+            secrets=secret_values.values(),
         )
         records.write(record)
         try:

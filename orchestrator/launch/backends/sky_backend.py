@@ -131,6 +131,7 @@ class SkyBackend:
             raise OrchError(f"run {record.run} is {live}: `orch cancel {record.run}` stops it first (its last "
                             f"checkpoint is kept), `orch logs {record.run} --follow` follows it")  # fmt: skip
         values = secrets.for_relaunch(task, given_secrets)
+        record.secrets = tuple(values.values())
         managed = record.get("backend") == sky.BACKEND_MANAGED
         cluster = record.get("cluster") or record.run
         sky.to_task(task, values)  # SkyPilot's own validation of the recorded file, before anything is changed
@@ -256,6 +257,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         backend=sky.BACKEND_MANAGED if flags.managed else sky.BACKEND_CLUSTER,
         cluster="" if flags.managed else cluster,
         state=RunState.LAUNCHING.value,
+        secrets=secret_values.values(),
     )
     path = records.write(record, create=True)
     print(
