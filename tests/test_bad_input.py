@@ -4,6 +4,7 @@ recipe and config files (binary, empty, wrong shape), paths (outside the reposit
 long), `orch cp` onto what others use, run records."""
 
 import os
+import re
 import sys
 
 import pytest
@@ -93,12 +94,12 @@ BAD = [
     # recipe and config files
     (["run", LONG], "File name too long"),
     (["run", f"recipes/{LONG}.yaml"], "File name too long"),
-    (["run", "binary"], "is not a text file"),
+    (["run", "binary"], "is not UTF-8 text"),
     (["run", "empty"], "must be a YAML mapping"),
     (["run", "listed"], "must be a YAML mapping"),
     (["run", "no_run"], "has no `run:` command"),
     (["run", "beta_high"], "beta: 'high': beta takes a number"),
-    (["run", "trl_binary"], "is not a text file"),
+    (["run", "trl_binary"], "is not UTF-8 text"),
     (["run", "trl_listed"], "must be a YAML mapping"),
     (["run", "accel_broken"], "not valid YAML"),
     # output paths of a local run
@@ -126,6 +127,30 @@ BAD = [
     (["logs", "corrupt"], "is not a readable run record"),
     (["cancel", "never-submitted"], "was never submitted"),
     (["show", "phi3_dpo_fsdp", "max_steps=ten"], "max_steps takes an integer"),
+    # one loader for every input file (core/files.py): regular files, UTF-8, capped, no aliases or duplicate keys,
+    # SkyPilot's own task schema for the recipe's types (issue 30, item 3)
+    (["run", "bomb"], "uses a YAML alias"),
+    (["run", "merged"], "uses a YAML merge key"),
+    (["run", "twice"], "sets 'num_nodes' twice"),
+    (["run", "huge"], "is larger than 1024 KiB"),
+    (["run", "nodes_abc"], "num_nodes: 'abc' is not of type 'integer'"),
+    (["run", "nodes_half"], "num_nodes: 1.5 is not of type 'integer'"),
+    (["run", "nodes_zero"], "num_nodes: 0: a run needs at least 1 node"),
+    (["run", "resources_list"], "resources: ['A100'] is not of type 'object'"),
+    (["run", "secrets_list"], "recipe needs secret HF_TOKEN: pass --secret HF_TOKEN"),  # SkyPilot's list spelling
+    (["run", "mounts_list"], "file_mounts: ['a'] is not of type 'object'"),
+    (["run", "run_list"], "run: ['orch', 'node'] is not of type 'string'"),
+    (["run", "typo_field"], "'num_node' is not a SkyPilot task field; did you mean num_nodes?"),
+    (["run", "phi3_dpo_fsdp", "--env", "TRL_CONFIG=/dev/zero"], "is a device, FIFO or socket, not a regular file"),
+    (["run", "phi3_dpo_fsdp", "--env", "ACCELERATE_CONFIG=/dev/urandom"], "not a regular file"),
+    (["run", "phi3_dpo_fsdp", "--env", "TRL_CONFIG=recipes"], "is a directory, not a regular file"),
+    (["run", "recipes/fifo.yaml"], "not a regular file"),
+    (["logs", "zero"], "not a regular file"),
+    (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", "latin1.jsonl"], "line 2 is not UTF-8 text"),
+    (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", "corrupt.parquet"], "not a readable Parquet file"),
+    (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", "hello.jsonl"], "has column messages as str"),
+    (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", "/dev/zero.jsonl"], "no such file"),
+    (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", ""], "give a JSON Lines (.jsonl) or Parquet"),
 ]
 
 
@@ -141,7 +166,8 @@ def bad_project(project):
     (recipes / "empty.yaml").write_text("")
     (recipes / "listed.yaml").write_text("- a\n- b\n")
     (recipes / "no_run.yaml").write_text(phi3.split("\nrun:")[0] + "\n")
-    (recipes / "trl" / "beta_high.yaml").write_text((recipes / "trl" / "phi3_dpo.yaml").read_text() + "beta: high\n")
+    (recipes / "trl" / "beta_high.yaml").write_text(
+        re.sub(r"^beta:.*$", "beta: high", (recipes / "trl" / "phi3_dpo.yaml").read_text(), count=1, flags=re.M))
     (recipes / "beta_high.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/beta_high.yaml"))
     (recipes / "trl" / "binary.yaml").write_bytes(b"\xff\xfe\x00binary" + os.urandom(32))
     (recipes / "trl_binary.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/binary.yaml"))
@@ -156,8 +182,26 @@ def bad_project(project):
     (recipes / "accelerate" / "stage.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: x}")
     accel = phi3.replace("recipes/accelerate/fsdp2_phi3.yaml", "recipes/accelerate/stage.yaml")
     (recipes / "accel_stage.yaml").write_text(accel)
+    (recipes / "bomb.yaml").write_text(phi3 + "x: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(12)))
+    (recipes / "merged.yaml").write_text(phi3 + "base: &base {a: 1}\nother:\n  <<: *base\n")
+    (recipes / "twice.yaml").write_text(phi3 + "num_nodes: 2\n")
+    (recipes / "huge.yaml").write_text(phi3 + "# " + "x" * (1 << 20) + "\n")
+    for name, field in (("nodes_abc", "num_nodes: abc"), ("nodes_half", "num_nodes: 1.5"),
+                        ("nodes_zero", "num_nodes: 0"), ("resources_list", "resources: [A100]"),
+                        ("secrets_list", "secrets: [HF_TOKEN]"), ("mounts_list", "file_mounts: [a]"),
+                        ("typo_field", "num_node: 2")):  # fmt: skip
+        key = field.split(":")[0]
+        text = re.sub(rf"^{key}:.*?(?=^\S)", "", phi3, flags=re.M | re.S) if key in phi3 else phi3
+        (recipes / f"{name}.yaml").write_text(text + field + "\n")
+    (recipes / "run_list.yaml").write_text(phi3.split("\nrun:")[0] + "\nrun: [orch, node]\n")
+    os.mkfifo(recipes / "fifo.yaml")
+    (project / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    (project / "corrupt.parquet").write_bytes(b"PAR1" + os.urandom(200) + b"PAR1")
+    (project / "hello.jsonl").write_text('{"messages": "hello"}\n')
     jobs = project / "sky_jobs"
     jobs.mkdir()
+    (jobs / "zero.yaml").symlink_to("/dev/zero")
     (jobs / "corrupt.yaml").write_bytes(b"# run: corrupt\n\xff\xfe: [\n")
     (jobs / "never-submitted.yaml").write_text(
         "# run: never-submitted\n# backend: sky-cluster\n# cluster: c1\n# state: failed to launch\n\nname: x\n"
@@ -247,3 +291,12 @@ def test_dashboard_of_an_untracked_run_says_how_to_track_it(project):
         "orch: error: no Trackio curves in outputs/r1/trackio/: run r1 was not tracked (rerun it with --track) or "
         "saved no checkpoint yet"
     )
+
+
+def test_ls_lists_every_broken_recipe_with_its_reason(bad_project, monkeypatch, capsys):
+    """An alias bomb, a FIFO or a wrong type is one row saying why, never a hang or a recipe silently left out."""
+    monkeypatch.chdir(bad_project)
+    assert cli.main(["ls"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "uses a YAML alias" in rows["bomb"] and "not a regular file" in rows["fifo"]
+    assert "num_nodes: 'abc'" in rows["nodes_abc"] and "phi3_dpo_fsdp" in rows

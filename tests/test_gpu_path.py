@@ -291,6 +291,26 @@ def test_accelerate_snapshot_matches_installed_accelerate():
     )
 
 
+def test_sky_task_schema_snapshot_matches_installed_skypilot():
+    from orchestrator.core import sky_schema
+    from orchestrator.launch.backends import sky
+
+    assert sky_schema.SCHEMA.read_text() == sky.task_schema_text(), (
+        "orchestrator/core/sky_task_schema.json is stale: run `make snapshots` and commit it"
+    )
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_recipe_passes_skypilots_task_schema_as_orch_reads_it(path):
+    """The snapshot check orch runs (core/sky_schema.py) agrees with SkyPilot itself on every shipped recipe."""
+    import sky
+
+    from orchestrator.core import sky_schema
+
+    sky_schema.check_task(yaml.safe_load(path.read_text()), str(path))
+    sky.Task.from_yaml(str(path))
+
+
 @pytest.mark.e2e
 def test_alst_recipe_rehearses_at_two_nodes(rehearsed):
     facts = ok(rehearse("qwen3_sft_alst", 2, 8)[1])

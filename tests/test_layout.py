@@ -87,7 +87,7 @@ def test_resolved_launch_is_typed_and_parsed_once(monkeypatch):
 
 RULES = {
     # room: (orch rooms it may import, third-party it may import)
-    "core": ({"core"}, {"yaml"}),
+    "core": ({"core"}, {"yaml", "jsonschema"}),  # jsonschema: recipes against SkyPilot's schema (core/sky_schema.py)
     "node": ({"core", "node", "rehearsal.driver"}, set()),
     "launch": (
         {"core", "launch", "node.plan", "node.env", "node.script", "node.output", "node.procs", "rehearsal.driver"},

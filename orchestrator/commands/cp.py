@@ -64,7 +64,7 @@ def destinations(dest: str) -> tuple[Path, Path, Path]:
 
 def users_of_configs(skip: Path | None = None) -> dict[Path, list[str]]:
     """Every TRL/Accelerate config file a recipe names -> the recipes that name it (the recipe at `skip` left out)."""
-    from orchestrator.core import yamlio
+    from orchestrator.core import files
     from orchestrator.launch.recipe import all_recipe_paths
 
     users: dict[Path, list[str]] = {}
@@ -72,7 +72,7 @@ def users_of_configs(skip: Path | None = None) -> dict[Path, list[str]]:
         if skip is not None and path.resolve() == skip.resolve():
             continue
         try:
-            envs = (yamlio.load(path.read_text()) or {}).get("envs") or {}
+            envs = (files.load_yaml(path, "recipe") or {}).get("envs") or {}
         except Exception:  # an unreadable recipe names nothing (orch ls reports it)
             continue
         for key in ("TRL_CONFIG", "ACCELERATE_CONFIG"):

@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
-from orchestrator.core import trl_schema, yamlio
+from orchestrator.core import files, trl_schema
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.accelerate_config import parse as parse_accelerate
 from orchestrator.core.errors import OrchError
@@ -63,18 +63,7 @@ def resolve_accelerate_config(value: str) -> Path:
 
 
 def load_yaml(path: Path, what: str) -> dict:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise OrchError(f"{what} {path} cannot be read ({exc.strerror}); check the path in the recipe's envs") from None
-    except UnicodeDecodeError:
-        raise OrchError(f"{what} {path} is not a text file; point the recipe at a YAML file") from None
-    try:
-        data = yamlio.load(text)
-    except yamlio.YAMLError as exc:
-        line = getattr(getattr(exc, "problem_mark", None), "line", None)
-        where = f" line {line + 1}" if line is not None else ""
-        raise OrchError(f"{what} {path} is not valid YAML{where}; fix the file") from None
+    data = files.load_yaml(path, what)
     if not isinstance(data, dict):
         raise OrchError(f"{what} {path} must be a YAML mapping of settings")
     return data

@@ -52,8 +52,9 @@ KNOWN_ARCHS = {
 
 def arch_of(model_id: str) -> Arch | None:
     """A known model's shape, or the config.json of a local model directory; None when orch cannot know it."""
-    import json
     from pathlib import Path
+
+    from orchestrator.core import files
 
     known = KNOWN_ARCHS.get(model_id.lower())
     if known is not None:
@@ -62,7 +63,7 @@ def arch_of(model_id: str) -> Arch | None:
     config = path / "config.json" if path.is_dir() else path
     if config.name.endswith(".json") and config.is_file():
         try:
-            return Arch.from_config(json.loads(config.read_text()))
+            return Arch.from_config(files.load_json(config, "model config"))
         except (KeyError, ValueError, TypeError) as exc:
             raise OrchError(f"{config}: not a decoder model's config.json this estimate can read ({exc})") from None
     return None

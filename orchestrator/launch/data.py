@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from orchestrator.core import dataset_format
+from orchestrator.core import dataset_format, files
 from orchestrator.core.errors import OrchError
 
 DATA_MOUNT = "/orch-data"
@@ -29,28 +29,32 @@ def _rows(path: Path):
             import pyarrow.parquet as pq
         except ImportError:
             raise OrchError(f"--data {path}: reading Parquet here needs pyarrow (pip install pyarrow)") from None
-        table = pq.read_table(path).slice(0, 1)
+        with files.open_regular(path, "--data") as fh:
+            try:
+                table = pq.read_table(fh).slice(0, 1)
+            except Exception as exc:  # pyarrow's ArrowInvalid, OSError...: a corrupt or truncated file
+                reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+                raise OrchError(f"--data {path}: not a readable Parquet file ({reason}); write it again") from None
         for row in table.to_pylist():
             yield 1, row
         return
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise OrchError(
-                    f"--data {path}: line {number} is not JSON ({exc.msg}); give one JSON object per line"
-                ) from None
-            yield number, row
+    for number, line in files.lines(path, "--data"):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            why = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deep"
+            raise OrchError(f"--data {path}: line {number} is not JSON ({why}); give one JSON object per line"
+                            ) from None  # fmt: skip
+        yield number, row
 
 
 def check(path: Path, trainer: str) -> int:
     """The number of rows checked; an OrchError naming the first row without the trainer's columns."""
     if path.suffix not in (".jsonl", ".parquet"):
         raise OrchError(f"--data {path}: give a JSON Lines (.jsonl) or Parquet (.parquet) file in the {trainer} format")
-    if not path.is_file():
+    if not path.exists():
         raise OrchError(f"--data {path}: no such file")
     count = 0
     for number, row in _rows(path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.core import accelerators, configs, yamlio
+from orchestrator.core import accelerators, configs, files, sky_schema
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError, did_you_mean
 
@@ -75,7 +75,7 @@ def find(name_or_path: str) -> Path:
 def _find(name_or_path: str) -> Path:
     candidate = Path(name_or_path)
     if candidate.suffix in (".yaml", ".yml") or "/" in name_or_path:
-        if candidate.is_file():
+        if candidate.exists():  # the loader says what it is when it is no regular file
             return candidate
         raise OrchError(f"recipe file {name_or_path} does not exist; `orch ls` lists the recipes")
     for directory in search_dirs():
@@ -89,21 +89,19 @@ def _find(name_or_path: str) -> Path:
 
 def load(name_or_path: str) -> Recipe:
     path = find(name_or_path)
-    try:
-        task = yamlio.load(path.read_text())
-    except UnicodeDecodeError:
-        raise OrchError(f"recipe {path} is not a text file; a recipe is a SkyPilot task YAML") from None
-    except OSError as exc:
-        raise OrchError(f"recipe {path} cannot be read ({exc.strerror})") from None
-    except yamlio.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise OrchError(f"recipe {path} is not valid YAML{where}; fix the file") from None
+    task = files.load_yaml(path, "recipe")
     if not isinstance(task, dict):
         raise OrchError(f"recipe {path} must be a YAML mapping (a SkyPilot task)")
     envs = task.get("envs")
     if not isinstance(envs, dict):
         raise OrchError(f"recipe {path} has no `envs:` mapping; it must set {', '.join(REQUIRED_ENVS)}")
+    sky_schema.check_task(task, f"recipe {path}")  # SkyPilot's own types, before orch reads a field
+    num_nodes = task.get("num_nodes")
+    if num_nodes is not None and num_nodes < 1:
+        raise OrchError(f"recipe {path}: num_nodes: {num_nodes}: a run needs at least 1 node")
+    for key, value in envs.items():
+        if isinstance(value, (dict, list)):
+            raise OrchError(f"recipe {path}: envs.{key} is a {type(value).__name__}; env values are strings")
     recipe = Recipe(path.stem, path, task, {k: "" if v is None else str(v) for k, v in envs.items()})
     missing = [k for k in REQUIRED_ENVS if not recipe.envs.get(k)]
     if missing:

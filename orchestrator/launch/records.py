@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from orchestrator.core import credentials, yamlio
+from orchestrator.core import credentials, files
 from orchestrator.core.errors import OrchError
 from orchestrator.core.owned import check_name
 from orchestrator.core.yamlio import dump_task
@@ -194,7 +194,7 @@ def new_run_name(recipe: str) -> str:
 
 
 def read(path: Path) -> Record:
-    text = path.read_text()
+    text = files.read_text(path, "run record")
     meta = {}
     for line in text.splitlines():
         if not line.startswith("#"):
@@ -208,7 +208,7 @@ def read(path: Path) -> Record:
     if run != path.stem:  # the name `orch dashboard` and `orch pull` make directories with: the file's own
         raise ValueError(f"its header names run {run[:80]!r}, its file name {path.stem[:80]!r}")
     check_name(run)
-    task = yamlio.load(text) or {}
+    task = files.parse_yaml(text, f"run record {path}") or {}
     return Record(run=run, task=task, meta=meta)
 
 
@@ -242,7 +242,7 @@ def find(run: str, exact: bool = False) -> Record:
     path = SKY_JOBS / f"{run}.yaml"
     if len(path.name) > 255 or "/" in run:
         raise OrchError(f"no run {run[:80]!r} in {SKY_JOBS}/; `orch status` lists the runs")
-    if path.is_file():
+    if path.exists():  # read() says what it is when it is no regular file
         try:
             return read(path)
         except Exception as exc:  # YAML errors, bad bytes, a header naming another run

@@ -55,6 +55,8 @@ def values_for(recipe: Recipe, given: dict[str, str], smoke: bool) -> dict[str, 
     """Secret values: the recipe's non-null ones, then --secret. A null one must be given, except in smoke
     mode, which never reaches a hub."""
     declared = recipe.task.get("secrets") or {}
+    if isinstance(declared, list):  # SkyPilot's other spelling: names only, every value given at launch
+        declared = dict.fromkeys(declared)
     values = {k: str(v) for k, v in declared.items() if v is not None}
     values.update(given)
     missing = [k for k in declared if k not in values and not smoke]

@@ -223,12 +223,9 @@ def with_recipe(path: str, env: Mapping[str, str]) -> dict[str, str]:
     `envs:` under this environment's variables (which win, as `--env` does)."""
     from pathlib import Path
 
-    from orchestrator.core import yamlio
+    from orchestrator.core import files
 
-    try:
-        task = yamlio.load(Path(path).read_text()) or {}
-    except (OSError, ValueError) as exc:
-        raise OrchError(f"--recipe {path}: cannot be read ({exc})") from None
+    task = files.load_yaml(Path(path), "--recipe") or {}
     envs = task.get("envs") if isinstance(task, dict) else None
     if not isinstance(envs, dict) or "TRL_TRAINER" not in envs:
         raise OrchError(f"--recipe {path}: not an orch recipe (its `envs:` name no TRL_TRAINER); see `orch ls`")

@@ -5,6 +5,7 @@
   trl / transformers / accelerate versions;
 - core/accelerate_args.json: what `accelerate launch` reads from a config (ClusterConfig, the launch parser,
   the env builders of accelerate.utils.launch).
+(core/sky_task_schema.json, SkyPilot's task schema, comes from launch/backends/sky.py: the only module importing sky.)
 """
 
 from __future__ import annotations

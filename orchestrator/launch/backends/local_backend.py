@@ -41,7 +41,7 @@ class LocalBackend:
         gpus = parse_gpus(options.gpus) if options.gpus is not None else None
         if gpus and gpus.name not in (None, CPU):
             raise OrchError(f"--gpus {options.gpus}: --local runs CPU processes; use --gpus CPU:{gpus.count}")
-        if request.data:
+        if request.data is not None:
             from orchestrator.launch import data
 
             data.use(request.data, request.recipe.trainer, True, options.local.smoke, request.overrides)

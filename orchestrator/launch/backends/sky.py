@@ -77,6 +77,23 @@ def _call(what: str, fn, *args, **kwargs):
         raise sdk_error(what, exc) from None
 
 
+def task_schema_text() -> str:
+    """SkyPilot's task schema as core/sky_schema.py reads it (the launch side checks recipes without importing sky)."""
+    import json
+
+    from sky.utils import schemas
+
+    return json.dumps(schemas.get_task_schema(), indent=1, sort_keys=True) + "\n"
+
+
+def write_task_schema() -> None:
+    """`make snapshots`: regenerate core/sky_task_schema.json from the installed SkyPilot."""
+    from orchestrator.core import sky_schema
+
+    sky_schema.SCHEMA.write_text(task_schema_text())
+    print(f"wrote {sky_schema.SCHEMA}")
+
+
 def to_task(task: dict, secrets: dict[str, str] | None = None):
     """A sky.Task from a task mapping; secret values go in as secrets (redacted by SkyPilot), never envs."""
     sky = _sky()

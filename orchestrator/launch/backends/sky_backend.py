@@ -48,7 +48,7 @@ class SkyBackend:
             if options.local.smoke:
                 envs["ORCH_SMOKE"] = "on"
         data_file = None
-        if request.data:
+        if request.data is not None:
             from orchestrator.launch import data
 
             data_file = data.use(request.data, request.recipe.trainer, False, False, request.overrides)
