@@ -127,6 +127,15 @@ BAD = [
     (["logs", "corrupt"], "is not a readable run record"),
     (["cancel", "never-submitted"], "was never submitted"),
     (["show", "phi3_dpo_fsdp", "max_steps=ten"], "max_steps takes an integer"),
+    # the quoting boundary (core/slots.py): values SkyPilot substitutes or a shell reads, checked by their slot
+    (["run", "phi3_dpo_fsdp", "--dry-run", "--env", 'CHECKPOINT_BUCKET=x", "source": "/etc'],
+     "CHECKPOINT_BUCKET (substituted into the task's file_mounts./checkpoints.name) 'x\", \"source\": \"/etc': "
+     "use 3-63"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "--env", "CHECKPOINT_BUCKET=My_Bucket!!"], "use 3-63 lowercase letters"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "--image-id", "docker:ubuntu;touch /tmp/pwn"], "--image-id 'docker:ubuntu;"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "--infra", "aws;id"], "--infra 'aws;id': use letters"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "--cluster", ""], "--cluster '': use letters"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "--cluster", "ends-"], "ending with a letter or digit"),
     # one loader for every input file (core/files.py): regular files, UTF-8, capped, no aliases or duplicate keys,
     # SkyPilot's own task schema for the recipe's types (issue 30, item 3)
     (["run", "bomb"], "uses a YAML alias"),

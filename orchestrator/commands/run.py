@@ -6,6 +6,7 @@ import argparse
 import re
 
 from orchestrator.commands import add
+from orchestrator.core import slots
 from orchestrator.core.errors import OrchError
 from orchestrator.launch.placement import DEFAULT_IDLE_MINUTES, DEFAULT_RESTARTS
 
@@ -32,7 +33,6 @@ Before a cloud launch orch shows SkyPilot's choice and its $/h (and the recipe's
 (InfiniBand/EFA where the cloud has it) unless the recipe sets a tier.
 """
 
-_CLUSTER = re.compile(r"^[a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?$")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -219,8 +219,8 @@ def main(args: argparse.Namespace) -> int:
     if why:
         print(f"[orch] recipe: {recipe.name} ({why}; name another as the first word)", flush=True)
     _check_idle_flags(args)
-    if args.cluster is not None and not _CLUSTER.match(args.cluster):
-        raise OrchError(f"--cluster {args.cluster!r}: use letters, digits, '-', '_' or '.', starting with a letter")
+    if args.cluster is not None:
+        slots.check("cluster", args.cluster, "--cluster")
     if args.gpus is not None:
         from orchestrator.core import accelerators
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from orchestrator.core import memory, trl_schema
+from orchestrator.core import memory, slots, trl_schema
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import truthy
 from orchestrator.launch import preflight
@@ -101,6 +101,7 @@ def rehearse(launch: Launch, checked: Checked) -> str:
 def check(launch: Launch, task_id: str = PLACEHOLDER_TASK_ID, device: str = "gpu") -> Checked:
     """All of it. Memory is estimated for GPU launches only (a local run is CPU processes)."""
     check_trl(launch)
+    slots.check_substitutions(launch.task(), launch.env())  # what SkyPilot will substitute as text, by its slot
     plans = previews(launch, task_id, device)
     trainers = launch.nodes - (1 if plans[-1].role == "vllm-server" else 0)
     memory = preflight.run(launch, trainers, gpus=launch.gpus if device == "gpu" else None)

@@ -29,13 +29,13 @@ def _rows(path: Path):
             import pyarrow.parquet as pq
         except ImportError:
             raise OrchError(f"--data {path}: reading Parquet here needs pyarrow (pip install pyarrow)") from None
-        with files.open_regular(path, "--data") as fh:
-            try:
-                table = pq.read_table(fh).slice(0, 1)
-            except Exception as exc:  # pyarrow's ArrowInvalid, OSError...: a corrupt or truncated file
-                reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
-                raise OrchError(f"--data {path}: not a readable Parquet file ({reason}); write it again") from None
-        for row in table.to_pylist():
+        files.open_regular(path, "--data").close()  # a regular file (pyarrow's own reader must open it by path:
+        try:  # given a Python file object its threads abort the interpreter at exit)
+            first = next(pq.ParquetFile(str(path)).iter_batches(batch_size=1), None)
+        except Exception as exc:  # pyarrow's ArrowInvalid, OSError...: a corrupt or truncated file
+            reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+            raise OrchError(f"--data {path}: not a readable Parquet file ({reason}); write it again") from None
+        for row in first.to_pylist() if first is not None else []:
             yield 1, row
         return
     for number, line in files.lines(path, "--data"):
@@ -106,5 +106,40 @@ def use(file: str, trainer: str, local: bool, smoke: bool, user_overrides: dict[
 
 
 def mount(launch, path: Path):
-    """A cloud task reads the file from DATA_MOUNT (SkyPilot uploads it with the task): the launch with that mount."""
-    return launch.replace(mounts={**launch.mounts, f"{DATA_MOUNT}/train{path.suffix}": str(path.resolve())})
+    """A cloud task reads the file from DATA_MOUNT (SkyPilot uploads it with the task): the launch with that mount.
+    SkyPilot's rsync of a mount's source runs in a shell on this machine: a path holding anything but plain
+    characters is staged first, under a plain name in orch's cache (a hard link, else a copy), never refused."""
+    from orchestrator.core import slots
+
+    source = path.resolve()
+    if not slots.safe_path(str(source)):
+        source = stage(source)
+        print(f"[orch] data: {path} is uploaded as {source} (its path holds characters a shell would read)",
+              flush=True)  # fmt: skip
+    return launch.replace(mounts={**launch.mounts, f"{DATA_MOUNT}/train{path.suffix}": str(source)})
+
+
+def stage(path: Path) -> Path:
+    """The file under orch's cache as data/staged/<hash>/train.<ext>: a plain path, made atomically."""
+    import shutil
+
+    from orchestrator.core import slots
+    from orchestrator.core.smoke import cache_root
+
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root().parent.resolve() / "data" / "staged" / digest
+    target = out / f"train{path.suffix}"
+    if not slots.safe_path(str(target)):
+        raise OrchError(f"--data {path}: orch's cache {out} holds characters a shell would read; set ORCH_CACHE_DIR "
+                        "to a plain path")  # fmt: skip
+    if target.is_file():
+        return target
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{target.name}.{os.getpid()}.tmp"
+    try:
+        os.link(path, tmp)
+    except OSError:  # another file system
+        shutil.copyfile(path, tmp)
+    os.replace(tmp, target)
+    return target

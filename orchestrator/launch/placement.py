@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from orchestrator.core import slots
 from orchestrator.core.errors import EXIT_RETRYABLE, OrchError
 
 if TYPE_CHECKING:
@@ -27,9 +28,12 @@ def resources(args, launch: Launch) -> dict[str, object]:
     elif launch.nodes > 1 and not recipe.get("network_tier"):
         resources["network_tier"] = "best"  # NCCL over InfiniBand/EFA, not plain TCP, between nodes
     if args.infra:
-        resources["infra"] = args.infra
+        resources["infra"] = slots.check("field", args.infra, "--infra")
     if args.image_id:
         resources["image_id"] = args.image_id
+    images = resources.get("image_id", recipe.get("image_id"))  # SkyPilot runs `docker pull <it>` unquoted
+    for image in images.values() if isinstance(images, dict) else [images] if images else []:
+        slots.check("image", str(image), "--image-id" if args.image_id else "resources.image_id")
     if args.max_restarts < 0:
         raise OrchError(f"--max-restarts {args.max_restarts}: give 0 or more restarts")
     if args.managed:  # recover on orch's retryable exit too, not only on preemption
