@@ -127,6 +127,18 @@ BAD = [
     (["logs", "corrupt"], "is not a readable run record"),
     (["cancel", "never-submitted"], "was never submitted"),
     (["show", "phi3_dpo_fsdp", "max_steps=ten"], "max_steps takes an integer"),
+    # values checked before launch: finite numbers, ranges the owners accept but cannot train, every port a node opens
+    (["run", "phi3_dpo_fsdp", "--dry-run", "learning_rate=nan"], "learning_rate must be a finite number"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "beta=inf"], "beta must be a finite number"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "max_length=0"], "max_length must be at least 1"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "logging_steps=-5"], "logging_steps must be more than 0"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "max_steps=0"], "max_steps takes -1 (train by epochs) or at least 1"),
+    (["run", "qwen25_sft_ddp", "--local", "--smoke", "learning_rate=-1e-5"], "learning_rate must be at least 0"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "--nodes", "2", "--env", "MAIN_PROCESS_PORT=65535"], "(65536)"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "--env", "ORCH_BARRIER_PORT=29500"], "is MAIN_PROCESS_PORT's port too"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "--env", "CHECKPOINT_ROOT=/checkpoints/../../etc"], "with '..'"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "--down"], "--down: for SkyPilot launches, not --local"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "--idle-minutes", "5"], "--idle-minutes: for SkyPilot"),
     # the quoting boundary (core/slots.py): values SkyPilot substitutes or a shell reads, checked by their slot
     (["run", "phi3_dpo_fsdp", "--dry-run", "--env", 'CHECKPOINT_BUCKET=x", "source": "/etc'],
      "CHECKPOINT_BUCKET (substituted into the task's file_mounts./checkpoints.name) 'x\", \"source\": \"/etc': "
@@ -309,3 +321,18 @@ def test_ls_lists_every_broken_recipe_with_its_reason(bad_project, monkeypatch, 
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert "uses a YAML alias" in rows["bomb"] and "not a regular file" in rows["fifo"]
     assert "num_nodes: 'abc'" in rows["nodes_abc"] and "phi3_dpo_fsdp" in rows
+
+
+@pytest.mark.parametrize("name, value", [("ORCH_STOP_GRACE", "abc"), ("ORCH_REHEARSAL", "maybe"),
+                                         ("ORCH_LAUNCHED_AT", "abc")])  # fmt: skip
+def test_a_bad_knob_in_the_callers_environment_stops_a_local_run_before_it_starts(project, monkeypatch, capsys,
+                                                                                  name, value):  # fmt: skip
+    """The local nodes inherit orch's environment: a knob there is refused by orch with one line, not by a node's
+    guard with a traceback."""
+    monkeypatch.chdir(project)
+    monkeypatch.setenv(name, value)
+    before = _tree(project)
+    assert cli.main(["run", "qwen25_sft_ddp", "--local", "--smoke"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("orch: error:") == 1 and f"{name}={value!r}" in err and "Traceback" not in err
+    assert _tree(project) == before

@@ -318,7 +318,7 @@ BAD_INPUT = [
         ["run", "phi3_dpo_fsdp", "--smoke"],
         "--smoke trains the recipe's tiny model: on this machine (--local) or on CPU nodes (--gpus none)",
     ),
-    (["run", "phi3_dpo_fsdp", "--local", "--managed"], "are for SkyPilot launches, not --local"),
+    (["run", "phi3_dpo_fsdp", "--local", "--managed"], "--managed: for SkyPilot launches, not --local"),
     (["run", "phi3_dpo_fsdp", "--cluster", "bad name!"], "--cluster 'bad name!'"),
     (["run", "phi3_dpo_fsdp", "--idle-minutes", "-1"], "--idle-minutes -1: give 0 or more minutes"),
     (["run", "phi3_dpo_fsdp", "--secret", "1BAD"], "'1BAD' is not an environment variable name"),

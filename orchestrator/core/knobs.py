@@ -128,8 +128,32 @@ def knob(env: Mapping[str, str], name: str, default=None):
 def check_knobs(env: Mapping[str, str]) -> None:
     for name in KNOBS:
         knob(env, name)
-    for name in ("MAIN_PROCESS_PORT", "ORCH_BARRIER_PORT", "VLLM_SERVER_PORT"):
-        env_port(env, name, 1)
+    ports(env)
+    root = env.get("CHECKPOINT_ROOT", "")
+    if ".." in root.split("/"):
+        raise OrchError(f"CHECKPOINT_ROOT={root!r} climbs out of its directory with '..': give the checkpoint "
+                        "directory itself (on the bucket's mount point for durable checkpoints)")  # fmt: skip
+
+
+def ports(env: Mapping[str, str]) -> dict[str, int]:
+    """Every port a node listens on, as the node derives it (the same on every rank): accelerate's rendezvous,
+    orch's barrier (default rendezvous + 1) and a vLLM server's. One error when one falls outside 1-65535 or two
+    collide."""
+    main = int(env_port(env, "MAIN_PROCESS_PORT", 29500))
+    if not env.get("ORCH_BARRIER_PORT", "").strip() and main + 1 > 65535:
+        raise OrchError(f"MAIN_PROCESS_PORT={main}: orch's barrier listens on the next port ({main + 1}), which no "
+                        "TCP port is: use a port up to 65534, or set ORCH_BARRIER_PORT")  # fmt: skip
+    found = {"MAIN_PROCESS_PORT": main, "ORCH_BARRIER_PORT": int(env_port(env, "ORCH_BARRIER_PORT", main + 1))}
+    if env.get("VLLM_SERVER_NODES", "").strip() not in ("", "0"):
+        found["VLLM_SERVER_PORT"] = int(env_port(env, "VLLM_SERVER_PORT", 8000))
+    else:
+        env_port(env, "VLLM_SERVER_PORT", 8000)
+    taken: dict[int, str] = {}
+    for name, port in found.items():
+        if port in taken:
+            raise OrchError(f"{name}={port} is {taken[port]}'s port too: give each its own")
+        taken[port] = name
+    return found
 
 
 def env_port(env: Mapping[str, str], name: str, default: int) -> str:

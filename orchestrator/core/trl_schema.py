@@ -83,6 +83,45 @@ def _kind_ok(kind: object, value: object) -> bool:
     return True
 
 
+# orch's own bounds where TRL and transformers accept a value that cannot train (a negative step count, a zero
+# length) or fail only on the node: (lowest, highest, whether the lowest is allowed); the owners check the rest in
+# the rehearsal. Every float must be finite: nan and inf pass every parser and poison the first step.
+RANGES: dict[str, tuple[float | None, float | None, bool]] = {
+    **dict.fromkeys(("learning_rate", "beta", "weight_decay", "max_grad_norm", "warmup_steps", "seed",
+                     "dataloader_num_workers", "label_smoothing_factor", "epsilon", "lora_dropout"), (0, None, True)),
+    **dict.fromkeys(("max_length", "max_prompt_length", "max_completion_length", "max_seq_length",
+                     "gradient_accumulation_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
+                     "num_generations", "lora_r", "save_total_limit", "num_iterations", "steps_per_generation"),
+                    (1, None, True)),
+    **dict.fromkeys(("logging_steps", "save_steps", "eval_steps", "num_train_epochs", "temperature", "lora_alpha"),
+                    (0, None, False)),
+    "warmup_ratio": (0, 1, True),
+    "top_p": (0, 1, False),
+}  # fmt: skip
+
+
+def out_of_range(key: str, kind: object, value: object) -> str:
+    """Why a numeric TRL value cannot train ('' when it can, or when it is not a number)."""
+    import math
+
+    if kind not in ("int", "float") or value is None or isinstance(value, bool):
+        return ""
+    try:
+        number = float(str(value).strip())
+    except ValueError:
+        return ""
+    if not math.isfinite(number):
+        return f"{key} must be a finite number"
+    if key == "max_steps":
+        return "" if number == -1 or number >= 1 else "max_steps takes -1 (train by epochs) or at least 1"
+    low, high, inclusive = RANGES.get(key, (None, None, True))
+    if low is not None and (number < low or (number == low and not inclusive)):
+        return f"{key} must be {'at least' if inclusive else 'more than'} {low:g}"
+    if high is not None and number > high:
+        return f"{key} must be at most {high:g}"
+    return ""
+
+
 def _describe(kind: object) -> str:
     if isinstance(kind, dict):
         return f"a list of {', '.join(map(str, kind['list']))}"
@@ -108,6 +147,8 @@ def check(trainer: str, overrides: Mapping[str, str], source: str = "override") 
             )
         if not _kind_ok(known[key], str(value)):
             raise OrchError(f"{source} {key}={value}: {key} takes {_describe(known[key])}")
+        if why := out_of_range(key, known[key], value):
+            raise OrchError(f"{source} {key}={value}: {why}")
 
 
 def _value_ok(kind: object, value: object) -> bool:
@@ -136,6 +177,8 @@ def check_config_keys(trainer: str, config: Mapping, path: str) -> None:
             )
         if key in known and not _value_ok(known[key], value):
             raise OrchError(f"TRL config {path}: {key}: {value!r}: {key} takes {_describe(known[key])}")
+        if key in known and (why := out_of_range(str(key), known[key], value)):
+            raise OrchError(f"TRL config {path}: {key}: {value!r}: {why}")
 
 
 def is_list(trainer: str, key: str) -> bool:

@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from orchestrator.launch.resolved import Launch
 
 SMOKE_GLOBAL_BATCH = 16
-CLOUD_ONLY = ("managed", "spot", "cluster", "dry_run", "detach", "keep_up", "infra", "network_tier", "image_id")
 
 
 class LocalBackend:
@@ -27,17 +26,22 @@ class LocalBackend:
     def run(self, request: RunRequest) -> int:
         """A local run; on out of memory, one line with the fix that keeps the math, and with --auto-fit one retry
         with that fix applied."""
+        import dataclasses
+
         from orchestrator.core.accelerators import CPU, Gpus
         from orchestrator.core.accelerators import parse as parse_gpus
+        from orchestrator.core.knobs import check_knobs
         from orchestrator.launch import memory_fix
+        from orchestrator.launch.backends import SkyOptions
         from orchestrator.launch.resolved import resolve
 
         options = request.options
-        if any(getattr(options.sky, name) for name in CLOUD_ONLY):
-            raise OrchError(
-                "--managed, --spot, --cluster, --detach, --dry-run, --keep-up, --infra, --network-tier and --image-id "
-                "are for SkyPilot launches, not --local"
-            )
+        given = [f.name for f in dataclasses.fields(SkyOptions)
+                 if f.name != "yes" and getattr(options.sky, f.name) != f.default]  # fmt: skip
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise OrchError(f"{flags}: for SkyPilot launches, not --local (drop {'it' if len(given) == 1 else 'them'})")
+        check_knobs(os.environ)  # the local nodes inherit this environment: its knobs are refused here, not in a node
         gpus = parse_gpus(options.gpus) if options.gpus is not None else None
         if gpus and gpus.name not in (None, CPU):
             raise OrchError(f"--gpus {options.gpus}: --local runs CPU processes; use --gpus CPU:{gpus.count}")
