@@ -80,3 +80,19 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(project):
     assert last["node1/tokens_per_s"] > 0
     assert "(node1) [orch] tracking node 1 in Trackio project 'qwen25_sft_ddp'" in rerun.stdout
     assert "(continuing from step 4)" in rerun.stdout
+
+    # the TRL config edited between runs: resuming checkpoint-8 is refused on the node, naming the change, until
+    # ORCH_RESUME_CHANGED=on (which keeps the run: the same output dir) resumes it and says so (issue 30, item 7)
+    assert json.loads((output_dir / "checkpoint-8" / "orch_config.json").read_text())["shape"] == {
+        "nodes": 2, "per_node": 1, "world": 2}  # fmt: skip
+    config = project / "recipes" / "trl" / "qwen25_sft.yaml"
+    config.write_text(config.read_text() + "max_grad_norm: 0.5\n")  # smoke pins the schedule, not this
+    changed = orch(*COMMAND, cwd=project)
+    assert changed.returncode != 0
+    said = "checkpoint-8 was trained with other settings: max_grad_norm 1.0 -> 0.5; to resume anyway set ORCH_RESUME_"
+    assert said in changed.stdout, changed.stdout[-3000:]
+    anyway = orch(*COMMAND, "--env", "ORCH_RESUME_CHANGED=on", cwd=project)
+    assert anyway.returncode == 0, anyway.stdout[-3000:]
+    assert f"[orch] output: {output_dir.relative_to(project)}" in anyway.stdout
+    said = "[orch] resuming checkpoint-8 with changed settings (ORCH_RESUME_CHANGED=on): max_grad_norm 1.0 -> 0.5"
+    assert said in anyway.stdout

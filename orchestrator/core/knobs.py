@@ -103,6 +103,8 @@ KNOBS = {
     # where the training processes run (the local backend sets cpu), and what the launch side checks before sending
     "ORCH_DEVICE": (_choice("gpu", "cpu"), "gpu or cpu"),
     "ORCH_REHEARSAL": ON_OFF,
+    # resume from a checkpoint trained with other settings (train/run_config.py says which)
+    "ORCH_RESUME_CHANGED": ON_OFF,
     "ORCH_SHOW_NOTICES": ON_OFF,
     # `orch node` trains the recipe's tiny model on synthetic data, built on the node (a CPU cluster, a first check)
     "ORCH_SMOKE": ON_OFF,  # third-party notices the node hides (node/output.py NOTICES)

@@ -15,6 +15,7 @@ from orchestrator.core import trainers
 from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home
 from orchestrator.core.knobs import knob
 from orchestrator.core.timeline import time_to_first_step
+from orchestrator.train import run_config
 from orchestrator.train.checkpoints import write_manifest
 from orchestrator.train.throughput import Meter, tokens_in
 
@@ -76,6 +77,7 @@ class OrchCallback(TrainerCallback):
         self.save_began = 0.0
         self.stopped = ""  # why the run stopped before max_steps (the cost cap), for the report
         self.tracker = None  # train/tracking.NodeTracker under --track
+        self.run_config: dict | None = None  # train/run_config.of: written into every checkpoint
         # `orch node --checkpoint-now` (SkyPilot's preemption hook) asks for a checkpoint through a file on the node
         self.request = save_request_path() if knob(os.environ, "ORCH_SAVE_ON_REQUEST") == "on" else None
 
@@ -145,6 +147,8 @@ class OrchCallback(TrainerCallback):
             ckpt = self.output_dir / f"checkpoint-{state.global_step}"
             if ckpt.is_dir():
                 node, nodes = node_of_process()
+                if self.run_config:  # what it was trained with (train/run_config.py), each node its own copy
+                    run_config.write(ckpt, self.run_config)
                 write_manifest(ckpt, node, nodes, state.global_step)
         if self.request is not None and state.is_local_process_zero and self.request.exists():
             self.request.unlink(missing_ok=True)

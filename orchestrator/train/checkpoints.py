@@ -38,7 +38,7 @@ def _files(ckpt: Path) -> dict[str, int]:
     `.orch_manifest.nodeN.json.tmp` that another node may see, or see vanish, while it lists the directory)."""
     files = {}
     for p in sorted(ckpt.rglob("*")):
-        if p.name.startswith(("orch_manifest.", ".orch_manifest.")):
+        if p.name.startswith(("orch_manifest.", ".orch_manifest.", "orch_config.json", ".orch_config.json")):
             continue
         try:
             if p.is_file():

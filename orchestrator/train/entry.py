@@ -28,8 +28,10 @@ from typing import NamedTuple
 import torch
 
 from orchestrator.core import trainers
+from orchestrator.core.errors import OrchError
 from orchestrator.core.home import run_id
-from orchestrator.train import cpu_deepspeed, cpu_fsdp, hub, netcheck, tracking
+from orchestrator.core.knobs import knob
+from orchestrator.train import cpu_deepspeed, cpu_fsdp, hub, netcheck, run_config, tracking
 from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, for_collective, node_of_process
 from orchestrator.train.checkpoints import choose_resume, quarantine, save_final_model
 from orchestrator.train.progress import Progress
@@ -260,10 +262,12 @@ def main(argv: list[str] | None = None) -> None:
     acc = trainer.accelerator
     if hub.repo() and acc.is_main_process:
         hub.prepare(hub.repo())
+    node, nodes = node_of_process()
+    callback.run_config = run_config.of(parsed, acc.num_processes, nodes)
     resume = parsed.training_args.resume_from_checkpoint
     if not resume:
-        node = node_of_process()[0] if acc.is_local_main_process else None  # node-local mains re-hash their share
-        resume, skipped = choose_resume(output_dir, node, _min_over_ranks)
+        mine = node if acc.is_local_main_process else None  # node-local mains re-hash their share
+        resume, skipped = choose_resume(output_dir, mine, _min_over_ranks)
         if skipped and acc.is_main_process:
             listed = quarantine(output_dir, skipped)
             for ckpt, reason in skipped:
@@ -272,8 +276,17 @@ def main(argv: list[str] | None = None) -> None:
                     f"{resume.name if resume else 'step 0'}",
                     flush=True,
                 )
+    if resume:  # what changed since that checkpoint: a changed setting stops every rank here, before step 1
+        try:
+            said = run_config.compare(Path(resume), callback.run_config,
+                                      knob(os.environ, "ORCH_RESUME_CHANGED", "off") == "on")  # fmt: skip
+        except OrchError as exc:
+            if acc.is_main_process:
+                print(f"orch: error: {exc}", flush=True)
+            raise SystemExit(2) from None
+        for line in said if acc.is_main_process else []:
+            print(line, flush=True)
     if project := tracking.project_of():
-        node, nodes = node_of_process()
         run = run_id(os.environ) or output_dir.resolve().name
         callback.tracker = tracking.NodeTracker(project, run, node, nodes, acc.is_local_main_process)
         callback.tracker.start(output_dir, Path(resume) if resume else None)

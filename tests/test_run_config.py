@@ -1,0 +1,46 @@
+"""What a resume changes (train/run_config.py, issue 30 item 7), on the comparison itself: a shape change and a longer
+schedule are said and never refused; a changed setting is refused, naming it, unless ORCH_RESUME_CHANGED=on."""
+
+import pytest
+
+from orchestrator.core.errors import OrchError
+from orchestrator.train import run_config
+
+pytestmark = pytest.mark.unit
+
+
+def config(nodes=2, per_node=1, **settings):
+    base = {"learning_rate": 1e-5, "beta": 0.1, "max_steps": 8, "GLOBAL_BATCH_SIZE": "16"}
+    return {"trainer": "dpo", "settings": {**base, **settings},
+            "shape": {"nodes": nodes, "per_node": per_node, "world": nodes * per_node}}  # fmt: skip
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    path = tmp_path / "checkpoint-4"
+    path.mkdir()
+    run_config.write(path, config())
+    return path
+
+
+def test_the_same_run_resumes_in_silence(ckpt):
+    assert run_config.compare(ckpt, config(), anyway=False) == []
+
+
+def test_another_shape_and_a_longer_schedule_are_said_never_refused(ckpt):
+    lines = run_config.compare(ckpt, config(nodes=1, per_node=2, max_steps=16), anyway=False)
+    assert lines == ["[orch] resuming checkpoint-4, saved on 2 x 1, now 1 x 2 (world size 2 -> 2)",
+                     "[orch] note: max_steps 8 -> 16 since checkpoint-4"]  # fmt: skip
+
+
+def test_a_changed_setting_is_refused_naming_it_unless_asked(ckpt):
+    with pytest.raises(OrchError, match=r"trained with other settings: GLOBAL_BATCH_SIZE '16' -> '32', beta 0.1 -> "
+                                        r"0.2; to resume anyway set ORCH_RESUME_CHANGED=on"):  # fmt: skip
+        run_config.compare(ckpt, config(beta=0.2, GLOBAL_BATCH_SIZE="32"), anyway=False)
+    (line,) = run_config.compare(ckpt, config(beta=0.2), anyway=True)
+    assert line == "[orch] resuming checkpoint-4 with changed settings (ORCH_RESUME_CHANGED=on): beta 0.1 -> 0.2"
+
+
+def test_a_checkpoint_of_an_earlier_orch_is_resumed_and_said(tmp_path):
+    (line,) = run_config.compare(tmp_path, config(), anyway=False)
+    assert "keeps no orch_config.json" in line
