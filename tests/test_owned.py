@@ -213,7 +213,7 @@ def test_a_failed_pull_removes_only_the_directory_it_made(project, monkeypatch):
                               output_dir="outputs/r1"))  # fmt: skip
     result = orch("pull", "r1", "models/new", cwd=project)
     assert result.returncode == 2 and "no final model in outputs/r1" in result.stderr, result.stderr
-    assert not (project / "models" / "new").exists()
-    (project / "models" / "empty").mkdir()
+    assert not (project / "models").exists()  # models/ too: the pull made it
+    (project / "models" / "empty").mkdir(parents=True)
     result = orch("pull", "r1", "models/empty", cwd=project)
     assert result.returncode == 2 and (project / "models" / "empty").is_dir()  # not made by the pull: kept

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -61,6 +62,7 @@ def main(args: argparse.Namespace) -> int:
     dest = args.dir or Path("models") / record.run
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise OrchError(f"{dest} is not an empty directory: give an empty or new one")
+    parents = [p for p in dest.absolute().parents if not os.path.lexists(p)]  # made with it, removed with it
     made = not os.path.lexists(dest) and owned.claim(dest, record.run)  # a failed pull removes only what it made
     repo = (record.task.get("envs") or {}).get("ORCH_PUSH_TO_HUB")
     try:
@@ -78,6 +80,9 @@ def main(args: argparse.Namespace) -> int:
     except BaseException:
         if made:  # nothing half written
             owned.remove(dest, record.run, "orch pull")
+            for parent in parents:  # nearest first; only while empty
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
         raise
     owned.unmark(dest)  # the model is the user's now: orch never deletes it
     files = sorted(p.name for p in dest.iterdir() if p.is_file())

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.core import accelerators, configs, files, sky_schema
+from orchestrator.core import accelerators, configs, files, sky_schema, slots
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError, did_you_mean
 
@@ -96,6 +96,9 @@ def load(name_or_path: str) -> Recipe:
     if not isinstance(envs, dict):
         raise OrchError(f"recipe {path} has no `envs:` mapping; it must set {', '.join(REQUIRED_ENVS)}")
     sky_schema.check_task(task, f"recipe {path}")  # SkyPilot's own types, before orch reads a field
+    workdir = task.get("workdir")
+    if isinstance(workdir, str):  # SkyPilot rsyncs it through a shell here; orch resolves paths under it
+        slots.check("field", workdir.removeprefix("~"), f"recipe {path}: workdir")
     num_nodes = task.get("num_nodes")
     if num_nodes is not None and num_nodes < 1:
         raise OrchError(f"recipe {path}: num_nodes: {num_nodes}: a run needs at least 1 node")
