@@ -155,6 +155,24 @@ def scratch(tmp_path_factory):
     return root
 
 
+PER_EXAMPLE = 30
+"""Seconds one example may take (they take milliseconds): past it the example fails as a hang, naming its input."""
+
+
+@contextlib.contextmanager
+def _bounded():
+    def hung(signum, frame):
+        raise TimeoutError(f"one example ran past {PER_EXAMPLE} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(PER_EXAMPLE)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def _outside(root: Path) -> list[str]:
     extra = [p.name for p in root.iterdir() if p.name not in WRITABLE | {"rows.jsonl"}]
     extra += [f"home/{p.name}" for p in (root / "home").iterdir() if p.name not in HOME_WRITABLE]
@@ -197,7 +215,7 @@ def test_no_input_gets_a_traceback_a_stray_file_or_a_stray_process(scratch, monk
             for key, value in env.items():
                 if "\x00" not in value:
                     os.environ[key] = value
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            with _bounded(), contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
                 try:
                     code = cli.main(list(argv))
                 except SystemExit as exc:  # argparse's own exits (--help, a usage error)
@@ -260,7 +278,7 @@ def test_no_node_environment_gets_a_traceback(scratch, monkeypatch):
         err, out = io.StringIO(), io.StringIO()
         try:
             os.environ.update(env)
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            with _bounded(), contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
                 try:
                     code = cli.main(["node", "--print", *overrides])
                 except SystemExit as exc:

@@ -35,18 +35,24 @@ def global_batch_of(env: Mapping[str, str]) -> int | None:
     return positive_int(raw, "GLOBAL_BATCH_SIZE") if raw else None
 
 
+SEARCH = 4096
+"""The largest per-device batch or rank count `solve` tries when it suggests one."""
+
+
 def solve(global_batch: int, per_device: int, data_parallel_size: int) -> int:
     """gradient_accumulation_steps that keeps `global_batch`, or an error naming the nearest valid choices."""
     per_step = per_device * data_parallel_size
     if global_batch % per_step == 0:
         return global_batch // per_step
     fixes = []
-    devices = [d for d in range(per_device - 1, 0, -1) if global_batch % (d * data_parallel_size) == 0]
+    # the searches are bounded: a per-device batch or a rank count out of any real range (a typo, a fuzzer) must
+    # not turn an error message into minutes of work
+    devices = [d for d in range(min(per_device - 1, SEARCH), 0, -1) if global_batch % (d * data_parallel_size) == 0]
     if devices:
         fixes.append(f"per_device_train_batch_size={devices[0]}")
     lower, upper = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
     fixes.append(" or ".join(f"GLOBAL_BATCH_SIZE={g}" for g in (lower, upper) if g >= per_step))
-    ranks = [r for r in range(data_parallel_size - 1, 0, -1) if global_batch % (per_device * r) == 0]
+    ranks = [r for r in range(min(data_parallel_size - 1, SEARCH), 0, -1) if global_batch % (per_device * r) == 0]
     if ranks:
         fixes.append(f"{ranks[0]} data-parallel ranks")
     raise OrchError(

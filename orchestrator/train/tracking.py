@@ -15,6 +15,9 @@ checkpoint it resumes from, so its curves continue where that checkpoint left th
 
 We write through trackio.sqlite_storage.SQLiteStorage.bulk_log, not trackio.init/log: init's background sender
 thread gives no public flush, and a checkpoint's copy must hold every row up to its step.
+
+Tracking never stops training: a failure to open, write or copy a node's database (a corrupt file, a full disk,
+a Trackio error) prints one warning on that node and turns its tracking off; the collectives go on unchanged.
 """
 
 from __future__ import annotations
@@ -46,11 +49,23 @@ class NodeTracker:
         self.dir = orch_home(env) / "trackio" / owned.check_name(run, "run id")
         self.storage = None
         self.last = None  # (time, this node's tokens) at the previous log
+        self.off = ""  # why this node's tracking stopped ('' while it tracks)
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        self.off = f"{what}: {type(exc).__name__}: {reason}"
+        print(f"[orch] warning: tracking off on node {self.node} ({self.off}); training goes on", flush=True)
 
     def start(self, output_dir: Path, resume: Path | None) -> None:
         """Open this node's database: the resumed checkpoint's copy when there is one, else an empty one."""
         if not self.local_main:
             return
+        try:
+            self._start(resume)
+        except Exception as exc:  # noqa: BLE001 - tracking never stops training
+            self._failed("opening its Trackio database", exc)
+
+    def _start(self, resume: Path | None) -> None:
         why = owned.why_not_removable(self.dir, self.run)  # a directory orch made for this run, or none
         if why:  # not orch's to empty: a database of its own beside it
             self.dir = self.dir.with_name(f"{self.run}.{os.getpid()}")
@@ -103,11 +118,19 @@ class NodeTracker:
                 pass
         if self.node == 0:
             row = {**{k: v for k, v in record.items() if k != "step"}, **row}
-        self.storage.bulk_log(self.project, self.run, [row], steps=[step])
+        if self.off or self.storage is None:
+            return
+        try:
+            self.storage.bulk_log(self.project, self.run, [row], steps=[step])
+        except Exception as exc:  # noqa: BLE001 - a corrupt database, a full disk: tracking never stops training
+            self._failed(f"writing step {step}", exc)
 
     def copy_to(self, *roots: Path) -> None:
         """This node's database into each root's trackio/node<N>/ (before the save's barrier)."""
         db = self.dir / f"{self.project}.db"
-        if self.local_main and db.is_file():
-            for root in roots:
-                _backup(db, node_copy(root, self.node, self.project))
+        if self.local_main and not self.off and db.is_file():
+            try:
+                for root in roots:
+                    _backup(db, node_copy(root, self.node, self.project))
+            except Exception as exc:  # noqa: BLE001 - tracking never stops training
+                self._failed("copying its Trackio database", exc)
