@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import orch
+from conftest import ROOT, orch
 
 from orchestrator.train.checkpoints import (
     MANIFEST,
@@ -222,6 +222,19 @@ def test_killed_node_stops_the_gang_and_the_rerun_resumes_exactly(project):
     for step, loss in after.items():
         assert loss == pytest.approx(expected[step], abs=1e-4), step
     assert json.loads((output_dir / "orch" / "rank0.json").read_text())["optimizer_steps"] == 16
+
+
+@pytest.mark.e2e
+def test_a_rank_that_exits_early_is_named_as_the_cause(project):
+    """Rank 1 calls sys.exit(0) at step 3 (tests/fixtures/early_exit/sitecustomize.py): rank 0 then fails in its next
+    collective with a network error. The run names rank 1 and is not reported as a retryable network failure."""
+    fault = ROOT / "tests" / "fixtures" / "early_exit"
+    done = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "--env", f"PYTHONPATH={fault}",
+                cwd=project, timeout=300)  # fmt: skip
+    assert done.returncode != 0
+    final = done.stdout.strip().splitlines()[-1]
+    assert "rank 1 (node 1) exited with code 0 at step 3, before training ended" in final, done.stdout[-3000:]
+    assert "retryable" not in final and "orch exits 75" not in done.stdout
 
 
 # ---------------------------------------------------------------- a node that never joins

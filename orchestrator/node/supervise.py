@@ -161,7 +161,8 @@ def supervise(
                              errors="replace")  # fmt: skip
     relay = _Relay(child.stdout, cpu=not gpus, hide=knob(env, "ORCH_SHOW_NOTICES", "off") == "off",
                    mask=credentials.Mask(credentials.from_env(env)))  # fmt: skip
-    dog = Watchdog(bounds, started=time.time())
+    began = time.time()
+    dog = Watchdog(bounds, started=began)
     grace = knob(env, "ORCH_STOP_GRACE", DEFAULT_GRACE)
     try:
         while child.poll() is None and not stopped:
@@ -181,6 +182,7 @@ def supervise(
         child.wait()
         relay.thread.join(timeout=5)
         peers.close()
+        output_dir = next((r["output_dir"] for r in read_progress(progress_dir).values() if r.get("output_dir")), "")
         shutil.rmtree(progress_dir, ignore_errors=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -194,6 +196,11 @@ def supervise(
         for line in relay.hidden:  # a failing node hides nothing
             say(line)
         error = first_error(relay.errors)
+        # a rank that left early is the cause, not the network error it made the others see
+        if retryable(error) and (early := _left_early(output_dir, since=began - 60)):
+            say(f"[orch] failed on node {node_rank}: accelerate exited with code {code}: orch: error: {early} "
+                f"(this node then saw: {error})")  # fmt: skip
+            return 1
         said = f": {error}" if error else ""
         if retryable(error):  # the cluster's failure: exit 75, which a managed job recovers from
             say(f"[orch] failed on node {node_rank}: a network or GPU failure (accelerate exited with code {code}, "
@@ -201,6 +208,32 @@ def supervise(
             return EXIT_STALLED
         say(f"[orch] failed on node {node_rank}: accelerate exited with code {code}{said}")
     return code
+
+
+EARLY_WAIT = 5.0
+"""Seconds a failing node waits for another node's early-exit record to reach the shared output dir."""
+
+
+def _left_early(output_dir: str, since: float) -> str:
+    """The first rank that left before training ended in this attempt (train/entry.run records it), or ''."""
+    if not output_dir:
+        return ""
+    where = Path(output_dir) / "orch" / "early-exit"
+    deadline = time.monotonic() + EARLY_WAIT
+    while True:
+        found = []
+        for path in where.glob("rank*.json") if where.is_dir() else []:
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(record, dict) and float(record.get("time", 0)) >= since:  # not an earlier attempt's
+                found.append(record)
+        if found or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    first = min(found, key=lambda r: r.get("time", 0), default=None)
+    return str(first.get("error", "")) if first else ""
 
 
 def _stalled(reason: str, node: int, progress_dir: str, peers: Peers, traces: str) -> str:

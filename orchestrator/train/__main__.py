@@ -1,5 +1,5 @@
 """`python -m orchestrator.train <trainer> --config FILE [...]`: what `accelerate launch --module` runs on a node."""
 
-from orchestrator.train.entry import main
+from orchestrator.train.entry import run
 
-main()
+run()

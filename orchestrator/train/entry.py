@@ -244,6 +244,43 @@ def _leave(trainer) -> None:
     os._exit(0)
 
 
+EARLY = "early-exit"
+"""<output_dir>/orch/early-exit/rank<R>.json: a rank that left before training ended (node/supervise.py reads it)."""
+_AT: dict = {}  # where this rank is: its output dir and trainer, for the early-exit record
+
+
+def run() -> None:
+    """main(), and a rank that leaves before training ended named as the cause. A finished rank never returns from
+    main (`_leave` ends it with os._exit), so a clean exit reaching here (a sys.exit(0) or a return in training
+    code, a library quitting) is an early one: the other ranks would then fail on its missing collectives and
+    report a network error. It records itself where every node's launcher looks, says so and exits 1."""
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+        code = exc.code or 0
+    else:
+        code = 0
+    rank = int(os.environ.get("RANK", "0"))
+    trainer = _AT.get("trainer")
+    step = trainer.state.global_step if trainer is not None else 0
+    node = node_of_process()[0]
+    line = (f"rank {rank} (node {node}) exited with code {code} at step {step}, before training ended (a sys.exit "
+            "or return in the training code?): the other ranks then lose it in their next collective")  # fmt: skip
+    if _AT.get("output_dir") is not None:
+        try:
+            where = Path(_AT["output_dir"]) / "orch" / EARLY
+            where.mkdir(parents=True, exist_ok=True)
+            (where / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "node": node, "step": step,
+                                                                "error": line, "time": time.time()}))  # fmt: skip
+        except OSError:
+            pass
+    print(f"orch: error: {line}", flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     if cpu_deepspeed.wanted():  # before TRL's parser builds TrainingArguments, which may start DeepSpeed's comm
         cpu_deepspeed.skip_shm_comm()
@@ -251,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     if cpu_fsdp.wanted():
         cpu_fsdp.install()
     output_dir = Path(parsed.training_args.output_dir)
+    _AT["output_dir"] = output_dir
     progress = Progress.from_env()
     if progress:
         progress.output_dir = str(output_dir.resolve())
@@ -258,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     callback = OrchCallback(output_dir, json.loads(os.environ.get("ORCH_TIMELINE") or "{}"), progress)
     trainer = build(parsed, [callback])
     callback.trainer = trainer
+    _AT["trainer"] = trainer
     callback.timeline["model_loaded"] = time.time()
     acc = trainer.accelerator
     if hub.repo() and acc.is_main_process:
