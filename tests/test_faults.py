@@ -415,3 +415,20 @@ def test_ipv6_node_addresses_are_accepted(node_env):
     result = orch("node", "--print", env={**node_env(2, 8, 1), "SKYPILOT_NODE_IPS": "fd00::1\nfd00::2\n"})
     assert result.returncode == 0, result.stderr
     assert "--main_process_ip fd00::1" in result.stdout
+
+
+def test_a_node_that_does_not_exit_after_another_finished_is_named_and_stopped(tmp_path):
+    """A node launcher stopped (SIGSTOP) after training: once one node finished, the others have
+    ORCH_NODE_EXIT_WAIT seconds; the late one is named (stopped), ended with its process group, and the run fails."""
+    from orchestrator.launch.backends.local import run_nodes
+
+    script = 'if [ "$NODE" = 1 ]; then kill -STOP $$; fi; echo "node $NODE done"'
+    envs = [{"NODE": "0", "ORCH_NODE_EXIT_WAIT": "2", "ORCH_STOP_GRACE": "2"},
+            {"NODE": "1", "ORCH_NODE_EXIT_WAIT": "2", "ORCH_STOP_GRACE": "2"}]  # fmt: skip
+    sink = __import__("io").StringIO()
+    began = time.monotonic()
+    result = run_nodes(script, envs, tmp_path, sink=sink)
+    assert time.monotonic() - began < 30, sink.getvalue()
+    assert result.returncode != 0 and result.failed_node == 1
+    assert result.error == ("orch: error: node 1 did not exit 2 s after node 0 finished its training, which is "
+                            "stopped (SIGSTOP, or a debugger) (ORCH_NODE_EXIT_WAIT=2)"), sink.getvalue()  # fmt: skip

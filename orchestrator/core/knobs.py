@@ -82,6 +82,8 @@ ON_OFF = (_switch, "on or off")
 KNOBS = {
     "ORCH_RENDEZVOUS_TIMEOUT": SECONDS,
     "ORCH_STOP_GRACE": SECONDS,
+    # how long the other nodes may take to exit once one node finished its training cleanly (local backend)
+    "ORCH_NODE_EXIT_WAIT": SECONDS,
     "ORCH_VLLM_POLL_SECONDS": SECONDS,
     "ORCH_VLLM_CLOSED_POLLS": (_count, "a whole number >= 1"),
     # the progress watchdog (node/watchdog.py) and the network check (train/netcheck.py)

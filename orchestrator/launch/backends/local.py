@@ -27,7 +27,7 @@ from orchestrator.core.knobs import knob
 from orchestrator.launch.backends import netns
 from orchestrator.launch.backends.summary import stop_reason, summary
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, printable
-from orchestrator.node.procs import DEFAULT_GRACE
+from orchestrator.node.procs import DEFAULT_GRACE, stopped_group
 
 GUARD = "orchestrator.launch.backends.guard"
 
@@ -117,6 +117,8 @@ def _pump(stream, prefix: str, lock: threading.Lock, sink, tail: deque, errors: 
 def _stop(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
+        if sig == signal.SIGTERM:
+            os.killpg(proc.pid, signal.SIGCONT)  # a stopped process acts on its SIGTERM only once continued
     except (ProcessLookupError, PermissionError):
         pass
 
@@ -178,19 +180,29 @@ def run_nodes(
             )
             pump.start()
             pumps.append(pump)
-        failed = None
+        failed, finished, late = None, None, ""
+        exit_wait = knob(envs[0] if envs else {}, "ORCH_NODE_EXIT_WAIT", DEFAULT_EXIT_WAIT)
         while failed is None and any(p.poll() is None for p in procs):
             for rank, proc in enumerate(procs):
                 if proc.poll() not in (None, 0):
                     failed = rank
                     break
+            if failed is None and finished is None and any(p.poll() == 0 for p in procs):
+                finished = time.monotonic()  # one node is done: the others finish the same steps within moments
+            if failed is None and finished is not None and time.monotonic() - finished > exit_wait:
+                failed = next(rank for rank, p in enumerate(procs) if p.poll() is None)
+                late = (f"node {failed} did not exit {exit_wait:g} s after node "
+                        f"{next(r for r, p in enumerate(procs) if p.poll() == 0)} finished its training"
+                        f"{stopped_group(procs[failed].pid)} (ORCH_NODE_EXIT_WAIT={exit_wait:g})")  # fmt: skip
+                errors[failed].insert(0, f"orch: error: {late}")
             time.sleep(0.05)
         if failed is None:
             failed = next((rank for rank, p in enumerate(procs) if p.returncode != 0), None)
         if failed is not None:
             code = procs[failed].returncode
             with lock:
-                sink.write(f"[orch] node {failed} exited with code {code}: stopping the other nodes\n")
+                sink.write(f"[orch] {late}: stopping it\n" if late else
+                           f"[orch] node {failed} exited with code {code}: stopping the other nodes\n")  # fmt: skip
                 sink.flush()
             _stop_all(procs, grace)
     except BaseException:
@@ -209,7 +221,13 @@ def run_nodes(
     for line in tails[failed]:
         sink.write(f"  (node{failed}) {line}")
     sink.flush()
-    return LocalResult(procs[failed].returncode or 1, failed, error=first_error(errors[failed]))
+    code = procs[failed].returncode if not late else 1
+    return LocalResult(code or 1, failed, error=first_error(errors[failed]))
+
+
+DEFAULT_EXIT_WAIT = 120.0
+"""ORCH_NODE_EXIT_WAIT: seconds the other nodes may take to exit once one finished cleanly (the final model's save
+and the exit barrier take seconds): past it the late node is named and stopped, not waited for forever."""
 
 
 class _signals_held:
