@@ -295,3 +295,25 @@ def test_retryable_failures_are_the_clusters():
         assert retryable(error), error
     for error in ("torch.OutOfMemoryError: CUDA out of memory.", "KeyError: 'messages'", ""):
         assert not retryable(error), error
+
+
+def test_a_save_heartbeat_cannot_hide_a_dead_network():
+    """Rank 0 saves, beating every 2 s, well within the busy bound; node 1 stops answering at 10 s: after PEER_LOST
+    seconds more the node stalls, naming the unreachable node, instead of crediting the heartbeat for an hour."""
+    from orchestrator.node.watchdog import PEER_LOST
+
+    dog = Watchdog(Bounds(floor=10, first=1000, busy=3600), started=0.0)
+    dog.observe({0: _rec(1)}, 1.0)
+    reason = ""
+    for now in range(3, 200, 2):
+        dog.peers(["node 1 (10.0.0.2): unreachable"] if now >= 10 else [], float(now))
+        reason = dog.observe({0: _rec(1, "save", now)}, float(now))
+        if reason:
+            break
+    assert 10 + PEER_LOST < now <= 10 + PEER_LOST + 4, now
+    assert reason.startswith("rank 0 has been in save for ") and "node 1 (10.0.0.2): unreachable for 6" in reason
+    healthy = Watchdog(Bounds(floor=10, first=1000, busy=3600), started=0.0)
+    healthy.observe({0: _rec(1)}, 1.0)
+    for now in range(3, 300, 2):  # the same save with every node reachable: the heartbeat counts
+        healthy.peers([], float(now))
+        assert healthy.observe({0: _rec(1, "save", now)}, float(now)) == ""

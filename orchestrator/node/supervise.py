@@ -165,9 +165,14 @@ def supervise(
     dog = Watchdog(bounds, started=began)
     grace = knob(env, "ORCH_STOP_GRACE", DEFAULT_GRACE)
     try:
+        probed = 0.0
         while child.poll() is None and not stopped:
             time.sleep(POLL)
-            reason = dog.observe(read_progress(progress_dir), time.time()) if bounds.on else ""
+            ranks = read_progress(progress_dir) if bounds.on else {}
+            if bounds.on and dog.busy(ranks) and time.time() - probed > PROBE_EVERY:  # a save must not hide a cut
+                probed = time.time()
+                dog.peers(peers.unreachable(), probed)
+            reason = dog.observe(ranks, time.time()) if bounds.on else ""
             if reason and child.poll() is None:
                 relay.muted = True
                 line = _stalled(reason, node_rank, progress_dir, peers, traces)
@@ -210,6 +215,8 @@ def supervise(
     return code
 
 
+PROBE_EVERY = 10.0
+"""Seconds between probes of the other nodes while a rank saves, evaluates or writes the final model."""
 EARLY_WAIT = 5.0
 """Seconds a failing node waits for another node's early-exit record to reach the shared output dir."""
 

@@ -2,7 +2,8 @@
 stalled? Effects (reading the files, dumping stacks, ending the gang) live in node/supervise.py.
 
 Progress is an optimizer step by any rank, or a heartbeat from a rank that saves, evaluates or writes the final
-model (credited for ORCH_STALL_BUSY seconds at most, so a collective that hangs inside a save is still found).
+model (credited for ORCH_STALL_BUSY seconds at most, so a collective that hangs inside a save is still found, and
+not at all once another node has been unreachable for PEER_LOST seconds: a heartbeat cannot hide a dead network).
   - before the first step (model download, load, compile): a stall after ORCH_STALL_FIRST seconds (default 1800);
   - after it: when no rank progressed for max(10 x the median step time, ORCH_STALL_FLOOR) seconds (default floor
     300 s: above a slow step or a long evaluation between steps, below the process group's own timeouts, 600 s
@@ -22,6 +23,8 @@ DEFAULT_FLOOR = 300.0
 DEFAULT_FIRST = 1800.0
 DEFAULT_BUSY = 3600.0
 STEP_FACTOR = 10
+PEER_LOST = 60.0
+"""Seconds another node may stay unreachable while this one saves before the save's heartbeat stops counting."""
 BUSY_PHASES = ("save", "eval", "final")  # train/progress.py's, which the launch side may not import
 EXIT_STALLED = EXIT_RETRYABLE  # 75, EX_TEMPFAIL: a retryable failure (a managed job restarts on it)
 
@@ -51,6 +54,19 @@ class Watchdog:
     last_progress: float = 0.0
     step_times: list[float] = field(default_factory=list)
     busy_since: dict[int, float] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)  # the peers found unreachable at the last probe
+    lost_since: float | None = None
+
+    def peers(self, unreachable: list[str], now: float) -> None:
+        """What the last probe of the other nodes found (node/supervise.Peers), while a rank is busy."""
+        self.lost = unreachable
+        if not unreachable:
+            self.lost_since = None
+        elif self.lost_since is None:
+            self.lost_since = now
+
+    def busy(self, ranks: Mapping[int, Mapping]) -> bool:
+        return any(r.get("phase") in BUSY_PHASES for r in ranks.values())
 
     def bound(self) -> float:
         if self.last_step < 0:
@@ -69,10 +85,16 @@ class Watchdog:
             self.last_step = max(steps)
             self.last_progress = now
             self.step_times = (self.step_times + [now])[-50:]
+        lost_for = now - self.lost_since if self.lost_since is not None else 0.0
+        cut = lost_for > PEER_LOST
         for rank, record in ranks.items():
             if record.get("phase") in BUSY_PHASES:
                 since = self.busy_since.setdefault(rank, float(record.get("t", now)))
                 beat = float(record.get("t", 0.0))
+                if cut:
+                    return (f"rank {rank} has been in {record.get('phase')} for {now - since:.0f} s while "
+                            f"{'; '.join(self.lost)} for {lost_for:.0f} s (a dead network: its "
+                            "heartbeat no longer counts)")  # fmt: skip
                 if beat > self.last_progress and beat - since <= self.bounds.busy:
                     self.last_progress = beat
             else:
