@@ -117,6 +117,8 @@ BAD = [
     (["cp", "phi3_dpo_fsdp", LONG], "too long"),
     (["cp", "phi3_dpo_fsdp", "phi3_dpo_fsdp", "--force"], "is the recipe itself"),
     (["cp", "nope", "mine"], "unknown recipe 'nope'"),
+    (["cp", "qwen25_sft_ddp", "Phi3_DPO_FSDP"], "differs from recipes/phi3_dpo_fsdp.yaml only in case"),
+    (["cp", "qwen25_sft_ddp", "recipes/linked/mine.yaml"], "recipes/linked/trl/mine.yaml leads to"),
     # Accelerate config blocks and values of the wrong type: one line naming the key (core/accelerate_config.py)
     (["run", "accel_listed", "--dry-run"], "fsdp_config must be a mapping of settings, not a list"),
     (["run", "accel_stage", "--local", "--smoke"], "deepspeed_config.zero_stage='x' is not a whole number"),
@@ -220,6 +222,9 @@ def bad_project(project):
     (project / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     (project / "corrupt.parquet").write_bytes(b"PAR1" + os.urandom(200) + b"PAR1")
     (project / "hello.jsonl").write_text('{"messages": "hello"}\n')
+    (recipes / "linked").mkdir()
+    (recipes / "linked" / "trl").symlink_to(project / "outside")  # a linked folder leading out of recipes/
+    (project / "outside").mkdir()
     jobs = project / "sky_jobs"
     jobs.mkdir()
     (jobs / "zero.yaml").symlink_to("/dev/zero")

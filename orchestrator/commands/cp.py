@@ -57,9 +57,12 @@ def destinations(dest: str) -> tuple[Path, Path, Path]:
     if not _NAME.match(task.stem):
         raise OrchError(f"DEST file name {task.name!r} must start with a letter (letters, digits, _ . -)")
     recipes = Path("recipes").resolve()
-    if not task.resolve().is_relative_to(recipes):
-        raise OrchError(f"DEST {dest!r}: copies go inside recipes/ (e.g. my_dpo or recipes/exp/my_dpo.yaml)")
-    return task, task.parent / "trl" / f"{task.stem}.yaml", task.parent / "accelerate" / f"{task.stem}.yaml"
+    paths = (task, task.parent / "trl" / f"{task.stem}.yaml", task.parent / "accelerate" / f"{task.stem}.yaml")
+    for path in paths:  # resolved: a linked folder on the way must not lead out of recipes/
+        if not path.resolve().is_relative_to(recipes):
+            raise OrchError(f"DEST {dest!r}: copies go inside recipes/ (e.g. my_dpo or recipes/exp/my_dpo.yaml)"
+                            + (f"; {path} leads to {path.resolve()}" if path != task else ""))  # fmt: skip
+    return paths
 
 
 def users_of_configs(skip: Path | None = None) -> dict[Path, list[str]]:
@@ -146,6 +149,12 @@ def main(args: argparse.Namespace) -> int:
                 "with --force; pick another name"
             )
     wanted = [task_dst, trl_dst, accel_dst]
+    for path in wanted:  # on a case-insensitive file system (macOS) Phi3_DPO.yaml is phi3_dpo.yaml
+        alike = [p for p in (path.parent.iterdir() if path.parent.is_dir() else [])
+                 if p.name.lower() == path.name.lower() and p.name != path.name]  # fmt: skip
+        if alike:
+            raise OrchError(f"{path} differs from {alike[0]} only in case: on a case-insensitive file system it is "
+                            "the same file; pick another name")  # fmt: skip
     taken = [p for p in wanted if p.exists()]
     if taken and not args.force:
         raise OrchError(
