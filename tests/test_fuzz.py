@@ -28,7 +28,7 @@ EXAMPLES = int(os.environ.get("ORCH_FUZZ_EXAMPLES", "2000"))
 SEED = os.environ.get("ORCH_FUZZ_SEED", "")  # another fixed seed, to hunt further (the suite's is Hypothesis' own)
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
 PHI3 = (ROOT / "recipes" / "phi3_dpo_fsdp.yaml").read_text()
-WRITABLE = {"recipes", "sky_jobs", "outputs", "home"}  # what the scratch directory may hold after an example
+WRITABLE = {"recipes", "sky_jobs", "outputs", "home", "model"}  # what the scratch directory may hold after an example
 HOME_WRITABLE = {".cache", ".sky", ".config"}
 
 text = st.text(max_size=40)
@@ -140,6 +140,17 @@ commands = st.one_of(
     st.tuples(st.just("cp"), st.one_of(st.sampled_from(RECIPES), text), text).map(list),
     st.lists(words, max_size=4),
     st.just(["ls"]),
+    st.tuples(st.just("plan"), st.sampled_from(["model", "model/config.json", "Qwen/Qwen2.5-0.5B-Instruct"]),
+              st.lists(st.sampled_from(["--gpus", "--batch", "--max-length", "--max-nodes", "--gpus-per-node",
+                                        "--lora-r"]).flatmap(lambda f: st.tuples(st.just(f), words)),
+                       max_size=2)).map(lambda t: [t[0], t[1], *[w for pair in t[2] for w in pair]]),
+)  # fmt: skip
+SIZES = ["num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size",
+         "num_key_value_heads", "head_dim"]  # fmt: skip
+model_config = st.one_of(
+    st.fixed_dictionaries({k: st.one_of(st.integers(-4, 4096), words, st.none()) for k in SIZES}),
+    st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), words), lambda c: st.lists(c, max_size=3)
+                 | st.dictionaries(st.sampled_from(SIZES + ["text_config"]), c, max_size=4), max_leaves=8),
 )  # fmt: skip
 
 
@@ -206,9 +217,12 @@ def test_no_input_gets_a_traceback_a_stray_file_or_a_stray_process(scratch, monk
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=not SEED, database=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @seed(int(SEED or 0))
-    @given(argv=commands, recipe=recipe_text(), env=st.dictionaries(st.sampled_from(ENV_KEYS), words, max_size=2))
-    def one(argv, recipe, env):
+    @given(argv=commands, recipe=recipe_text(), env=st.dictionaries(st.sampled_from(ENV_KEYS), words, max_size=2),
+           config=model_config)
+    def one(argv, recipe, env, config):
         (scratch / "recipes" / "fz.yaml").write_text(recipe, errors="surrogatepass") if "\x00" not in recipe else None
+        (scratch / "model").mkdir(exist_ok=True)
+        (scratch / "model" / "config.json").write_text(__import__("json").dumps(config))
         saved = {k: os.environ.get(k) for k in env}
         err, out = io.StringIO(), io.StringIO()
         try:

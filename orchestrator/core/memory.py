@@ -72,17 +72,29 @@ class Arch:
 
     @classmethod
     def from_config(cls, config: dict) -> Arch:
-        """From a Hugging Face config.json (Llama, Qwen2/3, Mistral, Phi-3 and alike)."""
+        """From a Hugging Face config.json (Llama, Qwen2/3, Mistral, Phi-3 and alike). Every size must be a whole
+        number >= 1 (head_dim 0 or absent: hidden / heads): a KeyError, TypeError or ValueError names what is not."""
+        if not isinstance(config, dict):
+            raise TypeError(f"it is a JSON {type(config).__name__}, not an object")
         text = config.get("text_config") or config
-        heads = text["num_attention_heads"]
+        if not isinstance(text, dict):
+            raise TypeError("its text_config is not an object")
+
+        def size(key: str, default=None, low: int = 1) -> int:
+            value = text.get(key, default) if default is not None else text[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{key}={value!r} is not a whole number >= {low}")
+            return value
+
+        heads = size("num_attention_heads")
         return cls(
-            layers=text["num_hidden_layers"],
-            hidden=text["hidden_size"],
-            intermediate=text["intermediate_size"],
+            layers=size("num_hidden_layers"),
+            hidden=size("hidden_size"),
+            intermediate=size("intermediate_size"),
             heads=heads,
-            kv_heads=text.get("num_key_value_heads") or heads,
-            vocab=text["vocab_size"],
-            head_dim=text.get("head_dim") or 0,
+            kv_heads=size("num_key_value_heads", text.get("num_key_value_heads") or heads),
+            vocab=size("vocab_size"),
+            head_dim=size("head_dim", text.get("head_dim") or 0, low=0),
             tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         )
 
