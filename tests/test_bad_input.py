@@ -341,3 +341,19 @@ def test_a_bad_knob_in_the_callers_environment_stops_a_local_run_before_it_start
     err = capsys.readouterr().err
     assert err.count("orch: error:") == 1 and f"{name}={value!r}" in err and "Traceback" not in err
     assert _tree(project) == before
+
+
+def test_dashboard_of_a_run_whose_trackio_copies_are_damaged_says_so(project, monkeypatch, capsys):
+    from orchestrator.launch import records
+
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(project / "cache"))
+    (project / "outputs" / "r1" / "trackio" / "node0").mkdir(parents=True)
+    (project / "outputs" / "r1" / "trackio" / "node0" / "p.db").write_bytes(b"SQLite format 3\x00garbage")
+    records.write(records.new("r1", {"name": "x"}, "recipes/x.yaml", "orch run x", platform="local",
+                              backend="local (1 node)", output_dir=str(project / "outputs" / "r1")))  # fmt: skip
+    assert cli.main(["dashboard", "r1", "--no-open"]) == 2
+    out = capsys.readouterr()
+    assert "leaving out" in out.out and "file is not a database" in out.out
+    assert out.err.count("orch: error:") == 1 and "no readable Trackio database" in out.err
+    assert not (project / "cache" / "dashboards" / "r1" / "trackio").exists()

@@ -60,6 +60,12 @@ def main(args: argparse.Namespace) -> int:
     (project, databases), *others = found.items()
     if others:
         raise OrchError(f"{output_dir}/trackio/ holds several projects ({', '.join(found)}); keep one")
+    for db in list(databases):  # a damaged node copy is left out, said; the other nodes' curves are still shown
+        if why := tracking.unreadable(db):
+            print(f"[orch] warning: leaving out {db}: {why}", flush=True)
+            databases.remove(db)
+    if not databases:
+        raise OrchError(f"no readable Trackio database in {output_dir}/trackio/: each is damaged (see above)")
     merged_dir = work / "trackio"
     owned.remove(merged_dir, record.run, "orch dashboard's merged curves")  # the last merge of this run, if any
     owned.claim(merged_dir, record.run)

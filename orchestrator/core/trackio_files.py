@@ -17,10 +17,26 @@ def node_copy(root: Path, node: int, project: str) -> Path:
 def backup(source: Path, dest: Path) -> None:
     """A consistent copy of a SQLite database (sqlite's backup API), written beside `dest` and renamed over it."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    with sqlite3.connect(source) as src, sqlite3.connect(tmp) as out:
-        src.backup(out)
-    os.replace(tmp, dest)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        with sqlite3.connect(source) as src, sqlite3.connect(tmp) as out:
+            src.backup(out)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def unreadable(db: Path) -> str:
+    """Why a node's database cannot be merged ('' when it can): not SQLite, damaged, or not Trackio's."""
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            check = con.execute("PRAGMA quick_check").fetchone()
+    except sqlite3.Error as exc:
+        return str(exc)
+    if check and check[0] != "ok":
+        return f"damaged ({check[0]})"
+    return "" if "metrics" in tables else "not a Trackio database (no metrics table)"
 
 
 def node_databases(output_dir: Path) -> dict[str, list[Path]]:
