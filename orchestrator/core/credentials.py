@@ -45,9 +45,14 @@ def looks_secret(name: str, value: str) -> str:
     return ""
 
 
+MIN_HELD = 8
+"""A secret value shorter than this is not looked for inside other values (`x` is in every word): it is still never
+written by orch itself, and masked in output from MIN_MASKED characters."""
+
+
 def holding(value: str, secrets: Mapping[str, str]) -> str:
     """The name of a secret whose value `value` contains ('' when none)."""
-    return next((name for name, secret in secrets.items() if secret and secret in value), "")
+    return next((name for name, secret in secrets.items() if len(secret) >= MIN_HELD and secret in value), "")
 
 
 def from_env(env: Mapping[str, str]) -> list[str]:
