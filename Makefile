@@ -35,9 +35,10 @@ demo: install
 test: install
 	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-# The inner loop (< 60 s here): the unit and cli tiers (tests/conftest.py; what each tier means: pyproject.toml).
+# The inner loop (< 60 s here): the unit and cli tiers (tests/conftest.py; what each tier means: pyproject.toml), the
+# fuzz harness at 300 examples (make test runs its 2000).
 test-fast: install
-	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --tier unit,cli -q -p no:cacheprovider $(PYTEST_ARGS)
+	ORCH_FUZZ_EXAMPLES=300 SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --tier unit,cli -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # Real SkyPilot without a cloud (root): a 2-node Slurm cluster in network namespaces with a login node and SkyPilot's
 # API server (tests/sky_bed.py); prints the commands to try and takes it all down when you press Enter.

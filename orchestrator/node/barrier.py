@@ -66,13 +66,15 @@ def head_wait(nodes: int, port: int, timeout: float) -> float:
 
 
 WORKER_GRACE = 15.0
-"""Seconds a worker waits past the timeout: the head, which knows which nodes never came, speaks first."""
+"""Seconds (at most the timeout itself) a worker waits past the timeout: the head, which knows which nodes never
+came, speaks first."""
 
 
 def worker_join(rank: int, head_ip: str, port: int, timeout: float) -> float:
     """On rank > 0: report to the head and wait for its `go`."""
     started = time.monotonic()
-    deadline = started + timeout + WORKER_GRACE
+    grace = min(WORKER_GRACE, timeout)
+    deadline = started + timeout + grace
     while True:
         try:
             conn = socket.create_connection((head_ip, port), timeout=3)
@@ -80,8 +82,8 @@ def worker_join(rank: int, head_ip: str, port: int, timeout: float) -> float:
         except OSError:
             if time.monotonic() > deadline:
                 raise RetryableError(
-                    f"node {rank} could not reach the head node {head_ip}:{port} within {timeout + WORKER_GRACE:g} s "
-                    f"(ORCH_RENDEZVOUS_TIMEOUT={timeout:g}, and {WORKER_GRACE:g} s for the head to speak first); check "
+                    f"node {rank} could not reach the head node {head_ip}:{port} within {timeout + grace:g} s "
+                    f"(ORCH_RENDEZVOUS_TIMEOUT={timeout:g}, and {grace:g} s for the head to speak first); check "
                     "that the head is up and the nodes reach each other (raise ORCH_RENDEZVOUS_TIMEOUT to wait longer)"
                 ) from None
             time.sleep(0.5)
