@@ -94,8 +94,9 @@ def missing() -> str:
 
 
 class SkyBed:
-    def __init__(self, root: Path, nodes: int = 2, name: str = NAME):
+    def __init__(self, root: Path, nodes: int = 2, name: str = NAME, managed: bool = False):
         self.root = root
+        self.managed = managed  # SkyPilot's jobs controller inside its API server (consolidation mode): `--managed`
         self.name = name
         self.nodes = nodes
         self.client = root / "client"  # SkyPilot's home on the laptop side
@@ -211,6 +212,8 @@ class SkyBed:
             "  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
         )
         (self.client / ".sky").mkdir(exist_ok=True)
+        if self.managed:  # sky/jobs/utils.py setup_consolidation_mode_on_startup reads it when the API server starts
+            (self.client / ".sky" / "config.yaml").write_text("jobs:\n  controller:\n    consolidation_mode: true\n")
 
     @property
     def env(self) -> dict[str, str]:
@@ -359,7 +362,8 @@ def main() -> int:
         return 2
     root = Path(tempfile.mkdtemp(prefix=Path(BED_HOMES).name + "-", dir=Path(BED_HOMES).parent))
     print(f"[bed] bringing up 2 Slurm nodes, a login node and SkyPilot's API server under {root} ...", flush=True)
-    with SkyBed(root) as bed:
+    managed = os.environ.get("SKY_BED_MANAGED", "") == "1"
+    with SkyBed(root, managed=managed) as bed:
         image = bed.orch_image()
         repo = Path(__file__).resolve().parent.parent
         env = f"HOME={bed.client} PATH={os.path.normpath(Path(sys.executable).parent)}:$PATH"
@@ -376,6 +380,12 @@ and orch, through the same API server:
       --env ORCH_VENV={image} max_steps=40
   orch status; orch logs RUN --follow; orch cancel RUN; orch run --resume RUN -y; orch down RUN
 (a SkyPilot cluster holds its Slurm nodes until `sky down`: the bed has two)
+""", flush=True)  # fmt: skip
+        if managed:
+            print(f"""[bed] SkyPilot's jobs controller runs inside its API server (SKY_BED_MANAGED=1): a managed job,
+  orch run phi3_dpo_fsdp --infra slurm/{bed.name} --nodes 2 --gpus none --smoke --managed -y --detach \
+      --env ORCH_VENV={image} max_steps=200
+  sky jobs queue; sky jobs logs 1 --no-follow
 """, flush=True)  # fmt: skip
         try:
             input("[bed] press Enter to take it down\n")
