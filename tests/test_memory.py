@@ -133,3 +133,15 @@ def test_the_70b_recipe_fits_its_four_nodes_and_one_node_is_refused(project):
     assert one.returncode == 2 and one.stdout == ""
     assert "under FSDP2 on 8 GPU(s), more than one H100 holds (80 GiB); ZeRO-3 with CPU offload on 8 GPUs needs" in \
         one.stderr, one.stderr  # fmt: skip
+
+
+def test_a_config_json_with_null_optional_sizes_reads_like_one_without_them():
+    """Many configs carry `"head_dim": null` or `"num_key_value_heads": null`: absent, as before; a zero head count
+    or a negative size is still refused."""
+    base = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+            "vocab_size": 100}  # fmt: skip
+    nulls = memory.Arch.from_config({**base, "head_dim": None, "num_key_value_heads": None})
+    assert nulls == memory.Arch.from_config(base) and nulls.kv_heads == 2 and nulls.head_dim == 0
+    for bad in ({**base, "num_attention_heads": 0}, {**base, "hidden_size": -64}, {**base, "head_dim": -1}):
+        with pytest.raises(ValueError, match="is not a whole number"):
+            memory.Arch.from_config(bad)

@@ -80,8 +80,9 @@ class Arch:
         if not isinstance(text, dict):
             raise TypeError("its text_config is not an object")
 
-        def size(key: str, default=None, low: int = 1) -> int:
-            value = text.get(key, default) if default is not None else text[key]
+        def size(key: str, fallback: int | None = None, low: int = 1) -> int:
+            """text[key]; with a fallback, that when the key is absent or null (as in many configs)."""
+            value = text[key] if fallback is None else (text.get(key) or fallback)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{key}={value!r} is not a whole number >= {low}")
             return value
@@ -92,9 +93,9 @@ class Arch:
             hidden=size("hidden_size"),
             intermediate=size("intermediate_size"),
             heads=heads,
-            kv_heads=size("num_key_value_heads", text.get("num_key_value_heads") or heads),
+            kv_heads=size("num_key_value_heads", heads),
             vocab=size("vocab_size"),
-            head_dim=size("head_dim", text.get("head_dim") or 0, low=0),
+            head_dim=size("head_dim", 0, low=0),
             tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         )
 
