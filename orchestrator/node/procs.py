@@ -87,12 +87,10 @@ def stopped_group(pid: int) -> str:
     """', which is stopped (SIGSTOP or a debugger) in its process group' when a process of that group is, else ''."""
     try:
         pgid = os.getpgid(pid)
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid and fields[0] in ("T", "t"):
-                    return ", which is stopped (SIGSTOP, or a debugger)"
-    except (OSError, ValueError, IndexError):
-        pass
+    except OSError:
+        return ""
+    for entry in os.listdir("/proc"):
+        fields = stat_fields(entry) if entry.isdigit() else None
+        if fields is not None and len(fields) > 2 and fields[2] == str(pgid) and fields[0] in ("T", "t"):
+            return ", which is stopped (SIGSTOP, or a debugger)"
     return ""
