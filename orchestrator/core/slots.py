@@ -1,6 +1,7 @@
-"""The one quoting boundary: every value orch puts where a shell or SkyPilot's `${VAR}` substitution will read it
-goes through here, either quoted (`quote`, for a shell word) or checked against the strict character set of its
-slot (`check`), with one line naming the slot's rule.
+"""The one quoting boundary: every value orch puts where a shell or SkyPilot's `${VAR}` substitution will read
+unquoted goes through here, checked against the strict character set of its slot (`check`), with one line naming
+the slot's rule. (Values orch writes into a shell line itself are shlex-quoted where they are written: overrides'
+TRL_OVERRIDES words, recorded commands.)
 
 Why slots and not quoting everywhere: SkyPilot substitutes a task's envs into its other fields (`file_mounts`,
 `workdir`, storage names) textually, before YAML types matter, and some of those fields reach a shell on the laptop
@@ -10,7 +11,6 @@ Why slots and not quoting everywhere: SkyPilot substitutes a task's envs into it
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Mapping
 
 from orchestrator.core.errors import OrchError
@@ -24,7 +24,6 @@ SLOTS: dict[str, tuple[re.Pattern[str], str]] = {
               "letters, digits and . _ / : @ + - (an AMI id, an image path or docker:<image>)"),
     "cluster": (re.compile(r"[A-Za-z]([-_.A-Za-z0-9]{0,61}[A-Za-z0-9])?"),  # SkyPilot's own rule
                 "letters, digits, '-', '_' or '.', starting with a letter and ending with a letter or digit"),
-    "env_name": (re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}"), "letters, digits and '_', not starting with a digit"),
     # anything substituted into a task field other than run/setup: a path, a URL, a name
     "field": (re.compile(r"[A-Za-z0-9._/:@+=,%-]{0,1024}"),
               "letters, digits and . _ / : @ + = , % - (no spaces, quotes or shell characters)"),
@@ -40,11 +39,6 @@ def check(slot: str, value: str, what: str) -> str:
         shown = repr(value)[:80]
         raise OrchError(f"{what} {shown}: use {rule}")
     return value
-
-
-def quote(value: str) -> str:
-    """A shell word that is `value` as data, whatever it holds."""
-    return shlex.quote(value)
 
 
 def safe_path(path: str) -> bool:
