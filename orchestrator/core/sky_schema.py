@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 
-from orchestrator.core.errors import OrchError
+from orchestrator.core.errors import OrchError, did_you_mean
 
 SCHEMA = Path(__file__).parent / "sky_task_schema.json"
 
@@ -52,8 +52,6 @@ def check_task(task: Mapping, where: str) -> None:
         error = errors[0]
         field = ".".join(str(p) for p in error.absolute_path) or "the task"
         if error.validator == "additionalProperties" and not error.absolute_path:
-            from orchestrator.core.errors import did_you_mean
-
             known = list(schema().get("properties", {}))
             unknown = [k for k in config if k not in known]
             hint = did_you_mean(unknown[0], known, cutoff=0.6) if unknown else ""

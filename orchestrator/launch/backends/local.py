@@ -137,7 +137,7 @@ def run_nodes(
     hold_fds (the run lock) stay open in the guards, so they are held until the last node is gone; prefixes[i] runs
     node i's guard (`ip netns exec NS` for --netns). Their output is masked: `secrets` and credential-named envs."""
     sink = sink or sys.stdout
-    mask = credentials.Mask([*secrets, *(v for env in envs[:1] for v in credentials.from_env(env))])
+    mask = credentials.Mask([*secrets, *(credentials.from_env(envs[0]) if envs else [])])
     lock = threading.Lock()
     base = dict(os.environ)
     # The node must find `orch` and `accelerate` of this Python's environment, as `setup:` would install them.
