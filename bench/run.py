@@ -15,6 +15,9 @@ stay in the table for information.
 (f) the same smoke run with the progress watchdog and the network check, against itself without them
     (ORCH_WATCHDOG=off ORCH_NETCHECK=off), interleaved.                                target: <= 1.05
 (e) peak memory: max RSS of the largest process of each command (from wait4).
+(g) time to first step on the real SkyPilot path (bench/first_step.py, on tests/sky_bed.py's Slurm bed, root only):
+    `orch run --infra slurm/<bed> --smoke` to step 1 on a new cluster against a bare SkyPilot 2-node `echo` launch in
+    the same bed.                                              target: <= 1.5x; a relaunch's node setup <= 2 s
 
 Writes bench/results.md and prints the same table. Timing uses time.perf_counter around subprocesses.
 """
@@ -385,12 +388,21 @@ def main() -> int:
     )
     shutil.rmtree(project, ignore_errors=True)
 
+    import first_step  # (g), on the SkyPilot bed
+
+    why = first_step.missing()
+    if why:
+        rows.append(("time to first step on the SkyPilot bed (g)", 0.0, 0, f"not measured: the bed {why}", ""))
+    else:
+        rows += first_step.rows()
+
     header = (
         "| what | median wall time | peak RSS (largest process) | comparison | target |\n"
         "| --- | --- | --- | --- | --- |"
     )
     lines = [
-        f"| {label} | {seconds * 1000:.0f} ms | {f'{mb} MiB' if mb else '-'} | {cmp} | {target} |"
+        f"| {label} | {f'{seconds * 1000:.0f} ms' if seconds else '-'} | {f'{mb} MiB' if mb else '-'} | {cmp} "
+        f"| {target} |"
         for label, seconds, mb, cmp, target in rows
     ]
     machine = (

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,7 @@ def test_managed_job_and_its_commands(in_project, fake, capsys, monkeypatch):
     assert kw == {"name": record.stem}
     assert list(task.resources)[0].use_spot
     assert task.envs["TRL_OVERRIDES"] == "learning_rate=1e-6"
+    assert "ORCH_LAUNCHED_AT" not in task.envs  # the controller would send the first submission's time at each recovery
     assert "# job_id: 42" in record.read_text() and "# backend: sky-managed" in record.read_text()
     # recovery on orch's retryable exit (a hang, a lost node, NCCL), and a checkpoint on the preemption notice
     (resources,) = list(task.resources)
@@ -584,7 +586,10 @@ def test_resume_relaunches_the_recorded_task_under_the_same_run_id(in_project, f
     assert f"[orch] run {run}: relaunch 1, resuming from its last checkpoint (/checkpoints/{run})" in out
     (name, again, kw) = fake.calls[0]
     assert name == "launch" and kw["cluster_name"] == "c1" and (kw["idle_minutes_to_autostop"], kw["down"]) == (10, False)
-    assert again.envs == first.envs and again.secrets["HF_TOKEN"].get_secret_value() == SECRET
+    # the same task; only the submission's time (for the node's time-to-first-step line) is the relaunch's own
+    sent = [{k: v for k, v in t.envs.items() if k != "ORCH_LAUNCHED_AT"} for t in (first, again)]
+    assert sent[0] == sent[1] and again.secrets["HF_TOKEN"].get_secret_value() == SECRET
+    assert float(first.envs["ORCH_LAUNCHED_AT"]) <= float(again.envs["ORCH_LAUNCHED_AT"]) <= time.time()
     assert [r.accelerators for r in again.resources] == [r.accelerators for r in first.resources]
     assert again.num_nodes == 2
     text = record.read_text()

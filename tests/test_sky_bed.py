@@ -167,6 +167,9 @@ def test_orch_run_through_skypilots_sdk_and_its_commands_act_on_real_state(bed, 
     assert 10 <= start <= done, out[-3000:]
     assert f"[orch] step {steps}/{steps} loss=" in out and "running FSDP2 over gloo" in out
     assert f"[orch] step {start}/{steps}" not in out  # the steps before the checkpoint were not trained again
+    # time to first step from the moment `orch run` submitted, SkyPilot's part named (core/timeline.py)
+    assert re.search(r"\[orch\] time to first step: [\d.]+ s = SkyPilot's provisioning, runtime and job start [\d.]+ "
+                     r"\+ setup [\d.]+ \(install [\d.]+, rehearsal", out), out[-3000:]
     text = record.read_text()
     assert "# job_id: 2" in text and "# relaunches: 1" in text
     status = orch("status", name)

@@ -33,6 +33,19 @@ def test_tokens_exclude_padding_and_say_when_they_cannot():
     assert tokens_in({"input_ids": torch.ones(2, 4)}) == (8, False)
 
 
+def test_time_to_first_step_from_the_submission_on_a_cloud_and_without_a_skewed_clock():
+    from orchestrator.core.timeline import time_to_first_step
+
+    node = {"setup_started": 130.0, "setup_installed": 131.0, "setup_rehearsed": 140.0, "setup_prefetched": 141.0,
+            "node_started": 142.0, "barrier_passed": 143.0, "model_loaded": 150.0, "first_step": 151.0}  # fmt: skip
+    line = time_to_first_step({"launched": 100.0, **node})
+    assert line.startswith("51.0 s = SkyPilot's provisioning, runtime and job start 30.0 + setup 11.0 (install 1.0, "
+                           "rehearsal 9.0, download 1.0) + SkyPilot from setup to run 1.0 + ")  # fmt: skip
+    # the laptop's clock 5 s ahead of the node's: the figure is left out, the total starts at the setup
+    assert time_to_first_step({"launched": 135.0, **node}) == time_to_first_step(node)
+    assert time_to_first_step(node).startswith("21.0 s = setup 11.0")
+
+
 def test_figures_and_dollars():
     meter = Meter({"ORCH_PRICE_PER_HOUR": "36"}, started=time.time() - 100)
     meter.flops_per_token, meter.peak = 6e9, 1000.0  # 1B parameters, 1 PFLOPS per device

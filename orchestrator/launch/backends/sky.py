@@ -7,6 +7,7 @@ Launch a resolved task as a cluster job (`sky.launch`) or a managed job (`sky.jo
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,6 +201,10 @@ def launch(
     following stops following only: the job goes on."""
     sky = _sky()
     sky_task = to_task(task, secrets)
+    if not managed:  # a managed job's controller relaunches it with these envs after each recovery: not there
+        # when this submission left the laptop, for the node's time-to-first-step line (core/timeline.py): a fact of
+        # the submission, like its job id, not of the task (the record keeps the task as rendered)
+        sky_task.update_envs({"ORCH_LAUNCHED_AT": f"{time.time():.3f}"})
     if managed:
         job_ids, _handle = _call(
             "launch (sky jobs launch)", lambda: sky.stream_and_get(sky.jobs.launch(sky_task, name=run))
