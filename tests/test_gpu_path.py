@@ -118,6 +118,8 @@ REHEARSED = [  # rehearsal_batch's arguments, as the tests below call rehearse()
     ("llama3_sft_zero3_offload", 1, 8, 96),
     ("llama3_sft_zero3", 1, 8, 96),
     ("qwen3_sft_alst", 2, 8),
+    ("llama3_sft_lora_ddp", 1, 8),
+    ("llama3_dpo_lora_ddp", 1, 8),
 ]
 
 
@@ -315,6 +317,15 @@ def test_every_recipe_passes_skypilots_task_schema_as_orch_reads_it(path):
 def test_alst_recipe_rehearses_at_two_nodes(rehearsed):
     facts = ok(rehearse("qwen3_sft_alst", 2, 8)[1])
     assert facts["parallelism"]["sp"] == 2 and facts["parallelism"]["dp_shard"] == 8
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["llama3_sft_lora_ddp", "llama3_dpo_lora_ddp"])
+def test_lora_ddp_recipes_do_not_have_ddp_search_for_unused_parameters(rehearsed, name):
+    """A PeftModel is not a PreTrainedModel: without ddp_find_unused_parameters in the recipe, transformers hands DDP
+    find_unused_parameters=True and every step pays for a search that finds nothing (read from the accelerator the
+    trainer built, as DDP will get it)."""
+    assert ok(rehearse(name, 1, 8)[1])["ddp_find_unused_parameters"] is False
 
 
 # ---------------------------------------------------------------- versions and package bounds

@@ -217,3 +217,77 @@ def test_a_failing_node_shows_the_notices_it_held_back(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "Failed to load CPU gemm_4bit_forward" in done.stdout  # a failing node hides nothing
     assert "[orch] failed on node 0: accelerate exited with code 1: ValueError: bad" in done.stdout + done.stderr
+
+
+def test_fsdp2_activation_checkpointing_recomputes_dropout_with_other_random_numbers():
+    """The owners' code the rule below answers: accelerate's FSDP2 activation checkpointing wraps each layer with
+    torch's checkpoint_wrapper(preserve_rng_state=False), whose recompute draws another dropout mask: the gradients
+    differ from the uncheckpointed layer's, and match it with preserve_rng_state=True."""
+    import copy
+    import inspect
+
+    import torch
+    from accelerate.utils import fsdp_utils
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    assert "checkpoint_wrapper(layer, preserve_rng_state=False)" in inspect.getsource(fsdp_utils.fsdp2_apply_ac)
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Dropout(0.5))
+    x = torch.randn(8, 32)
+
+    def grad(**wrapper) -> torch.Tensor:
+        model = copy.deepcopy(layer)
+        run = checkpoint_wrapper(model, **wrapper) if wrapper else model
+        torch.manual_seed(1)
+        run(x).pow(2).sum().backward()
+        return model[0].weight.grad
+
+    plain = grad()
+    assert torch.equal(grad(preserve_rng_state=True), plain)
+    assert not torch.allclose(grad(preserve_rng_state=False), plain)
+
+
+def test_lora_dropout_under_fsdp2_activation_checkpointing_is_refused(node_env):
+    from orchestrator.core import configs
+
+    env = node_env(1, 8, 0, TRL_TRAINER="sft", TRL_CONFIG="recipes/trl/llama3_70b_qlora.yaml",
+                   ACCELERATE_CONFIG="recipes/accelerate/fsdp2_llama.yaml", GLOBAL_BATCH_SIZE="16")  # fmt: skip
+    accel, trl, _ = configs.load(env)
+    node.plan(env, accel, trl)  # the recipe: lora_dropout 0
+    with pytest.raises(OrchError, match=r"^lora_dropout is 0.05, but .*preserve_rng_state=False.*lora_dropout: 0.0"):
+        node.plan({**env, "TRL_OVERRIDES": "lora_dropout=0.05"}, accel, trl)
+    with pytest.raises(OrchError, match=r"^lora_dropout is TRL's default 0.05"):
+        node.plan(env, accel, {k: v for k, v in trl.items() if k != "lora_dropout"})
+    off = {**accel.raw, "fsdp_config": {**accel.raw["fsdp_config"], "fsdp_activation_checkpointing": False}}
+    node.plan({**env, "TRL_OVERRIDES": "lora_dropout=0.05"}, off, trl)
+
+
+def test_packed_rows_under_ulysses_need_flash_attention(node_env):
+    """Ulysses drops the attention mask (DeepSpeed's ulysses_sp.py): packed or padding-free rows on SDPA attend across
+    documents silently, so orch refuses them, and a model attention DeepSpeed would refuse on the GPUs."""
+    from orchestrator.core import configs
+
+    recipe = {"TRL_TRAINER": "sft", "TRL_CONFIG": "recipes/trl/qwen3_sft_long.yaml", "GLOBAL_BATCH_SIZE": "32",
+              "ACCELERATE_CONFIG": "recipes/accelerate/alst_ulysses_sp2.yaml",
+              "TRL_OVERRIDES": "attn_implementation=kernels-community/flash-attn2"}  # as qwen3_sft_alst  # fmt: skip
+    env = node_env(1, 8, 0, **recipe)
+    accel, trl, _ = configs.load(env)
+    assert trl["packing"] is True
+    plan = node.plan(env, accel, trl)  # the recipe: packed, flash attention from the Kernels Hub
+    assert "--parallelism_config_sp_size" in plan.argv
+    sdpa = {**accel.raw, "parallelism_config": {**accel.raw["parallelism_config"],
+                                                "parallelism_config_sp_attn_implementation": "sdpa"}}  # fmt: skip
+    for overrides, named in (("attn_implementation=sdpa", "packing"),
+                             ("attn_implementation=sdpa packing=false padding_free=true", "padding_free")):
+        with pytest.raises(OrchError, match=rf"^{named} put several documents in one row, but Ulysses sequence "
+                                            r"parallelism \(sp_size=2\) drops the attention mask.*sp attention sdpa"):
+            node.plan({**env, "TRL_OVERRIDES": overrides}, sdpa, trl)
+    node.plan({**env, "TRL_OVERRIDES": "attn_implementation=sdpa packing=false"}, sdpa, trl)  # one document per row
+    with pytest.raises(OrchError, match=r"^attn_implementation is sdpa but .* is kernels-community/flash-attn2"):
+        node.plan({**env, "TRL_OVERRIDES": "packing=false"}, accel, trl)
+    # on CPU the core attention is SDPA whatever the recipe names (node/launcher.py swaps it): packing is refused there
+    cpu = node_env(2, 1, 0, **{**recipe, "GLOBAL_BATCH_SIZE": "2"}, ORCH_DEVICE="cpu")
+    with pytest.raises(OrchError, match=r"^packing put several .* on CPU, where orch runs SDPA"):
+        node.plan(cpu, accel, trl)
+    argv = node.plan({**cpu, "TRL_OVERRIDES": "packing=false"}, accel, trl).argv
+    assert argv[argv.index("--parallelism_config_sp_attn_implementation") + 1] == "sdpa"

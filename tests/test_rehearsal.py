@@ -375,3 +375,23 @@ def test_a_ten_thousand_node_dry_run_reuses_the_cached_rehearsal_and_summarises_
     as_asked = orch("run", "llama3_sft_fsdp", "--gpus", "H100:8", "--nodes", "10000", "--secret", "HF_TOKEN=x",
                     "--dry-run", "--skip-optimizer", env=ON)  # fmt: skip
     assert as_asked.returncode == 2 and "GLOBAL_BATCH_SIZE=128 is not a multiple" in as_asked.stderr
+
+
+def test_the_rehearsal_calls_each_reward_function_in_the_nodes_environment(tmp_path):
+    """GRPO's recipe scores with TRL's accuracy_reward, which needs math_verify only when called (at the first reward,
+    on paid GPUs): with that package missing from the environment, as it was from uv.lock, the rehearsal stops the
+    launch, quoting TRL; with it, the line names the functions it called."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text('import sys\nsys.modules["math_verify"] = None  # not installed\n')
+    argv = ["run", "qwen25_grpo_ddp", "--nodes", "2", "--gpus", "none", "--smoke", "--dry-run"]
+    pythonpath = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    missing = orch(*argv, env={**ON, "PYTHONPATH": pythonpath, "ORCH_CACHE_DIR": str(tmp_path / "cache")})
+    assert missing.returncode == 2, missing.stdout[-2000:] + missing.stderr[-2000:]
+    assert re.fullmatch(r"orch: error: rehearsal of qwen25_grpo_ddp: the head \(node 0\) would fail on its GPUs "
+                        r"\(reward functions: ImportError: Please install the `math_verify` package to use "
+                        r"accuracy_reward\).*",
+                        missing.stderr.strip()), missing.stderr  # fmt: skip
+    found = orch(*argv, env=ON)
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert "reward functions called: accuracy_reward, final model" in found.stdout

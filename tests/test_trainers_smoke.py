@@ -49,6 +49,10 @@ def check_adapter(result, project, lora: bool, qlora: bool = False) -> Path:
     assert "Hugging Face format: PEFT's from_pretrained loads it on its base model" in result.stdout
     assert (output_dir / "adapter_model.safetensors").is_file() and (output_dir / "adapter_config.json").is_file()
     assert "[orch] trained: a LoRA adapter" in result.stdout
+    strategy = json.loads((output_dir / "orch" / "rank0.json").read_text())["strategy"]
+    if "[orch] ran: MULTI_CPU" in result.stdout:  # the LoRA DDP recipes: no search for unused parameters at every
+        # step (transformers' default for a PeftModel), read from DDP itself
+        assert strategy == {"ddp_find_unused_parameters": False}, strategy
     return output_dir
 
 
@@ -188,4 +192,6 @@ def test_rloo_trains_with_its_rewards_and_reference_model(project):
     logged = [json.loads(x) for x in (output_dir / "orch" / "log.jsonl").read_text().splitlines()]
     steps = [r for r in logged if "loss" in r]
     assert all("rewards/digit_reward/mean" in r and r["completions/mean_length"] > 0 for r in steps), steps[0]
+    # the recipe's own reward (TRL's accuracy_reward, math_verify) scored every completion beside the smoke reward
+    assert all("rewards/accuracy_reward/mean" in r for r in steps), steps[0]
     assert steps[0]["kl"] == 0 and max(r["kl"] for r in steps) > 0  # the policy moves away from a real reference

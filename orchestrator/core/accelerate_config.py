@@ -39,6 +39,8 @@ class AccelerateConfig:
     offload_optimizer_device: str = "none"
     parallelism: parallel.Sizes | None = None
     """parallelism_config's sizes as declared (refit to the real process count on the node), None without one."""
+    sp_attn_implementation: str | None = None
+    """parallelism_config_sp_attn_implementation: the core attention Ulysses wraps (accelerate's default: sdpa)."""
     raw: Mapping[str, object] = field(default_factory=dict)
 
     @property
@@ -84,7 +86,7 @@ def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateCo
         raise OrchError(f"{where} must be a YAML mapping of settings")
     fsdp = _block(config, "fsdp_config", where)
     ds = _block(config, "deepspeed_config", where)
-    _block(config, "parallelism_config", where)
+    sp_attn = _block(config, "parallelism_config", where).get("parallelism_config_sp_attn_implementation")
     stage = ds.get("zero_stage")
     return AccelerateConfig(
         distributed_type=str(config.get("distributed_type") or "NO").upper(),
@@ -101,5 +103,6 @@ def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateCo
         offload_param_device=str(ds.get("offload_param_device", "none")),
         offload_optimizer_device=str(ds.get("offload_optimizer_device", "none")),
         parallelism=parallel.declared(config),
+        sp_attn_implementation=None if sp_attn in (None, "") else str(sp_attn),
         raw=MappingProxyType(dict(config)),
     )  # fmt: skip

@@ -14,6 +14,7 @@ import hashlib
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +57,14 @@ def plan(model_id: str, trainer: str, root: Path | None = None) -> SmokePlan:
     return SmokePlan(family.model_type, trainer, root / f"{family.model_type}-{trainer}-{digest[:12]}")
 
 
-def trl_overrides(smoke: SmokePlan) -> dict[str, str]:
-    """TRL arguments that point a recipe at the tiny artifacts and make it short, fp32 and CPU-friendly."""
+SMOKE_REWARD = "orchestrator.train.smoke_build.digit_reward"
+
+
+def trl_overrides(smoke: SmokePlan, settings: Mapping[str, object] | None = None) -> dict[str, str]:
+    """TRL arguments that point a recipe at the tiny artifacts and make it short, fp32 and CPU-friendly. A generating
+    trainer (GRPO, RLOO) keeps the recipe's own reward functions (`settings`: its TRL settings) and gets the smoke
+    reward beside them: a tiny random model's completions score 0 on a real reward, which would leave nothing to
+    learn from, while the recipe's functions still run on every completion."""
     out = {
         "model_name_or_path": str(smoke.dir / "model"),
         "dataset_name": str(smoke.dir / "data"),
@@ -82,7 +89,12 @@ def trl_overrides(smoke: SmokePlan) -> dict[str, str]:
         "ddp_find_unused_parameters": "false",
         "seed": "42",
     }
-    return {**out, **trainers.spec(smoke.trainer).smoke_overrides}  # the trainer's own (core/trainers.py)
+    out.update(trainers.spec(smoke.trainer).smoke_overrides)  # the trainer's own (core/trainers.py)
+    if trainers.spec(smoke.trainer).generates:
+        given = (settings or {}).get("reward_funcs") or []
+        names = given.split() if isinstance(given, str) else [str(n) for n in given] if isinstance(given, list) else []
+        out["reward_funcs"] = " ".join([*(n for n in names if n != SMOKE_REWARD), SMOKE_REWARD])
+    return out
 
 
 def ensure(smoke: SmokePlan) -> None:

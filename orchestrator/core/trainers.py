@@ -71,7 +71,6 @@ class TrainerSpec:
 
 _GENERATING_SMOKE = MappingProxyType({
     "num_generations": "2", "max_completion_length": "8", "use_vllm": "false",
-    "reward_funcs": "orchestrator.train.smoke_build.digit_reward",
     "log_completions": "false",  # tables of random tokens from the tiny model: noise in the log
 })  # fmt: skip
 _PAIR = MappingProxyType({"prompt": _CHAT, "chosen": [{"role": "assistant", "content": "4"}],

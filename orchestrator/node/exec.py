@@ -132,7 +132,7 @@ def smoke_env(env: Mapping[str, str]) -> dict[str, str]:
     smoke.ensure(artifacts)
     given = overrides.loads(env.get("TRL_OVERRIDES", ""))
     schedule = {key: value for key, value in given.items() if key in smoke.SCHEDULE}  # the run's length is its own
-    words = {**given, **smoke.trl_overrides(artifacts), **schedule}
+    words = {**given, **smoke.trl_overrides(artifacts, settings), **schedule}
     return {
         **env,
         "ORCH_SMOKE": "off",  # applied

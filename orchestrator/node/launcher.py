@@ -103,6 +103,10 @@ def flags(
         argv += ["--deepspeed_multinode_launcher", "standard"]
     if sizes is not None:
         argv += sizes.flags()
+        named = config.sp_attn_implementation
+        if device == "cpu" and sizes.sp > 1 and named not in (None, "sdpa"):  # flash kernels need a GPU
+            argv += ["--parallelism_config_sp_attn_implementation", "sdpa"]
+            notes.append(f"Ulysses wraps SDPA on CPU, not the recipe's {named}")
     if sharded == "DEEPSPEED":  # on GPUs, and on CPU where ZeRO runs for real
         argv += ["--gradient_accumulation_steps", str(accumulation)]
     return Flags(argv, runs_as, tuple(notes), script_args)

@@ -124,6 +124,7 @@ def plan(
     accelerate_schema.check_config(accelerate_config.raw, recipe.accel_path)
     rules.check_final_model_is_written(accelerate_config, recipe.accel_path)
     rules.check_reference_model_loading(recipe.trainer, accelerate_config, settings, recipe.accel_path)
+    rules.check_recomputed_dropout(accelerate_config, settings, recipe.accel_path)
 
     # A vLLM server node (GRPO, VLLM_SERVER_NODES=1) does not train: the others form the training job.
     serving = vllm.server_nodes(env, cluster, recipe.trainer)
@@ -145,6 +146,7 @@ def plan(
     if sizes is not None:
         data_parallel = sizes.data_parallel(total)
         rules.check_packing(recipe.trainer, sizes, settings)
+        rules.check_packed_attention(accelerate_config, sizes, settings, recipe.device, recipe.accel_path)
         pad = parallel.pad_to_multiple_of(sizes, settings)
         decided += ["--pad_to_multiple_of", pad] if pad else []
     ga = batch.accumulation_steps(recipe.global_batch, settings, data_parallel, recipe.overrides)

@@ -50,6 +50,34 @@ def check_reference_model_loading(
         )
 
 
+LORA_DROPOUT_DEFAULT = 0.05  # TRL's ModelConfig.lora_dropout
+
+
+def check_recomputed_dropout(accelerate_config: AccelerateConfig | Mapping, settings: Mapping, accel_path: str) -> None:
+    """FSDP2's activation checkpointing (accelerate's fsdp2_apply_ac) wraps each layer with
+    `checkpoint_wrapper(layer, preserve_rng_state=False)`: the backward pass recomputes the layer with other random
+    numbers, so LoRA's dropout drops other units than the forward pass did and the gradients belong to no forward
+    pass (tests/test_node.py shows it with torch's own wrapper). LoRA dropout 0 keeps them exact."""
+    config = AccelerateConfig.of(accelerate_config, accel_path)
+    if not (config.fsdp and config.fsdp_version == 2 and config.fsdp_activation_checkpointing):
+        return
+    if not truthy(settings.get("use_peft", False)):
+        return
+    raw = settings.get("lora_dropout")
+    try:
+        dropout = LORA_DROPOUT_DEFAULT if raw in (None, "") else float(str(raw))
+    except ValueError:
+        return  # TRL's parser refuses it, naming the key
+    if dropout > 0:
+        said = "TRL's default " if raw in (None, "") else ""
+        raise OrchError(
+            f"lora_dropout is {said}{dropout:g}, but {accel_path}'s fsdp_activation_checkpointing recomputes each "
+            "layer without its random state (accelerate's FSDP2 wrapper: preserve_rng_state=False), so the backward "
+            "pass drops other units than the forward pass did; set lora_dropout: 0.0, or turn "
+            "fsdp_activation_checkpointing off and gradient_checkpointing on"
+        )
+
+
 def check_packing(trainer: str, sizes: Sizes, settings: Mapping) -> None:
     """TRL's SFTTrainer refuses packing with context parallelism: ring attention drops the block-diagonal mask. (Only
     SFT's arguments have packing: TRL's parser refuses the key for any other trainer.)"""
@@ -62,6 +90,51 @@ def check_packing(trainer: str, sizes: Sizes, settings: Mapping) -> None:
                 f"(cp_size={sizes.cp}): ring attention drops the mask that keeps packed documents apart; set "
                 f"{key}=false"
             )
+
+
+FLASH = ("flash_attention_2", "flash_attention_3")  # and hub kernels named */flash-attn*
+
+
+def sp_attention(accelerate_config: AccelerateConfig | Mapping, device: str) -> str:
+    """The core attention Ulysses wraps: the config's parallelism_config_sp_attn_implementation (accelerate's default
+    sdpa); on CPU always SDPA (node/launcher.py swaps a flash kernel there)."""
+    named = AccelerateConfig.of(accelerate_config).sp_attn_implementation or "sdpa"
+    return "sdpa" if device == "cpu" else named
+
+
+def is_flash(attention: str) -> bool:
+    return attention in FLASH or ("/" in attention and "flash-attn" in attention)
+
+
+def check_packed_attention(accelerate_config: AccelerateConfig | Mapping, sizes: Sizes, settings: Mapping, device: str,
+                           accel_path: str) -> None:  # fmt: skip
+    """Ulysses sequence parallelism (DeepSpeed's UlyssesSPAttentionHF) discards the attention mask transformers built
+    (deepspeed/runtime/sequence_parallel/ulysses_sp.py: "SP relies on position_ids ... we discard 4D tensor masks")
+    and calls the core attention without one: SDPA is then causal over the whole row, so with packing or padding-free
+    rows (several documents, or a DPO pair's sequences, in one row; TRL's BFD packing turns padding-free on) each
+    attends to the ones before it, with no error. Only flash attention reads document boundaries from position_ids
+    (varlen). DeepSpeed also refuses, once the model is loaded on the GPUs, a model attention other than the core
+    one."""
+    if sizes.sp < 2:
+        return
+    core = sp_attention(accelerate_config, device)
+    packed = [k for k in ("packing", "padding_free") if truthy(settings.get(k, False))]  # the keys TRL's parser took
+    if packed and not is_flash(core):
+        where = "on CPU, where orch runs SDPA" if device == "cpu" else f"with {accel_path}'s sp attention {core}"
+        raise OrchError(
+            f"{' and '.join(packed)} put several documents in one row, but Ulysses sequence parallelism (sp_size="
+            f"{sizes.sp}) drops the attention mask and {where} each document attends to the ones before it (only "
+            "flash attention keeps them apart, from position_ids); set parallelism_config_sp_attn_implementation and "
+            f"attn_implementation to kernels-community/flash-attn2 (or flash_attention_2), or {'='.join(packed[:1])}"
+            "=false"
+        )
+    model = str(settings.get("attn_implementation") or "sdpa")
+    if device != "cpu" and model != core:
+        raise OrchError(
+            f"attn_implementation is {model} but {accel_path}'s parallelism_config_sp_attn_implementation is {core}: "
+            "DeepSpeed's Ulysses refuses the pair when it prepares the loaded model (ulysses_sp.py: \"Set both to the "
+            f"same value\"); set attn_implementation={core}"
+        )
 
 
 def check_trainer_batch(trainer: str, global_batch: int | None, settings: Mapping) -> None:

@@ -20,6 +20,7 @@ trainer start depend on the configuration, not on the weights. The vLLM server r
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -158,6 +159,11 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
         "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
         "per_device_train_batch_size": trainer.args.per_device_train_batch_size,
     }
+    if getattr(trainer, "reward_funcs", None):  # GRPO, RLOO: each reward function, as the first step will call it
+        with stage("reward functions"):
+            facts["rewards"] = call_rewards(trainer)
+    if acc.ddp_handler is not None and acc.distributed_type.value in ("MULTI_GPU", "MULTI_CPU"):  # as DDP will get it
+        facts["ddp_find_unused_parameters"] = bool(acc.ddp_handler.find_unused_parameters)
     adapter = entry.adapter_facts(trainer.model)  # PEFT: an adapter trains, the base stays frozen (4-bit: QLoRA)
     if adapter:
         facts["trainable_params"], facts["linear4bit"] = adapter["trainable_params"], adapter["linear4bit"]
@@ -190,6 +196,34 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
         if final is not None and "adapter_model.safetensors" in final["weights"]:
             facts["final_model"] = "LoRA adapter" + (" (full state dict gathered)" if trainer.is_fsdp_enabled else "")
     return facts
+
+
+def call_rewards(trainer) -> dict[str, float | None]:
+    """Every reward function of a generating trainer called on the first row of its dataset, with the arguments
+    TRL's `_calculate_rewards` passes (prompts, completions, completion_ids, the row's other columns, trainer_state,
+    log_extra, log_metric): a missing package (accuracy_reward's math_verify), a column the function reads and the
+    data lacks, or an answer of the wrong length fails here, not at the first step. Reward models are loaded by the
+    trainer already and not called. {name: the reward for one made-up completion}."""
+    import torch
+
+    row = trainer.train_dataset[0]
+    prompt = row["prompt"]
+    completion = [{"role": "assistant", "content": "The answer is 4."}] if isinstance(prompt, list) else " 4"
+    columns = {k: [v] for k, v in row.items() if k not in ("prompt", "completion", "completion_ids")}
+    got = {}
+    for func, name in zip(trainer.reward_funcs, trainer.reward_func_names, strict=True):
+        if isinstance(func, torch.nn.Module):
+            continue
+        out = func(prompts=[prompt], completions=[completion], completion_ids=[[0]], trainer_state=trainer.state,
+                   log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None, **columns)  # fmt: skip
+        if inspect.iscoroutine(out):
+            import asyncio
+
+            out = asyncio.run(out)
+        if not isinstance(out, list | tuple) or len(out) != 1:
+            raise ValueError(f"reward function {name} returned {out!r} for 1 completion (TRL needs a list of 1)")
+        got[name] = None if out[0] is None else float(out[0])
+    return got
 
 
 def server_stage(argv: list[str]) -> dict:

@@ -137,7 +137,7 @@ def _reference_facts(trainer, sharded) -> dict:
 def strategy_facts(trainer) -> dict:
     """What sharding really ran, read from the trained model and the engine, never from a config: FSDP's version,
     how many parameters are DTensors (sharded by fully_shard) and the state dict type; DeepSpeed's ZeRO stage and
-    how many parameters ZeRO-3 partitioned."""
+    how many parameters ZeRO-3 partitioned; DDP's find_unused_parameters."""
     from accelerate.utils import DistributedType
 
     acc = trainer.accelerator
@@ -166,6 +166,11 @@ def strategy_facts(trainer) -> dict:
         if parallelism is not None and (parallelism.sp_size or 1) > 1:
             facts["sp_size"] = int(parallelism.sp_size)
         return {**facts, **_reference_facts(trainer, lambda p: hasattr(p, "ds_tensor"))}
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(trainer.model_wrapped, DistributedDataParallel):  # DDP: whether it searched for unused parameters
+        # at every step (transformers turns it on for any model that is not a PreTrainedModel, a PeftModel included)
+        return {"ddp_find_unused_parameters": bool(trainer.model_wrapped.find_unused_parameters)}
     return {}
 
 

@@ -49,7 +49,9 @@ def _rows(trainer: str, rng: random.Random) -> list[dict]:
             rows.append({"prompt": prompt, "completion": good, "label": True})
             rows.append({"prompt": prompt, "completion": bad, "label": False})
         elif shape == "prompt":
-            rows.append({"prompt": prompt, "answer": str(a + b)})  # `answer`: for the smoke reward, digit_reward
+            # `answer` for the smoke reward (digit_reward); `solution`, as DeepMath-103K names it, for TRL's
+            # accuracy_reward, which the GRPO and RLOO recipes score with
+            rows.append({"prompt": prompt, "answer": str(a + b), "solution": f"${a + b}$"})
         else:
             raise ValueError(f"no smoke rows for dataset format {shape!r} (trainer {trainer!r})")
     return rows[:ROWS]

@@ -145,7 +145,7 @@ def _smoke(launch: Launch, user_envs: dict[str, str], user_overrides: dict[str, 
         envs["VLLM_SERVER_NODES"] = "0"
         print("[orch] smoke: no vLLM on CPU: every node trains and generates with the tiny model itself")
     # the recipe's overrides, then smoke's, then the user's key=value words
-    trl = {**launch.overrides, **smoke.trl_overrides(artifacts), **user_overrides}
+    trl = {**launch.overrides, **smoke.trl_overrides(artifacts, launch.settings), **user_overrides}
     return launch.replace(envs=envs, overrides=trl), artifacts
 
 
