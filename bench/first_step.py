@@ -40,13 +40,9 @@ def missing() -> str:
     sys.path.insert(0, str(ROOT / "tests"))
     if os.geteuid() != 0:
         return "needs root (network namespaces, a Slurm cluster, a user for SkyPilot's login node)"
-    from sky_bed import missing as bed_missing
-    from slurm_cluster import INSTALLING, start_install
+    from sky_bed import installed_or_why
 
-    start_install()
-    for proc in INSTALLING:
-        proc.wait()
-    return bed_missing()
+    return installed_or_why()
 
 
 def timed(argv: list[str], env: dict, first: str, cwd: Path = ROOT,
@@ -95,7 +91,7 @@ def setup_parts(out: str) -> dict[str, float]:
 
 def rows() -> list[tuple[str, float, int, str, str]]:
     """The bench's rows for time to first step on the bed (raises SystemExit when a launch fails)."""
-    from sky_bed import BED_HOMES, SkyBed
+    from sky_bed import BED_HOMES, REPO_COPY_IGNORE, SkyBed
 
     root = Path(tempfile.mkdtemp(prefix=Path(BED_HOMES).name + "-", dir=Path(BED_HOMES).parent))
     echo = root / "echo.yaml"
@@ -107,8 +103,7 @@ def rows() -> list[tuple[str, float, int, str, str]]:
             sky, orch = str(BIN / "sky"), str(BIN / "orch")
             infra = ["--infra", f"slurm/{bed.name}"]
             project = root / "repo"  # a copy: the runs' records go to its sky_jobs/, not this checkout's
-            shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(
-                ".venv", ".git", "outputs", "sky_jobs", "__pycache__", ".mypy_cache", "*.egg-info", "build", ".cache"))
+            shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(*REPO_COPY_IGNORE, ".cache"))  # bench/.cache
             env = bed.env
             orch_run = [orch, "run", "phi3_dpo_fsdp", *infra, "--nodes", "2", "--gpus", "none", "--smoke", "-y",
                         "--env", f"ORCH_VENV={image}", "max_steps=3"]  # fmt: skip

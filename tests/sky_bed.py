@@ -93,6 +93,20 @@ def missing() -> str:
     return slurm_missing()
 
 
+def installed_or_why() -> str:
+    """Outside pytest (`make sky-bed`, `make bench`): Slurm's packages installed now, waited for, then `missing()`."""
+    from slurm_cluster import INSTALLING
+
+    start_install()
+    for proc in INSTALLING:
+        proc.wait()
+    return missing()
+
+
+# what a copy of the repository leaves out (the runs' records go to the copy's sky_jobs/, not the checkout's)
+REPO_COPY_IGNORE = (".venv", ".git", "outputs", "sky_jobs", "__pycache__", ".mypy_cache", "*.egg-info", "build")
+
+
 class SkyBed:
     def __init__(self, root: Path, nodes: int = 2, name: str = NAME, managed: bool = False):
         self.root = root
@@ -351,12 +365,7 @@ def main() -> int:
     """`make sky-bed`: the same bed for a person: up, the commands to try, down when Enter is pressed (or on Ctrl-C)."""
     import tempfile
 
-    from slurm_cluster import INSTALLING
-
-    start_install()
-    for proc in INSTALLING:
-        proc.wait()
-    why = missing()
+    why = installed_or_why()
     if why:
         print(f"sky-bed: {why}", file=sys.stderr)
         return 2

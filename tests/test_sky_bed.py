@@ -110,9 +110,10 @@ def test_orch_run_through_skypilots_sdk_and_its_commands_act_on_real_state(bed, 
     relaunches it on the same cluster, whose setup finds nothing to do, from its last checkpoint to the end;
     `orch status`, `orch logs`, `orch down` answer from SkyPilot."""
 
+    from sky_bed import REPO_COPY_IGNORE
+
     project = tmp_path / "repo"
-    shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(".venv", ".git", "outputs", "sky_jobs", "__pycache__",
-                                                                  ".mypy_cache", "*.egg-info", "build"))  # fmt: skip
+    shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(*REPO_COPY_IGNORE))
     env = {**bed.env, "ORCH_REHEARSAL": "off"}  # the head node rehearses in its setup, as ever
 
     def orch(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess:

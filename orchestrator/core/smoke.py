@@ -89,8 +89,9 @@ def trl_overrides(smoke: SmokePlan, settings: Mapping[str, object] | None = None
         "ddp_find_unused_parameters": "false",
         "seed": "42",
     }
-    out.update(trainers.spec(smoke.trainer).smoke_overrides)  # the trainer's own (core/trainers.py)
-    if trainers.spec(smoke.trainer).generates:
+    spec = trainers.spec(smoke.trainer)
+    out.update(spec.smoke_overrides)  # the trainer's own (core/trainers.py)
+    if spec.generates:
         given = (settings or {}).get("reward_funcs") or []
         names = given.split() if isinstance(given, str) else [str(n) for n in given] if isinstance(given, list) else []
         out["reward_funcs"] = " ".join([*(n for n in names if n != SMOKE_REWARD), SMOKE_REWARD])
