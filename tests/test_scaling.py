@@ -278,7 +278,7 @@ def test_launch_refuses_a_recipe_that_cannot_fit():
     )
     assert result.returncode == 2 and "needs ~86.9 GiB per GPU (weights 15.0, gradients 29.9, optimizer 29.9, " \
         "activations 3.3, overhead 8.8) under DDP on 8 GPU(s)" in result.stderr  # fmt: skip
-    assert "FSDP2 on 8 GPUs needs ~22.9 GiB per GPU" in result.stderr and result.stdout == ""
+    assert "FSDP2 on 8 GPUs needs ~23.9 GiB per GPU" in result.stderr and result.stdout == ""
 
 
 def test_dry_run_shows_batch_and_memory():

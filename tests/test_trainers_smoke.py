@@ -48,6 +48,16 @@ def check_adapter(result, project, lora: bool, qlora: bool = False) -> Path:
         assert adapter["linear4bit"] == 7 * json.loads((model / "config.json").read_text())["num_hidden_layers"]
     assert "Hugging Face format: PEFT's from_pretrained loads it on its base model" in result.stdout
     assert (output_dir / "adapter_model.safetensors").is_file() and (output_dir / "adapter_config.json").is_file()
+    # every trained tensor is in the file, under the names PEFT loads (an FSDP2 run with activation checkpointing
+    # wrote an adapter with no tensors: PEFT's selection missed the checkpoint wrapper's module names), and LoRA's
+    # B matrices, zero at the start, have trained
+    from safetensors import safe_open
+
+    with safe_open(str(output_dir / "adapter_model.safetensors"), "pt") as fh:
+        names = list(fh.keys())
+        assert len(names) == 2 * len([n for n in names if ".lora_A." in n]) > 0, names
+        assert all("_checkpoint_wrapped_module" not in n and ".default." not in n for n in names), names
+        assert any(fh.get_tensor(n).abs().sum() > 0 for n in names if ".lora_B." in n)
     assert "[orch] trained: a LoRA adapter" in result.stdout
     strategy = json.loads((output_dir / "orch" / "rank0.json").read_text())["strategy"]
     if "[orch] ran: MULTI_CPU" in result.stdout:  # the LoRA DDP recipes: no search for unused parameters at every

@@ -183,14 +183,18 @@ def states(setup: Setup) -> dict[str, float]:
     if setup.offload:  # ZeRO-3 offload keeps a bf16 gradient shard; FSDP offload keeps nothing between steps
         out = {"weights": 0.0, "gradients": out["gradients"] if s == "zero3" else 0.0, "optimizer": 0.0}
     frozen = 0.0
+    replicated = 0.0
     if peft:
         linear = a.layers * a.layer_linear_params
         per_linear = NF4_BYTES[setup.nested_quant] if setup.method == "qlora" else dtype
         frozen = linear * per_linear + a.other_params * dtype
+        if setup.method == "qlora" and sharded:  # the quantisation scales (bitsandbytes' quant_state) are not
+            replicated = linear * (per_linear - 0.5)  # parameters: FSDP leaves a full copy on every rank
+            frozen -= replicated
     spec = trainers.spec(setup.trainer)
     if spec.has_reference({} if setup.beta is None else {"beta": setup.beta}, peft):  # a frozen copy, sharded alike
         frozen += a.params * dtype
-    out["frozen weights"] = 0.0 if setup.offload else frozen / (n if sharded else 1)
+    out["frozen weights"] = 0.0 if setup.offload else frozen / (n if sharded else 1) + replicated
     return out
 
 
@@ -230,7 +234,10 @@ def transient(setup: Setup) -> float:
     a = setup.arch
     per = NF4_BYTES[setup.nested_quant] if setup.method == "qlora" else 2
     grads = 0 if setup.method in ("lora", "qlora") else a.layer_linear_params * 4
-    return 2 * a.layer_linear_params * per + grads
+    # accelerate's FSDP2 prepare keeps [final norm, lm_head] gathered from forward to backward (its own unit,
+    # reshard_after_forward=False): the output embedding in the compute dtype
+    tail = a.vocab * a.hidden * 2 if setup.strategy == "fsdp" and not a.tied else 0
+    return 2 * a.layer_linear_params * per + grads + tail
 
 
 def estimate(setup: Setup) -> Estimate:
@@ -270,3 +277,62 @@ def offload_host_gib(setup: Setup, nodes: int) -> float:
     trained parameter) of its share of the states, plus the frozen weights."""
     frozen = setup.arch.params * DTYPE_BYTES[setup.weights_dtype] if setup.method in ("lora", "qlora") else 0
     return (trained_params(setup) * 14 + frozen) / nodes / GIB
+
+
+# ---------------------------------------------------------------- memory while loading, by loading path
+
+
+@dataclass(frozen=True)
+class LoadMemory:
+    """Peak memory while the model loads and is prepared (sharded, wrapped), before the first step, in bytes."""
+
+    path: str
+    """How the ranks load, in words."""
+    rank0: float
+    """Host memory rank 0 adds over its pre-load resident set: the checkpoint it reads (through mmap: page cache,
+    counted in its resident set once touched) plus any copy it makes (fp32 upcast)."""
+    other: float
+    """The same for every other rank."""
+    node: float
+    """Host memory of the busiest node (rank 0's): the checkpoint's pages once (a node's ranks share the page cache)
+    plus every rank's own copies."""
+    gpu: float
+    """Per-GPU peak during loading (4-bit: each rank quantises the whole model onto its own GPU)."""
+
+    def describe(self) -> str:
+        ranks = f"rank 0 +{self.rank0 / GIB:.1f} GiB, each other rank +{self.other / GIB:.1f} GiB"
+        node, gpu = self.node / GIB, self.gpu / GIB
+        return f"~{node:.1f} GiB host memory on the busiest node ({ranks}), ~{gpu:.1f} GiB per GPU: {self.path}"
+
+
+def at_load(setup: Setup, gpus_per_node: int, cpu_ram_efficient: bool) -> LoadMemory:
+    """Host and GPU memory while loading, for the path the recipe's configs take (transformers 5.17, accelerate 1.15,
+    bitsandbytes 0.50). tests/test_load_memory.py checks the FSDP2 host figures against the resident sets measured on
+    CPU."""
+    a = setup.arch
+    read = a.params * DTYPE_BYTES[setup.weights_dtype]  # the checkpoint in the load dtype
+    trained = trained_params(setup)
+    if setup.method == "qlora":
+        quantised = a.layers * a.layer_linear_params * NF4_BYTES[setup.nested_quant] + a.other_params * 2
+        return LoadMemory("4-bit: every rank quantises the whole model onto its own GPU (bitsandbytes; accelerate's "
+                          "CPU-RAM-efficient loading skips 4-bit parameters)", read, read, read,
+                          quantised + trained * 4)  # fmt: skip
+    shard = states(setup)["weights"] + states(setup)["frozen weights"]
+    if setup.strategy == "fsdp":
+        upcast = trained * 4 if setup.mixed_precision and DTYPE_BYTES[setup.weights_dtype] < 4 else 0
+        if cpu_ram_efficient:  # transformers 5 fills the others' parameters with zeros on CPU: a whole copy each,
+            # whose trained part accelerate replaces by fp32 copies parameter by parameter
+            zeros = a.params * DTYPE_BYTES[setup.weights_dtype]
+            other = zeros - trained * DTYPE_BYTES[setup.weights_dtype] + upcast if upcast else zeros
+            return LoadMemory("FSDP2, CPU-RAM-efficient: rank 0 reads the checkpoint, every other rank holds "
+                              "transformers' zero-filled copy" + (", upcast to fp32 by accelerate," if upcast else "")
+                              + " until rank 0's broadcast", read + upcast, other,
+                              read + upcast + (gpus_per_node - 1) * other, shard)  # fmt: skip
+        return LoadMemory("FSDP2: every rank reads the whole checkpoint" + (" and upcasts it to fp32" if upcast else "")
+                          + " before sharding (fsdp_cpu_ram_efficient_loading: true loads it on rank 0 only)",
+                          read + upcast, read + upcast, read + gpus_per_node * upcast, shard)  # fmt: skip
+    if setup.strategy == "zero3":
+        return LoadMemory("ZeRO-3: every rank reads the checkpoint and keeps its partition (deepspeed.zero.Init)",
+                          read, read, read, shard)  # fmt: skip
+    return LoadMemory("every rank reads the whole checkpoint and moves it to its GPU", read, read, read,
+                      a.params * DTYPE_BYTES[setup.weights_dtype])  # fmt: skip

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.core import accelerators
+from orchestrator.core import accelerators, memory
 from orchestrator.core.errors import OrchError
 from orchestrator.core.yamlio import dump_task
 from orchestrator.launch import preflight, storage
@@ -49,6 +49,8 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
             f"{setup.micro_batch} x {setup.seq_len} tokens per device; each {name} has "
             f"{accelerators.memory_gib(name)} GiB"
         )
+        loading = memory.at_load(setup, launch.gpus.count, launch.paired.accelerate.fsdp_cpu_ram_efficient_loading)
+        print(f"memory at load: {loading.describe()}; the instance's host memory is not checked here")
     else:
         print("memory: not estimated (orch has no shape for this model: `orch plan path/to/config.json` reads one)")
     where = storage.durable_checkpoints(task) or "the nodes' own disks (lost with the cluster)"

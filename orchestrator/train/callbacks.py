@@ -80,8 +80,11 @@ class OrchCallback(TrainerCallback):
         self.run_config: dict | None = None  # train/run_config.of: written into every checkpoint
         # `orch node --checkpoint-now` (SkyPilot's preemption hook) asks for a checkpoint through a file on the node
         self.request = save_request_path() if knob(os.environ, "ORCH_SAVE_ON_REQUEST") == "on" else None
+        self.memory = None  # train/loading.HostMemory: the rank's host memory at load and prepare
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.memory is not None:
+            self.memory.mark("prepare")
         if self.request is not None and state.is_local_process_zero:
             self.request.unlink(missing_ok=True)  # a request from before this start (a reused node) is stale
         trainer = self.trainer

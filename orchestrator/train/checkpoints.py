@@ -130,30 +130,105 @@ def quarantine(output_dir: Path, skipped: list[tuple[Path, str]]) -> Path:
     return path
 
 
+def tensor_dtypes(files: list[Path]) -> list[str]:
+    """The dtypes of the tensors in safetensors files, most bytes first (read from their headers)."""
+    sizes: dict[str, int] = {}
+    for path in files:
+        if path.suffix != ".safetensors":
+            continue
+        with open(path, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, info in header.items():
+            if name != "__metadata__":
+                start, end = info["data_offsets"]
+                sizes[info["dtype"]] = sizes.get(info["dtype"], 0) + end - start
+    return sorted(sizes, key=lambda d: -sizes[d])
+
+
 def final_model_files(output_dir: Path) -> dict:
-    """What a finished run left for `from_pretrained`: a config and weights in Hugging Face format."""
+    """What a finished run left for `from_pretrained`: a config and weights in Hugging Face format, their size and
+    their tensors' dtypes."""
     weights = sorted(p.name for p in output_dir.glob("*") if p.name in WEIGHT_FILES or p.name.startswith("model-"))
     has_config = (output_dir / "config.json").is_file() or (output_dir / "adapter_config.json").is_file()
     return {
         "path": str(output_dir),
         "weights": weights,
         "bytes": sum((output_dir / w).stat().st_size for w in weights),
+        "dtypes": tensor_dtypes([output_dir / w for w in weights]),
         "loadable": has_config and bool(weights),
     }
+
+
+def _is_peft(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def in_dtype(state_dict: dict, dtype) -> dict:
+    """fp32 floating tensors cast to `dtype` (the dtype the model was loaded and computes in); others as they are."""
+    import torch
+
+    if dtype is None or dtype == torch.float32:
+        return state_dict
+    return {k: v.to(dtype) if torch.is_tensor(v) and v.dtype == torch.float32 else v for k, v in state_dict.items()}
+
+
+WRAPPED = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper: accelerate's FSDP activation checkpointing
+
+
+def save_adapter(trainer, output_dir: str, trainable: dict) -> None:
+    """PEFT's adapter files from the gathered trainable parameters, the main process only.
+
+    PEFT picks a state dict's adapter entries by the names of its tuner modules (`_get_tuner_state_dict_key_prefixes`,
+    PEFT 0.21), which under FSDP's activation checkpointing hold torch's `_checkpoint_wrapped_module.` while state
+    dicts drop it: its own `save_pretrained` then writes an adapter with no tensors (measured: a 40-byte file). The
+    entries are handed to PEFT under the module names it expects, PEFT selects and names them, and the wrapper's
+    name is taken out of what it returns, as a model without the wrapper would have saved it."""
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    model = trainer.model
+    named = {name.replace(WRAPPED, ""): name for name, _ in model.named_parameters()}
+    adapter = get_peft_model_state_dict(model, state_dict={named.get(k, k): v for k, v in trainable.items()})
+    weights = {k.replace(WRAPPED, ""): v.contiguous() for k, v in adapter.items()}
+    trained = sum(p.requires_grad for p in model.parameters())  # the state dict also holds 4-bit quant states
+    if len(weights) != trained:
+        raise RuntimeError(f"PEFT selected {len(weights)} of the {trained} trained parameters for the adapter")
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(Path(output_dir) / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+    model.peft_config[model.active_adapter].save_pretrained(output_dir)
+    model.create_or_update_model_card(output_dir)
+    if trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(output_dir)
 
 
 def save_final_model(trainer, output_dir: str) -> dict | None:
     """Write the final model in Hugging Face format; the main process returns what it wrote (None elsewhere).
 
-    Under FSDP transformers' `save_model` writes only when the plugin's state dict type is FULL_STATE_DICT; recipes
-    keep SHARDED_STATE_DICT for fast checkpoints, so the last save switches to a full one (accelerate gathers it
-    to rank 0 on CPU). Every rank must call this: gathering is a collective.
+    Under FSDP transformers' `save_model` writes only a full state dict, which accelerate gathers to rank 0 on CPU;
+    recipes keep sharded checkpoints, so the last save gathers one itself (every rank must call this: gathering is a
+    collective), and writes it in the dtype the model was loaded in: accelerate upcasts trained parameters to fp32
+    under mixed precision (fp32 master weights), which would write a bf16 recipe's model at twice its size. A PEFT
+    model gathers its trainable parameters only (torch's `ignore_frozen_params`): the adapter is what gets written,
+    and the frozen base, 4-bit weights included, is never gathered (bitsandbytes#1945: `full_tensor()` of FSDP2's
+    4-bit shards can crash).
     """
-    if getattr(trainer, "is_fsdp_enabled", False):
-        plugin = trainer.accelerator.state.fsdp_plugin
-        if "FULL_STATE_DICT" not in str(plugin.state_dict_type):
-            plugin.set_state_dict_type("FULL_STATE_DICT")
-    trainer.save_model(output_dir)
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        trainer.save_model(output_dir)
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        model = trainer.model
+        peft = _is_peft(model)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=peft)
+        state_dict = get_model_state_dict(model, options=options)
+        if trainer.args.should_save and peft:
+            save_adapter(trainer, output_dir, state_dict)
+        elif trainer.args.should_save:
+            trainer._save(output_dir, state_dict=in_dtype(state_dict, getattr(model.config, "dtype", None)))
     if not trainer.args.should_save:
         return None
     return final_model_files(Path(output_dir))

@@ -31,7 +31,7 @@ from orchestrator.core import trainers
 from orchestrator.core.errors import OrchError
 from orchestrator.core.home import run_id
 from orchestrator.core.knobs import knob
-from orchestrator.train import cpu_deepspeed, cpu_fsdp, hub, netcheck, run_config, tracking
+from orchestrator.train import cpu_deepspeed, cpu_fsdp, hub, loading, netcheck, run_config, tracking
 from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, for_collective, node_of_process
 from orchestrator.train.checkpoints import choose_resume, quarantine, save_final_model
 from orchestrator.train.progress import Progress
@@ -76,7 +76,7 @@ def trainer_class(trainer_name: str, *mixins: type) -> type:
     return type(f"Orch{base.__name__}", (*mixins, OrchTrainerMixin, base), {"orch_trainer_name": trainer_name})
 
 
-def build(parsed: Parsed, callbacks: list, *mixins: type):
+def build(parsed: Parsed, callbacks: list, *mixins: type, memory: loading.HostMemory | None = None):
     """The trainer TRL's script for `parsed.trainer` would build (model loaded by the trainer from its id)."""
     import trl
     from datasets import load_dataset
@@ -98,16 +98,17 @@ def build(parsed: Parsed, callbacks: list, *mixins: type):
         kwargs["reward_funcs"] = _reward_funcs(script_args.reward_funcs) + (
             [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
         )
-    trainer = trainer_class(parsed.trainer, *mixins)(
-        model=model_args.model_name_or_path,
-        args=training_args,
-        train_dataset=dataset[script_args.dataset_train_split],
-        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
-        peft_config=trl.get_peft_config(model_args),
-        quantization_config=trl.get_quantization_config(model_args),  # load_in_4bit: QLoRA, as TRL's scripts do
-        callbacks=callbacks,
-        **kwargs,
-    )
+    with loading.trained_model(model_args.model_name_or_path, memory):  # host memory around the model's load
+        trainer = trainer_class(parsed.trainer, *mixins)(
+            model=model_args.model_name_or_path,
+            args=training_args,
+            train_dataset=dataset[script_args.dataset_train_split],
+            eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+            peft_config=trl.get_peft_config(model_args),
+            quantization_config=trl.get_quantization_config(model_args),  # load_in_4bit: QLoRA, as TRL's scripts do
+            callbacks=callbacks,
+            **kwargs,
+        )
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # OrchCallback prints the step lines; full metrics in orch/log.jsonl
@@ -216,6 +217,7 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "resumed_from": str(resume) if resume else None,
         "final_model": final,
         "timeline": callback.timeline,
+        "host_memory": callback.memory.report() if callback.memory else None,
         "throughput": callback.throughput(),
         "stopped": callback.stopped,
         "pid": os.getpid(),
@@ -227,8 +229,10 @@ def _print_final(final: dict | None) -> None:
         return
     if final["loadable"]:
         print(
-            f"[orch] final model: {final['path']} ({', '.join(final['weights'])}, {final['bytes'] / 1e6:.1f} MB; "
-            "transformers' from_pretrained loads it)",
+            f"[orch] final model: {final['path']} ({', '.join(final['weights'])}, {' + '.join(final['dtypes'])}, "
+            f"{final['bytes'] / 1e6:.1f} MB; "
+            + ("PEFT's from_pretrained loads it on its base model)" if "adapter_model.safetensors" in final["weights"]
+               else "transformers' from_pretrained loads it)"),
             flush=True,
         )
     else:
@@ -299,7 +303,10 @@ def main(argv: list[str] | None = None) -> None:
         progress.output_dir = str(output_dir.resolve())
     netcheck.run(parsed.training_args)  # sets up the process group (TrainingArguments' own way) and times it
     callback = OrchCallback(output_dir, json.loads(os.environ.get("ORCH_TIMELINE") or "{}"), progress)
-    trainer = build(parsed, [callback])
+    memory = loading.HostMemory()  # this rank's resident set before the model, and its peak per phase
+    trainer = build(parsed, [callback], memory=memory)
+    memory.mark("build")
+    callback.memory = memory  # marks "prepare" when training begins (the model sharded or wrapped)
     callback.trainer = trainer
     _AT["trainer"] = trainer
     callback.timeline["model_loaded"] = time.time()
@@ -345,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         callback.tracker.copy_to(output_dir)
     if progress:
         progress.busy("final")
-    strategy = strategy_facts(trainer)  # before the final save switches FSDP to a full state dict
+    strategy = strategy_facts(trainer)  # before the final save gathers
     final = save_final_model(trainer, parsed.training_args.output_dir)
     _print_final(final)
     report = _report(trainer, callback, Path(resume) if resume else None, final, strategy)

@@ -1,7 +1,9 @@
 """Smoke mode, training side: build a tiny random model of an architecture, a tokenizer and synthetic data.
 
-`python -m orchestrator.train.smoke_build MODEL_TYPE TRAINER OUT_DIR` (run by orchestrator.launch.smoke, which
-decides where and caches). Nothing is downloaded. `digit_reward` is the GRPO smoke run's reward function.
+`python -m orchestrator.train.smoke_build MODEL_TYPE TRAINER OUT_DIR` (run by orchestrator.core.smoke, which
+decides where and caches). Nothing is downloaded. `--mib N` builds a wider model of at least N MiB in bf16 instead
+(the load-memory measurements, tests/test_load_memory.py, need one large enough to see). `digit_reward` is the
+GRPO smoke run's reward function.
 """
 
 from __future__ import annotations
@@ -89,7 +91,21 @@ def _tokenizer(corpus: list[str]):
     return fast
 
 
-def build(model_type: str, trainer: str, out: Path) -> None:
+# A wider shape for `--mib`: decoder layers of 12.85M parameters (24.5 MiB in bf16) each
+WIDE = dict(TINY, hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=16,
+            head_dim=64)  # fmt: skip
+
+
+def shape(mib: int = 0) -> dict:
+    """TINY, or WIDE with as many layers as make at least `mib` MiB of bf16 weights."""
+    if mib <= 0:
+        return TINY
+    h, i = WIDE["hidden_size"], WIDE["intermediate_size"]
+    per_layer = 2 * (4 * h * h + 3 * h * i)
+    return dict(WIDE, num_hidden_layers=-(-mib * 2**20 // per_layer))
+
+
+def build(model_type: str, trainer: str, out: Path, mib: int = 0) -> None:
     import shutil
     import tempfile
 
@@ -109,10 +125,10 @@ def build(model_type: str, trainer: str, out: Path) -> None:
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            **TINY,
+            **shape(mib),
         )
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if mib else torch.float32)
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.save_pretrained(tmp / "model")
         tokenizer.save_pretrained(tmp / "model")
@@ -131,6 +147,10 @@ def build(model_type: str, trainer: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4:
-        raise SystemExit("usage: python -m orchestrator.train.smoke_build MODEL_TYPE TRAINER OUT_DIR")
-    build(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+    args = sys.argv[1:]
+    size = 0
+    if len(args) == 5 and args[3] == "--mib" and args[4].isdigit():
+        size, args = int(args[4]), args[:3]
+    if len(args) != 3:
+        raise SystemExit("usage: python -m orchestrator.train.smoke_build MODEL_TYPE TRAINER OUT_DIR [--mib N]")
+    build(args[0], args[1], Path(args[2]), size)

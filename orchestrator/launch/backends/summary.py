@@ -138,7 +138,8 @@ def summary(output_dir: Path) -> list[str]:
         loads = "PEFT's from_pretrained loads it on its base model" if "adapter_model.safetensors" in \
             final["weights"] else "transformers' from_pretrained loads it"  # fmt: skip
         lines.append(
-            f"[orch] final model: {final['path']} ({', '.join(final['weights'])}, {final['bytes'] / 1e6:.1f} MB), "
+            f"[orch] final model: {final['path']} ({', '.join(final['weights'])}, {dtypes_said(final)}"
+            f"{final['bytes'] / 1e6:.1f} MB), "
             f"Hugging Face format: {loads}"
         )
     else:
@@ -147,3 +148,8 @@ def summary(output_dir: Path) -> list[str]:
         pushed = head["pushed"]
         lines.append(f"[orch] final model on the Hub: {pushed['url']} ({', '.join(pushed['files'])})")
     return lines
+
+
+def dtypes_said(final: dict) -> str:
+    """'BF16, ' (or 'BF16 + F32, ') from the final model's report; '' for a report written before it said."""
+    return " + ".join(final.get("dtypes") or []) + ", " if final.get("dtypes") else ""
