@@ -49,7 +49,8 @@ def test_fsdp2_load_memory_per_rank_and_the_final_model_in_the_load_dtype(projec
                   f"model_name_or_path={model_dir}", f"dataset_name={wide_llama / 'data'}", "dtype=bfloat16",
                   "bf16=true", "max_steps=1", "save_strategy=no", cwd=project, timeout=400)  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    head, other = (r["host_memory"] for r in reports(result.stdout, project))
+    rank0, rank1 = reports(result.stdout, project)
+    head, other = rank0["host_memory"], rank1["host_memory"]
     assert head["peak_resets"] and other["peak_resets"]
 
     # rank 1 at load: the whole model in zeros (transformers' FSDP branch), the memory model's figure for it
@@ -64,7 +65,6 @@ def test_fsdp2_load_memory_per_rank_and_the_final_model_in_the_load_dtype(projec
     assert measured == pytest.approx(predicted.rank0, rel=0.2), (measured / MIB, predicted.rank0 / MIB)
 
     # the final model: bf16 as loaded (accelerate's fp32 master copy would be twice the size)
-    final = json.loads((project / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1) / "orch"
-                        / "rank0.json").read_text())["final_model"]  # fmt: skip
+    final = rank0["final_model"]
     assert final["dtypes"] == ["BF16"] and final["bytes"] == pytest.approx(weights, rel=0.02), final
     assert re.search(r"\[orch\] final model: \S+ \(model\.safetensors, BF16, [\d.]+ MB\)", result.stdout)

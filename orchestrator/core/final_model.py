@@ -14,3 +14,13 @@ FILES = (
 
 def is_final_file(name: str) -> bool:
     return "/" not in name and any(fnmatch.fnmatch(name, pattern) for pattern in FILES)
+
+
+def described(final: dict) -> tuple[str, str]:
+    """A final model's report (train/checkpoints.final_model_files) in words: ("model.safetensors, BF16, 335.4 MB",
+    who loads it). Reports written before the dtypes were read say none."""
+    dtypes = " + ".join(final.get("dtypes") or [])
+    files = ", ".join([*final["weights"], *([dtypes] if dtypes else []), f"{final['bytes'] / 1e6:.1f} MB"])
+    adapter = "adapter_model.safetensors" in final["weights"]
+    return files, ("PEFT's from_pretrained loads it on its base model" if adapter
+                   else "transformers' from_pretrained loads it")  # fmt: skip

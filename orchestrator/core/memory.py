@@ -310,20 +310,21 @@ def at_load(setup: Setup, gpus_per_node: int, cpu_ram_efficient: bool) -> LoadMe
     bitsandbytes 0.50). tests/test_load_memory.py checks the FSDP2 host figures against the resident sets measured on
     CPU."""
     a = setup.arch
-    read = a.params * DTYPE_BYTES[setup.weights_dtype]  # the checkpoint in the load dtype
+    dtype = DTYPE_BYTES[setup.weights_dtype]
+    read = a.params * dtype  # the checkpoint in the load dtype (and transformers' zero-filled copy of it)
     trained = trained_params(setup)
     if setup.method == "qlora":
         quantised = a.layers * a.layer_linear_params * NF4_BYTES[setup.nested_quant] + a.other_params * 2
         return LoadMemory("4-bit: every rank quantises the whole model onto its own GPU (bitsandbytes; accelerate's "
                           "CPU-RAM-efficient loading skips 4-bit parameters)", read, read, read,
                           quantised + trained * 4)  # fmt: skip
-    shard = states(setup)["weights"] + states(setup)["frozen weights"]
+    held = states(setup)
+    shard = held["weights"] + held["frozen weights"]
     if setup.strategy == "fsdp":
-        upcast = trained * 4 if setup.mixed_precision and DTYPE_BYTES[setup.weights_dtype] < 4 else 0
+        upcast = trained * 4 if setup.mixed_precision and dtype < 4 else 0
         if cpu_ram_efficient:  # transformers 5 fills the others' parameters with zeros on CPU: a whole copy each,
             # whose trained part accelerate replaces by fp32 copies parameter by parameter
-            zeros = a.params * DTYPE_BYTES[setup.weights_dtype]
-            other = zeros - trained * DTYPE_BYTES[setup.weights_dtype] + upcast if upcast else zeros
+            other = read - trained * dtype + upcast if upcast else read
             return LoadMemory("FSDP2, CPU-RAM-efficient: rank 0 reads the checkpoint, every other rank holds "
                               "transformers' zero-filled copy" + (", upcast to fp32 by accelerate," if upcast else "")
                               + " until rank 0's broadcast", read + upcast, other,
@@ -334,5 +335,4 @@ def at_load(setup: Setup, gpus_per_node: int, cpu_ram_efficient: bool) -> LoadMe
     if setup.strategy == "zero3":
         return LoadMemory("ZeRO-3: every rank reads the checkpoint and keeps its partition (deepspeed.zero.Init)",
                           read, read, read, shard)  # fmt: skip
-    return LoadMemory("every rank reads the whole checkpoint and moves it to its GPU", read, read, read,
-                      a.params * DTYPE_BYTES[setup.weights_dtype])  # fmt: skip
+    return LoadMemory("every rank reads the whole checkpoint and moves it to its GPU", read, read, read, read)

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from orchestrator.core import trainers
+from orchestrator.core import final_model, trainers
 from orchestrator.core.errors import OrchError
 from orchestrator.core.home import run_id
 from orchestrator.core.knobs import knob
@@ -228,13 +228,8 @@ def _print_final(final: dict | None) -> None:
     if final is None:
         return
     if final["loadable"]:
-        print(
-            f"[orch] final model: {final['path']} ({', '.join(final['weights'])}, {' + '.join(final['dtypes'])}, "
-            f"{final['bytes'] / 1e6:.1f} MB; "
-            + ("PEFT's from_pretrained loads it on its base model)" if "adapter_model.safetensors" in final["weights"]
-               else "transformers' from_pretrained loads it)"),
-            flush=True,
-        )
+        files, loads = final_model.described(final)
+        print(f"[orch] final model: {final['path']} ({files}; {loads})", flush=True)
     else:
         print(f"[orch] final model: NOT written in Hugging Face format in {final['path']}", flush=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from orchestrator.core import final_model
 from orchestrator.core.timeline import time_to_first_step
 
 
@@ -135,13 +136,8 @@ def summary(output_dir: Path) -> list[str]:
         lines.append(f"[orch] time to first step: {time_to_first_step(head['timeline'])}")
     final = head.get("final_model")
     if final and final["loadable"]:
-        loads = "PEFT's from_pretrained loads it on its base model" if "adapter_model.safetensors" in \
-            final["weights"] else "transformers' from_pretrained loads it"  # fmt: skip
-        lines.append(
-            f"[orch] final model: {final['path']} ({', '.join(final['weights'])}, {dtypes_said(final)}"
-            f"{final['bytes'] / 1e6:.1f} MB), "
-            f"Hugging Face format: {loads}"
-        )
+        files, loads = final_model.described(final)
+        lines.append(f"[orch] final model: {final['path']} ({files}), Hugging Face format: {loads}")
     else:
         lines.append(f"[orch] final model: NOT written in Hugging Face format in {output_dir}")
     if head.get("pushed"):
@@ -149,7 +145,3 @@ def summary(output_dir: Path) -> list[str]:
         lines.append(f"[orch] final model on the Hub: {pushed['url']} ({', '.join(pushed['files'])})")
     return lines
 
-
-def dtypes_said(final: dict) -> str:
-    """'BF16, ' (or 'BF16 + F32, ') from the final model's report; '' for a report written before it said."""
-    return " + ".join(final.get("dtypes") or []) + ", " if final.get("dtypes") else ""
