@@ -3,8 +3,10 @@ the memory model (core/memory.at_load); and the final model written in the dtype
 
 One run of the 70B full-SFT recipe's configs (FSDP2, CPU-RAM-efficient loading, bf16 mixed precision) on 1 node x 2
 CPU processes with a 320 MiB bf16 Llama built here: rank 0 reads the checkpoint and upcasts it to fp32; rank 1, which
-gets its shard by rank 0's broadcast, still holds transformers 5's zero-filled copy of the whole model (the issue's
-finding, measured here: what a fix must bring under 25% of the model).
+gets its shard by rank 0's broadcast, holds its parameters in never-written memory until then (train/loading.py):
+its resident set grows by under 25% of the model at load, and during accelerate's prepare by its fp32 shard plus
+under 25% of the model. transformers 5 alone fills that rank with a zero copy of the whole model (+332 MiB at load,
++1201 MiB at prepare's peak, measured with loading.install() removed), which this test refuses.
 """
 
 import json
@@ -53,11 +55,16 @@ def test_fsdp2_load_memory_per_rank_and_the_final_model_in_the_load_dtype(projec
     head, other = rank0["host_memory"], rank1["host_memory"]
     assert head["peak_resets"] and other["peak_resets"]
 
-    # rank 1 at load: the whole model in zeros (transformers' FSDP branch), the memory model's figure for it
+    # rank 1: no copy of the model at load, then only its own fp32 shard (the broadcast fills it) and the transient
+    # full tensor of one parameter at a time
     arch = memory.Arch.from_config(json.loads((model_dir / "config.json").read_text()))
     setup = memory.Setup(arch=arch, strategy="fsdp", gpus=2, weights_dtype="bfloat16", mixed_precision=True)
     predicted = memory.at_load(setup, 2, cpu_ram_efficient=True)
-    assert growth(other, "load", "before_load") == pytest.approx(weights, rel=0.2), other
+    assert predicted.other == 0
+    assert growth(other, "load", "before_load") < 0.25 * weights, other
+    assert growth(other, "build", "load") < 0.25 * weights, other
+    shard = 2 * weights / 2  # fp32 (twice bf16's bytes) over 2 ranks
+    assert growth(other, "prepare", "build") - shard < 0.25 * weights, (growth(other, "prepare", "build") / MIB, other)
 
     # rank 0: the memory model's figure for this path (the checkpoint read, the trained weights upcast to fp32)
     assert predicted.rank0 == pytest.approx(3 * weights, rel=0.02)  # 2 + 4 bytes a param

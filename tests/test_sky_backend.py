@@ -216,6 +216,33 @@ def test_dry_run_runs_skypilots_optimizer_on_a_local_catalog(tmp_path):
 
 
 @pytest.mark.e2e
+def test_host_memory_at_load_is_checked_against_the_planned_instance(tmp_path):
+    """The 70B full-SFT recipe's load (rank 0 reads the checkpoint and upcasts it: ~394 GiB) against the memory of the
+    instance SkyPilot's optimizer picks, from SkyPilot's catalog: p4de.24xlarge's 1152 GiB hold it; the same row
+    with a made-up 256 GiB is refused before anything is launched, naming the resources line that fixes it."""
+    argv = ["run", "llama3_70b_sft_fsdp", "--gpus", "A100-80GB:8", "--nodes", "4", "--secret", "HF_TOKEN", "--dry-run"]
+
+    def dry_run(env):
+        return subprocess.run([sys.executable, "-c", DRY_RUN, *argv], cwd=ROOT, env={**env, "HF_TOKEN": "x"},
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    fits = dry_run(seeded_catalog(tmp_path / "big"))
+    assert fits.returncode == 0, fits.stderr[-3000:]
+    assert ("host memory at load: ~394.2 GiB on the busiest node, fits 1152 GiB (p4de.24xlarge in SkyPilot's "
+            "catalog)") in fits.stdout  # fmt: skip
+
+    env = seeded_catalog(tmp_path / "small")
+    vms = Path(env["SKY_RUNTIME_DIR"]) / ".sky" / "catalogs" / "v8" / "aws" / "vms.csv"
+    vms.write_text(vms.read_text().replace("p4de.24xlarge,A100-80GB,8.0,96.0,1152.0,", "p4de.24xlarge,A100-80GB,8.0,96.0,256.0,"))
+    refused = dry_run(env)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("orch: error: loading needs ~394.2 GiB of host memory on the busiest node (FSDP2, ")
+    assert last.endswith("more than 90% of the 256 GiB of p4de.24xlarge in SkyPilot's catalog; set `memory: 439+` "
+                         "under resources in the recipe (SkyPilot then plans a node with at least that much)")  # fmt: skip
+
+
+@pytest.mark.e2e
 def test_dry_run_without_cloud_access_says_why_and_prints_the_rest(tmp_path):
     env = {**os.environ, "SKY_RUNTIME_DIR": str(tmp_path), "SKYPILOT_DISABLE_LOCAL_API_SERVER": "1"}
     result = subprocess.run(

@@ -69,6 +69,25 @@ def launch(bed, *argv: str, timeout: float = 900) -> subprocess.CompletedProcess
                           timeout=timeout)  # fmt: skip
 
 
+PLAN_MEMORY = """
+import sys
+from orchestrator.launch.backends import sky
+plan = sky.optimize({"resources": {"infra": sys.argv[1], "cpus": 1}, "num_nodes": 2, "run": "true"})
+print("MEMORY", plan.memory_gib, "FROM", plan.memory_from)
+"""
+
+
+def test_the_planned_nodes_memory_comes_from_slurm_itself(bed):
+    """The bed tracks no memory (SelectTypeParameters=CR_CPU), so SkyPilot omits --mem and orch reads the nodes'
+    RealMemory (4000 MB in tests/slurm_cluster.py) through SkyPilot's own Slurm inventory, for the host-memory check."""
+    plan = subprocess.run([sys.executable, "-c", PLAN_MEMORY, f"slurm/{bed.name}"], cwd=ROOT, env=bed.env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert plan.returncode == 0, plan.stdout + plan.stderr[-3000:]
+    gib, source = re.search(r"^MEMORY (\S+) FROM (.*)$", plan.stdout, re.M).groups()
+    assert float(gib) == pytest.approx(4000 / 1024, rel=0.01), plan.stdout
+    assert source == f"the smallest RealMemory of Slurm cluster {bed.name} (no --mem: memory not tracked)"
+
+
 def test_plain_sky_launch_runs_the_recipe_on_two_slurm_nodes(bed, tmp_path):
     task = tmp_path / "phi3_slurm.yaml"
     made = subprocess.run([sys.executable, "scripts/on-slurm.py", "recipes/phi3_dpo_fsdp.yaml"], cwd=ROOT,

@@ -305,10 +305,10 @@ class LoadMemory:
         return f"~{node:.1f} GiB host memory on the busiest node ({ranks}), ~{gpu:.1f} GiB per GPU: {self.path}"
 
 
-def at_load(setup: Setup, gpus_per_node: int, cpu_ram_efficient: bool) -> LoadMemory:
+def at_load(setup: Setup, gpus_per_node: int, cpu_ram_efficient: bool, fsdp_version: int = 2) -> LoadMemory:
     """Host and GPU memory while loading, for the path the recipe's configs take (transformers 5.17, accelerate 1.15,
-    bitsandbytes 0.50). tests/test_load_memory.py checks the FSDP2 host figures against the resident sets measured on
-    CPU."""
+    bitsandbytes 0.50, orch's train/loading.py). tests/test_load_memory.py checks the FSDP2 host figures against the
+    resident sets measured on CPU."""
     a = setup.arch
     dtype = DTYPE_BYTES[setup.weights_dtype]
     read = a.params * dtype  # the checkpoint in the load dtype (and transformers' zero-filled copy of it)
@@ -322,15 +322,17 @@ def at_load(setup: Setup, gpus_per_node: int, cpu_ram_efficient: bool) -> LoadMe
     shard = held["weights"] + held["frozen weights"]
     if setup.strategy == "fsdp":
         upcast = trained * 4 if setup.mixed_precision and dtype < 4 else 0
-        if cpu_ram_efficient:  # transformers 5 fills the others' parameters with zeros on CPU: a whole copy each,
-            # whose trained part accelerate replaces by fp32 copies parameter by parameter
-            other = read - trained * dtype + upcast if upcast else read
-            return LoadMemory("FSDP2, CPU-RAM-efficient: rank 0 reads the checkpoint, every other rank holds "
-                              "transformers' zero-filled copy" + (", upcast to fp32 by accelerate," if upcast else "")
-                              + " until rank 0's broadcast", read + upcast, other,
-                              read + upcast + (gpus_per_node - 1) * other, shard)  # fmt: skip
-        return LoadMemory("FSDP2: every rank reads the whole checkpoint" + (" and upcasts it to fp32" if upcast else "")
-                          + " before sharding (fsdp_cpu_ram_efficient_loading: true loads it on rank 0 only)",
+        fp32 = " and upcasts the trained weights to fp32" if upcast else ""
+        if cpu_ram_efficient and fsdp_version == 2:  # orch builds the others in never-written memory (loading.py)
+            return LoadMemory(f"FSDP2, CPU-RAM-efficient: rank 0 reads the checkpoint{fp32}; every other rank "
+                              "holds its parameters in never-written memory until rank 0's broadcast",
+                              read + upcast, 0, read + upcast, shard)  # fmt: skip
+        if cpu_ram_efficient:  # FSDP1: transformers 5 fills the others' parameters with zeros on CPU
+            return LoadMemory("FSDP1, CPU-RAM-efficient: rank 0 reads the checkpoint, every other rank holds "
+                              "transformers' zero-filled copy until FSDP's sync_module_states", read + upcast, read,
+                              read + upcast + (gpus_per_node - 1) * read, shard)  # fmt: skip
+        return LoadMemory(f"FSDP: every rank reads the whole checkpoint{fp32} before sharding "
+                          "(fsdp_cpu_ram_efficient_loading: true loads it on rank 0 only)",
                           read + upcast, read + upcast, read + gpus_per_node * upcast, shard)  # fmt: skip
     if setup.strategy == "zero3":
         return LoadMemory("ZeRO-3: every rank reads the checkpoint and keeps its partition (deepspeed.zero.Init)",

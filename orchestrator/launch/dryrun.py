@@ -49,8 +49,9 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
             f"{setup.micro_batch} x {setup.seq_len} tokens per device; each {name} has "
             f"{accelerators.memory_gib(name)} GiB"
         )
-        loading = memory.at_load(setup, launch.gpus.count, launch.paired.accelerate.fsdp_cpu_ram_efficient_loading)
-        print(f"memory at load: {loading.describe()}; the instance's host memory is not checked here")
+        acc = launch.paired.accelerate
+        loading = memory.at_load(setup, launch.gpus.count, acc.fsdp_cpu_ram_efficient_loading, acc.fsdp_version)
+        print(f"memory at load: {loading.describe()}")
     else:
         print("memory: not estimated (orch has no shape for this model: `orch plan path/to/config.json` reads one)")
     where = storage.durable_checkpoints(task) or "the nodes' own disks (lost with the cluster)"
@@ -71,6 +72,8 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
     print(describe(plan))
     print(estimate(task, plan, head.topology.total_gpus))
     check_cap(task["envs"], plan, head.topology.total_gpus)
+    if at_load := preflight.load_memory(launch, checked.memory):
+        print(preflight.check_host_memory(at_load, plan))
     return 0
 
 
@@ -98,7 +101,7 @@ def estimate(task: dict, plan, total_gpus: int) -> str:
     )
 
 
-def confirm(launch: Launch, plans, managed: bool) -> tuple[bool, object]:
+def confirm(launch: Launch, checked: Checked, managed: bool) -> tuple[bool, object]:
     """Show what SkyPilot would launch and its price, then ask: (the answer, SkyPilot's plan or None). SkyPilot's
     optimizer runs in this process when the catalogs and credentials are here, else on the API server (which prints
     its own table of choices)."""
@@ -106,7 +109,7 @@ def confirm(launch: Launch, plans, managed: bool) -> tuple[bool, object]:
 
     task = launch.task()
 
-    total = plans[0].topology.total_gpus
+    total = checked.plans[0].topology.total_gpus
     what = "managed job" if managed else "cluster"
     print(f"[orch] {launch.recipe.name}: {launch.nodes} node(s) x {launch.gpus} as a {what}")
     print(f"[orch] checkpoints and final model: {storage.durable_checkpoints(task) or 'on the nodes (not durable)'}")
@@ -118,6 +121,8 @@ def confirm(launch: Launch, plans, managed: bool) -> tuple[bool, object]:
         print(f"[orch] SkyPilot's plan: {describe(plan)}")
         print(f"[orch] {estimate(task, plan, total)}")
         check_cap(task["envs"], plan, total)
+        if loading := preflight.load_memory(launch, checked.memory):
+            print(f"[orch] {preflight.check_host_memory(loading, plan)}")
     else:
         try:
             sky_backend.show_server_plan(task)

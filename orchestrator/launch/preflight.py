@@ -3,6 +3,7 @@ an OrchError that names the fix; `run()` applies the ones that fit the launch.""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from orchestrator.core import accelerators, memory, models, parallel, strategy, trainers
@@ -99,6 +100,37 @@ def check_memory(setup: memory.Setup, gpu_name: str) -> memory.Estimate:
         f"{gpu_name} holds ({capacity} GiB)" + (f"; {', '.join(fixes)}" if fixes else "")
         + "; `orch plan` lists what fits"
     )
+
+
+# Of a node's host memory loading may take: the OS, the page cache's own slack and SkyPilot's runtime need the rest.
+HOST_USABLE_FRACTION = 0.9
+
+
+def check_host_memory(loading: memory.LoadMemory, plan) -> str:
+    """Host memory at load on the busiest node against the planned node's (SkyPilot's `PlanResult`): a line saying
+    what was checked, or unchecked and why; an OrchError naming the fix when it does not fit."""
+    need, has = loading.node / memory.GIB, plan.memory_gib
+    said = f"host memory at load: ~{need:.1f} GiB on the busiest node"
+    if has is None:
+        return f"{said}, unchecked: {plan.memory_from}"
+    if need <= has * HOST_USABLE_FRACTION:
+        return f"{said}, fits {has:g} GiB ({plan.memory_from})"
+    floor = math.ceil(need / HOST_USABLE_FRACTION)
+    raise OrchError(
+        f"loading needs ~{need:.1f} GiB of host memory on the busiest node ({loading.path}), more than "
+        f"{HOST_USABLE_FRACTION:.0%} of the {has:g} GiB of {plan.memory_from}; set `memory: {floor}+` under "
+        "resources in the recipe (SkyPilot then plans a node with at least that much)"
+        + (", or fsdp_cpu_ram_efficient_loading: true in the Accelerate config (rank 0 alone reads the checkpoint)"
+           if loading.path.startswith("FSDP:") else "")
+    )
+
+
+def load_memory(launch, estimate: memory.Estimate | None) -> memory.LoadMemory | None:
+    """memory.at_load for the launch's setup (None where orch has no shape for the model or no GPU named)."""
+    if estimate is None or launch.gpus is None or not launch.gpus.name:
+        return None
+    accel = launch.paired.accelerate
+    return memory.at_load(estimate.setup, launch.gpus.count, accel.fsdp_cpu_ram_efficient_loading, accel.fsdp_version)
 
 
 def check_fsdp_wrap(accelerate_config: AccelerateConfig | Mapping, model_id: str) -> None:

@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     parsed = parse(sys.argv[1:] if argv is None else argv)
     if cpu_fsdp.wanted():
         cpu_fsdp.install()
+    loading.install()  # ranks fed by FSDP2's broadcast hold no copy of the model meanwhile
     output_dir = Path(parsed.training_args.output_dir)
     _AT["output_dir"] = output_dir
     progress = Progress.from_env()

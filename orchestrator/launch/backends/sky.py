@@ -116,6 +116,10 @@ class PlanResult:
     use_spot: bool
     node_dollars_per_hour: float
     nodes: int
+    memory_gib: float | None = None
+    """The host memory a node's job has (GiB), None when SkyPilot cannot say."""
+    memory_from: str = ""
+    """Where `memory_gib` comes from, or why it is unknown, in words."""
 
     @property
     def dollars_per_hour(self) -> float:
@@ -145,6 +149,7 @@ def optimize(task: dict) -> PlanResult:
         reason = re.sub(r"\x1b\[[0-9;]*m", "", reason)  # SkyPilot colours its messages
         raise OrchError(f"{type(exc).__name__}: {reason[:300]}") from None
     best = dag.tasks[0].best_resources
+    memory_gib, memory_from = instance_memory(best)
     return PlanResult(
         cloud=str(best.cloud),
         region=str(best.region),
@@ -152,7 +157,30 @@ def optimize(task: dict) -> PlanResult:
         use_spot=bool(best.use_spot),
         node_dollars_per_hour=float(best.get_cost(3600)),
         nodes=sky_task.num_nodes,
+        memory_gib=memory_gib,
+        memory_from=memory_from,
     )
+
+
+def instance_memory(best) -> tuple[float | None, str]:
+    """The host memory of the planned node, from SkyPilot itself: its catalog's figure for a cloud's instance type; on
+    Slurm the job's `--mem` (SkyPilot's virtual instance type; Slurm enforces it where it tracks memory), or, where
+    SkyPilot omits `--mem` (the cluster does not track memory), the smallest RealMemory of the cluster's nodes."""
+    try:
+        gib, slurm = best.cloud.get_vcpus_mem_from_instance_type(best.instance_type)[1], str(best.cloud) == "Slurm"
+        if gib:
+            return float(gib), (f"the Slurm job's --mem ({best.instance_type})" if slurm
+                                else f"{best.instance_type} in SkyPilot's catalog")  # fmt: skip
+        if not slurm:
+            return None, f"SkyPilot's catalog has no memory figure for {best.instance_type}"
+        from sky.provision.slurm import utils as slurm_utils
+
+        sizes = [float(n["memory_gb"]) for n in slurm_utils.slurm_node_info(str(best.region)) if n.get("memory_gb")]
+    except Exception as exc:  # noqa: BLE001 - a catalog without the row, a login node that did not answer: said
+        return None, f"SkyPilot could not say the memory of {best.instance_type} ({type(exc).__name__})"
+    if not sizes:
+        return None, f"Slurm cluster {best.region} reports no RealMemory"
+    return min(sizes), f"the smallest RealMemory of Slurm cluster {best.region} (no --mem: memory not tracked)"
 
 
 def region_prices(plan: PlanResult) -> dict[str, float]:

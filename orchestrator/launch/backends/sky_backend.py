@@ -239,7 +239,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
     from orchestrator.launch.dryrun import confirm
 
     if not flags.yes:
-        answer, plan = confirm(launch, checked.plans, flags.managed)
+        answer, plan = confirm(launch, checked, flags.managed)
         if not answer:
             print("[orch] not launched", flush=True)
             return 1
