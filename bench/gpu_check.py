@@ -8,6 +8,10 @@
 2. Throughput of the SFT recipe's settings (bf16, Liger, padding-free, activation checkpointing) on a real-size
    architecture with random weights (Qwen2.5-0.5B's shapes from its config, sequence 2048) beside TRL's defaults
    on the same model and data: tokens/s, model FLOPs utilisation and the ratio.
+3. Packed attention: one packed row of four documents against the same documents unpacked, on the tiny Qwen3 in
+   bf16 with flash_attention_2 (the varlen kernel that keeps documents apart from position_ids, which Ulysses relies
+   on once it drops the mask; tests/ulysses_packing.py, whose CPU run in tests/test_packed_attention.py shows SDPA
+   mixing them under Ulysses). Said, not failed, where the flash-attn package is not installed.
 
 Nothing here is simulated: without a CUDA GPU it says so in one line and exits 2. Results go to docs/gpu.md by
 hand, with the versions and the date it printed.
@@ -274,7 +278,32 @@ def main(argv: list[str]) -> int:
                 flush=True,
             )
         print(f"throughput ratio recipe / trl-defaults: {ours['tokens_per_s'] / base['tokens_per_s']:.2f}x")
+    if "packed" in only or not argv[1:]:
+        print(packed_attention(work), flush=True)
     return 0
+
+
+def packed_attention(work: Path, attention: str = "flash_attention_2") -> str:
+    """The packed row's loss against the unpacked documents' on `attention` (one GPU, bf16): equal within bf16's
+    rounding when the kernel keeps the documents apart."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return f"packed attention: not run: {attention} needs the flash-attn package, not installed here"
+    from orchestrator.core import smoke
+
+    artifacts = smoke.plan("Qwen/Qwen3-8B", "sft")  # the tiny Qwen3, built here
+    smoke.ensure(artifacts)
+    model = artifacts.dir / "model"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                          str(ROOT / "tests" / "ulysses_packing.py"), str(model), attention],
+                         cwd=work, capture_output=True, text=True, timeout=600)  # fmt: skip
+    found = re.search(r"^LOSSES (.*)$", run.stdout, re.M)
+    if run.returncode or not found:
+        return f"packed attention {attention}: FAILED: {_first_error(run)}"
+    losses = json.loads(found.group(1))
+    gap, mixed = (abs(losses[k] - losses["unpacked"]) for k in ("packed_no_sp", "packed_mixed"))
+    verdict = "documents kept apart" if gap < mixed / 4 else "documents MIXED"
+    return (f"packed attention {attention}: packed {losses['packed_no_sp']:.4f} vs unpacked {losses['unpacked']:.4f} "
+            f"(|diff| {gap:.1e}; {mixed:.1e} when every document attends to the ones before it, bf16): {verdict}")
 
 
 if __name__ == "__main__":
