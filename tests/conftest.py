@@ -91,7 +91,25 @@ def tier_of(item) -> str:
     return next((mark.name for mark in item.iter_markers() if mark.name in TIERS), "")
 
 
+def _xdist_groups(config, items):
+    """`--dist loadgroup` keeps tests marked `xdist_group(name)` on one worker by suffixing their node ids with
+    `@name`; pytest-xdist 3.8 writes the suffix to `item._nodeid`, which pytest 9 no longer reads (the id lives in
+    `item._id`), so every group was silently spread over the workers: two SkyPilot beds and a Slurm cluster once ran
+    at the same time and broke each other's munged. The same suffix, where pytest 9 reads it."""
+    if not getattr(config.option, "loadgroup", False) or not hasattr(items[0] if items else None, "_id"):
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        marks = item.iter_markers("xdist_group")
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks}
+        if names and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(sorted(names))}")
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    _xdist_groups(config, items)
     untiered = [item.nodeid for item in items if not tier_of(item)]
     if untiered:
         raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {', '.join(untiered[:5])}")
