@@ -96,7 +96,7 @@ def _xdist_groups(config, items):
     `@name`; pytest-xdist 3.8 writes the suffix to `item._nodeid`, which pytest 9 no longer reads (the id lives in
     `item._id`), so every group was silently spread over the workers: two SkyPilot beds and a Slurm cluster once ran
     at the same time and broke each other's munged. The same suffix, where pytest 9 reads it."""
-    if not getattr(config.option, "loadgroup", False) or not hasattr(items[0] if items else None, "_id"):
+    if not getattr(config.option, "loadgroup", False) or not items or not hasattr(items[0], "_id"):
         return
     from _pytest.nodeid import coerce_node_id
 

@@ -16,13 +16,14 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory):
-    """The ALST recipe's family (Qwen3), tiny, built here: 4 heads, 2 KV heads, so 2 ranks split the heads."""
-    out = tmp_path_factory.mktemp("qwen3") / "qwen3"
-    built = subprocess.run([sys.executable, "-m", "orchestrator.train.smoke_build", "qwen3", "sft", str(out)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert built.returncode == 0, built.stderr[-2000:]
-    return out / "model"
+def tiny_qwen3():
+    """The ALST recipe's family (Qwen3), tiny: 4 heads, 2 KV heads, so 2 ranks split the heads; the smoke runs'
+    cached artifacts (core/smoke.py), built here once."""
+    from orchestrator.core import smoke
+
+    artifacts = smoke.plan("Qwen/Qwen3-8B", "sft")
+    smoke.ensure(artifacts)
+    return artifacts.dir / "model"
 
 
 def test_ulysses_on_sdpa_mixes_packed_documents_and_a_boundary_aware_attention_does_not(tiny_qwen3):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.core import accelerators, memory
+from orchestrator.core import accelerators
 from orchestrator.core.errors import OrchError
 from orchestrator.core.yamlio import dump_task
 from orchestrator.launch import preflight, storage
@@ -49,11 +49,11 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
             f"{setup.micro_batch} x {setup.seq_len} tokens per device; each {name} has "
             f"{accelerators.memory_gib(name)} GiB"
         )
-        acc = launch.paired.accelerate
-        loading = memory.at_load(setup, launch.gpus.count, acc.fsdp_cpu_ram_efficient_loading, acc.fsdp_version)
-        print(f"memory at load: {loading.describe()}")
     else:
         print("memory: not estimated (orch has no shape for this model: `orch plan path/to/config.json` reads one)")
+    at_load = preflight.load_memory(launch, checked.memory)  # None where the line above says not estimated
+    if at_load is not None:
+        print(f"memory at load: {at_load.describe()}")
     where = storage.durable_checkpoints(task) or "the nodes' own disks (lost with the cluster)"
     print(f"checkpoints and final model: {where}")
     _section("SkyPilot plan")
@@ -72,7 +72,7 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
     print(describe(plan))
     print(estimate(task, plan, head.topology.total_gpus))
     check_cap(task["envs"], plan, head.topology.total_gpus)
-    if at_load := preflight.load_memory(launch, checked.memory):
+    if at_load is not None:
         print(preflight.check_host_memory(at_load, plan))
     return 0
 

@@ -103,28 +103,24 @@ def untouched(shapes: dict[str, tuple[tuple[int, ...], object]]) -> dict:
     the heap, is zeroed (at most 32 MiB)."""
     import torch
 
-    offsets, size = {}, 0
+    spans, size = {}, 0  # name -> (offset, bytes) in the one allocation
     for name, (shape, dtype) in shapes.items():
-        offsets[name] = size
-        nbytes = max(1, int(torch.Size(shape).numel())) * torch.empty((), dtype=dtype).element_size()
-        size += -(-nbytes // ALIGN) * ALIGN
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+        spans[name] = (size, nbytes)
+        size += -(-max(1, nbytes) // ALIGN) * ALIGN
     block = torch.empty(size, dtype=torch.uint8)
     if size < MMAP_ALWAYS:
         block.zero_()
-    views = {}
-    for name, (shape, dtype) in shapes.items():
-        numel = int(torch.Size(shape).numel())
-        width = torch.empty((), dtype=dtype).element_size()
-        views[name] = block[offsets[name] : offsets[name] + numel * width].view(dtype).view(shape)
-    return views
+    return {name: block[start : start + nbytes].view(shapes[name][1]).view(shapes[name][0])
+            for name, (start, nbytes) in spans.items()}  # fmt: skip
 
 
-def fsdp2_receiver(env=os.environ) -> bool:
+def fsdp2_receiver() -> bool:
     """transformers' own test for a rank that skips the checkpoint (FSDP with CPU-RAM-efficient loading, distributed,
     not local rank 0), narrowed to FSDP2, whose prepare broadcasts every value from rank 0."""
     from transformers.modeling_utils import is_fsdp_enabled, is_local_dist_rank_0
 
-    return env.get("FSDP_VERSION", "1") == "2" and is_fsdp_enabled() and not is_local_dist_rank_0()
+    return os.environ.get("FSDP_VERSION", "1") == "2" and is_fsdp_enabled() and not is_local_dist_rank_0()
 
 
 def install() -> None:

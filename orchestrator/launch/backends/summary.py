@@ -144,4 +144,3 @@ def summary(output_dir: Path) -> list[str]:
         pushed = head["pushed"]
         lines.append(f"[orch] final model on the Hub: {pushed['url']} ({', '.join(pushed['files'])})")
     return lines
-
