@@ -216,10 +216,11 @@ def test_dry_run_runs_skypilots_optimizer_on_a_local_catalog(tmp_path):
 
 
 @pytest.mark.e2e
-def test_host_memory_at_load_is_checked_against_the_planned_instance(tmp_path):
+def test_host_memory_at_load_is_checked_against_the_planned_instance(tmp_path, project):
     """The 70B full-SFT recipe's load (rank 0 reads the checkpoint and upcasts it: ~394 GiB) against the memory of the
     instance SkyPilot's optimizer picks, from SkyPilot's catalog: p4de.24xlarge's 1152 GiB hold it; the same row
-    with a made-up 256 GiB is refused before anything is launched, naming the resources line that fixes it."""
+    with a made-up 256 GiB is refused before anything is launched, naming the resources line that fixes it, by the
+    dry run and by a launch with -y (no question asked, the same checks)."""
     argv = ["run", "llama3_70b_sft_fsdp", "--gpus", "A100-80GB:8", "--nodes", "4", "--secret", "HF_TOKEN", "--dry-run"]
 
     def dry_run(env):
@@ -240,6 +241,13 @@ def test_host_memory_at_load_is_checked_against_the_planned_instance(tmp_path):
     assert last.startswith("orch: error: loading needs ~394.2 GiB of host memory on the busiest node (FSDP2, ")
     assert last.endswith("more than 90% of the 256 GiB of p4de.24xlarge in SkyPilot's catalog; set `memory: 439+` "
                          "under resources in the recipe (SkyPilot then plans a node with at least that much)")  # fmt: skip
+
+    launch = [sys.executable, "-c", CONFIRM.format(tests=str(Path(__file__).parent)), *argv[:-1], "-y"]
+    refused = subprocess.run(launch, cwd=project, env={**env, "HF_TOKEN": "x", "ORCH_REHEARSAL": "off"},
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert refused.stderr.strip().splitlines()[-1] == last
+    assert "CALLS []" in refused.stdout and not (project / "sky_jobs").exists()  # nothing sent, nothing written
 
 
 @pytest.mark.e2e

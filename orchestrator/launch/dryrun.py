@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from orchestrator.core import accelerators
 from orchestrator.core.errors import OrchError
+from orchestrator.core.memory import GIB
 from orchestrator.core.yamlio import dump_task
 from orchestrator.launch import preflight, storage
 from orchestrator.launch.checks import Checked
@@ -101,6 +102,26 @@ def estimate(task: dict, plan, total_gpus: int) -> str:
     )
 
 
+def planned(launch: Launch, checked: Checked) -> tuple[object, OrchError | None]:
+    """SkyPilot's plan for the launch, computed here, with the checks it allows printed: its choice, the cost
+    estimate against --max-cost, host memory at load against the planned node's. (plan, None), or (None, the reason
+    the optimizer gave) where this machine has no catalog or cloud for it."""
+    from orchestrator.launch.backends import sky as sky_backend
+
+    task = launch.task()
+    total = checked.plans[0].topology.total_gpus
+    try:
+        plan = sky_backend.optimize(task)
+    except OrchError as reason:
+        return None, reason
+    print(f"[orch] SkyPilot's plan: {describe(plan)}")
+    print(f"[orch] {estimate(task, plan, total)}")
+    check_cap(task["envs"], plan, total)
+    if loading := preflight.load_memory(launch, checked.memory):
+        print(f"[orch] {preflight.check_host_memory(loading, plan)}")
+    return plan, None
+
+
 def confirm(launch: Launch, checked: Checked, managed: bool) -> tuple[bool, object]:
     """Show what SkyPilot would launch and its price, then ask: (the answer, SkyPilot's plan or None). SkyPilot's
     optimizer runs in this process when the catalogs and credentials are here, else on the API server (which prints
@@ -108,22 +129,11 @@ def confirm(launch: Launch, checked: Checked, managed: bool) -> tuple[bool, obje
     from orchestrator.launch.backends import sky as sky_backend
 
     task = launch.task()
-
-    total = checked.plans[0].topology.total_gpus
     what = "managed job" if managed else "cluster"
     print(f"[orch] {launch.recipe.name}: {launch.nodes} node(s) x {launch.gpus} as a {what}")
     print(f"[orch] checkpoints and final model: {storage.durable_checkpoints(task) or 'on the nodes (not durable)'}")
-    try:
-        plan = sky_backend.optimize(task)
-    except OrchError as local:
-        plan, reason = None, local
-    if plan is not None:
-        print(f"[orch] SkyPilot's plan: {describe(plan)}")
-        print(f"[orch] {estimate(task, plan, total)}")
-        check_cap(task["envs"], plan, total)
-        if loading := preflight.load_memory(launch, checked.memory):
-            print(f"[orch] {preflight.check_host_memory(loading, plan)}")
-    else:
+    plan, reason = planned(launch, checked)
+    if plan is None:
         try:
             sky_backend.show_server_plan(task)
             print("[orch] SkyPilot's plan and price: above (its optimizer, run by your API server)")
@@ -134,3 +144,11 @@ def confirm(launch: Launch, checked: Checked, managed: bool) -> tuple[bool, obje
     except EOFError:
         answer = ""
     return answer.strip().lower() in ("y", "yes"), plan
+
+
+def unplanned(launch: Launch, checked: Checked, reason: OrchError) -> str:
+    """What -y launches without, where SkyPilot's plan could not be computed here."""
+    said = f"SkyPilot's plan: not computed here ({reason}); SkyPilot picks the cheapest match at launch"
+    if loading := preflight.load_memory(launch, checked.memory):
+        return f"{said}; host memory at load: ~{loading.node / GIB:.1f} GiB on the busiest node, unchecked"
+    return said

@@ -236,15 +236,19 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         print(note, flush=True)
     print(f"[orch] {rehearsal}", flush=True)
     sky.to_task(task, secret_values)  # SkyPilot's own validation, before anything is asked or written
-    from orchestrator.launch.dryrun import confirm
+    from orchestrator.launch import dryrun
 
     if not flags.yes:
-        answer, plan = confirm(launch, checked, flags.managed)
+        answer, plan = dryrun.confirm(launch, checked, flags.managed)
         if not answer:
             print("[orch] not launched", flush=True)
             return 1
-        if plan is not None:  # spend on every step at the plan's price
-            launch = placement.priced(launch, plan)
+    else:  # no question, the same checks: the cost cap, host memory at load against the planned node
+        plan, reason = dryrun.planned(launch, checked)
+        if reason is not None:
+            print(f"[orch] {dryrun.unplanned(launch, checked, reason)}", flush=True)
+    if plan is not None:  # spend on every step at the plan's price
+        launch = placement.priced(launch, plan)
     if launch.envs.get("ORCH_MAX_COST") and not launch.envs.get("ORCH_PRICE_PER_HOUR"):
         launch = placement.price(launch, checked.plans[0].topology.total_gpus)
     task = launch.task()  # last: nothing edits it from here
