@@ -28,9 +28,17 @@ def test_the_same_run_resumes_in_silence(ckpt):
 
 
 def test_another_shape_and_a_longer_schedule_are_said_never_refused(ckpt):
-    lines = run_config.compare(ckpt, config(nodes=1, per_node=2, max_steps=16), anyway=False)
-    assert lines == ["[orch] resuming checkpoint-4, saved on 2 x 1, now 1 x 2 (world size 2 -> 2)",
-                     "[orch] note: max_steps 8 -> 16 since checkpoint-4"]  # fmt: skip
+    now = config(nodes=1, per_node=2, max_steps=16)
+    lines = run_config.compare(ckpt, now, anyway=False)
+    assert lines == ["[orch] note: max_steps 8 -> 16 since checkpoint-4"]
+    was = run_config.saved_shape(ckpt)
+    assert run_config.shape_line(ckpt, was, now["shape"], "") == (
+        "[orch] resumed at step 4 from checkpoint-4, saved on 2 x 1, now 1 x 2 (world size 2 -> 2: the same "
+        "partitions)")
+    assert run_config.shape_line(ckpt, was, config(nodes=1)["shape"], "resharded: how") == (
+        "[orch] resumed at step 4 from checkpoint-4, saved on 2 x 1, now 1 x 1 (resharded: how)")
+    assert run_config.shape_line(ckpt, was, config()["shape"], "") == ""  # the same shape says nothing
+    assert run_config.saved_shape(ckpt.parent) == {}  # no orch_config.json (an earlier orch's checkpoint)
 
 
 def test_a_changed_setting_is_refused_naming_it_unless_asked(ckpt):

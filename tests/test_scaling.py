@@ -300,8 +300,8 @@ def test_loss_is_the_same_at_every_cluster_shape(project):
     shapes = {
         "ddp 2x1": ["--nodes", "2", "--env", "ACCELERATE_CONFIG=multi_gpu"],
         "fsdp2 2x1": ["--nodes", "2"],
-        "fsdp2 1x2": ["--nodes", "1", "--gpus", "CPU:2"],
-        "fsdp2 1x1": ["--nodes", "1"],
+        "fsdp2 1x2": ["--nodes", "1", "--gpus", "CPU:2", "--fresh"],  # the same run at any shape: it would resume
+        "fsdp2 1x1": ["--nodes", "1", "--fresh"],
     }
     runs = {}
     for label, flags in shapes.items():

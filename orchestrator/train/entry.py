@@ -31,7 +31,7 @@ from orchestrator.core import final_model, trainers
 from orchestrator.core.errors import OrchError
 from orchestrator.core.home import run_id
 from orchestrator.core.knobs import knob
-from orchestrator.train import cpu_deepspeed, cpu_fsdp, hub, loading, netcheck, run_config, tracking
+from orchestrator.train import cpu_deepspeed, cpu_fsdp, hub, loading, netcheck, reshape, run_config, tracking
 from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, for_collective, node_of_process
 from orchestrator.train.checkpoints import choose_resume, quarantine, save_final_model
 from orchestrator.train.progress import Progress
@@ -126,6 +126,28 @@ def _min_over_ranks(step: int) -> int:
     return int(value.item())
 
 
+def _max_over_ranks(value: int) -> int:
+    return -_min_over_ranks(-value)
+
+
+def _reshape(trainer, resume: Path, now: dict, output_dir: Path) -> str:
+    """A resume on another shape: said by the main process, and DeepSpeed's partitions converted (train/reshape.py)."""
+    acc = trainer.accelerator
+    how = reshape.method(acc, resume, run_config.saved_shape(resume).get("world"))
+    line = run_config.shape_line(resume, run_config.saved_shape(resume), now, how)
+    if line and acc.is_main_process:
+        print(line, flush=True)
+    if how.startswith("resharded: DeepSpeed"):
+        try:
+            reshape.install(trainer, resume, run_id(os.environ) or output_dir.resolve().name, node_of_process()[0],
+                            acc.is_local_main_process, _max_over_ranks)  # fmt: skip
+        except OrchError as exc:
+            if acc.is_main_process:
+                print(f"orch: error: {exc}", flush=True)
+            raise SystemExit(2) from None
+    return line
+
+
 def _reference_facts(trainer, sharded) -> dict:
     """DPO/KTO's frozen reference model (prepared by TRL): how many of its parameters `sharded(p)` holds."""
     ref = getattr(trainer, "ref_model", None)
@@ -215,6 +237,7 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "resumed_from": str(resume) if resume else None,
+        "reshaped": getattr(callback, "reshaped", ""),
         "final_model": final,
         "timeline": callback.timeline,
         "host_memory": callback.memory.report() if callback.memory else None,
@@ -333,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(2) from None
         for line in said if acc.is_main_process else []:
             print(line, flush=True)
+        callback.reshaped = _reshape(trainer, Path(resume), callback.run_config["shape"], output_dir)
     if project := tracking.project_of():
         run = run_id(os.environ) or output_dir.resolve().name
         callback.tracker = tracking.NodeTracker(project, run, node, nodes, acc.is_local_main_process)

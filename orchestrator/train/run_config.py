@@ -3,8 +3,9 @@
 Every checkpoint keeps `orch_config.json`: the resolved training configuration as TRL's parser gave it to this run
 (script, training and model arguments) and the shape it ran on. A rerun that resumes from it compares: a changed
 training setting (a TRL config edited between runs, say) stops every rank before the first step with one line
-naming each change, unless ORCH_RESUME_CHANGED=on; a changed shape (nodes x processes, world size) and a longer or
-shorter schedule (max_steps, num_train_epochs) are reported and never need it. The check runs on the node, so plain
+naming each change, unless ORCH_RESUME_CHANGED=on; a changed shape (nodes x processes, world size: `shape_line`,
+resharded by train/reshape.py) and a longer or shorter schedule (max_steps, num_train_epochs) are reported and never
+need it. The check runs on the node, so plain
 `sky launch` users get it too.
 """
 
@@ -62,6 +63,24 @@ def write(ckpt: Path, config: dict) -> None:
     os.replace(tmp, ckpt / CONFIG)
 
 
+def saved_shape(ckpt: Path) -> dict:
+    """The shape a checkpoint was saved on ({"nodes", "per_node", "world"}; {} when it keeps no orch_config.json)."""
+    try:
+        return json.loads((ckpt / CONFIG).read_text()).get("shape") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def shape_line(ckpt: Path, was: dict, now: dict, how: str) -> str:
+    """What a resume on another shape says ("" on the same shape): where it was saved, where it runs, how."""
+    if not was or was == now:
+        return ""
+    how = how or f"world size {was.get('world')} -> {now['world']}: the same partitions"
+    step = ckpt.name.rpartition("-")[2]
+    return (f"[orch] resumed at step {step} from {ckpt.name}, saved on {was.get('nodes')} x {was.get('per_node')}, "
+            f"now {now['nodes']} x {now['per_node']} ({how})")
+
+
 def compare(ckpt: Path, now: dict, anyway: bool) -> list[str]:
     """The lines to print on resuming from `ckpt`; an OrchError naming every changed setting unless `anyway`."""
     try:
@@ -69,10 +88,6 @@ def compare(ckpt: Path, now: dict, anyway: bool) -> list[str]:
     except (OSError, ValueError):
         return [f"[orch] note: {ckpt.name} keeps no {CONFIG} (saved by an earlier orch): its settings are not compared"]
     lines = []
-    was, shape = saved.get("shape") or {}, now["shape"]
-    if was and was != shape:
-        lines.append(f"[orch] resuming {ckpt.name}, saved on {was.get('nodes')} x {was.get('per_node')}, now "
-                     f"{shape['nodes']} x {shape['per_node']} (world size {was.get('world')} -> {shape['world']})")
     before, after = saved.get("settings") or {}, now["settings"]
     changed = [key for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key)]
     for key in [k for k in changed if k in SCHEDULE]:

@@ -166,10 +166,11 @@ def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, 
         launch, artifacts = _smoke(launch, user_envs, user_overrides)
     elif "model_name_or_path" not in user_overrides:
         print("[orch] note: --local without --smoke trains the recipe's real model on this machine's CPU")
-    # Stable for the same resolved task: rerunning a command finds (and resumes from) its checkpoints.
+    # Stable for the same resolved task at any shape: rerunning a command, with other --nodes or --gpus too, finds
+    # (and resumes from) its checkpoints; the node reshards them where the world size changed (train/reshape.py).
     same = launch.replace(envs={k: v for k, v in launch.envs.items() if k != "ORCH_RESUME_CHANGED"})  # same run
-    shape = json.dumps([same.task(recipe_accelerators=True), launch.nodes, launch.gpus_per_node], sort_keys=True)
-    run = f"{recipe.name}-{hashlib.sha256(shape.encode()).hexdigest()[:8]}"
+    task = {k: v for k, v in same.task(recipe_accelerators=True).items() if k != "num_nodes"}
+    run = f"{recipe.name}-{hashlib.sha256(json.dumps(task, sort_keys=True).encode()).hexdigest()[:8]}"
     # Checkpoints are keyed by the run id (SKYPILOT_TASK_ID locally), unless the user chose output_dir.
     root = "" if "output_dir" in user_overrides else "outputs"
     launch = launch.replace(envs={**launch.envs, "CHECKPOINT_ROOT": root})

@@ -102,6 +102,8 @@ def summary(output_dir: Path) -> list[str]:
             f"[orch] trained: a LoRA adapter, {adapter['trainable_params']:,} of {adapter['params']:,} parameters"
             f"{four}"
         )
+    if head.get("reshaped"):
+        lines.append(head["reshaped"])
     steps = head["optimizer_steps_this_run"]
     if not steps and head.get("resumed_from"):
         lines.append(

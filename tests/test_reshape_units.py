@@ -1,0 +1,71 @@
+"""train/reshape.py on its own: which resumes need resharding and how, what DeepSpeed's files say, the scratch keyed
+per node, the step tensors ZeRO-3's universal load shares. The runs themselves: tests/test_reshape.py."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from orchestrator.train import reshape
+
+pytestmark = pytest.mark.unit
+
+
+def accelerator(kind: str, processes: int, sp: int = 1):
+    parallelism = SimpleNamespace(sp_size=sp, cp_size=1) if sp > 1 else None
+    return SimpleNamespace(distributed_type=SimpleNamespace(value=kind), num_processes=processes,
+                           parallelism_config=parallelism)  # fmt: skip
+
+
+def deepspeed_checkpoint(path: Path, ranks: int, prefix: str = "") -> Path:
+    (path / "global_step4").mkdir(parents=True)
+    (path / "latest").write_text("global_step4\n")
+    for rank in range(ranks):
+        (path / "global_step4" / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"x")
+        (path / "global_step4" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").write_bytes(b"x")
+    return path
+
+
+def test_deepspeeds_own_files_say_the_saved_partitions(tmp_path):
+    assert reshape.deepspeed_saved_world(deepspeed_checkpoint(tmp_path / "z2", 2)) == 2
+    assert reshape.deepspeed_saved_world(deepspeed_checkpoint(tmp_path / "bf16", 4, prefix="bf16_")) == 4
+    assert reshape.deepspeed_saved_world(tmp_path) is None  # no `latest`: not DeepSpeed's
+
+
+def test_how_each_strategy_gets_to_another_shape(tmp_path):
+    ckpt = deepspeed_checkpoint(tmp_path / "checkpoint-4", 2)
+    assert reshape.method(accelerator("DEEPSPEED", 2), ckpt, 2) == ""
+    assert reshape.method(accelerator("DEEPSPEED", 1), ckpt, 2) == (
+        "resharded: DeepSpeed's universal checkpoint, 2 -> 1 ZeRO partitions")
+    # Ulysses sequence parallelism: 4 processes in groups of 2 are 2 data-parallel ranks, as saved
+    assert reshape.method(accelerator("DEEPSPEED", 4, sp=2), ckpt, 4) == ""
+    assert reshape.method(accelerator("FSDP", 1), tmp_path, 2) == "resharded: torch.distributed.checkpoint on load"
+    assert reshape.method(accelerator("FSDP", 2), tmp_path, 2) == ""
+    assert reshape.method(accelerator("MULTI_CPU", 4), tmp_path, 2) == (
+        "replicated weights and optimizer: nothing to reshard")
+
+
+def test_scratch_is_per_node_and_named_safely(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORCH_SCRATCH_DIR", str(tmp_path))
+    first = reshape.scratch_for(Path("/ckpt/checkpoint-4"), "run/../x", 0)
+    assert first == tmp_path / "orch-universal" / "run-..-x" / "node0" / "checkpoint-4"
+    assert reshape.scratch_for(Path("/ckpt/checkpoint-4"), "run/../x", 1) != first
+
+
+def test_one_shared_step_tensor_becomes_one_per_group():
+    """What DeepSpeed's ZeRO-3 universal load leaves (one `step` for every group): torch's Adam then counts each step
+    once per group; after untie_steps each group counts its own."""
+    import torch
+
+    weights, norms = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.AdamW([{"params": [weights]}, {"params": [norms], "weight_decay": 0.0}])
+    for p in (weights, norms):
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    shared = torch.tensor(4.0)
+    for p in (weights, norms):
+        optimizer.state[p]["step"] = shared
+    assert reshape.untie_steps(SimpleNamespace(optimizer=optimizer)) == 1
+    optimizer.step()
+    assert [float(optimizer.state[p]["step"]) for p in (weights, norms)] == [5.0, 5.0]
+    assert reshape.untie_steps(optimizer) == 0
