@@ -14,8 +14,8 @@ from transformers import TrainerCallback
 from orchestrator.core import trainers
 from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home
 from orchestrator.core.knobs import knob
-from orchestrator.core.timeline import time_to_first_step
-from orchestrator.train import run_config
+from orchestrator.core.timeline import duration, time_to_first_step
+from orchestrator.train import run_config, spend
 from orchestrator.train.checkpoints import write_manifest
 from orchestrator.train.throughput import Meter, tokens_in
 
@@ -81,6 +81,7 @@ class OrchCallback(TrainerCallback):
         # `orch node --checkpoint-now` (SkyPilot's preemption hook) asks for a checkpoint through a file on the node
         self.request = save_request_path() if knob(os.environ, "ORCH_SAVE_ON_REQUEST") == "on" else None
         self.memory = None  # train/loading.HostMemory: the rank's host memory at load and prepare
+        self.attempt = ""  # this attempt's key in the run's spend record (train/spend.py)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.memory is not None:
@@ -89,8 +90,24 @@ class OrchCallback(TrainerCallback):
             self.request.unlink(missing_ok=True)  # a request from before this start (a reused node) is stale
         trainer = self.trainer
         self.meter.begin(trainer.model if trainer else model, getattr(trainer, "ref_model", None), args.device)
+        self._earlier_attempts(state)
         if state.is_world_process_zero:
             print(f"[orch] training: up to step {state.max_steps}, logging every {args.logging_steps}", flush=True)
+
+    def _earlier_attempts(self, state) -> None:
+        """The run's earlier attempts, from its spend record (read by the main process, shared with every rank)."""
+        meter = self.meter
+        self.attempt = spend.attempt_id(meter.run_started)
+        found = spend.earlier(self.output_dir, self.attempt) if state.is_world_process_zero else (0.0, 0.0, 0)
+        shared = for_collective(list(found), torch.float64)
+        if dist():
+            dist().all_reduce(shared, op=torch.distributed.ReduceOp.MAX)
+        dollars, seconds, count = (float(x) for x in shared.tolist())
+        meter.earlier_usd, meter.earlier_s, meter.attempts = dollars, seconds, int(count) + 1
+        if count and state.is_world_process_zero:
+            said = f"${dollars:,.2f} over {duration(seconds)}" if dollars else f"{duration(seconds)}"
+            print(f"[orch] spend: {int(count)} earlier attempt(s) of this run, {said} (orch_spend.json); counted in "
+                  "the cost cap and the summary", flush=True)  # fmt: skip
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps_run += 1
@@ -123,7 +140,7 @@ class OrchCallback(TrainerCallback):
         times = meter.step_times
         step = (times[-1] - times[-2]) if len(times) >= 2 else now - meter.train_started
         save = max(self.saves) if self.saves else DEFAULT_SAVE_SECONDS
-        spent = meter.price * (now - meter.run_started) / 3600
+        spent = meter.spent(now - meter.run_started)  # every attempt of the run (train/spend.py)
         over = for_collective([int(spent + meter.price * (step + save) / 3600 > self.cap)], torch.long)
         if dist():
             dist().all_reduce(over, op=torch.distributed.ReduceOp.MAX)
@@ -131,8 +148,9 @@ class OrchCallback(TrainerCallback):
             return
         control.should_save = True
         control.should_training_stop = True
+        attempts = f" over {meter.attempts} attempts" if meter.attempts > 1 else ""
         self.stopped = (
-            f"cost cap: ${spent:,.2f} spent at ${meter.price:,.2f}/h; one more step and a checkpoint "
+            f"cost cap: ${spent:,.2f} spent{attempts} at ${meter.price:,.2f}/h; one more step and a checkpoint "
             f"(~{step + save:.0f} s) would cross --max-cost ${self.cap:,.2f}"
         )
         if state.is_world_process_zero:
@@ -179,6 +197,8 @@ class OrchCallback(TrainerCallback):
             self.tracker.log(state.global_step, record, self.trainer.orch_tokens, dist(), time.time())
         if not state.is_world_process_zero:
             return
+        if figures:  # a training log: this attempt's spend so far, next to the checkpoints
+            spend.write(self.output_dir, self.attempt, self.meter.run_started, figures["elapsed_s"], self.meter.price)
         self.report_dir.mkdir(parents=True, exist_ok=True)
         with open(self.report_dir / "log.jsonl", "a") as fh:
             fh.write(json.dumps({**record, "max_steps": state.max_steps}) + "\n")  # `orch status` reads the last
@@ -194,7 +214,7 @@ class OrchCallback(TrainerCallback):
     def throughput(self) -> dict:
         """The run's figures for the rank report (the summary repeats them)."""
         latest = self.meter.latest
-        keep = ("tokens", "tokens_per_s_run", "mfu_run", "elapsed_s", "spent_usd")
+        keep = ("tokens", "tokens_per_s_run", "mfu_run", "elapsed_s", "spent_usd", "attempts")
         return {
             **{k: latest[k] for k in keep if k in latest},
             "padding_excluded": self.meter.padding_excluded,

@@ -49,6 +49,7 @@ class Meter:
         self.peak_note = ""
         self.padding_excluded = True
         self.latest: dict = {}
+        self.earlier_usd, self.earlier_s, self.attempts = 0.0, 0.0, 1  # the run's earlier attempts (train/spend.py)
 
     def begin(self, model, ref_model, device: torch.device) -> None:
         params = sum(getattr(p, "ds_numel", 0) or p.numel() for p in model.parameters())
@@ -87,11 +88,17 @@ class Meter:
             intervals = [b - a for a, b in zip(self.step_times, self.step_times[1:], strict=False)]
             figures["eta_s"] = max(0, max_steps - step) * statistics.median(intervals)
         if self.price is not None:
-            figures["spent_usd"] = self.price * figures["elapsed_s"] / 3600
+            figures["spent_usd"] = self.spent(figures["elapsed_s"])
             if "eta_s" in figures:
-                figures["projected_usd"] = self.price * (figures["elapsed_s"] + figures["eta_s"]) / 3600
+                figures["projected_usd"] = figures["spent_usd"] + self.price * figures["eta_s"] / 3600
+        if self.attempts > 1:
+            figures["attempts"] = self.attempts
         self.latest = figures
         return figures
+
+    def spent(self, elapsed: float) -> float:
+        """Dollars over every attempt of the run: the earlier ones' record and this one's time at its price."""
+        return self.earlier_usd + (self.price or 0.0) * elapsed / 3600
 
     def describe(self, figures: Mapping) -> str:
         parts = [f"{figures['tokens_per_s']:,.0f} tok/s" + ("" if self.padding_excluded else " (padding included)")]
@@ -103,6 +110,7 @@ class Meter:
         if "spent_usd" in figures:
             parts.append(
                 f"${figures['spent_usd']:,.2f} spent"
+                + (f" over {figures['attempts']} attempts" if figures.get("attempts", 1) > 1 else "")
                 + (f", ${figures['projected_usd']:,.2f} at the end" if "projected_usd" in figures else "")
             )
         return " | ".join(parts)

@@ -149,6 +149,10 @@ def _smoke(launch: Launch, user_envs: dict[str, str], user_overrides: dict[str, 
     return launch.replace(envs=envs, overrides=trl), artifacts
 
 
+NOT_IDENTITY = ("ORCH_RESUME_CHANGED", "ORCH_MAX_COST", "ORCH_PRICE_PER_HOUR")
+"""Envs that change how a run is resumed, capped or priced, never what it trains: not part of a local run's name."""
+
+
 def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, secret_values: dict[str, str]):
     import contextlib
     import hashlib
@@ -168,7 +172,7 @@ def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, 
         print("[orch] note: --local without --smoke trains the recipe's real model on this machine's CPU")
     # Stable for the same resolved task at any shape: rerunning a command, with other --nodes or --gpus too, finds
     # (and resumes from) its checkpoints; the node reshards them where the world size changed (train/reshape.py).
-    same = launch.replace(envs={k: v for k, v in launch.envs.items() if k != "ORCH_RESUME_CHANGED"})  # same run
+    same = launch.replace(envs={k: v for k, v in launch.envs.items() if k not in NOT_IDENTITY})  # the same run
     task = {k: v for k, v in same.task(recipe_accelerators=True).items() if k != "num_nodes"}
     run = f"{recipe.name}-{hashlib.sha256(json.dumps(task, sort_keys=True).encode()).hexdigest()[:8]}"
     # Checkpoints are keyed by the run id (SKYPILOT_TASK_ID locally), unless the user chose output_dir.

@@ -64,7 +64,8 @@ def throughput_line(figures: dict) -> str | None:
     if "elapsed_s" in figures:
         parts.append(f"elapsed {figures['elapsed_s']:.0f} s")
     if "spent_usd" in figures:
-        parts.append(f"${figures['spent_usd']:,.2f} spent")
+        attempts = figures.get("attempts", 1)
+        parts.append(f"${figures['spent_usd']:,.2f} spent" + (f" over {attempts} attempts" if attempts > 1 else ""))
     return "[orch] throughput: " + "; ".join(parts)
 
 
