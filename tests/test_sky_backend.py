@@ -669,3 +669,17 @@ def test_resume_refuses_a_run_keyed_by_skypilots_task_id_and_a_local_run(in_proj
     assert "no run 'no-such-run'" in capsys.readouterr().err
     assert cli.main(["run", "phi3_dpo_fsdp", "--env", "ORCH_RUN_ID=mine", "-y"]) == 2
     assert "--env ORCH_RUN_ID: orch sets it to the run's name" in capsys.readouterr().err
+
+
+def test_a_cluster_skypilot_prices_at_zero_sends_no_price():
+    """SkyPilot plans a Slurm (or Kubernetes) cluster of one's own at $0/h; the nodes take ORCH_PRICE_PER_HOUR as a price
+    > 0 only, so a $0 plan sends none (the bed's `orch run -y` failed its setup on ORCH_PRICE_PER_HOUR='0.0000')."""
+    from types import SimpleNamespace
+
+    from orchestrator.launch import placement
+    from orchestrator.launch.backends.sky import PlanResult
+
+    free = PlanResult(cloud="Slurm", region="orch-bed", instance_type="2CPU--3GB", use_spot=False,
+                      node_dollars_per_hour=0.0, nodes=2)  # fmt: skip
+    launch = SimpleNamespace(envs={"GLOBAL_BATCH_SIZE": "16"}, replace=lambda **kw: pytest.fail(f"priced: {kw}"))
+    assert placement.priced(launch, free) is launch

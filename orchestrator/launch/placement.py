@@ -77,6 +77,8 @@ def priced(launch: Launch, plan) -> Launch:
     from orchestrator.launch.backends import sky as sky_backend
 
     envs = dict(launch.envs)
+    if plan.dollars_per_hour <= 0:  # SkyPilot prices a Slurm or Kubernetes cluster of one's own at $0: nothing to meter
+        return launch
     if not envs.get("ORCH_PRICE_PER_HOUR"):
         envs["ORCH_PRICE_PER_HOUR"] = f"{plan.dollars_per_hour:.4f}"
     if table := sky_backend.region_prices(plan):
