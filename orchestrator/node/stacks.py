@@ -21,6 +21,10 @@ _FRAME = re.compile(r"^\s+(\S+) \((.+?)(?::(\d+))?\)\s*$")
 STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a tracer", "D": "in uninterruptible I/O (D state)"}
 
 
+TRANSPARENT = ("orchestrator/train/stragglers.py",)
+"""orch's own wrappers around torch's calls (the timed `Work.wait`): a stack is placed at the frame that called them."""
+
+
 @dataclass
 class RankStack:
     rank: int
@@ -38,7 +42,8 @@ class RankStack:
     def where(self) -> str:
         if not self.frames:
             return "no stack (the dump failed)"
-        function, location = self.frames[0]
+        shown = [f for f in self.frames if not f[1].startswith(TRANSPARENT)] or self.frames
+        function, location = shown[0]
         return f"in {function} ({location})"
 
     def line(self) -> str:

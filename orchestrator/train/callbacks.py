@@ -15,7 +15,7 @@ from orchestrator.core import trainers
 from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home
 from orchestrator.core.knobs import knob
 from orchestrator.core.timeline import duration, time_to_first_step
-from orchestrator.train import run_config, spend
+from orchestrator.train import run_config, spend, stragglers
 from orchestrator.train.checkpoints import write_manifest
 from orchestrator.train.throughput import Meter, tokens_in
 
@@ -82,6 +82,8 @@ class OrchCallback(TrainerCallback):
         self.request = save_request_path() if knob(os.environ, "ORCH_SAVE_ON_REQUEST") == "on" else None
         self.memory = None  # train/loading.HostMemory: the rank's host memory at load and prepare
         self.attempt = ""  # this attempt's key in the run's spend record (train/spend.py)
+        self.clock = stragglers.StepClock()  # this rank's step time and time blocked in collectives
+        self.watch = stragglers.Watch()  # rank 0: the slowest rank and node, and who is named
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.memory is not None:
@@ -91,6 +93,12 @@ class OrchCallback(TrainerCallback):
         trainer = self.trainer
         self.meter.begin(trainer.model if trainer else model, getattr(trainer, "ref_model", None), args.device)
         self._earlier_attempts(state)
+        if args.world_size > 1 and args.device.type == "cpu":
+            stragglers.install(self.clock)
+            stragglers.time_ddp(trainer.model_wrapped if trainer else model, self.clock)
+        elif args.world_size > 1 and state.is_world_process_zero:
+            print("[orch] note: stragglers are not measured on GPUs yet (NCCL collectives do not block the host)",
+                  flush=True)  # fmt: skip
         if state.is_world_process_zero:
             print(f"[orch] training: up to step {state.max_steps}, logging every {args.logging_steps}", flush=True)
 
@@ -109,7 +117,11 @@ class OrchCallback(TrainerCallback):
             print(f"[orch] spend: {int(count)} earlier attempt(s) of this run, {said} (orch_spend.json); counted in "
                   "the cost cap and the summary", flush=True)  # fmt: skip
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.clock.begin()
+
     def on_step_end(self, args, state, control, **kwargs):
+        self.clock.end()
         self.steps_run += 1
         self.meter.stepped()
         if self.cap is not None and self.meter.price is not None and not control.should_training_stop:
@@ -185,12 +197,15 @@ class OrchCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs:
             return
-        figures = {}
-        if "loss" in logs and self.trainer is not None:  # a training log: every rank is here (one all-reduce)
+        figures: dict = {}
+        named: list[str] = []
+        if "loss" in logs and self.trainer is not None:  # a training log: every rank is here (two all-reduces)
             self.meter.padding_excluded = self.trainer.orch_padding_excluded
             world = self.trainer.accelerator.num_processes
             total = for_collective([self.trainer.orch_tokens], torch.float64)
             figures = self.meter.sample(total, state.global_step, state.max_steps, world, dist())
+            slowest, named = self._stragglers(args, state, total.device)
+            figures.update(slowest)  # rank 0's: the meter's latest figures, for the report, too
         record = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
         record.update(figures)
         if self.tracker and "loss" in logs and self.trainer is not None:
@@ -206,10 +221,23 @@ class OrchCallback(TrainerCallback):
         if shown:
             speed = f" | {self.meter.describe(figures)}" if figures else ""
             print(f"[orch] step {state.global_step}/{state.max_steps} {shown}{speed}", flush=True)
+            for line in named:
+                print(line, flush=True)
             if figures and self.steps_run <= args.logging_steps:
                 counted = "non-padding" if self.meter.padding_excluded else "all (padding included)"
                 mfu = f"; MFU {self.meter.peak_note}" if self.meter.peak_note else ""
                 print(f"[orch] note: tok/s counts the {counted} tokens of every rank's batches{mfu}", flush=True)
+
+    def _stragglers(self, args, state, device) -> tuple[dict, list[str]]:
+        """Every rank's busy and blocked time since the last log (one all-reduce); rank 0 gets the slowest rank and
+        node as figures, and the lines naming a straggler."""
+        if args.world_size < 2:
+            return {}, []
+        node, _ = node_of_process()
+        rows = stragglers.gather(self.clock, args.process_index, args.world_size, node, dist(), device)
+        if not state.is_world_process_zero:
+            return {}, []
+        return self.watch.see(rows, state.global_step)
 
     def throughput(self) -> dict:
         """The run's figures for the rank report (the summary repeats them)."""

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from orchestrator.core import final_model, trainers
+from orchestrator.core import final_model, lines, trainers
 from orchestrator.core.errors import OrchError
 from orchestrator.core.home import run_id
 from orchestrator.core.knobs import knob
@@ -243,6 +243,7 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "host_memory": callback.memory.report() if callback.memory else None,
         "throughput": callback.throughput(),
         "stopped": callback.stopped,
+        "stragglers": callback.watch.report(),
         "pid": os.getpid(),
     }
 
@@ -281,6 +282,7 @@ def run() -> None:
     main (`_leave` ends it with os._exit), so a clean exit reaching here (a sys.exit(0) or a return in training
     code, a library quitting) is an early one: the other ranks would then fail on its missing collectives and
     report a network error. It records itself where every node's launcher looks, says so and exits 1."""
+    lines.whole_lines()  # the node's ranks share one pipe
     try:
         main()
     except SystemExit as exc:

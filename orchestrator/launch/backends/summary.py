@@ -69,6 +69,19 @@ def throughput_line(figures: dict) -> str | None:
     return "[orch] throughput: " + "; ".join(parts)
 
 
+def straggler_lines(found: dict) -> list[str]:
+    """The slowest rank at the last logging step, and every straggler named during the run (train/stragglers.py)."""
+    if "slowest_rank" not in found:
+        return []
+    lines = [f"[orch] slowest at the end: rank {found['slowest_rank']} on node {found['slowest_node']}, "
+             f"{found['slowest_ratio']:.2f}x the others' compute per step; median wait in collectives "
+             f"{found['wait_s']:.3f} s per step"]  # fmt: skip
+    named = found.get("named") or []
+    first = f"; first: {named[0].removeprefix('[orch] ')}" if named else ""
+    lines.append(f"[orch] stragglers named during the run: {len(named)}{first}")
+    return lines
+
+
 def stop_reason(output_dir: Path) -> str:
     """Why the run stopped before its last step (the cost cap), from rank 0's report; "" otherwise."""
     import json
@@ -129,6 +142,7 @@ def summary(output_dir: Path) -> list[str]:
             f"[orch] loss: step {losses[0]['step']} {losses[0]['loss']:.4f} -> step {losses[-1]['step']} "
             f"{losses[-1]['loss']:.4f}"
         )
+    lines.extend(straggler_lines(head.get("stragglers") or {}))
     speed = throughput_line(head.get("throughput") or {})
     if speed:
         lines.append(speed)

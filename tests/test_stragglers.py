@@ -1,0 +1,125 @@
+"""Name the slow node while it is slow (issue 32, item 2): an emulated node throttled mid-run to 0.2 core with a cgroup
+v1 CPU quota (cpu.cfs_quota_us) is named within 3 logging steps; the same run unthrottled names nobody."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from orchestrator.train import stragglers
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+COMMAND = ["run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "--env", "GLOBAL_BATCH_SIZE=256",
+           "max_steps=24", "save_steps=100", "per_device_train_batch_size=4"]
+
+
+def node_pids(node: int, run_marker: str) -> list[int]:
+    """The processes of one emulated node of this test's run (their environment names both)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SKYPILOT_NODE_RANK={node}".encode() in env and f"ORCH_TEST_RUN={run_marker}".encode() in env:
+            found.append(int(entry.name))
+    return found
+
+
+def run_and_maybe_throttle(project, throttle: bool) -> tuple[str, int]:
+    """Run COMMAND; with `throttle`, once step 4 is logged, move node 1's processes into a cgroup of 0.2 core. Returns
+    the output and the last step logged before the quota took effect (0 when not throttled)."""
+    marker = uuid.uuid4().hex[:8]
+    env = {**os.environ, "ORCH_TEST_RUN": marker}
+    group = CPU_CGROUP / f"orch-test-{marker}"
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *COMMAND], cwd=project, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines, throttled_after = [], 0
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            step = re.match(r"\(node0\) \[orch\] step (\d+)/", line)
+            if throttle and step and not throttled_after and int(step.group(1)) >= 4:
+                group.mkdir()
+                # 0.2 of a core (the issue asks <= 0.3: a 2-core machine running the suite gives each rank ~0.5), in
+                # 10 ms periods: a step spans many (in 100 ms periods a short step runs whole inside one burst, or
+                # stalls 80 ms: no steady 0.2)
+                (group / "cpu.cfs_period_us").write_text("10000")
+                (group / "cpu.cfs_quota_us").write_text("2000")
+                pids = node_pids(1, marker)
+                assert pids, "node 1's processes not found"
+                for pid in pids:
+                    try:
+                        (group / "cgroup.procs").write_text(str(pid))
+                    except OSError:
+                        pass  # gone meanwhile
+                throttled_after = int(step.group(1))
+        assert proc.wait(timeout=600) == 0, "".join(lines)[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if group.exists():
+            for pid in (group / "cgroup.procs").read_text().split():
+                try:
+                    (CPU_CGROUP / "cgroup.procs").write_text(pid)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 10
+            while group.exists() and time.monotonic() < deadline:
+                try:
+                    group.rmdir()
+                except OSError:
+                    time.sleep(0.2)
+    return "".join(lines), throttled_after
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not (CPU_CGROUP / "cpu.cfs_quota_us").exists(), reason="needs cgroup v1's cpu controller")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a cgroup")
+def test_a_throttled_node_is_named_within_three_logging_steps(project):
+    out, after = run_and_maybe_throttle(project, throttle=True)
+    named = re.search(r"^\(node0\) \[orch\] straggler at step (\d+): node 1 \(rank 1\) takes ([\d.]+)x the others' "
+                      r"compute per step for 3 logging steps; the others wait for it in collectives; the usual causes",
+                      out, re.M)  # fmt: skip
+    assert named, out[-4000:]
+    assert int(named.group(1)) <= after + 3 + 1, (after, named.group(0))  # + the step in flight when throttled
+    assert float(named.group(2)) >= 1.5
+    assert "straggler" not in out.split(f"step {after}/24")[0]  # nobody before the throttle
+    assert re.search(r"^\[orch\] slowest at the end: rank 1 on node 1, [\d.]+x the others' compute per step", out, re.M)
+    assert "[orch] stragglers named during the run: 1; first: straggler at step" in out
+
+
+@pytest.mark.e2e
+def test_the_same_run_unthrottled_names_nobody(project):
+    out, _ = run_and_maybe_throttle(project, throttle=False)
+    assert "straggler at step" not in out, out[-4000:]
+    assert "[orch] stragglers named during the run: 0" in out
+    assert re.search(r"^\[orch\] slowest at the end: rank \d on node \d, [\d.]+x the others'", out, re.M)
+
+
+@pytest.mark.unit
+def test_a_node_is_named_after_three_slow_logging_steps_and_only_then():
+    watch = stragglers.Watch()
+    watch.seen = stragglers.WARMUP  # past the first logging steps, which are shown but not judged
+    fast = [(1.0, 2.0, 0), (1.0, 2.0, 0), (1.1, 2.0, 1), (0.9, 2.0, 1)]
+    slow = [(1.0, 2.0, 0), (1.0, 2.0, 0), (3.0, 0.1, 1), (3.2, 0.1, 1)]  # both ranks of node 1 three times slower
+    assert watch.see(fast, 1)[1] == []
+    assert watch.see(slow, 2)[1] == [] and watch.see(slow, 3)[1] == []
+    figures, (line,) = watch.see(slow, 4)
+    assert line.startswith("[orch] straggler at step 4: node 1 (ranks 2-3) takes 3.1x the others' compute per step")
+    assert figures["slowest_rank"] == 3 and figures["slowest_node"] == 1
+    assert watch.see(slow, 5)[1] == []  # named once per episode
+    assert watch.see(fast, 6)[1] == [] and watch.report()["named"] == [line]
+    # one slow rank among healthy ones on its node: the rank, not the node
+    one = [(1.0, 1.0, 0), (1.0, 1.0, 0), (1.0, 1.0, 0), (1.0, 1.0, 1), (1.0, 1.0, 1), (2.0, 0.0, 1)]
+    for step in (7, 8):
+        assert watch.see(one, step)[1] == []
+    assert watch.see(one, 9)[1][0].startswith("[orch] straggler at step 9: rank 5 on node 1 takes 2.0x")
