@@ -1,6 +1,7 @@
 """Name the slow node while it is slow (issue 32, item 2): an emulated node throttled mid-run to 0.2 core with a cgroup
 v1 CPU quota (cpu.cfs_quota_us) is named within 3 logging steps; the same run unthrottled names nobody."""
 
+import json
 import os
 import re
 import subprocess
@@ -33,13 +34,13 @@ def node_pids(node: int, run_marker: str) -> list[int]:
     return found
 
 
-def run_and_maybe_throttle(project, throttle: bool) -> tuple[str, int]:
+def run_and_maybe_throttle(project, throttle: bool, *extra: str) -> tuple[str, int]:
     """Run COMMAND; with `throttle`, once step 4 is logged, move node 1's processes into a cgroup of 0.2 core. Returns
     the output and the last step logged before the quota took effect (0 when not throttled)."""
     marker = uuid.uuid4().hex[:8]
     env = {**os.environ, "ORCH_TEST_RUN": marker}
     group = CPU_CGROUP / f"orch-test-{marker}"
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *COMMAND], cwd=project, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *COMMAND, *extra], cwd=project, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     lines, throttled_after = [], 0
     try:
@@ -98,11 +99,29 @@ def test_a_throttled_node_is_named_within_three_logging_steps(project):
 
 
 @pytest.mark.e2e
-def test_the_same_run_unthrottled_names_nobody(project):
-    out, _ = run_and_maybe_throttle(project, throttle=False)
+def test_the_same_run_unthrottled_names_nobody_and_says_its_scaling_efficiency(project):
+    """After a single-node run of the same settings (which records its rate per rank in CHECKPOINT_ROOT), the 2-node
+    run also says its efficiency against it (core/scaling.py)."""
+    single = [*COMMAND, "max_steps=6"]  # the schedule is not part of the rate's key
+    single[single.index("--nodes") + 1] = "1"
+    first = subprocess.run([sys.executable, "-m", "orchestrator", *single], cwd=project, capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+    assert first.returncode == 0, first.stdout[-3000:]
+    rates = json.loads((project / "outputs" / "orch_rates.json").read_text())
+    ((key, recorded),) = rates.items()
+    assert key.endswith("|4|1|CPU") and recorded["shape"] == {"nodes": 1, "per_node": 1, "world": 1}
+    assert "scaling efficiency" not in first.stdout  # one node: recorded, nothing to compare
+
+    out, _ = run_and_maybe_throttle(project, False, "--fresh")  # the same run at another shape: start over
     assert "straggler at step" not in out, out[-4000:]
     assert "[orch] stragglers named during the run: 0" in out
     assert re.search(r"^\[orch\] slowest at the end: rank \d on node \d, [\d.]+x the others'", out, re.M)
+    said = re.search(r"^\(node0\) \[orch\] scaling efficiency: (\d+)% of the single-node rate per rank \(([\d,]+) "
+                     r"tok/s per rank on 2 x 1; ([\d,]+) on 1 x 1 by run ", out, re.M)  # fmt: skip
+    assert said, out[-3000:]
+    assert round(float(said.group(3).replace(",", ""))) == round(recorded["per_rank_tokens_per_s"])
+    assert 0 < int(said.group(1)) < 1000
+    assert f"\n{said.group(0)[8:]}" in out  # the summary repeats it
 
 
 @pytest.mark.unit

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from orchestrator.core import trainers
-from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home
+from orchestrator.core import scaling, trainers
+from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home, run_id
 from orchestrator.core.knobs import knob
 from orchestrator.core.timeline import duration, time_to_first_step
 from orchestrator.train import run_config, spend, stragglers
@@ -84,6 +84,7 @@ class OrchCallback(TrainerCallback):
         self.attempt = ""  # this attempt's key in the run's spend record (train/spend.py)
         self.clock = stragglers.StepClock()  # this rank's step time and time blocked in collectives
         self.watch = stragglers.Watch()  # rank 0: the slowest rank and node, and who is named
+        self.scaling: dict | None = None  # rank 0 of a multi-node run: its efficiency against one node (scaling.py)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.memory is not None:
@@ -101,6 +102,17 @@ class OrchCallback(TrainerCallback):
                   flush=True)  # fmt: skip
         if state.is_world_process_zero:
             print(f"[orch] training: up to step {state.max_steps}, logging every {args.logging_steps}", flush=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero or not self.run_config:
+            return
+        device = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else args.device.type.upper()
+        per_rank = self.meter.latest.get("tokens_per_s_run", 0.0) / max(1, args.world_size)
+        key = scaling.key(self.run_config, args.per_device_train_batch_size, device)
+        self.scaling = scaling.compare_or_record(key, per_rank, self.run_config["shape"],
+                                                 run_id(os.environ) or self.output_dir.resolve().name)  # fmt: skip
+        if self.scaling:
+            print(scaling.line(self.scaling), flush=True)
 
     def _earlier_attempts(self, state) -> None:
         """The run's earlier attempts, from its spend record (read by the main process, shared with every rank)."""

@@ -244,6 +244,7 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "throughput": callback.throughput(),
         "stopped": callback.stopped,
         "stragglers": callback.watch.report(),
+        "scaling": callback.scaling,
         "pid": os.getpid(),
     }
 

@@ -143,6 +143,10 @@ def summary(output_dir: Path) -> list[str]:
             f"{losses[-1]['loss']:.4f}"
         )
     lines.extend(straggler_lines(head.get("stragglers") or {}))
+    if head.get("scaling"):
+        from orchestrator.core.scaling import line as scaling_line
+
+        lines.append(scaling_line(head["scaling"]))
     speed = throughput_line(head.get("throughput") or {})
     if speed:
         lines.append(speed)
