@@ -243,7 +243,7 @@ class OrchCallback(TrainerCallback):
     def _stragglers(self, args, state, device) -> tuple[dict, list[str]]:
         """Every rank's busy and blocked time since the last log (one all-reduce); rank 0 gets the slowest rank and
         node as figures, and the lines naming a straggler."""
-        if args.world_size < 2:
+        if args.world_size < 2 or args.device.type != "cpu":  # not measured on GPUs (train/stragglers.py)
             return {}, []
         node, _ = node_of_process()
         rows = stragglers.gather(self.clock, args.process_index, args.world_size, node, dist(), device)
