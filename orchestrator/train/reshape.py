@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from orchestrator.core import owned
@@ -91,6 +92,9 @@ def convert(ckpt: Path, scratch: Path, run: str) -> Path:
         raise OrchError(f"resharding {ckpt.name} for DeepSpeed needs ~{need / 2**30:.1f} GiB of scratch space, "
                         f"{scratch.parent} has {free / 2**30:.1f} GiB free: point ORCH_SCRATCH_DIR at a larger "
                         "local disk, or resume on the shape it was saved on")  # fmt: skip
+    print(f"[orch] converting {ckpt.name} ({need / 2**30:.1f} GiB of ZeRO states) into DeepSpeed's universal "
+          f"checkpoint in {scratch}...", flush=True)  # fmt: skip
+    began = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state", "--input_folder",
          str(source), "--output_folder", str(scratch / f"{tag}_universal"), "--num_extract_workers", "1",
@@ -101,6 +105,7 @@ def convert(ckpt: Path, scratch: Path, run: str) -> Path:
         lines = [x for x in (done.stderr or done.stdout).strip().splitlines() if x.strip()]
         raise OrchError(f"DeepSpeed's universal checkpoint conversion of {ckpt.name} failed: "
                         f"{lines[-1] if lines else f'exit {done.returncode}'}")  # fmt: skip
+    print(f"[orch] converted {ckpt.name} in {time.monotonic() - began:.1f} s", flush=True)
     return scratch
 
 
