@@ -98,7 +98,7 @@ def test_overrides_reach_the_trl_script_after_config(node_env):
         (
             {"GLOBAL_BATCH_SIZE": "32"},
             r"= 4 x 16 = 64; use per_device_train_batch_size=2, or GLOBAL_BATCH_SIZE=64, "
-            r"or 8 data-parallel ranks$",
+            r"or 8 data-parallel ranks; at this per-device batch these shapes keep it: 1 node\(s\) x 8 \(--nodes\)$",
         ),
         ({"TRL_OVERRIDES": "gradient_accumulation_steps=4"}, r"derived from GLOBAL_BATCH_SIZE"),
         ({"ORCH_DEVICE": "tpu"}, r"ORCH_DEVICE='tpu': ORCH_DEVICE takes gpu or cpu"),

@@ -328,3 +328,16 @@ def test_loss_is_the_same_at_every_cluster_shape(project):
     for label, (losses, report) in runs.items():
         assert report["optimizer_steps"] == 8 and report["total_samples"] == 16 * 8, label
         assert losses == pytest.approx(reference, abs=1e-4), label
+
+
+@pytest.mark.unit
+def test_the_shapes_that_keep_a_global_batch_are_named():
+    """A resume at another shape keeps GLOBAL_BATCH_SIZE only where the data-parallel ranks divide it: the batch
+    error names the node counts that do (node/plan.py), here with tensor/context parallel groups of 2 as well."""
+    from orchestrator.core import batch as batch_math
+
+    assert batch_math.nodes_that_keep(64, 4, 8, lambda total: total) == [1, 2]
+    assert batch_math.nodes_that_keep(64, 4, 8, lambda total: total // 2) == [1, 2, 4]
+    assert batch_math.nodes_that_keep(60, 4, 8, lambda total: total) == []
+    assert batch_math.say_nodes([1, 2, 4]) == "1, 2 or 4"
+    assert batch_math.say_nodes(list(range(1, 10))) == "1, 2, 3, 4, 5, 6, ..."

@@ -61,6 +61,19 @@ def solve(global_batch: int, per_device: int, data_parallel_size: int) -> int:
     )
 
 
+def nodes_that_keep(global_batch: int, per_device: int, per_node: int, data_parallel_of, most: int = 64) -> list[int]:
+    """Node counts (of `per_node` processes each) whose data-parallel ranks keep `global_batch` at this per-device
+    batch: where a run can resume at another shape without changing its math."""
+    return [n for n in range(1, most + 1) if global_batch % (per_device * data_parallel_of(n * per_node)) == 0]
+
+
+def say_nodes(nodes: list[int]) -> str:
+    shown = [str(n) for n in nodes]
+    if len(shown) > 6:
+        return ", ".join(shown[:6]) + ", ..."
+    return f"{', '.join(shown[:-1])} or {shown[-1]}" if len(shown) > 1 else shown[0]
+
+
 def accumulation_steps(
     global_batch: int | None, settings: Mapping, data_parallel_size: int, overridden: Iterable[str] = ()
 ) -> int | None:
