@@ -637,7 +637,7 @@ def test_resume_relaunches_the_recorded_task_under_the_same_run_id(in_project, f
     [
         (["phi3_dpo_fsdp"], "drop the recipe"),
         (["lr=1e-5"], "drop key=value words"),
-        (["--gpus", "H100:8", "--nodes", "4"], "drop --gpus, --nodes"),
+        (["--spot", "--nodes", "4"], "drop --spot"),
         (["--local"], "drop --local"),
         (["--env", "A=1", "--managed"], "drop --env, --managed"),
         (["--secret", "WANDB_API_KEY=x"], "--secret WANDB_API_KEY: the recorded run has no such secret (it has HF_TOKEN)"),
@@ -655,6 +655,34 @@ def test_resume_refuses_what_would_change_the_run(in_project, fake, capsys, monk
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert says in line, line
     assert record.read_text() == before and len(fake.calls) == calls
+
+
+def test_resume_at_another_shape_checks_it_and_keeps_the_run_id(in_project, fake, capsys, monkeypatch):
+    """`orch run --resume RUN --nodes M --gpus ACC:N`: the recorded task at the new shape, checked there first (a
+    shape that breaks the global batch is refused naming the shapes that keep it, nothing sent), sent to a cluster of
+    its own under the same ORCH_RUN_ID: the nodes resume the checkpoint and reshard it (train/reshape.py)."""
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    assert cli.main(["run", "phi3_dpo_fsdp", "--nodes", "2", "--secret", "HF_TOKEN", "--cluster", "c1", "-y"]) == 0
+    (record,) = run_files(in_project)
+    run = record.stem
+    assert cli.main(["cancel", run]) == 0
+    before, calls = record.read_text(), len(fake.calls)
+    capsys.readouterr()
+    assert cli.main(["run", "--resume", run, "--nodes", "3", "-y"]) == 2  # 24 ranks: 64 is not a multiple
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith("at this per-device batch these shapes keep it: 1 or 2 node(s) x 8 (--nodes)"), line
+    assert record.read_text() == before and len(fake.calls) == calls
+
+    assert cli.main(["run", "--resume", run, "--nodes", "1", "--gpus", "H100:8", "-y", "--detach"]) == 0
+    out = capsys.readouterr().out
+    assert f"[orch] run {run}: relaunch on 1 x H100:8 (recorded: 2 x A100:8); the nodes resume its last checkpoint" in out
+    (name, sent, kw) = fake.calls[-1]
+    assert name == "launch" and sent.num_nodes == 1 and kw["cluster_name"] == f"{run}-1xh1008"[:63]
+    assert [str(r.accelerators) for r in sent.resources] == ["{'H100': 8}"]
+    assert sent.envs["ORCH_RUN_ID"] == run and sent.secrets["HF_TOKEN"].get_secret_value() == SECRET
+    text = record.read_text()
+    assert "num_nodes: 1" in text and "accelerators: H100:8" in text and f"# cluster: {run}-1xh1008" in text
+    assert "# relaunches: 1" in text and SECRET not in text
 
 
 def test_resume_refuses_a_run_keyed_by_skypilots_task_id_and_a_local_run(in_project, fake, capsys):

@@ -134,6 +134,13 @@ class SkyBackend:
         record.secrets = tuple(values.values())
         managed = record.get("backend") == sky.BACKEND_MANAGED
         cluster = record.get("cluster") or record.run
+        if options.nodes is not None or options.gpus is not None:  # another shape: another cluster, the same run id
+            task = _reshaped(record, options)
+            if not managed:
+                shape = f"{task['num_nodes']}x{_accelerators(task).replace(':', '')}".lower()
+                cluster = f"{record.run}-{shape}"[:63]
+                print(f"[orch] cluster {cluster} for the new shape (a cluster keeps its nodes; "
+                      f"{record.get('cluster') or record.run} is left as it is)", flush=True)  # fmt: skip
         sky.to_task(task, values)  # SkyPilot's own validation of the recorded file, before anything is changed
         if not flags.yes and not sys.stdin.isatty():
             raise OrchError("a relaunch asks before it spends money, but stdin is not a terminal: pass -y to launch")
@@ -151,6 +158,9 @@ class SkyBackend:
         count = int(before) + 1 if before.isdigit() else 1
         record.set_state(RunState.LAUNCHING, relaunches=str(count), job_id="",
                          relaunched=time.strftime("%Y-%m-%dT%H:%M:%S%z"))  # fmt: skip
+        if task is not record.task:
+            record.task = task
+            record.meta["cluster"] = "" if managed else cluster
         records.write(record)
         print(f"[orch] run {record.run}: relaunch {count}, resuming from its last checkpoint "
               f"({envs.get('CHECKPOINT_ROOT', 'output_dir')}/{record.run})", flush=True)  # fmt: skip
@@ -271,6 +281,39 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
     )
     idle, down = _say_autostop(flags, cluster, run, slurm)
     return _submit(record, task, secret_values, flags.managed, cluster, idle, down, flags.detach)
+
+
+def _accelerators(task: dict) -> str:
+    return str((task.get("resources") or {}).get("accelerators") or "cpu")
+
+
+def _reshaped(record: Record, options: RunOptions) -> dict:
+    """`orch run --resume RUN --nodes M --gpus ACC:N`: the recorded task at another shape, checked at that shape as
+    any launch is (batch math, parallelism, memory: one line naming the shapes that keep the global batch otherwise);
+    the same ORCH_RUN_ID, so the nodes resume its last checkpoint and reshard it (train/reshape.py)."""
+    import copy
+
+    from orchestrator.core import accelerators
+    from orchestrator.launch.checks import check
+    from orchestrator.launch.recipe import load
+    from orchestrator.launch.resolved import resolve
+
+    envs = record.task.get("envs") or {}
+    if options.gpus is not None and envs.get("ORCH_DEVICE") == "cpu":
+        raise OrchError(f"run {record.run} runs on CPU nodes: a relaunch changes their number (--nodes), not --gpus")
+    gpus = accelerators.parse(options.gpus) if options.gpus is not None else None
+    launch = resolve(load(str(record.path)), nodes=options.nodes, gpus=gpus)
+    cpu = envs.get("ORCH_DEVICE") == "cpu"
+    check(launch, device="cpu" if cpu else "gpu")
+    was = f"{record.task.get('num_nodes') or 1} x {_accelerators(record.task)}"
+    resources = dict(record.task.get("resources") or {})
+    if not cpu and launch.gpus is not None:
+        resources = {**resources, "accelerators": str(launch.gpus)}
+    # a new mapping (the recorded one stays as it is): only the shape differs from what was recorded
+    task = {**copy.deepcopy(record.task), "num_nodes": launch.nodes, "resources": resources}
+    print(f"[orch] run {record.run}: relaunch on {launch.nodes} x {_accelerators(task)} (recorded: {was}); the "
+          "nodes resume its last checkpoint and reshard it", flush=True)  # fmt: skip
+    return task
 
 
 def _submit(record: Record, task: dict, secret_values: dict[str, str], managed: bool, cluster: str,
