@@ -25,8 +25,9 @@ from orchestrator.train.checkpoints import (
 pytestmark = pytest.mark.unit
 
 
-def processes_with(env_entry: str) -> list[int]:
-    """PIDs whose environment holds env_entry (e.g. SKYPILOT_TASK_ID=<run>)."""
+def processes_with(*env_entries: str) -> list[int]:
+    """PIDs whose environment holds every one of env_entries (e.g. SKYPILOT_TASK_ID=<run>), in order."""
+    wanted = [entry.encode() for entry in env_entries]
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -35,9 +36,9 @@ def processes_with(env_entry: str) -> list[int]:
             environ = (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if env_entry.encode() in environ:
+        if all(entry in environ for entry in wanted):
             found.append(int(proc.name))
-    return found
+    return sorted(found)
 
 
 def start_orch(project: Path, argv: list[str], until: str = "") -> tuple[subprocess.Popen, str]:
@@ -63,8 +64,7 @@ def start_orch(project: Path, argv: list[str], until: str = "") -> tuple[subproc
 
 
 def node_pids(run: str, rank: int) -> list[int]:
-    both = set(processes_with(f"SKYPILOT_TASK_ID={run}")) & set(processes_with(f"SKYPILOT_NODE_RANK={rank}"))
-    return sorted(both)
+    return processes_with(f"SKYPILOT_TASK_ID={run}", f"SKYPILOT_NODE_RANK={rank}")
 
 
 # ---------------------------------------------------------------- checkpoints

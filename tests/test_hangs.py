@@ -118,11 +118,7 @@ FLOOR = 8
 
 
 def rank_pid(run: str, rank: int) -> int:
-    (pid,) = (
-        set(processes_with(f"SKYPILOT_TASK_ID={run}"))
-        & set(processes_with(f"RANK={rank}"))
-        & set(processes_with("LOCAL_RANK=0"))
-    )
+    (pid,) = processes_with(f"SKYPILOT_TASK_ID={run}", f"RANK={rank}", "LOCAL_RANK=0")
     return pid
 
 

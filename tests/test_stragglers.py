@@ -11,27 +11,13 @@ import uuid
 from pathlib import Path
 
 import pytest
+from test_faults import processes_with
 
 from orchestrator.train import stragglers
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 COMMAND = ["run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "--env", "GLOBAL_BATCH_SIZE=256",
            "max_steps=24", "save_steps=100", "per_device_train_batch_size=4"]
-
-
-def node_pids(node: int, run_marker: str) -> list[int]:
-    """The processes of one emulated node of this test's run (their environment names both)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"SKYPILOT_NODE_RANK={node}".encode() in env and f"ORCH_TEST_RUN={run_marker}".encode() in env:
-            found.append(int(entry.name))
-    return found
 
 
 def run_and_maybe_throttle(project, throttle: bool, *extra: str) -> tuple[str, int]:
@@ -54,7 +40,7 @@ def run_and_maybe_throttle(project, throttle: bool, *extra: str) -> tuple[str, i
                 # stalls 80 ms: no steady 0.2)
                 (group / "cpu.cfs_period_us").write_text("10000")
                 (group / "cpu.cfs_quota_us").write_text("2000")
-                pids = node_pids(1, marker)
+                pids = processes_with("SKYPILOT_NODE_RANK=1", f"ORCH_TEST_RUN={marker}")  # node 1 of this run
                 assert pids, "node 1's processes not found"
                 for pid in pids:
                     try:

@@ -6,7 +6,7 @@ A recipe fixes the left side (GLOBAL_BATCH_SIZE); orch solves for gradient_accum
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from orchestrator.core.errors import OrchError
 
@@ -39,8 +39,11 @@ SEARCH = 4096
 """The largest per-device batch or rank count `solve` tries when it suggests one."""
 
 
-def solve(global_batch: int, per_device: int, data_parallel_size: int) -> int:
-    """gradient_accumulation_steps that keeps `global_batch`, or an error naming the nearest valid choices."""
+def solve(global_batch: int, per_device: int, data_parallel_size: int, per_node: int = 0,
+          data_parallel_of: Callable[[int], int] = lambda total: total) -> int:  # fmt: skip
+    """gradient_accumulation_steps that keeps `global_batch`, or an error naming the nearest valid choices; with
+    `per_node` (processes per node), also the node counts that keep it, whose data-parallel ranks `data_parallel_of`
+    gives for a number of processes (a resume may change the shape)."""
     per_step = per_device * data_parallel_size
     if global_batch % per_step == 0:
         return global_batch // per_step
@@ -55,13 +58,17 @@ def solve(global_batch: int, per_device: int, data_parallel_size: int) -> int:
     ranks = [r for r in range(min(data_parallel_size - 1, SEARCH), 0, -1) if global_batch % (per_device * r) == 0]
     if ranks:
         fixes.append(f"{ranks[0]} data-parallel ranks")
+    keep = nodes_that_keep(global_batch, per_device, per_node, data_parallel_of) if per_node else []
+    named = f"{say_nodes(keep)} node(s) x {per_node} (--nodes)" if keep else ""
+    shapes = f"; at this per-device batch these shapes keep it: {named}" if named else ""
     raise OrchError(
         f"GLOBAL_BATCH_SIZE={global_batch} is not a multiple of per_device_train_batch_size x data-parallel ranks "
-        f"= {per_device} x {data_parallel_size} = {per_step}; use " + ", or ".join(fixes)
+        f"= {per_device} x {data_parallel_size} = {per_step}; use " + ", or ".join(fixes) + shapes
     )
 
 
-def nodes_that_keep(global_batch: int, per_device: int, per_node: int, data_parallel_of, most: int = 64) -> list[int]:
+def nodes_that_keep(global_batch: int, per_device: int, per_node: int, data_parallel_of: Callable[[int], int],
+                    most: int = 64) -> list[int]:  # fmt: skip
     """Node counts (of `per_node` processes each) whose data-parallel ranks keep `global_batch` at this per-device
     batch: where a run can resume at another shape without changing its math."""
     return [n for n in range(1, most + 1) if global_batch % (per_device * data_parallel_of(n * per_node)) == 0]
@@ -75,11 +82,13 @@ def say_nodes(nodes: list[int]) -> str:
 
 
 def accumulation_steps(
-    global_batch: int | None, settings: Mapping, data_parallel_size: int, overridden: Iterable[str] = ()
-) -> int | None:
+    global_batch: int | None, settings: Mapping, data_parallel_size: int, overridden: Iterable[str] = (),
+    per_node: int = 0, data_parallel_of: Callable[[int], int] = lambda total: total,
+) -> int | None:  # fmt: skip
     """None when the recipe declares no GLOBAL_BATCH_SIZE (then the TRL config's own value stands).
 
-    overridden: the keys given as key=value overrides (accumulation cannot be both derived and given)."""
+    overridden: the keys given as key=value overrides (accumulation cannot be both derived and given); per_node and
+    data_parallel_of: see `solve`."""
     if global_batch is None:
         return None
     if "gradient_accumulation_steps" in overridden:
@@ -87,7 +96,7 @@ def accumulation_steps(
             "gradient_accumulation_steps is derived from GLOBAL_BATCH_SIZE; "
             "override GLOBAL_BATCH_SIZE (--env GLOBAL_BATCH_SIZE=N) instead"
         )
-    return solve(global_batch, per_device_batch(settings), data_parallel_size)
+    return solve(global_batch, per_device_batch(settings), data_parallel_size, per_node, data_parallel_of)
 
 
 def check_generations(global_batch: int | None, settings: Mapping, trainer: str, default: int) -> None:

@@ -138,7 +138,7 @@ def confirm(launch: Launch, checked: Checked, managed: bool) -> tuple[bool, obje
             sky_backend.show_server_plan(task)
             print("[orch] SkyPilot's plan and price: above (its optimizer, run by your API server)")
         except OrchError:
-            print(f"[orch] SkyPilot's plan: not computed here ({reason}); SkyPilot picks the cheapest match at launch")
+            print(f"[orch] {_not_planned(reason)}")
     try:
         answer = input("Launch? [y/N] ")
     except EOFError:
@@ -146,9 +146,13 @@ def confirm(launch: Launch, checked: Checked, managed: bool) -> tuple[bool, obje
     return answer.strip().lower() in ("y", "yes"), plan
 
 
+def _not_planned(reason: OrchError | None) -> str:
+    return f"SkyPilot's plan: not computed here ({reason}); SkyPilot picks the cheapest match at launch"
+
+
 def unplanned(launch: Launch, checked: Checked, reason: OrchError) -> str:
     """What -y launches without, where SkyPilot's plan could not be computed here."""
-    said = f"SkyPilot's plan: not computed here ({reason}); SkyPilot picks the cheapest match at launch"
+    said = _not_planned(reason)
     if loading := preflight.load_memory(launch, checked.memory):
         return f"{said}; host memory at load: ~{loading.node / GIB:.1f} GiB on the busiest node, unchecked"
     return said

@@ -149,18 +149,8 @@ def plan(
         rules.check_packed_attention(accelerate_config, sizes, settings, recipe.device, recipe.accel_path)
         pad = parallel.pad_to_multiple_of(sizes, settings)
         decided += ["--pad_to_multiple_of", pad] if pad else []
-    try:
-        ga = batch.accumulation_steps(recipe.global_batch, settings, data_parallel, recipe.overrides)
-    except OrchError as exc:  # name the shapes that would keep the run's math (a resume may change the shape)
-        per_node, wanted = trainers.gpus_per_node, recipe.global_batch
-        if wanted is None or "is not a multiple" not in str(exc):
-            raise
-        keep = batch.nodes_that_keep(wanted, batch.per_device_batch(settings), per_node,
-                                     sizes.data_parallel if sizes is not None else (lambda t: t))  # fmt: skip
-        if not keep:
-            raise
-        shapes = f"{batch.say_nodes(keep)} node(s) x {per_node}"
-        raise OrchError(f"{exc}; at this per-device batch these shapes keep it: {shapes} (--nodes)") from None
+    ga = batch.accumulation_steps(recipe.global_batch, settings, data_parallel, recipe.overrides,
+                                  trainers.gpus_per_node, sizes.data_parallel if sizes is not None else lambda t: t)
     rules.check_trainer_batch(recipe.trainer, recipe.global_batch, settings)
     accumulation = (
         ga

@@ -85,6 +85,7 @@ class OrchCallback(TrainerCallback):
         self.clock = stragglers.StepClock()  # this rank's step time and time blocked in collectives
         self.watch = stragglers.Watch()  # rank 0: the slowest rank and node, and who is named
         self.scaling: dict | None = None  # rank 0 of a multi-node run: its efficiency against one node (scaling.py)
+        self.reshaped = ""  # what a resume at another shape said (train/run_config.shape_line)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.memory is not None:
@@ -94,7 +95,7 @@ class OrchCallback(TrainerCallback):
         trainer = self.trainer
         self.meter.begin(trainer.model if trainer else model, getattr(trainer, "ref_model", None), args.device)
         self._earlier_attempts(state)
-        if args.world_size > 1 and args.device.type == "cpu":
+        if stragglers.measured(args):
             stragglers.install(self.clock)
             stragglers.time_ddp(trainer.model_wrapped if trainer else model, self.clock)
         elif args.world_size > 1 and state.is_world_process_zero:
@@ -123,7 +124,7 @@ class OrchCallback(TrainerCallback):
         if dist():
             dist().all_reduce(shared, op=torch.distributed.ReduceOp.MAX)
         dollars, seconds, count = (float(x) for x in shared.tolist())
-        meter.earlier_usd, meter.earlier_s, meter.attempts = dollars, seconds, int(count) + 1
+        meter.earlier_usd, meter.attempts = dollars, int(count) + 1
         if count and state.is_world_process_zero:
             said = f"${dollars:,.2f} over {duration(seconds)}" if dollars else f"{duration(seconds)}"
             print(f"[orch] spend: {int(count)} earlier attempt(s) of this run, {said} (orch_spend.json); counted in "
@@ -243,7 +244,7 @@ class OrchCallback(TrainerCallback):
     def _stragglers(self, args, state, device) -> tuple[dict, list[str]]:
         """Every rank's busy and blocked time since the last log (one all-reduce); rank 0 gets the slowest rank and
         node as figures, and the lines naming a straggler."""
-        if args.world_size < 2 or args.device.type != "cpu":  # not measured on GPUs (train/stragglers.py)
+        if not stragglers.measured(args):
             return {}, []
         node, _ = node_of_process()
         rows = stragglers.gather(self.clock, args.process_index, args.world_size, node, dist(), device)

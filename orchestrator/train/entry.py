@@ -133,11 +133,12 @@ def _max_over_ranks(value: int) -> int:
 def _reshape(trainer, resume: Path, now: dict, output_dir: Path) -> str:
     """A resume on another shape: said by the main process, and DeepSpeed's partitions converted (train/reshape.py)."""
     acc = trainer.accelerator
-    how = reshape.method(acc, resume, run_config.saved_shape(resume).get("world"))
-    line = run_config.shape_line(resume, run_config.saved_shape(resume), now, how)
+    was = run_config.saved_shape(resume)
+    how = reshape.method(acc, resume, was.get("world"))
+    line = run_config.shape_line(resume, was, now, how)
     if line and acc.is_main_process:
         print(line, flush=True)
-    if how.startswith("resharded: DeepSpeed"):
+    if how and acc.distributed_type.value == "DEEPSPEED":  # method() says how only where the partitions differ
         try:
             reshape.install(trainer, resume, run_id(os.environ) or output_dir.resolve().name, node_of_process()[0],
                             acc.is_local_main_process, _max_over_ranks)  # fmt: skip
@@ -237,7 +238,7 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "resumed_from": str(resume) if resume else None,
-        "reshaped": getattr(callback, "reshaped", ""),
+        "reshaped": callback.reshaped,
         "final_model": final,
         "timeline": callback.timeline,
         "host_memory": callback.memory.report() if callback.memory else None,

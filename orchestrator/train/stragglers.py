@@ -91,6 +91,11 @@ class StepClock:
         return statistics.fmean(b for b, _ in steps), statistics.fmean(w for _, w in steps)
 
 
+def measured(args) -> bool:
+    """Whether this run's ranks measure their blocked time: several ranks, on CPUs (see the module's docstring)."""
+    return args.world_size > 1 and args.device.type == "cpu"
+
+
 _INSTALLED: list[StepClock] = []
 
 

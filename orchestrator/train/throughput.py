@@ -49,7 +49,7 @@ class Meter:
         self.peak_note = ""
         self.padding_excluded = True
         self.latest: dict = {}
-        self.earlier_usd, self.earlier_s, self.attempts = 0.0, 0.0, 1  # the run's earlier attempts (train/spend.py)
+        self.earlier_usd, self.attempts = 0.0, 1  # the run's earlier attempts (train/spend.py)
 
     def begin(self, model, ref_model, device: torch.device) -> None:
         params = sum(getattr(p, "ds_numel", 0) or p.numel() for p in model.parameters())

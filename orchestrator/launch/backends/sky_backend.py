@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from orchestrator.core import slots
 from orchestrator.core.accelerators import CPU
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
@@ -138,7 +139,7 @@ class SkyBackend:
             task = _reshaped(record, options)
             if not managed:
                 shape = f"{task['num_nodes']}x{_accelerators(task).replace(':', '')}".lower()
-                cluster = f"{record.run}-{shape}"[:63]
+                cluster = slots.check("cluster", f"{record.run}-{shape}"[:63], "the new shape's cluster name")
                 print(f"[orch] cluster {cluster} for the new shape (a cluster keeps its nodes; "
                       f"{record.get('cluster') or record.run} is left as it is)", flush=True)  # fmt: skip
         sky.to_task(task, values)  # SkyPilot's own validation of the recorded file, before anything is changed
@@ -298,12 +299,11 @@ def _reshaped(record: Record, options: RunOptions) -> dict:
     from orchestrator.launch.recipe import load
     from orchestrator.launch.resolved import resolve
 
-    envs = record.task.get("envs") or {}
-    if options.gpus is not None and envs.get("ORCH_DEVICE") == "cpu":
+    cpu = (record.task.get("envs") or {}).get("ORCH_DEVICE") == "cpu"
+    if options.gpus is not None and cpu:
         raise OrchError(f"run {record.run} runs on CPU nodes: a relaunch changes their number (--nodes), not --gpus")
     gpus = accelerators.parse(options.gpus) if options.gpus is not None else None
     launch = resolve(load(str(record.path)), nodes=options.nodes, gpus=gpus)
-    cpu = envs.get("ORCH_DEVICE") == "cpu"
     check(launch, device="cpu" if cpu else "gpu")
     was = f"{record.task.get('num_nodes') or 1} x {_accelerators(record.task)}"
     resources = dict(record.task.get("resources") or {})

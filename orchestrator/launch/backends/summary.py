@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.core import final_model
+from orchestrator.core import final_model, scaling
 from orchestrator.core.timeline import time_to_first_step
 
 
@@ -144,9 +144,7 @@ def summary(output_dir: Path) -> list[str]:
         )
     lines.extend(straggler_lines(head.get("stragglers") or {}))
     if head.get("scaling"):
-        from orchestrator.core.scaling import line as scaling_line
-
-        lines.append(scaling_line(head["scaling"]))
+        lines.append(scaling.line(head["scaling"]))
     speed = throughput_line(head.get("throughput") or {})
     if speed:
         lines.append(speed)
