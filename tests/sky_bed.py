@@ -32,6 +32,7 @@ USER = "orchsky"
 BED_HOMES = "/var/tmp/orch-skybed"  # beds live under paths starting with this (not /tmp: each node has its own)
 CACHE = Path("/var/tmp/orch-skybed-cache")  # kept between beds: the user's uv cache, filled once per version
 NAME = "orchbed"
+API_PORT = 46580  # SkyPilot's local API server (sky/server/common.py DEFAULT_SERVER_PORT); the managed bed relays it
 UV_INSTALLER = "https://astral.sh/uv/install.sh"
 
 # Offline shims: (what SkyPilot runs, where: module and the text the shim answers). A test reads the module's source
@@ -42,6 +43,9 @@ SHIMS = {
     "uv cache": ("sky.utils.command_runner", "export UV_CACHE_DIR=/tmp/uv_cache_$(id -u)"),
     # not a shim but the bed's shape: SkyPilot writes each node's setup script to one /tmp path, so nodes need their own
     "node-local /tmp": ("sky.backends.cloud_vm_ray_backend", "remote_setup_file_name = f'/tmp/sky_setup_"),
+    # the managed bed only (tests/bed_network.py): HTTPS answered at these addresses for the API server
+    "network check": ("sky.backends.backend_utils", "_TEST_IP_LIST = ['https://8.8.8.8', 'https://1.1.1.1']"),
+    "network check loop": ("sky.jobs.controller", "await backend_utils.async_check_network_connection()"),
 }
 CURL = """#!/bin/bash
 # Offline shim (tests/sky_bed.py SHIMS["curl"]): SkyPilot installs uv with `curl -LsSf {url} | sh`
@@ -118,6 +122,7 @@ class SkyBed:
         self.shims = root / "shims"
         self.cluster = SlurmCluster(nodes=nodes, root=root / "slurm", node_prefix=self._node_prefix, cpus=2)
         self.sshd: subprocess.Popen | None = None
+        self.helpers: list[subprocess.Popen] = []  # the managed bed's network-check responder and API server relay
 
     # ------------------------------------------------------------ up
 
@@ -246,14 +251,7 @@ class SkyBed:
         work = self.root / "warm"
         work.mkdir(exist_ok=True)
         shutil.chown(work, USER, USER)
-        build = (
-            "from sky.backends import wheel_utils; path, _ = wheel_utils.build_sky_wheel(); "
-            "print(sorted(path.glob('skypilot-*.whl'))[-1])"
-        )
-        wheel = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, timeout=300,
-                               env=self.env, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
-        shutil.copy(wheel, work / Path(wheel).name)
-        wheel = str(work / Path(wheel).name)
+        wheel = str(shutil.copy(self._sky_wheel(), work))
         os.chmod(wheel, 0o644)
         script = (
             f"set -e; export UV_CACHE_DIR={cache}; {self.shims}/uv venv -q --seed {work}/venv --python 3.10; "
@@ -264,6 +262,33 @@ class SkyBed:
         if done.returncode != 0:
             raise RuntimeError(f"warming the uv cache failed: {done.stderr[-1500:]}")
         stamp.touch()
+
+    def _sky_wheel(self) -> Path:
+        """SkyPilot's wheel for the nodes, built as its API server builds it (sky/backends/wheel_utils.py: reused from
+        the client's ~/.sky/wheels while newer than SkyPilot's files), from this namespace: the build fetches setuptools
+        from the package registry. Kept between beds in CACHE (copied with its times), so a bed builds it once."""
+        kept = CACHE / f"sky-wheels-{self._sky_version()}"
+        wheels = self.client / ".sky" / "wheels"
+        if kept.is_dir() and not wheels.exists():
+            wheels.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["cp", "-a", str(kept), str(wheels)], check=True)
+        build = (
+            "from sky.backends import wheel_utils; path, _ = wheel_utils.build_sky_wheel(); "
+            "print(sorted(path.glob('skypilot-*.whl'))[-1])"
+        )
+        made = Path(subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, timeout=300,
+                                   env=self.env, check=True).stdout.strip().splitlines()[-1])  # fmt: skip
+        wheel = self.root / made.name
+        shutil.copy(made, wheel)
+        shutil.rmtree(made.parent)  # a temporary copy, the caller's to remove
+        if not kept.is_dir():
+            part = CACHE / f"{kept.name}.{os.getpid()}"
+            subprocess.run(["cp", "-a", str(wheels), str(part)], check=True)
+            try:
+                os.replace(part, kept)
+            except OSError:  # another bed kept it first
+                shutil.rmtree(part, ignore_errors=True)
+        return wheel
 
     def orch_image(self) -> Path:
         """An environment holding the lock's torch (the CPU build on this machine's disk), as a GPU image holds its
@@ -307,14 +332,29 @@ class SkyBed:
         return importlib.metadata.version("skypilot")
 
     def _api_server(self) -> None:
-        done = self.sky("api", "start", timeout=180)
+        if not self.managed:
+            done = self.sky("api", "start", timeout=180)
+        else:  # in the login node's namespace, where SkyPilot's network check is answered (tests/bed_network.py)
+            import bed_network
+
+            self._sky_wheel()  # the login node's namespace has no route to the package registry
+            net = self.root / "network-check"
+            cert, key = bed_network.certificate(net)
+            login = self.cluster.network
+            self.helpers.append(bed_network.responder(login.prefix(0), login.namespaces[0], cert, key,
+                                                      net / "responder.log"))  # fmt: skip
+            self.helpers.append(bed_network.forwarder(API_PORT, login.ips[0], API_PORT, net / "relay.log"))
+            trust = {"SSL_CERT_FILE": str(cert), "REQUESTS_CA_BUNDLE": str(cert)}
+            done = self.sky("api", "start", "--host", "0.0.0.0", timeout=180, prefix=login.prefix(0), env=trust)
         if done.returncode != 0:
             raise RuntimeError(f"sky api start failed: {done.stdout[-1500:]}{done.stderr[-1500:]}")
 
-    def sky(self, *argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    def sky(self, *argv: str, timeout: float = 600, prefix: list[str] = (), env: dict | None = None
+            ) -> subprocess.CompletedProcess:  # fmt: skip
         """The `sky` CLI of this environment, as a user of the bed runs it."""
         sky = Path(sys.executable).parent / "sky"
-        return subprocess.run([str(sky), *argv], capture_output=True, text=True, timeout=timeout, env=self.env)
+        return subprocess.run([*prefix, str(sky), *argv], capture_output=True, text=True, timeout=timeout,
+                              env={**self.env, **(env or {})})  # fmt: skip
 
     # ------------------------------------------------------------ down
 
@@ -325,6 +365,9 @@ class SkyBed:
         if (self.client / ".sky").exists():
             subprocess.run([str(Path(sys.executable).parent / "sky"), "api", "stop"], env=self.env,
                            capture_output=True, timeout=120)  # fmt: skip
+        for helper in self.helpers:
+            helper.kill()
+            helper.wait(timeout=15)
         if self.sshd is not None:
             self.sshd.terminate()
             self.sshd.wait(timeout=15)
@@ -371,8 +414,7 @@ def main() -> int:
         return 2
     root = Path(tempfile.mkdtemp(prefix=Path(BED_HOMES).name + "-", dir=Path(BED_HOMES).parent))
     print(f"[bed] bringing up 2 Slurm nodes, a login node and SkyPilot's API server under {root} ...", flush=True)
-    managed = os.environ.get("SKY_BED_MANAGED", "") == "1"
-    with SkyBed(root, managed=managed) as bed:
+    with SkyBed(root, managed=True) as bed:
         image = bed.orch_image()
         repo = Path(__file__).resolve().parent.parent
         env = f"HOME={bed.client} PATH={os.path.normpath(Path(sys.executable).parent)}:$PATH"
@@ -390,8 +432,8 @@ and orch, through the same API server:
   orch status; orch logs RUN --follow; orch cancel RUN; orch run --resume RUN -y; orch down RUN
 (a SkyPilot cluster holds its Slurm nodes until `sky down`: the bed has two)
 """, flush=True)  # fmt: skip
-        if managed:
-            print(f"""[bed] SkyPilot's jobs controller runs inside its API server (SKY_BED_MANAGED=1): a managed job,
+        if bed.managed:
+            print(f"""[bed] SkyPilot's jobs controller runs inside its API server (consolidation mode): a managed job,
   orch run phi3_dpo_fsdp --infra slurm/{bed.name} --nodes 2 --gpus none --smoke --managed -y --detach \
       --env ORCH_VENV={image} max_steps=200
   sky jobs queue; sky jobs logs 1 --no-follow

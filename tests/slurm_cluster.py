@@ -185,11 +185,31 @@ class SlurmCluster:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _kill_stragglers(self) -> None:
+    def crash(self, node: int) -> None:
+        """Node `node` (1..nodes) fails as a machine does: every process in its namespace (slurmd, job steps, what
+        they run) killed at once; then it is marked DOWN, as a cluster's health check does (Slurm itself would after
+        SlurmdTimeout, 60 s here), which ends its jobs (NODE_FAIL). `restart(node)` brings its slurmd back."""
+        self._kill_stragglers([self.network.namespaces[node]])
+        self.daemons[node].wait(timeout=15)
+        down = self.run("scontrol", "update", f"nodename={self.names()[node - 1]}", "state=down", "reason=crashed")
+        if down.returncode != 0:
+            raise RuntimeError(f"scontrol could not mark node {node} down: {down.stderr}")
+
+    def restart(self, node: int) -> None:
+        """Node `node`'s slurmd again: it registers, and ReturnToService=2 puts the node back in service."""
+        self.daemons[node] = subprocess.Popen(
+            [*self.network.prefix(node), *self.node_prefix(node), "slurmd", "-D", "-N", self.names()[node - 1], "-f",
+             str(self.conf)], env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+    def node_state(self, node: int) -> str:
+        """Slurm's short state of node `node` (idle, alloc, down*, ...)."""
+        return self.run("sinfo", "-h", "-n", self.names()[node - 1], "-o", "%t").stdout.strip()
+
+    def _kill_stragglers(self, namespaces: list[str] | None = None) -> None:
         """Every process still inside one of the cluster's namespaces (a step's slurmstepd that outlived its slurmd,
         what it ran): found by network namespace, killed by PID, until none is left."""
         mine = set()
-        for ns in self.network.namespaces:
+        for ns in self.network.namespaces if namespaces is None else namespaces:
             try:
                 mine.add(os.stat(f"/run/netns/{ns}").st_ino)
             except FileNotFoundError:

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.root, pytest.mark.skypilot, pytest.mark.xdist_group("s
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("shim", ["curl", "uv", "uv cache", "node-local /tmp"])
+@pytest.mark.parametrize("shim", ["curl", "uv", "uv cache", "node-local /tmp", "network check", "network check loop"])
 def test_each_shim_answers_a_line_skypilot_still_has(shim):
     """A SkyPilot upgrade that moves one of these lines fails here, naming the shim to revisit."""
     from sky_bed import SHIMS
@@ -41,7 +41,7 @@ def bed():
         pytest.skip(f"the SkyPilot bed {why}")
     root = Path(tempfile.mkdtemp(prefix=Path(BED_HOMES).name + "-", dir=Path(BED_HOMES).parent))
     try:
-        with SkyBed(root) as made:
+        with SkyBed(root, managed=True) as made:  # SkyPilot's jobs controller in its API server, for --managed
             made.orch_image()
             yield made
     finally:
@@ -210,3 +210,59 @@ def test_orch_run_through_skypilots_sdk_and_its_commands_act_on_real_state(bed, 
     assert down.returncode == 0 and "tore down cluster orch1" in down.stdout, down.stdout + down.stderr
     assert "# state: down" in record.read_text()
     assert bed.cluster.run("squeue", "-h").stdout.strip() == ""
+
+
+def test_a_managed_job_recovers_from_a_node_failure_and_resumes_from_its_checkpoint(bed, tmp_path):
+    """`orch run --managed` through SkyPilot's jobs controller (consolidation mode, in the bed's API server): a node
+    fails mid-training (every process on it killed, the node marked DOWN); SkyPilot's controller sees the cluster fail,
+    provisions it again once the node is back, and the job resumes from the last complete checkpoint, its earlier
+    attempt's spend counted, to SUCCEEDED with one recovery."""
+    from sky_bed import REPO_COPY_IGNORE
+
+    project = tmp_path / "repo"
+    shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(*REPO_COPY_IGNORE))
+    env = {**bed.env, "ORCH_REHEARSAL": "off"}  # the head node rehearses in its setup, at every recovery too
+
+    def orch(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator", *argv], cwd=project, env=env, capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
+
+    def queue() -> str:  # the managed job's row: ID TASK NAME REQUESTED SUBMITTED ... #RECOVERIES STATUS ...
+        out = bed.sky("jobs", "queue").stdout
+        return next((line for line in out.splitlines() if re.match(r"^\s*1\s", line)), "")
+
+    steps = 60
+    run = orch("run", "phi3_dpo_fsdp", "--infra", f"slurm/{bed.name}", "--nodes", "2", "--gpus", "none", "--smoke",
+               "--managed", "-y", "--detach", "--env", f"ORCH_VENV={bed.orch_image()}", f"max_steps={steps}",
+               "save_steps=10")  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-6000:]
+    assert "managed job" in out and "[orch] submitted: backend=sky-managed, job_id=1" in out, out[-3000:]
+    (record,) = sorted((project / "sky_jobs").glob("*.yaml"))
+    name = record.stem
+    checkpoints = bed.home / "orch-checkpoints" / name
+    deadline = time.monotonic() + 600
+    while not any(checkpoints.glob("checkpoint-*/orch_manifest.node1.json")):
+        assert time.monotonic() < deadline and not (checkpoints / "model.safetensors").exists(), queue()
+        time.sleep(0.5)
+    # the node that holds rank 1 fails; the other node's rank loses its peer
+    bed.cluster.crash(2)
+    failed = time.monotonic()
+    bed.cluster.restart(2)
+    while not re.search(r"SUCCEEDED|FAILED|CANCELLED", row := queue()):
+        assert time.monotonic() - failed < 600, row
+        time.sleep(5)
+    words = row.split()
+    assert "SUCCEEDED" in words and words[words.index("SUCCEEDED") - 1] == "1", row  # #RECOVERIES, then STATUS
+    logs = orch("logs", name)
+    text = logs.stdout
+    assert logs.returncode == 0 and f"[orch] step {steps}/{steps} loss=" in text, text[-3000:] + logs.stderr
+    start = int(re.search(r"resuming from \S+/checkpoint-(\d+)", text).group(1))  # the recovered attempt's log
+    assert 10 <= start < steps, text[-3000:]
+    assert f"[orch] step {start + 1}/{steps}" in text and f"[orch] step {start}/{steps}" not in text
+    assert "[orch] spend: 1 earlier attempt(s) of this run" in text  # the first attempt's time, on the shared home
+    status = orch("status", name)
+    finished = re.search(rf"{name}\s+sky-managed\s+SUCCEEDED\s+{steps}/{steps}", status.stdout)
+    assert status.returncode == 0 and finished, status.stdout + status.stderr
+    assert (checkpoints / "model.safetensors").is_file()
+    assert bed.cluster.run("squeue", "-h").stdout.strip() == ""  # the job's cluster is gone with it
