@@ -266,8 +266,18 @@ class SkyBed:
     def _sky_wheel(self) -> Path:
         """SkyPilot's wheel for the nodes, built as its API server builds it (sky/backends/wheel_utils.py: reused from
         the client's ~/.sky/wheels while newer than SkyPilot's files), from this namespace: the build fetches setuptools
-        from the package registry. Kept between beds in CACHE (copied with its times), so a bed builds it once."""
-        kept = CACHE / f"sky-wheels-{self._sky_version()}"
+        from the package registry. Kept between beds in CACHE (copied with its times) under the newest time of the
+        installed package's files, SkyPilot's own test: a copy older than them would be rebuilt on the first launch (a
+        rebuild into an existing directory keeps its old time), which the login node's namespace cannot do."""
+        import sky
+
+        newest = 0.0
+        for package in (Path(sky.__file__).parent, Path(sky.__file__).parent.parent / "sky_templates"):
+            for top, dirs, files in os.walk(package):
+                dirs[:] = [d for d in dirs if d != "__pycache__"]
+                for entry in (*dirs, *(f for f in files if not f.endswith(".pyc"))):
+                    newest = max(newest, os.path.getmtime(os.path.join(top, entry)))
+        kept = CACHE / f"sky-wheels-{self._sky_version()}-{int(newest)}"
         wheels = self.client / ".sky" / "wheels"
         if kept.is_dir() and not wheels.exists():
             wheels.parent.mkdir(parents=True, exist_ok=True)
@@ -288,6 +298,9 @@ class SkyBed:
                 os.replace(part, kept)
             except OSError:  # another bed kept it first
                 shutil.rmtree(part, ignore_errors=True)
+            for stale in CACHE.glob("sky-wheels-*"):  # other installations' (another clone, another version)
+                if stale != kept:
+                    shutil.rmtree(stale, ignore_errors=True)
         return wheel
 
     def orch_image(self) -> Path:
