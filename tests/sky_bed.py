@@ -358,7 +358,12 @@ class SkyBed:
                                                       net / "responder.log"))  # fmt: skip
             self.helpers.append(bed_network.forwarder(API_PORT, login.ips[0], API_PORT, net / "relay.log"))
             trust = {"SSL_CERT_FILE": str(cert), "REQUESTS_CA_BUNDLE": str(cert)}
-            done = self.sky("api", "start", "--host", "0.0.0.0", timeout=180, prefix=login.prefix(0), env=trust)
+            # sized as a 4 GB pod (sky/utils/common_utils.py get_mem_size_gb): one jobs controller, not the 12 this
+            # machine's 24 GiB would get, each a process importing SkyPilot (2 GiB in all, and a burst of CPU at the
+            # first submission that slowed the suite's other worker)
+            small = {"SKYPILOT_POD_MEMORY_GB_LIMIT": "4"}
+            done = self.sky("api", "start", "--host", "0.0.0.0", timeout=180, prefix=login.prefix(0),
+                            env={**trust, **small})  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"sky api start failed: {done.stdout[-1500:]}{done.stderr[-1500:]}")
 
