@@ -12,7 +12,9 @@ What the bed adds to the Slurm cluster (../shared/skypilot-on-slurm.md has the m
 - as on a real cluster, every node has a /tmp of its own (bind-mounted inside its mount namespace: SkyPilot keeps its
   runtime and each node's setup script there) and shares the home directories (the bed lives under /var/tmp);
 - SHIMS, offline stand-ins for what SkyPilot fetches from the internet, in the login user's PATH only; each names the
-  SkyPilot line it answers, and tests/test_sky_bed.py fails, naming the shim, when a SkyPilot upgrade moves that line.
+  SkyPilot line it answers, and tests/test_sky_bed.py fails, naming the shim, when a SkyPilot upgrade moves that line;
+- managed=True (the suite's bed, `make sky-bed`): SkyPilot's jobs controller inside its API server, which then runs in
+  the login node's namespace where its network check is answered (tests/bed_network.py).
 """
 
 from __future__ import annotations
