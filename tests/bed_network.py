@@ -88,7 +88,8 @@ def certificate(directory: Path) -> tuple[Path, Path]:
 
 def _started(argv: list[str], log: Path, what: str) -> subprocess.Popen:
     """argv, once it printed `ready` (its errors go to log)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+    with open(log, "w") as errors:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errors, text=True)
     line = proc.stdout.readline() if proc.stdout else ""
     if line.strip() != "ready":
         proc.kill()

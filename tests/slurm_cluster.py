@@ -150,14 +150,19 @@ class SlurmCluster:
             self.munged = subprocess.Popen(["runuser", "-u", "munge", "--", "munged", "--foreground"],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
             self._wait(lambda: subprocess.run(["munge", "-n"], capture_output=True).returncode == 0, "munged")
-        self._daemon(0, ["slurmctld", "-D", "-i", "-f", str(self.conf)])
-        for i, name in enumerate(self.names(), start=1):
-            self._daemon(i, [*self.node_prefix(i), "slurmd", "-D", "-N", name, "-f", str(self.conf)])
+        self.daemons.append(self._daemon(0, ["slurmctld", "-D", "-i", "-f", str(self.conf)]))
+        for i in range(1, self.nodes + 1):
+            self.daemons.append(self._slurmd(i))
         self._wait(self._idle, f"{self.nodes} idle node(s) in `sinfo`", timeout=60)
 
-    def _daemon(self, ns: int, argv: list[str]) -> None:
-        self.daemons.append(subprocess.Popen([*self.network.prefix(ns), *argv], env=self.env,
-                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+    def _daemon(self, ns: int, argv: list[str]) -> subprocess.Popen:
+        return subprocess.Popen([*self.network.prefix(ns), *argv], env=self.env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)  # fmt: skip
+
+    def _slurmd(self, node: int) -> subprocess.Popen:
+        """Node `node`'s slurmd (1..nodes), in its namespace."""
+        name = self.names()[node - 1]
+        return self._daemon(node, [*self.node_prefix(node), "slurmd", "-D", "-N", name, "-f", str(self.conf)])
 
     def _idle(self) -> bool:
         out = self.run("sinfo", "-h", "-N", "-o", "%N %t").stdout.split("\n")
@@ -197,13 +202,7 @@ class SlurmCluster:
 
     def restart(self, node: int) -> None:
         """Node `node`'s slurmd again: it registers, and ReturnToService=2 puts the node back in service."""
-        self.daemons[node] = subprocess.Popen(
-            [*self.network.prefix(node), *self.node_prefix(node), "slurmd", "-D", "-N", self.names()[node - 1], "-f",
-             str(self.conf)], env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-
-    def node_state(self, node: int) -> str:
-        """Slurm's short state of node `node` (idle, alloc, down*, ...)."""
-        return self.run("sinfo", "-h", "-n", self.names()[node - 1], "-o", "%t").stdout.strip()
+        self.daemons[node] = self._slurmd(node)
 
     def _kill_stragglers(self, namespaces: list[str] | None = None) -> None:
         """Every process still inside one of the cluster's namespaces (a step's slurmstepd that outlived its slurmd,

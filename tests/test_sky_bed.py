@@ -69,6 +69,22 @@ def launch(bed, *argv: str, timeout: float = 900) -> subprocess.CompletedProcess
                           timeout=timeout)  # fmt: skip
 
 
+def orch_in_a_copy(bed, tmp_path):
+    """orch as a user of the bed runs it, from a copy of the repository (the runs' records go to the copy's sky_jobs/),
+    and that copy. The client does not rehearse: the head node does in its setup, at every (re)launch."""
+    from sky_bed import REPO_COPY_IGNORE
+
+    project = tmp_path / "repo"
+    shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(*REPO_COPY_IGNORE))
+    env = {**bed.env, "ORCH_REHEARSAL": "off"}
+
+    def orch(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator", *argv], cwd=project, env=env, capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
+
+    return orch, project
+
+
 PLAN_MEMORY = """
 import sys
 from orchestrator.launch.backends import sky
@@ -128,16 +144,7 @@ def test_orch_run_through_skypilots_sdk_and_its_commands_act_on_real_state(bed, 
     records the run; `orch cancel` mid-training ends every rank on both nodes and SkyPilot's job; `orch run --resume`
     relaunches it on the same cluster, whose setup finds nothing to do, from its last checkpoint to the end;
     `orch status`, `orch logs`, `orch down` answer from SkyPilot."""
-
-    from sky_bed import REPO_COPY_IGNORE
-
-    project = tmp_path / "repo"
-    shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(*REPO_COPY_IGNORE))
-    env = {**bed.env, "ORCH_REHEARSAL": "off"}  # the head node rehearses in its setup, as ever
-
-    def orch(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "orchestrator", *argv], cwd=project, env=env, capture_output=True,
-                              text=True, timeout=timeout)  # fmt: skip
+    orch, project = orch_in_a_copy(bed, tmp_path)
 
     def training() -> list[str]:  # the run's processes on either node (the nodes share this machine's PIDs)
         found = subprocess.run(["pgrep", "-a", "-u", "orchsky", "-f", "orchestrator.train|accelerate|orch node"],
@@ -217,15 +224,7 @@ def test_a_managed_job_recovers_from_a_node_failure_and_resumes_from_its_checkpo
     fails mid-training (every process on it killed, the node marked DOWN); SkyPilot's controller sees the cluster fail,
     provisions it again once the node is back, and the job resumes from the last complete checkpoint, its earlier
     attempt's spend counted, to SUCCEEDED with one recovery."""
-    from sky_bed import REPO_COPY_IGNORE
-
-    project = tmp_path / "repo"
-    shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(*REPO_COPY_IGNORE))
-    env = {**bed.env, "ORCH_REHEARSAL": "off"}  # the head node rehearses in its setup, at every recovery too
-
-    def orch(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "orchestrator", *argv], cwd=project, env=env, capture_output=True,
-                              text=True, timeout=timeout)  # fmt: skip
+    orch, project = orch_in_a_copy(bed, tmp_path)
 
     def queue() -> str:  # the managed job's row: ID TASK NAME REQUESTED SUBMITTED ... #RECOVERIES STATUS ...
         out = bed.sky("jobs", "queue").stdout
