@@ -148,7 +148,8 @@ def test_checkpoint_root_under_home_is_the_accounts_home_and_orch_smoke_uses_the
     from orchestrator.node import exec as node_exec
 
     monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(node_exec, "smoke_env", lambda env: {**env, "TRL_OVERRIDES": "model_name_or_path=/tiny"})
+    tiny = {"TRL_OVERRIDES": "model_name_or_path=/tiny"}
+    monkeypatch.setattr(node_exec, "smoke_env", lambda env, build=True: {**env, **tiny})
     env = node_exec.node_env({**RECIPE, "HOME": "/x/.sky_clusters/c1", "CHECKPOINT_ROOT": "~/orch-checkpoints",
                               "ORCH_SMOKE": "on"})  # fmt: skip
     assert env["CHECKPOINT_ROOT"] == pwd.getpwuid(__import__("os").getuid()).pw_dir + "/orch-checkpoints"

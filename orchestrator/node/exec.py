@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from orchestrator.core.errors import OrchError
 from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home
@@ -19,18 +20,22 @@ from orchestrator.node.env import from_env
 from orchestrator.node.plan import DEFAULT_PORT, describe, plan_from_env, render
 from orchestrator.node.price import provisioned
 
+if TYPE_CHECKING:
+    from orchestrator.core.smoke import SmokePlan
 
-def node_env(env: Mapping[str, str]) -> Mapping[str, str]:
-    """The environment `orch node` plans from: with ORCH_SMOKE=on the recipe's tiny model and data (smoke_env), and a
-    CHECKPOINT_ROOT under `~` made absolute with this account's home (on Slurm, SkyPilot points $HOME at a per-cluster
-    directory; the account's home is the shared one that outlives the cluster)."""
+
+def node_env(env: Mapping[str, str], build_smoke: bool = True) -> Mapping[str, str]:
+    """The environment `orch node` plans from: with ORCH_SMOKE=on the recipe's tiny model and data (smoke_env; built
+    here unless build_smoke is False), and a CHECKPOINT_ROOT under `~` made absolute with this account's home (on
+    Slurm, SkyPilot points $HOME at a per-cluster directory; the account's home is the shared one that outlives the
+    cluster)."""
     root = env.get("CHECKPOINT_ROOT", "").strip()
     if root == "~" or root.startswith("~/"):
         import pwd
 
         env = {**env, "CHECKPOINT_ROOT": pwd.getpwuid(os.getuid()).pw_dir + root[1:]}
     if knob(env, "ORCH_SMOKE", "off") == "on":
-        env = smoke_env(env)
+        env = smoke_env(env, build=build_smoke)
     return env
 
 
@@ -120,16 +125,27 @@ def checkpoint_now(env: Mapping[str, str], wait: float) -> int:
 SMOKE_GLOBAL_BATCH = "16"  # as `orch run --local --smoke`
 
 
-def smoke_env(env: Mapping[str, str]) -> dict[str, str]:
-    """`orch node --recipe FILE --smoke`: the recipe pointed at its tiny model and data (built here, offline, once;
-    the build is atomic, so nodes sharing a cache may race), 8 steps unless TRL_OVERRIDES sets its schedule
-    (smoke.SCHEDULE: max_steps, save_steps...), as `orch run --local --smoke` does."""
+def smoke_artifacts(env: Mapping[str, str]) -> SmokePlan:
+    """Where a smoke run's tiny model and data live: the recipe's model family (as TRL_OVERRIDES leave it) and
+    trainer (core/smoke.plan)."""
     from orchestrator.core import configs, overrides, smoke
 
     paired = configs.load(env)
     settings = overrides.effective(paired.trl, overrides.loads(env.get("TRL_OVERRIDES", "")))
-    artifacts = smoke.plan(str(settings.get("model_name_or_path", "")), env["TRL_TRAINER"])
-    smoke.ensure(artifacts)
+    return smoke.plan(str(settings.get("model_name_or_path", "")), env["TRL_TRAINER"])
+
+
+def smoke_env(env: Mapping[str, str], build: bool = True) -> dict[str, str]:
+    """`orch node --recipe FILE --smoke`: the recipe pointed at its tiny model and data (built here unless `build` is
+    False, offline, once; the build is atomic, so nodes sharing a cache may race), 8 steps unless TRL_OVERRIDES sets
+    its schedule (smoke.SCHEDULE: max_steps, save_steps...), as `orch run --local --smoke` does."""
+    from orchestrator.core import configs, overrides, smoke
+
+    paired = configs.load(env)
+    settings = overrides.effective(paired.trl, overrides.loads(env.get("TRL_OVERRIDES", "")))
+    artifacts = smoke.plan(str(settings.get("model_name_or_path", "")), env["TRL_TRAINER"])  # as smoke_artifacts
+    if build:
+        smoke.ensure(artifacts)
     given = overrides.loads(env.get("TRL_OVERRIDES", ""))
     schedule = {key: value for key, value in given.items() if key in smoke.SCHEDULE}  # the run's length is its own
     words = {**given, **smoke.trl_overrides(artifacts, settings), **schedule}
@@ -145,7 +161,7 @@ def smoke_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def rehearse(env: Mapping[str, str] | None = None) -> int:
-    """`orch node --rehearse` (run by scripts/node-setup.sh before the model is downloaded): on the head node,
+    """`orch node --rehearse` (run by scripts/node-setup.sh while the model downloads): on the head node,
     rehearse every distinct role of this cluster against the owners' code (rehearsal/); the other nodes leave it
     to the head. Prints one line, or one `orch: error:` line and exits 2 (the setup, and the job, stop there)."""
     from orchestrator.core import configs, overrides, smoke
@@ -161,12 +177,17 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     if cluster.node_rank != 0:
         print(f"[orch] rehearsal: node {cluster.node_rank} leaves it to the head node", flush=True)
         return 0
-    env = node_env(env)
+    # A smoke run's tiny model and data are the ones the rehearsal swaps in: its own process builds them, as it
+    # imports the training stack anyway (one process fewer on the head node, ~4 s here); `orch node` builds them
+    # where a cached rehearsal did not.
+    smoking = knob(env, "ORCH_SMOKE", "off") == "on"
+    run_smoke = smoke_artifacts(env) if smoking else None
+    env = node_env(env, build_smoke=False)
     paired = configs.load(env)
     ranks = sorted({0, min(1, cluster.nodes - 1), cluster.nodes - 1})
     plans = [plan({**env, "SKYPILOT_NODE_RANK": str(r)}, *paired) for r in ranks]
     trainer, settings = plans[0].trainer, plans[0].settings  # as plan() checked and read them
-    artifacts = smoke.plan(str(settings.get("model_name_or_path", "")), trainer)
+    artifacts = run_smoke or smoke.plan(str(settings.get("model_name_or_path", "")), trainer)
     batch = driver.Batch(
         trainer=trainer,
         roles=[driver.Role(name, p.argv, p.env, p.role) for name, p in driver.roles(plans)],
@@ -175,7 +196,11 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
         quantized=overrides.truthy(settings.get("load_in_4bit", False)),
     )
+    building = run_smoke is not None and not run_smoke.ready
     (outcomes,) = driver.rehearse_batches([batch])
+    if building and artifacts.ready:
+        print(f"[orch] smoke: built tiny {artifacts.model_type} model and {artifacts.trainer} data at {artifacts.dir} "
+              "(in the rehearsal's process)", flush=True)  # fmt: skip
     for outcome in outcomes:
         if not outcome.ok:
             fix = outcome.fix()
