@@ -11,9 +11,10 @@
 #    environment holds the locked version (any build: +cu128, +cpu), else the locked torch is installed: the
 #    rest of the lock was resolved against it. A reused cluster whose environment already holds this lock and
 #    these extras skips all of it.
-# 4. On the head node, a rehearsal of the cluster's rank roles against accelerate, TRL and transformers (orch node
-#    --rehearse; ORCH_REHEARSAL=off skips it); then the recipe's model and dataset, downloaded once per node in
-#    parallel into the Hugging Face cache the training processes read (python -m orchestrator.train.prefetch).
+# 4. The recipe's model and dataset, downloaded once per node in parallel into the Hugging Face cache the training
+#    processes read (python -m orchestrator.train.prefetch), while the head node rehearses the cluster's rank roles
+#    against accelerate, TRL and transformers (orch node --rehearse; ORCH_REHEARSAL=off skips it). A failed
+#    rehearsal stops the download and the setup.
 # With ORCH_TRACK set (orch run --track), the `track` extra (Trackio) is added to EXTRAS.
 # Timings go to $ORCH_HOME/setup.times for the time-to-first-step breakdown.
 set -euo pipefail
@@ -114,11 +115,38 @@ fi
 [ -z "$locked" ] || flock -u 9
 echo "installed=$(now)" >> "$times"
 
-# 4. the rehearsal (on the head node: the owners' code on this cluster's roles), then the model and the data
-"$ORCH_VENV/bin/orch" node --rehearse
-echo "rehearsed=$(now)" >> "$times"
+# 4. the model and the data download while the head node rehearses (the owners' code on this cluster's roles), each
+#    recording its own end: the setup takes the longer of the two. Whichever fails first ends the setup, its own error
+#    line last; the EXIT trap stops the other, so nothing this script started outlives it.
+fetching= rehearsing=
+stop_both() {
+  local code=$? pid
+  for pid in $fetching $rehearsing; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  # the first refusal's line last, after whatever the stopped one printed as it went
+  [ "$code" -eq 0 ] || sed -n 's/^error=//p' "$times" 2>/dev/null | head -n 1 >&2
+}
+trap stop_both EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 if [ -z "${ORCH_SKIP_PREFETCH:-}" ]; then
-  HF_XET_HIGH_PERFORMANCE="${HF_XET_HIGH_PERFORMANCE:-1}" "$ORCH_VENV/bin/python" -m orchestrator.train.prefetch
+  HF_XET_HIGH_PERFORMANCE="${HF_XET_HIGH_PERFORMANCE:-1}" "$ORCH_VENV/bin/python" -m orchestrator.train.prefetch \
+    --times "$times" &
+  fetching=$!
 fi
-echo "prefetched=$(now)" >> "$times"
-say "done in $(awk -F= '{ t[$1] = $2 } END { printf "%.1f s", t["prefetched"] - t["started"] }' "$times")"
+"$ORCH_VENV/bin/orch" node --rehearse --times "$times" &
+rehearsing=$!
+while [ -n "$fetching$rehearsing" ]; do
+  for job in rehearsing fetching; do
+    pid=${!job}
+    if [ -n "$pid" ] && ! kill -0 "$pid" 2>/dev/null; then  # ended: its status, kept by bash
+      code=0
+      wait "$pid" || code=$?
+      printf -v "$job" '%s' ''
+      [ "$code" -eq 0 ] || exit "$code"
+    fi
+  done
+  [ -z "$fetching$rehearsing" ] || sleep 0.2
+done
+echo "done=$(now)" >> "$times"
+say "done in $(awk -F= '{ t[$1] = $2 } END { printf "%.1f s", t["done"] - t["started"] }' "$times")"

@@ -5,7 +5,9 @@ Serves repos saved on disk under ROOT/models/<org>/<name>/ and ROOT/datasets/<or
   GET  /api/{models,datasets}/<repo>[/revision/<rev>]    repo info (sha, siblings)
   GET  /api/{models,datasets}/<repo>/tree/<rev>          file list
   HEAD/GET /<repo>/resolve/<rev>/<file>, /datasets/<repo>/resolve/<rev>/<file>
-A repo listed in `gated` answers 401 GatedRepo to requests without `Authorization: Bearer <token>`.
+A repo listed in `gated` answers 401 GatedRepo to requests without `Authorization: Bearer <token>`. `hold.clear()` makes
+every file download wait until `hold.set()` (a download in flight, for as long as a test needs); `downloading` is set
+when one has started.
 Uploads, with the token only (else 401): POST /api/repos/create, then upload_folder's calls (/api/validate-yaml,
 /api/models/<repo>/preupload/<rev> with every file "regular": inlined, no LFS, and /commit/<rev>, NDJSON), which
 writes the files into the repo's folder.
@@ -27,6 +29,8 @@ class Hub:
     def __init__(self, root: Path, gated: set[str] = frozenset(), token: str = "hf_standin_token"):
         self.root, self.gated, self.token = root, set(gated), token
         self.requests: list[str] = []
+        self.hold, self.downloading = threading.Event(), threading.Event()
+        self.hold.set()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -39,6 +43,7 @@ class Hub:
         return self
 
     def __exit__(self, *exc):
+        self.hold.set()  # no handler left waiting
         self.server.shutdown()
         self.server.server_close()
 
@@ -88,6 +93,9 @@ class Hub:
                     target = folder / "/".join(rest[2:])
                     if not target.is_file():
                         return self._error(404, "EntryNotFound", head)
+                    if not head:
+                        hub.downloading.set()
+                        hub.hold.wait(timeout=300)
                     data = target.read_bytes()
                     etag = hashlib.sha256(data).hexdigest()
                     headers = {"X-Repo-Commit": SHA, "ETag": f'"{etag}"', "Content-Type": "application/octet-stream"}
@@ -99,6 +107,8 @@ class Hub:
                     self._route(head)
                 except (IndexError, ValueError):
                     self._error(404, "EntryNotFound", head)
+                except (BrokenPipeError, ConnectionResetError):  # a client stopped mid-download (a test's point)
+                    pass
 
             def do_POST(self):
                 path = unquote(urlparse(self.path).path)

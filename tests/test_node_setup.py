@@ -118,12 +118,29 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
         "ORCH_REHEARSAL": "on",
         "ORCH_CACHE_DIR": str(tmp_path / "orch-cache"),
         "ORCH_TRACK": "tiny_phi3",  # --track: the nodes also get the `track` extra (Trackio)
+        "ORCH_PREFETCH_PROGRESS_S": "1",  # a progress line every second while the download is held (default 30)
     }
-    first = subprocess.run(
-        ["bash", "scripts/node-setup.sh", "train"], cwd=project, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    out = first.stdout
+    # The download runs while the head node rehearses: the stand-in Hub holds every file download until the
+    # rehearsal's line is out, so the setup only ends if the two ran at once.
+    hub.hold.clear()
+    errors = tmp_path / "setup.err"
+    with open(errors, "w") as err:
+        setup = subprocess.Popen(["bash", "scripts/node-setup.sh", "train"], cwd=project, env=env,
+                                 stdout=subprocess.PIPE, stderr=err, text=True)  # fmt: skip
+        lines = []
+        for line in setup.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("[orch] rehearsed "):
+                break
+        in_flight = hub.downloading.is_set()
+        hub.hold.set()
+        rest, _ = setup.communicate(timeout=900)
+    out = "".join(lines) + rest
+    assert setup.returncode == 0, out[-3000:] + errors.read_text()[-3000:]
+    assert in_flight, "the rehearsal ended before any download had started"
+    # whole progress lines in the log the rehearsal shares, not redrawn bars glued to its lines
+    assert re.search(r"^\[orch\] prefetch: [\d.]+ GB downloaded so far \(\d+ s\)$", out, re.M), out[-3000:]
+    assert "\r" not in out + errors.read_text()
     assert f"torch {LOCKED['torch']} is there: kept" in out
     assert re.search(r"installing uv\.lock's orch\[train,track\] \(\d+ packages\)", out)
     assert "[orch] prefetch: model org/tiny-phi3:" in out and "[orch] prefetch: dataset org/prefs:" in out
@@ -146,8 +163,9 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
     offline = {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     loaded = subprocess.run([str(venv / "bin/python"), "-c", load], env=offline, capture_output=True, text=True)
     assert loaded.returncode == 0 and loaded.stdout.strip().endswith("128"), loaded.stderr[-2000:]
-    times = dict(line.split("=") for line in (tmp_path / "orch-home" / "setup.times").read_text().split())
-    assert float(times["started"]) <= float(times["installed"]) <= float(times["prefetched"])
+    recorded = (tmp_path / "orch-home" / "setup.times").read_text().split()
+    times = {key: float(value) for key, value in (x.split("=") for x in recorded)}
+    assert times["started"] <= times["installed"] <= times["rehearsed"] <= times["prefetched"] <= times["done"]
     # a reused cluster: the second setup installs nothing
     again = subprocess.run(
         ["bash", "scripts/node-setup.sh", "train"], cwd=project, env=env, capture_output=True, text=True
@@ -156,6 +174,38 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
     assert "already holds uv.lock's orch[train,track] (a reused cluster): nothing to install" in again.stdout
     assert "installing" not in again.stdout
     assert re.search(r"^\[orch\] rehearsed 2 role\(s\) .*\(cached\)$", again.stdout, re.M)
+
+    def leftover() -> str:  # this environment's rehearsal or download, still running
+        found = subprocess.run(["pgrep", "-af", f"{venv}/bin/(orch node|python -m orchestrator)"], capture_output=True,
+                               text=True).stdout  # fmt: skip
+        return found.strip()
+
+    # A rehearsal that fails stops the download in flight: the setup ends with the rehearsal's line, nothing left.
+    bad = yaml.safe_load((project / "recipes" / "trl" / "hub.yaml").read_text())
+    bad["model_init_kwargs"] = {"bogus_kw": 1}  # the trainer's model build raises: a rehearsal's finding
+    (project / "recipes" / "trl" / "bad.yaml").write_text(yaml.safe_dump(bad))
+    hub.hold.clear()
+    hub.downloading.clear()
+    fresh = {**env, "TRL_CONFIG": "recipes/trl/bad.yaml", "HF_HOME": str(tmp_path / "hf-empty")}
+    failed = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=project, env=fresh, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    held = not hub.hold.is_set()
+    hub.hold.set()
+    assert failed.returncode == 2, failed.stdout[-2000:] + failed.stderr[-2000:]
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith("orch: error: rehearsal: the head (node 0) would fail on its GPUs") and "bogus_kw" in last
+    assert held and hub.downloading.is_set() and "[orch] prefetch: model" not in failed.stdout  # stopped mid-download
+    assert not leftover()
+    # A download that fails (a gated model, no token) ends the setup with its line last, the rehearsal stopped if it
+    # was still running.
+    gated = {**env, **hub_recipe(project, "org/gated-phi3"), "HF_HOME": str(tmp_path / "hf-gated")}
+    gated.pop("HF_TOKEN", None)
+    refused = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=project, env=gated, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("orch: error: model org/gated-phi3 is gated on the Hugging Face Hub"), last
+    assert not leftover()
 
 
 @pytest.mark.e2e

@@ -358,7 +358,7 @@ def test_without_the_training_stack_the_laptop_says_so(monkeypatch):
     launch = resolve(recipes.load(str(ROOT / "recipes" / "phi3_dpo_fsdp.yaml")))
     line = checks.rehearse(launch, checks.check(launch))
     assert line.startswith("rehearsal: not here (the training stack is not installed")
-    assert "the head node rehearses in its setup, before it downloads the model" in line
+    assert "the head node rehearses in its setup, while the model downloads" in line
 
 
 def test_a_ten_thousand_node_dry_run_reuses_the_cached_rehearsal_and_summarises_the_ranks():

@@ -36,11 +36,13 @@ def test_tokens_exclude_padding_and_say_when_they_cannot():
 def test_time_to_first_step_from_the_submission_on_a_cloud_and_without_a_skewed_clock():
     from orchestrator.core.timeline import time_to_first_step
 
-    node = {"setup_started": 130.0, "setup_installed": 131.0, "setup_rehearsed": 140.0, "setup_prefetched": 141.0,
-            "node_started": 142.0, "barrier_passed": 143.0, "model_loaded": 150.0, "first_step": 151.0}  # fmt: skip
+    # the rehearsal and the download both start when the install ends (scripts/node-setup.sh runs them at once)
+    node = {"setup_started": 130.0, "setup_installed": 131.0, "setup_prefetched": 137.0, "setup_rehearsed": 140.0,
+            "setup_done": 141.0, "node_started": 142.0, "barrier_passed": 143.0, "model_loaded": 150.0,
+            "first_step": 151.0}  # fmt: skip
     line = time_to_first_step({"launched": 100.0, **node})
     assert line.startswith("51.0 s = SkyPilot's provisioning, runtime and job start 30.0 + setup 11.0 (install 1.0, "
-                           "rehearsal 9.0, download 1.0) + SkyPilot from setup to run 1.0 + ")  # fmt: skip
+                           "rehearsal 9.0 alongside download 6.0) + SkyPilot from setup to run 1.0 + ")  # fmt: skip
     # the laptop's clock 5 s ahead of the node's: the figure is left out, the total starts at the setup
     assert time_to_first_step({"launched": 135.0, **node}) == time_to_first_step(node)
     assert time_to_first_step(node).startswith("21.0 s = setup 11.0")

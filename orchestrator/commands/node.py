@@ -11,7 +11,7 @@ EPILOG = """\
 examples:
   orch node            # in a recipe's `run:`: run accelerate with this node's rank, IPs and GPU count
   orch node --print    # print that command and exit (identical env -> identical argv)
-  orch node --rehearse # in a recipe's setup: the owners' code on this cluster's roles, before any download
+  orch node --rehearse # in a recipe's setup: the owners' code on this cluster's roles, as the model downloads
   srun orch node --recipe recipes/qwen25_sft_ddp.yaml --smoke   # Slurm (examples/slurm/orch.sbatch)
 
   # try it by hand: rank 1 of 2 nodes x 8 GPUs
@@ -51,7 +51,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--rehearse",
         action="store_true",
         help="on the head node: rehearse this cluster's roles against accelerate/TRL/transformers and exit "
-        "(scripts/node-setup.sh runs it before downloading the model; reads SkyPilot's setup variables too)",
+        "(scripts/node-setup.sh runs it while the model downloads; reads SkyPilot's setup variables too)",
+    )
+    parser.add_argument(
+        "--times",
+        metavar="FILE",
+        help="with --rehearse: append `rehearsed=<epoch seconds>` to FILE when it passes, `error=<its line>` when it "
+        "refuses (scripts/node-setup.sh's setup.times)",
     )
     parser.add_argument(
         "--recipe",
@@ -104,6 +110,17 @@ def main(args: argparse.Namespace) -> int:
         env = dict(os.environ if env is None else env)
         words = {**overrides.loads(env.get("TRL_OVERRIDES", "")), **overrides.parse(args.overrides)}
         env["TRL_OVERRIDES"] = overrides.dumps(words)
+    if args.times and not args.rehearse:
+        raise OrchError("--times goes with --rehearse (scripts/node-setup.sh records when the rehearsal ended)")
     if args.rehearse:
-        return node_exec.rehearse(env)
+        from orchestrator.core.timeline import record
+
+        try:
+            code = node_exec.rehearse(env)
+        except OrchError as exc:
+            record(args.times, "error", f"orch: error: {exc}")  # the setup prints it last when it stops the download
+            raise
+        if code == 0:
+            record(args.times, "rehearsed")
+        return code
     return node_exec.run(print_only=args.print, env=env)

@@ -2,16 +2,18 @@
 process record it (epoch seconds), and the one-line breakdown users read.
 
 Keys: launched (when `orch run` sent the task: ORCH_LAUNCHED_AT, from the local backend or, on a cloud, at the SkyPilot
-submission), setup_started, setup_installed, setup_rehearsed, setup_prefetched (scripts/node-setup.sh), node_started,
-barrier_passed (`orch node`), model_loaded, first_step (the training process).
+submission), setup_started, setup_installed, setup_rehearsed, setup_prefetched, setup_done (scripts/node-setup.sh: the
+rehearsal and the download both start when the install ends and run at once), node_started, barrier_passed (`orch
+node`), model_loaded, first_step (the training process).
 """
 
 from __future__ import annotations
 
 
 def time_to_first_step(timeline: dict[str, float]) -> str:
-    """`52.3 s = setup 30.1 (install 20.0, download 10.1) + waiting for the other nodes 3.2 + ...`, from the
-    timestamps the node setup, `orch node` and the training process recorded (what is unknown is left out)."""
+    """`52.3 s = setup 30.1 (install 20.0, rehearsal 8.0 alongside download 10.1) + waiting for the other nodes 3.2
+    + ...`, from the timestamps the node setup, `orch node` and the training process recorded (what is unknown is left
+    out)."""
     t = dict(timeline)
     parts = []
     if "launched" in t and "setup_started" in t:
@@ -19,14 +21,18 @@ def time_to_first_step(timeline: dict[str, float]) -> str:
             parts.append(f"SkyPilot's provisioning, runtime and job start {t['setup_started'] - t['launched']:.1f}")
         else:  # the laptop's clock ahead of the node's: no figure rather than a wrong one
             del t["launched"]
-    if "setup_started" in t and "setup_prefetched" in t:
-        marks = [(k, t[f"setup_{k}"]) for k in ("started", "installed", "rehearsed", "prefetched") if f"setup_{k}" in t]
-        names = {"installed": "install", "rehearsed": "rehearsal", "prefetched": "download"}
-        steps = [f"{names[k]} {v - marks[i][1]:.1f}" for i, (k, v) in enumerate(marks[1:])]
-        parts.append(f"setup {t['setup_prefetched'] - t['setup_started']:.1f} ({', '.join(steps)})")
-    before_node = t.get("setup_prefetched", t.get("launched"))
+    if "setup_started" in t and "setup_done" in t:
+        steps = []
+        if "setup_installed" in t:
+            steps.append(f"install {t['setup_installed'] - t['setup_started']:.1f}")
+            beside = [f"{name} {t[f'setup_{key}'] - t['setup_installed']:.1f}"
+                      for key, name in (("rehearsed", "rehearsal"), ("prefetched", "download")) if f"setup_{key}" in t]
+            if beside:  # both start when the install ends and run at once
+                steps.append(" alongside ".join(beside))
+        parts.append(f"setup {t['setup_done'] - t['setup_started']:.1f}" + (f" ({', '.join(steps)})" if steps else ""))
+    before_node = t.get("setup_done", t.get("launched"))
     if before_node is not None and "node_started" in t:
-        what = "SkyPilot from setup to run" if "setup_prefetched" in t else "starting the node"
+        what = "SkyPilot from setup to run" if "setup_done" in t else "starting the node"
         parts.append(f"{what} {t['node_started'] - before_node:.1f}")
     if "node_started" in t and "barrier_passed" in t:
         parts.append(f"waiting for the other nodes {t['barrier_passed'] - t['node_started']:.1f}")
@@ -37,6 +43,17 @@ def time_to_first_step(timeline: dict[str, float]) -> str:
     start = min((t[k] for k in ("setup_started", "launched", "node_started") if k in t), default=None)
     total = f"{t['first_step'] - start:.1f} s" if start is not None and "first_step" in t else "?"
     return f"{total} = " + " + ".join(parts) + " (seconds)"
+
+
+def record(path: str | None, key: str, value: str | None = None) -> None:
+    """Append `key=value` (default: now, in epoch seconds) to a setup.times file, if one is named. The rehearsal and the
+    download run at once in scripts/node-setup.sh, so each records its own end, or its error line (`error=`), which
+    the setup prints last."""
+    if path:
+        import time
+
+        with open(path, "a") as fh:
+            fh.write(f"{key}={value if value is not None else f'{time.time():.3f}'}\n")
 
 
 def duration(seconds: float) -> str:

@@ -60,20 +60,20 @@ def check_trl(launch: Launch) -> None:
 def rehearse(launch: Launch, checked: Checked) -> str:
     """Rehearse the launch's roles against the owners' code (rehearsal/): the line to print, or an OrchError
     naming the role, the owner that refused and the fix. Where the training stack is not installed here, says so
-    (the head node rehearses in its setup, before it downloads the model)."""
+    (the head node rehearses in its setup, while the model downloads)."""
     from orchestrator.core import smoke
     from orchestrator.rehearsal import driver
 
     if not driver.stack_installed():
         return (
             "rehearsal: not here (the training stack is not installed: pip install '.[train]' to rehearse on this "
-            "machine); the head node rehearses in its setup, before it downloads the model"
+            "machine); the head node rehearses in its setup, while the model downloads"
         )
     quantized = truthy(launch.setting("load_in_4bit", False))
     if quantized and not driver.importable("bitsandbytes"):
         return (
             "rehearsal: not here (load_in_4bit needs bitsandbytes: pip install '.[quant]' to rehearse on this "
-            "machine); the head node rehearses in its setup, before it downloads the model"
+            "machine); the head node rehearses in its setup, while the model downloads"
         )
     try:
         artifacts = smoke.plan(str(launch.setting("model_name_or_path", "")), launch.trainer)

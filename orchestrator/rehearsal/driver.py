@@ -11,12 +11,14 @@ the config files the argv names, the installed versions and orch's own code.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -219,14 +221,26 @@ def _run(batches: list[Batch], workdir: Path, parallel: int) -> list[list[Outcom
             for b in batches
         ],
     }
-    result = subprocess.run(
+    # its own process group: the roles it forks go with it when this process is stopped (Ctrl-C, SIGTERM: the
+    # setup stopping the rehearsal because the download failed first)
+    proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator.rehearsal.role"],
-        input=json.dumps(request),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         cwd=workdir,
         env={**os.environ, **PROCESS_ENV},
-        capture_output=True,
         text=True,
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = proc.communicate(json.dumps(request))
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     lines = {}
     for line in result.stdout.splitlines():
         if line.startswith("ORCH_REHEARSAL "):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,20 @@ def repos(settings: Mapping) -> list[Repo]:
         if isinstance(entry, Mapping) and entry.get("path"):
             found.append(Repo(str(entry["path"]), "dataset", entry.get("revision"), "dataset", entry.get("name")))
     return [r for r in found if not Path(r.repo_id).exists()]
+
+
+PROGRESS_EVERY = 30.0  # seconds between progress lines (ORCH_PREFETCH_PROGRESS_S)
+
+
+def _progress(wanted: list[Repo], started: float, every: float, done: threading.Event, out) -> None:
+    """A line every `every` seconds while the download runs: bytes in the Hub cache for these repos so far."""
+    from huggingface_hub import constants
+
+    folders = [Path(constants.HF_HUB_CACHE) / f"{r.repo_type}s--{r.repo_id.replace('/', '--')}" for r in wanted]
+    while not done.wait(every):
+        size = sum(f.stat().st_size for d in folders if d.is_dir() for f in d.rglob("*") if f.is_file())
+        print(f"[orch] prefetch: {size / 1e9:.2f} GB downloaded so far ({time.monotonic() - started:.0f} s)",
+              file=out, flush=True)  # fmt: skip
 
 
 def fetch(repo: Repo, token: str | None) -> tuple[str, int]:
@@ -103,20 +118,43 @@ def prefetch(env: Mapping[str, str], out=sys.stdout) -> int:
         return 0
     token = env.get("HF_TOKEN") or None
     started = time.monotonic()
-    with ThreadPoolExecutor(max_workers=len(wanted)) as pool:
-        results = list(pool.map(lambda repo: fetch(repo, token), wanted))
+    if not sys.stderr.isatty():  # a log (SkyPilot's, shared with the rehearsal): whole lines, not redrawn bars
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    done = threading.Event()
+    every = float(env.get("ORCH_PREFETCH_PROGRESS_S") or PROGRESS_EVERY)
+    reporter = threading.Thread(target=_progress, args=(wanted, started, every, done, out), daemon=True)
+    reporter.start()
+    try:
+        with ThreadPoolExecutor(max_workers=len(wanted)) as pool:
+            results = list(pool.map(lambda repo: fetch(repo, token), wanted))
+    finally:
+        done.set()
     for repo, (_path, size) in zip(wanted, results, strict=True):
         print(f"[orch] prefetch: {repo.why} {repo.repo_id}: {size / 1e9:.2f} GB in the cache", file=out, flush=True)
     print(f"[orch] prefetch: {len(wanted)} repo(s) in {time.monotonic() - started:.1f} s", file=out, flush=True)
     return 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """`--times FILE`: append `prefetched=<epoch seconds>` to it on success, `error=<the error line>` on a refusal
+    (scripts/node-setup.sh's setup.times; the download runs beside the rehearsal, so it records its own end)."""
+    args = sys.argv[1:] if argv is None else argv
+    times = args[1] if len(args) == 2 and args[0] == "--times" else None
+    if args and times is None:
+        print("orch: error: usage: python -m orchestrator.train.prefetch [--times FILE]", file=sys.stderr, flush=True)
+        return 2
+    from orchestrator.core.timeline import record
+
     try:
-        return prefetch(os.environ)
+        code = prefetch(os.environ)
     except OrchError as exc:
         print(f"orch: error: {exc}", file=sys.stderr, flush=True)
+        record(times, "error", f"orch: error: {exc}")
         return exc.exit_code
+    if code == 0:
+        record(times, "prefetched")
+    return code
 
 
 if __name__ == "__main__":
