@@ -151,7 +151,7 @@ def test_orch_run_through_skypilots_sdk_and_its_commands_act_on_real_state(bed, 
                                capture_output=True, text=True).stdout  # fmt: skip
         return found.strip().splitlines()
 
-    steps = 200  # 0.1-0.6 s each here: long enough to be cancelled mid-training, short enough to resume to the end
+    steps = 100  # 0.1-0.6 s each here: cancelled a few seconds after checkpoint-10, with 90 steps to spare
     run = orch("run", "phi3_dpo_fsdp", "--infra", f"slurm/{bed.name}", "--nodes", "2", "--gpus", "none", "--smoke",
                "--cluster", "orch1", "-y", "--detach", "--env", f"ORCH_VENV={bed.orch_image()}", f"max_steps={steps}",
                "save_steps=10")  # fmt: skip
@@ -230,7 +230,7 @@ def test_a_managed_job_recovers_from_a_node_failure_and_resumes_from_its_checkpo
         out = bed.sky("jobs", "queue").stdout
         return next((line for line in out.splitlines() if re.match(r"^\s*1\s", line)), "")
 
-    steps = 60
+    steps = 40  # the node fails within a second of the first complete checkpoint (10): 30 steps to spare
     run = orch("run", "phi3_dpo_fsdp", "--infra", f"slurm/{bed.name}", "--nodes", "2", "--gpus", "none", "--smoke",
                "--managed", "-y", "--detach", "--env", f"ORCH_VENV={bed.orch_image()}", f"max_steps={steps}",
                "save_steps=10")  # fmt: skip
