@@ -351,6 +351,21 @@ def test_node_rehearsal_stops_the_setup_with_one_line(project):
                          "and TRL the value GLOBAL_BATCH_SIZE needs)")  # fmt: skip
 
 
+def test_node_rehearsal_quotes_the_parsers_refusal_not_its_exit(project):
+    """A TRL config value of the wrong type reaches a node only through plain `sky launch` (`orch run` refuses it on the
+    laptop with its own schema): TRL's parser prints what it refuses and exits 2; the line quotes that, not
+    `SystemExit: 2`."""
+    config = project / "recipes" / "trl" / "qwen3_sft_zero1.yaml"
+    settings = yaml.safe_load(config.read_text())
+    settings["max_length"] = "long"
+    config.write_text(yaml.safe_dump(settings))
+    result = orch("node", "--rehearse", env={**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0"}, cwd=project)
+    assert result.returncode == 2, result.stdout[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    refused = "argument --max_length/--max-length: invalid int value: 'long'"
+    assert line.endswith(f"(TRL's parser: ValueError: {refused})"), line
+
+
 def test_without_the_training_stack_the_laptop_says_so(monkeypatch):
     from orchestrator.launch import checks
 

@@ -148,8 +148,13 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
     from orchestrator.train import checkpoints, entry
 
     args = script[1:] if script[0] == "orchestrator.train" else script[2:]
-    with stage("TRL's parser"):
-        parsed = entry.parse([*args, *substitute])
+    said = io.StringIO()  # argparse prints what it refuses, then exits 2: the finding is that line, not "SystemExit: 2"
+    with stage("TRL's parser"), contextlib.redirect_stderr(said):
+        try:
+            parsed = entry.parse([*args, *substitute])
+        except SystemExit as exc:
+            errors = [line.split(": error: ", 1)[1] for line in said.getvalue().splitlines() if ": error: " in line]
+            raise ValueError(errors[-1] if errors else f"the parser exited with {exc.code}") from None
     with stage("trainer"):
         trainer = entry.build(parsed, [])
     acc = trainer.accelerator
