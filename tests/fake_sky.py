@@ -31,11 +31,10 @@ class FakeSky(types.ModuleType):
             def cancel(self, name=None, job_ids=None, **kw):
                 return fake._request(("jobs.cancel", None, {"job_ids": job_ids}), None)
 
-            def queue(self, refresh, skip_finished=False, all_users=False, job_ids=None, **kw):
-                return fake._request(
-                    ("jobs.queue", None, {"job_ids": job_ids}),
-                    [{"job_id": 42, "status": "ManagedJobStatus.RECOVERING"}],
-                )
+            def queue_v2(self, refresh, skip_finished=False, all_users=False, job_ids=None, fields=None, **kw):
+                # (records, total, status counts, total without filters), as SkyPilot 0.14's; v1 warns it is deprecated
+                job = {"job_id": 42, "status": "ManagedJobStatus.RECOVERING", "recovery_count": 1}
+                return fake._request(("jobs.queue", None, {"job_ids": job_ids}), ([job], 1, {"RECOVERING": 1}, 1))
 
         self.jobs = Jobs()
 

@@ -33,6 +33,8 @@ OLD = ROOT / "tests" / "fixtures" / "records_e1a0e4e"
         ("RECOVERING", RunState.RUNNING, False),
         ("FAILED_SETUP", RunState.FAILED, True),
         ("SUCCEEDED", RunState.SUCCEEDED, True),
+        ("RECOVERING, 1 recovery", RunState.RUNNING, False),  # a managed job, with SkyPilot's count of recoveries
+        ("SUCCEEDED, 2 recoveries", RunState.SUCCEEDED, True),
         ("cluster UP", RunState.RUNNING, False),
         ("cluster UP, IDLE at $65.54/h (stops after 10 idle min)", RunState.IDLE, False),
         ("cluster STOPPED", RunState.STOPPED, False),

@@ -113,7 +113,7 @@ def test_managed_job_and_its_commands(in_project, fake, capsys, monkeypatch):
 
     run = record.stem
     assert cli.main(["status"]) == 0
-    assert "RECOVERING" in capsys.readouterr().out
+    assert "RECOVERING, 1 recovery" in capsys.readouterr().out
     assert cli.main(["logs", run, "--follow"]) == 0
     assert cli.main(["cancel", run]) == 0
     assert fake.names()[-3:] == ["jobs.queue", "jobs.tail_logs", "jobs.cancel"]

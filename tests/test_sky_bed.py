@@ -268,8 +268,9 @@ def test_a_managed_job_recovers_from_a_node_failure_and_resumes_from_its_checkpo
     assert 10 <= start < steps, text[-3000:]
     assert f"[orch] step {start + 1}/{steps}" in text and f"[orch] step {start}/{steps}" not in text
     assert "[orch] spend: 1 earlier attempt(s) of this run" in text  # the first attempt's time, on the shared home
-    status = orch("status", name)
-    finished = re.search(rf"{name}\s+sky-managed\s+SUCCEEDED\s+{steps}/{steps}", status.stdout)
+    status = orch("status", name)  # SkyPilot's count of recoveries, and no deprecation warning of its v1 queue
+    assert "deprecated" not in status.stdout + status.stderr, status.stdout + status.stderr
+    finished = re.search(rf"{name}\s+sky-managed\s+SUCCEEDED, 1 recovery\s+{steps}/{steps}", status.stdout)
     assert status.returncode == 0 and finished, status.stdout + status.stderr
     assert (checkpoints / "model.safetensors").is_file()
     # SkyPilot marks the job SUCCEEDED, then takes its cluster down: the Slurm allocation goes with it

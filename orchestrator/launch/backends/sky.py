@@ -285,12 +285,14 @@ def state(record) -> str:
     """Live state of a recorded run, as SkyPilot reports it (OrchError when SkyPilot cannot say)."""
     sky = _sky()
     backend = record.get("backend")
-    if backend == BACKEND_MANAGED:
+    if backend == BACKEND_MANAGED:  # its status, and how often SkyPilot recovered it (`RUNNING, 1 recovery`)
         job_id = _job_id(record)
-        jobs = _call("queue (sky jobs queue)", lambda: sky.get(sky.jobs.queue(refresh=False, job_ids=[job_id])))
-        for job in jobs or []:
+        answer = _call("queue (sky jobs queue)", lambda: sky.get(sky.jobs.queue_v2(
+            refresh=False, job_ids=[job_id], fields=["job_id", "status", "recovery_count"])))  # fmt: skip
+        for job in (answer[0] if isinstance(answer, tuple) else answer) or []:  # (records, total, counts, all)
             if _field(job, "job_id") == job_id:
-                return str(_field(job, "status")).split(".")[-1]
+                status, recovered = str(_field(job, "status")).split(".")[-1], _field(job, "recovery_count") or 0
+                return status + (f", {recovered} recover{'y' if recovered == 1 else 'ies'}" if recovered else "")
         return "not found"
     name = record.get("cluster")
     clusters = _call("status (sky status)", lambda: sky.get(sky.status(cluster_names=[name])))
