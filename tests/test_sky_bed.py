@@ -151,7 +151,9 @@ def test_orch_run_through_skypilots_sdk_and_its_commands_act_on_real_state(bed, 
                                capture_output=True, text=True).stdout  # fmt: skip
         return found.strip().splitlines()
 
-    steps = 100  # 0.1-0.6 s each here: cancelled a few seconds after checkpoint-10, with 90 steps to spare
+    # ~1 s a step here; measured: `orch cancel` returns after 7 s and the ranks are gone 13 s after it started (at step
+    # 22, checkpoint-20 the last): 100 steps leave ~75 to spare and a resumed leg of ~80
+    steps = 100
     run = orch("run", "phi3_dpo_fsdp", "--infra", f"slurm/{bed.name}", "--nodes", "2", "--gpus", "none", "--smoke",
                "--cluster", "orch1", "-y", "--detach", "--env", f"ORCH_VENV={bed.orch_image()}", f"max_steps={steps}",
                "save_steps=10")  # fmt: skip
