@@ -28,6 +28,7 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "--local", "--max-cost", "-5"], "ORCH_MAX_COST='-5'"),
     (["run", "phi3_dpo_fsdp", "--local", "--env", "ORCH_PRICE_PER_HOUR=free"], "ORCH_PRICE_PER_HOUR takes a price"),
     (["run", "phi3_dpo_fsdp", "--local", "--env", "ORCH_STALL_FLOOR=0"], "ORCH_STALL_FLOOR takes a number of seconds"),
+    (["run", "phi3_dpo_fsdp", "--env", "ORCH_PREFETCH_PROGRESS_S=soon"], "ORCH_PREFETCH_PROGRESS_S takes a number of"),
     (["run", "phi3_dpo_fsdp", "--local", "--env", "ORCH_NETCHECK=maybe"], "ORCH_NETCHECK takes warn, error or off"),
     (["run", "phi3_dpo_fsdp", "--local", "--env", "ORCH_TRACK=my project"], "ORCH_TRACK takes off or a Trackio"),
     (["dashboard", "no-such-run"], "no-such-run"),

@@ -111,6 +111,8 @@ KNOBS = {
     # `orch node` trains the recipe's tiny model on synthetic data, built on the node (a CPU cluster, a first check)
     "ORCH_SMOKE": ON_OFF,  # third-party notices the node hides (node/output.py NOTICES)
     "ORCH_DATA_CHECK": ON_OFF,
+    # seconds between the node setup's download progress lines (train/prefetch.py)
+    "ORCH_PREFETCH_PROGRESS_S": SECONDS,
     # set by the launch side and the node launcher for the training processes
     "ORCH_LAUNCHED_AT": (_time, "a Unix time in seconds"),
     "ORCH_PRICES": (_prices, 'a JSON object of "<cloud>/<region>": price in dollars per hour'),

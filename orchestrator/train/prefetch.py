@@ -10,6 +10,7 @@ before the cluster has trained nothing for minutes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -59,9 +60,12 @@ def _progress(wanted: list[Repo], started: float, every: float, done: threading.
     """A line every `every` seconds while the download runs: bytes in the Hub cache for these repos so far."""
     from huggingface_hub import constants
 
-    folders = [Path(constants.HF_HUB_CACHE) / f"{r.repo_type}s--{r.repo_id.replace('/', '--')}" for r in wanted]
+    blobs = [Path(constants.HF_HUB_CACHE) / f"{r.repo_type}s--{r.repo_id.replace('/', '--')}" / "blobs" for r in wanted]
     while not done.wait(every):
-        size = sum(f.stat().st_size for d in folders if d.is_dir() for f in d.rglob("*") if f.is_file())
+        size = 0
+        for folder in blobs:  # the files themselves (snapshots/ holds links to them), *.incomplete ones too
+            with contextlib.suppress(OSError):  # renamed or removed under the walk: counted at the next line
+                size += sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
         print(f"[orch] prefetch: {size / 1e9:.2f} GB downloaded so far ({time.monotonic() - started:.0f} s)",
               file=out, flush=True)  # fmt: skip
 
@@ -122,7 +126,7 @@ def prefetch(env: Mapping[str, str], out=sys.stdout) -> int:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     done = threading.Event()
-    every = float(env.get("ORCH_PREFETCH_PROGRESS_S") or PROGRESS_EVERY)
+    every = knob(env, "ORCH_PREFETCH_PROGRESS_S", PROGRESS_EVERY)
     reporter = threading.Thread(target=_progress, args=(wanted, started, every, done, out), daemon=True)
     reporter.start()
     try:
