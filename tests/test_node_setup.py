@@ -192,8 +192,10 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
     held = not hub.hold.is_set()
     hub.hold.set()
     assert failed.returncode == 2, failed.stdout[-2000:] + failed.stderr[-2000:]
-    last = failed.stderr.strip().splitlines()[-1]
-    assert last.startswith("orch: error: rehearsal: the head (node 0) would fail on its GPUs") and "bogus_kw" in last
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("orch: error:")]
+    assert len(errors) == 1 and errors[0] == failed.stderr.strip().splitlines()[-1], failed.stderr[-2000:]  # once, last
+    assert errors[0].startswith("orch: error: rehearsal: the head (node 0) would fail on its GPUs")
+    assert "bogus_kw" in errors[0]
     assert held and hub.downloading.is_set() and "[orch] prefetch: model" not in failed.stdout  # stopped mid-download
     assert not leftover()
     # A download that fails (a gated model, no token) ends the setup with its line last, the rehearsal stopped if it
