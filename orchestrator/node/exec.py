@@ -125,25 +125,29 @@ def checkpoint_now(env: Mapping[str, str], wait: float) -> int:
 SMOKE_GLOBAL_BATCH = "16"  # as `orch run --local --smoke`
 
 
-def smoke_artifacts(env: Mapping[str, str]) -> SmokePlan:
-    """Where a smoke run's tiny model and data live: the recipe's model family (as TRL_OVERRIDES leave it) and
-    trainer (core/smoke.plan)."""
+def _smoke_plan(env: Mapping[str, str]) -> tuple[dict, SmokePlan]:
+    """The recipe's TRL settings (with TRL_OVERRIDES) and where its smoke run's tiny model and data live: its model
+    family and trainer (core/smoke.plan)."""
     from orchestrator.core import configs, overrides, smoke
 
     paired = configs.load(env)
     settings = overrides.effective(paired.trl, overrides.loads(env.get("TRL_OVERRIDES", "")))
-    return smoke.plan(str(settings.get("model_name_or_path", "")), env["TRL_TRAINER"])
+    return settings, smoke.plan(str(settings.get("model_name_or_path", "")), env["TRL_TRAINER"])
+
+
+def smoke_artifacts(env: Mapping[str, str]) -> SmokePlan:
+    """Where a smoke run's tiny model and data live (the recipe's model family, as TRL_OVERRIDES leave it, and its
+    trainer)."""
+    return _smoke_plan(env)[1]
 
 
 def smoke_env(env: Mapping[str, str], build: bool = True) -> dict[str, str]:
     """`orch node --recipe FILE --smoke`: the recipe pointed at its tiny model and data (built here unless `build` is
     False, offline, once; the build is atomic, so nodes sharing a cache may race), 8 steps unless TRL_OVERRIDES sets
     its schedule (smoke.SCHEDULE: max_steps, save_steps...), as `orch run --local --smoke` does."""
-    from orchestrator.core import configs, overrides, smoke
+    from orchestrator.core import overrides, smoke
 
-    paired = configs.load(env)
-    settings = overrides.effective(paired.trl, overrides.loads(env.get("TRL_OVERRIDES", "")))
-    artifacts = smoke.plan(str(settings.get("model_name_or_path", "")), env["TRL_TRAINER"])  # as smoke_artifacts
+    settings, artifacts = _smoke_plan(env)
     if build:
         smoke.ensure(artifacts)
     given = overrides.loads(env.get("TRL_OVERRIDES", ""))

@@ -289,7 +289,7 @@ def state(record) -> str:
         job_id = _job_id(record)
         answer = _call("queue (sky jobs queue)", lambda: sky.get(sky.jobs.queue_v2(
             refresh=False, job_ids=[job_id], fields=["job_id", "status", "recovery_count"])))  # fmt: skip
-        for job in (answer[0] if isinstance(answer, tuple) else answer) or []:  # (records, total, counts, all)
+        for job in answer[0] or []:  # queue_v2 answers (records, total, status counts, total without filters)
             if _field(job, "job_id") == job_id:
                 status, recovered = str(_field(job, "status")).split(".")[-1], _field(job, "recovery_count") or 0
                 return status + (f", {recovered} recover{'y' if recovered == 1 else 'ies'}" if recovered else "")
