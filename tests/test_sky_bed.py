@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -247,17 +248,25 @@ def test_a_managed_job_recovers_from_a_node_failure_and_resumes_from_its_checkpo
         log = bed.client / "sky_logs" / "jobs_controller" / "1.log"
         return f"{queue()}\n{log.read_text()[-4000:] if log.is_file() else 'no controller log'}"
 
-    deadline, polled = time.monotonic() + 360, 0.0  # ~90 s here
+    # SkyPilot's queue is asked in a thread: `sky jobs queue` takes seconds (tens under CI's load), and a loop that
+    # waited on it saw the first checkpoint only after the last one (CI, 2026-11-24: the crash came after step 40)
+    pool = ThreadPoolExecutor(1)
+    deadline, asked = time.monotonic() + 360, None  # ~90 s here
     while not any(checkpoints.glob("checkpoint-*/orch_manifest.node1.json")):
         assert time.monotonic() < deadline and not (checkpoints / "model.safetensors").exists(), why()
-        if time.monotonic() - polled > 15:  # a job that failed before training says so at once
-            polled = time.monotonic()
-            assert not re.search(r"FAILED|CANCELLED", queue()), why()
+        if asked is None:
+            asked = pool.submit(queue)
+        elif asked.done():  # a job that failed before training says so at once
+            assert not re.search(r"FAILED|CANCELLED", asked.result()), why()
+            asked = None
         time.sleep(0.5)
     # the node that holds rank 1 fails; the other node's rank loses its peer
     bed.cluster.crash(2)
     failed = time.monotonic()
+    saved = max(int(p.name.split("-")[1]) for p in checkpoints.glob("checkpoint-*"))
+    assert saved < steps, f"the node failed after checkpoint-{saved}: nothing left to recover"
     bed.cluster.restart(2)
+    pool.shutdown(wait=True)
     while not re.search(r"SUCCEEDED|FAILED|CANCELLED", row := queue()):
         assert time.monotonic() - failed < 420, why()  # ~60 s here
         time.sleep(5)
