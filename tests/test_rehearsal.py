@@ -338,6 +338,47 @@ def test_node_rehearses_in_setup_on_the_head_only():
     assert other.returncode == 0 and "node 1 leaves it to the head node" in other.stdout
 
 
+class _Built(Exception):
+    pass
+
+
+@pytest.mark.unit
+def test_a_relaunch_or_a_new_cluster_on_the_same_home_finds_the_head_nodes_rehearsal_cached(monkeypatch):
+    """The cache key leaves out what cannot change a rehearsal's outcome: the run's output_dir (new at every relaunch:
+    a new run id; the rehearsal's own output_dir, appended later, overrides it) and the rendezvous address (a new
+    cluster over the same shared home has new IPs). What the owners' code reads still keys it."""
+    from orchestrator.node import exec as node_exec
+    from orchestrator.rehearsal import driver
+
+    built = []
+
+    def capture(batches, *args, **kwargs):
+        built.extend(batches)
+        raise _Built
+
+    monkeypatch.setattr(driver, "rehearse_batches", capture)
+    monkeypatch.chdir(ROOT)
+    base = {**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0", "ORCH_RUN_ID": "run-a"}
+
+    def key(**changes: str) -> str:
+        built.clear()
+        with pytest.raises(_Built):
+            node_exec.rehearse({**base, **changes})
+        (batch,) = built
+        (head, *_) = batch.roles
+        if "ORCH_RUN_ID" in changes:  # the role's own argv did change: only the key leaves it out
+            assert f"/checkpoints/{changes['ORCH_RUN_ID']}" in head.argv
+        assert batch.substitute[batch.substitute.index("--output_dir") + 1] == driver.output_dir()
+        return driver.cache_key(batch, ROOT)
+
+    first = key()
+    assert key(ORCH_RUN_ID="run-b") == first  # `orch run --resume`, a rerun: a new output_dir
+    assert key(SKYPILOT_SETUP_NODE_IPS="10.9.0.7\n10.9.0.8\n", CHECKPOINT_ROOT="/mnt/ckpt") == first
+    assert key(MAIN_PROCESS_PORT="29611") != first
+    assert key(GLOBAL_BATCH_SIZE="256") != first
+    assert key(SKYPILOT_SETUP_NODE_IPS="10.0.0.1\n10.0.0.2\n10.0.0.3\n10.0.0.4\n") != first  # 4 nodes
+
+
 def test_node_rehearsal_stops_the_setup_with_one_line(project):
     cp(project, "qwen25_dpo_zero2", "bad_json")
     ds_json(project, "bad_json", 3)

@@ -161,11 +161,20 @@ def _files_named(argv: list[str], workdir: Path) -> list[bytes]:
     return found
 
 
+# Values of a role's argv that cannot change its outcome, keyed as placeholders so that a relaunch (a new run id, so a
+# new output_dir) or a new cluster on the same shared home (new IPs) finds its rehearsal cached: the rendezvous address
+# only reaches MASTER_ADDR, which nothing rehearsed connects to, and the run's output_dir when substitutions override it
+# (later flags win).
+def _keyed(argv: list[str], substitute: list[str]) -> list[str]:
+    unkeyed = {"--main_process_ip"} | ({"--output_dir"} if "--output_dir" in substitute else set())
+    return ["<unkeyed>" if i and argv[i - 1] in unkeyed else word for i, word in enumerate(argv)]
+
+
 def cache_key(batch: Batch, workdir: Path) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps([batch.trainer, batch.devices, batch.smoke, batch.substitute, versions()]).encode())
     for role in batch.roles:
-        digest.update(json.dumps([role.argv, role.env, role.role]).encode())
+        digest.update(json.dumps([_keyed(role.argv, batch.substitute), role.env, role.role]).encode())
         for content in _files_named(role.argv, workdir):
             digest.update(hashlib.sha256(content).digest())
     for source in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):  # orch's own code
