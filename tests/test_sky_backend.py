@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -711,3 +712,45 @@ def test_a_cluster_skypilot_prices_at_zero_sends_no_price():
                       node_dollars_per_hour=0.0, nodes=2)  # fmt: skip
     launch = SimpleNamespace(envs={"GLOBAL_BATCH_SIZE": "16"}, replace=lambda **kw: pytest.fail(f"priced: {kw}"))
     assert placement.priced(launch, free) is launch
+
+
+JUNK = [  # a file under each of .gitignore's patterns, as a working checkout has them
+    ".venv/bin/python", "orchestrator/__pycache__/cli.cpython-311.pyc", "orch.egg-info/PKG-INFO", ".pytest_cache/v",
+    ".ruff_cache/x", ".mypy_cache/3.11/x.json", ".hypothesis/examples/x", "outputs/run/model.safetensors",
+    "build/lib/x.py", "sky_jobs/phi3-dpo-fsdp-1.yaml", "sky_jobs/.locks/phi3", "bench/run.tmp", "bench/.cache/x",
+    "dist/orch-0.1.0-py3-none-any.whl",
+]  # fmt: skip
+
+
+def test_skypilot_uploads_what_git_would_and_leaves_out_git_itself(tmp_path):
+    """The workdir every node gets: SkyPilot's client zips it for the API server and rsync copies it to the nodes, each
+    reading .skyignore (which replaces .gitignore for SkyPilot): both must give exactly what git does not ignore (a
+    file of the user's own included), without .git's history or the laptop's run records."""
+    from sky.data import storage_utils
+    from sky.utils import command_runner
+
+    repo = tmp_path / "repo"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in [*tracked, ".skyignore"]:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_bytes((ROOT / name).read_bytes())
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    for name in [*JUNK, "data/mine.jsonl"]:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text("x")
+    git = subprocess.run(["git", "ls-files", "--others", "--exclude-standard"], cwd=repo, capture_output=True,
+                         text=True, check=True).stdout.split()  # fmt: skip
+    expected = set(git) - {"sky_jobs/README.md"}
+    assert "data/mine.jsonl" in expected and not expected & set(JUNK)
+    assert any((repo / ".git").rglob("*")), "git init made no .git to leave out"
+
+    archive = tmp_path / "workdir.zip"
+    storage_utils.zip_files_and_folders([str(repo)], archive, relative_to_items=True)
+    with zipfile.ZipFile(archive) as zipped:
+        uploaded = {n.removeprefix("repo/") for n in zipped.namelist() if not n.endswith("/")}
+    assert uploaded == expected, (sorted(uploaded - expected)[:10], sorted(expected - uploaded)[:10])
+
+    rsync = f"rsync -an --out-format=%n {command_runner.RSYNC_FILTER_SKYIGNORE} {repo}/ {tmp_path / 'node'}/"
+    listed = subprocess.run(rsync, shell=True, capture_output=True, text=True, check=True).stdout.split()
+    synced = {n for n in listed if not n.endswith("/")}
+    assert synced == expected, (sorted(synced - expected)[:10], sorted(expected - synced)[:10])
