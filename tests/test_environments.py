@@ -196,3 +196,21 @@ def test_smoke_on_a_node_keeps_the_runs_own_schedule_and_the_tiny_artifacts(monk
     assert words["dataset_name"].startswith(str(tmp_path)) and words["per_device_train_batch_size"] == "1"
     plain = overrides.loads(node_exec.smoke_env(dict(RECIPE))["TRL_OVERRIDES"])
     assert (plain["max_steps"], plain["save_steps"]) == (str(smoke.STEPS), "4")
+
+
+def test_caches_go_to_the_accounts_home_where_skypilot_gives_each_cluster_its_own(monkeypatch):
+    """SkyPilot on Slurm points $HOME at <account home>/.sky_clusters/<cluster>, deleted with the cluster: the Hugging
+    Face and orch caches default to the account's home there (a new cluster finds the model, the smoke artifacts and
+    the rehearsal); a value of the user's own wins, and any other $HOME changes nothing."""
+    from orchestrator.core import home
+
+    monkeypatch.setattr(home, "account_home", lambda: "/home/ada/")
+    per_cluster = {"HOME": "/home/ada/.sky_clusters/c-1a2b"}
+    assert home.shared_caches(per_cluster) == {
+        "HF_HOME": "/home/ada/.cache/huggingface",
+        "ORCH_CACHE_DIR": "/home/ada/.cache/orch",
+    }
+    assert home.shared_caches({**per_cluster, "HF_HOME": "/data/hf"}) == {"ORCH_CACHE_DIR": "/home/ada/.cache/orch"}
+    for elsewhere in ("/home/ada", "/home/ada/.sky_clusters", "/home/bob/.sky_clusters/c-1", "/home/ada.sky_clusters/x"):
+        assert home.shared_caches({"HOME": elsewhere}) == {}
+    assert home.shared_caches({}) == {}

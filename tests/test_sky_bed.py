@@ -119,6 +119,10 @@ def test_plain_sky_launch_runs_the_recipe_on_two_slurm_nodes(bed, tmp_path):
     # the setup: uv.lock installed into an environment that held only torch, offline; the head node rehearsed
     assert "[orch] setup: torch 2.13.0 is there: kept" in out and "installing uv.lock's orch[train]" in out
     assert "[orch] rehearsed 2 role(s) of 2 rank(s) with transformers" in out
+    # the caches on the account's home, not the cluster's $HOME (~/.sky_clusters/<cluster>, gone with the cluster)
+    assert out.count(f"[orch] prefetch: into HF_HOME={bed.home}/.cache/huggingface (the account's home") == 2
+    assert any((bed.home / ".cache" / "orch" / "rehearsals").glob("*.json"))
+    assert any((bed.home / ".cache" / "orch" / "smoke").glob("phi3-dpo-*/model"))
     # one world of 2 ranks over the two Slurm nodes, FSDP2 over gloo, as each node says and each rank reports
     for rank in (0, 1):
         assert f"[orch] node {rank}/2: 1 process(es) here, 2 in all" in out and "running FSDP2 over gloo" in out

@@ -91,8 +91,10 @@ def main(args: argparse.Namespace) -> int:
     import os
 
     from orchestrator.core.errors import OrchError
+    from orchestrator.core.home import shared_caches
     from orchestrator.node import exec as node_exec
 
+    os.environ.update(shared_caches(os.environ))  # SkyPilot on Slurm: the account's caches, not the cluster's $HOME
     if args.checkpoint_now:
         return node_exec.checkpoint_now(os.environ, args.wait)
     if args.smoke and not args.recipe:

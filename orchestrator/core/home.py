@@ -15,6 +15,25 @@ from orchestrator.core.errors import OrchError
 SAVE_REQUEST, SAVE_DONE = "checkpoint-request", "checkpoint-done"
 
 
+def account_home() -> str:
+    """This account's home from the password database: on SkyPilot's Slurm nodes $HOME is not it."""
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_dir
+
+
+def shared_caches(env: Mapping[str, str]) -> dict[str, str]:
+    """HF_HOME and ORCH_CACHE_DIR to set where SkyPilot gives the node a per-cluster $HOME (Slurm:
+    <account home>/.sky_clusters/<cluster>, deleted with the cluster) and they are unset: the account's own caches,
+    on its shared home, so that a new cluster finds the model, the smoke artifacts and the rehearsal there instead of
+    downloading and building them again. Anywhere else: nothing."""
+    account = account_home().rstrip("/")
+    if not account or not env.get("HOME", "").startswith(account + "/.sky_clusters/"):
+        return {}
+    defaults = {"HF_HOME": f"{account}/.cache/huggingface", "ORCH_CACHE_DIR": f"{account}/.cache/orch"}
+    return {name: value for name, value in defaults.items() if not env.get(name, "").strip()}
+
+
 def orch_home(env: Mapping[str, str] = os.environ) -> Path:
     return Path(env.get("ORCH_HOME") or Path.home() / ".orch")
 

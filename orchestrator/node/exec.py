@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from orchestrator.core.errors import OrchError
-from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home
+from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, account_home, orch_home
 from orchestrator.core.knobs import env_port, knob
 from orchestrator.core.topology import Topology
 from orchestrator.node import vllm
@@ -31,9 +31,7 @@ def node_env(env: Mapping[str, str], build_smoke: bool = True) -> Mapping[str, s
     cluster)."""
     root = env.get("CHECKPOINT_ROOT", "").strip()
     if root == "~" or root.startswith("~/"):
-        import pwd
-
-        env = {**env, "CHECKPOINT_ROOT": pwd.getpwuid(os.getuid()).pw_dir + root[1:]}
+        env = {**env, "CHECKPOINT_ROOT": account_home() + root[1:]}
     if knob(env, "ORCH_SMOKE", "off") == "on":
         env = smoke_env(env, build=build_smoke)
     return env

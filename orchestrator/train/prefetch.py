@@ -148,8 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     if args and times is None:
         print("orch: error: usage: python -m orchestrator.train.prefetch [--times FILE]", file=sys.stderr, flush=True)
         return 2
+    from orchestrator.core.home import shared_caches
     from orchestrator.core.timeline import record
 
+    caches = shared_caches(os.environ)
+    os.environ.update(caches)  # before huggingface_hub reads HF_HOME
+    if "HF_HOME" in caches:
+        print(f"[orch] prefetch: into HF_HOME={caches['HF_HOME']} (the account's home: SkyPilot's $HOME on Slurm is "
+              "per cluster)", flush=True)  # fmt: skip
     try:
         code = prefetch(os.environ)
     except OrchError as exc:
