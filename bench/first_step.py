@@ -4,6 +4,7 @@ In one bed, interleaved, each on a new SkyPilot cluster (torn down after):
   reference: a bare SkyPilot 2-node task, `run: echo`, through `sky launch`: command start -> the first node's line;
   subject:   `orch run phi3_dpo_fsdp --infra slurm/<bed> --nodes 2 --gpus none --smoke` (the client's checks and
              rehearsal included, as a user runs it): command start -> rank 0's `step 1` line.
+  shaped:    the same echo with the subject's workdir and a `setup:` (SkyPilot's own cost of a recipe's shape).
 target: subject <= 1.5x reference. Then `orch run` again on the last subject's cluster, still up (a relaunch on a reused
 cluster): node-setup.sh's own part (install) <= 2 s, the rehearsal and the download reported apart.
 
@@ -29,6 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 ROUNDS = int(os.environ.get("BENCH_BED_ROUNDS", "2"))
 ECHO = "num_nodes: 2\nrun: echo \"first line from node $SKYPILOT_NODE_RANK\"\n"
+# The same echo in the recipe's shape (its workdir uploaded to every node, a `setup:` stage): not the target's
+# reference, but what SkyPilot itself spends on that shape, which the bare echo does not pay (on Slurm a setup is one
+# more srun and executor start per node)
+SHAPED = "num_nodes: 2\nworkdir: {workdir}\nsetup: \"true\"\nrun: echo \"first line from node $SKYPILOT_NODE_RANK\"\n"
 MARKS = {  # SkyPilot's launch lines (sky/backends/cloud_vm_ray_backend.py, sky/execution.py)
     "instances up": "Instances are up.",
     "cluster launched": "Cluster launched",
@@ -107,10 +112,15 @@ def rows() -> list[tuple[str, float, int, str, str]]:
             env = bed.env
             orch_run = [orch, "run", "phi3_dpo_fsdp", *infra, "--nodes", "2", "--gpus", "none", "--smoke", "-y",
                         "--env", f"ORCH_VENV={image}", "max_steps=3"]  # fmt: skip
+            shaped = root / "shaped.yaml"
+            shaped.write_text(SHAPED.format(workdir=project))
             for i in range(ROUNDS):
                 ref_s, ref_seen, _ = timed([sky, "launch", str(echo), *infra, "--gpus", "none", "-c", f"ref{i}", "-y"],
                                            bed.env, "first line from node")  # fmt: skip
                 bed.sky("down", f"ref{i}", "-y")
+                shape_s, shape_seen, _ = timed([sky, "launch", str(shaped), *infra, "--gpus", "none", "-c", f"shp{i}",
+                                                "-y"], bed.env, "first line from node")  # fmt: skip
+                bed.sky("down", f"shp{i}", "-y")
                 sub_s, sub_seen, out = timed([*orch_run, "--cluster", f"o{i}"], env, "[orch] step 1/", project)
                 if i < ROUNDS - 1:
                     bed.sky("down", f"o{i}", "-y")
@@ -119,6 +129,12 @@ def rows() -> list[tuple[str, float, int, str, str]]:
                     "the env found installed on the shared home"  # fmt: skip
                 out_rows.append((f"sky launch, bare 2-node echo, new cluster (reference, round {i + 1})", ref_s, 0,
                                  breakdown(ref_seen, ""), ""))  # fmt: skip
+                out_rows.append((
+                    f"sky launch, the same echo with orch's workdir and a setup, new cluster (round {i + 1})",
+                    shape_s, 0,
+                    f"{shape_s / ref_s:.2f}x the bare echo: SkyPilot's own cost of the recipe's shape; orch run is "
+                    f"{sub_s / shape_s:.2f}x this; {breakdown(shape_seen, '')}", "",
+                ))  # fmt: skip
                 out_rows.append((
                     f"orch run --infra slurm --nodes 2 --smoke to step 1, new cluster ({env_state})", sub_s, 0,
                     f"{ratio:.2f}x the bare echo launch; {breakdown(sub_seen, out)}",
