@@ -211,6 +211,7 @@ def test_caches_go_to_the_accounts_home_where_skypilot_gives_each_cluster_its_ow
         "ORCH_CACHE_DIR": "/home/ada/.cache/orch",
     }
     assert home.shared_caches({**per_cluster, "HF_HOME": "/data/hf"}) == {"ORCH_CACHE_DIR": "/home/ada/.cache/orch"}
-    for elsewhere in ("/home/ada", "/home/ada/.sky_clusters", "/home/bob/.sky_clusters/c-1", "/home/ada.sky_clusters/x"):
-        assert home.shared_caches({"HOME": elsewhere}) == {}
+    elsewhere = ("/home/ada", "/home/ada/.sky_clusters", "/home/bob/.sky_clusters/c-1", "/home/ada.sky_clusters/x")
+    for home_dir in elsewhere:
+        assert home.shared_caches({"HOME": home_dir}) == {}
     assert home.shared_caches({}) == {}
