@@ -120,11 +120,12 @@ echo "installed=$(now)" >> "$times"
 #    line last; the EXIT trap stops the other, so nothing this script started outlives it.
 fetching= rehearsing=
 stop_both() {
-  local code=$? pid talker=$rehearsing
+  local code=$? pid
   for pid in $fetching $rehearsing; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  # a stopped download ends silently; a stopped rehearsal says `orch: interrupted`: then the refusal's line again, last
-  [ "$code" -eq 0 ] || [ -z "$talker" ] || sed -n 's/^error=//p' "$times" 2>/dev/null | head -n 1 >&2
+  # both record their refusal in setup.times instead of printing it: the first one, once, last (after a stopped
+  # rehearsal's `orch: interrupted`)
+  [ "$code" -eq 0 ] || sed -n 's/^error=//p' "$times" 2>/dev/null | head -n 1 >&2
 }
 trap stop_both EXIT
 trap 'exit 130' INT

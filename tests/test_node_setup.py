@@ -205,8 +205,9 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
     refused = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=project, env=gated, capture_output=True,
                              text=True, timeout=300)  # fmt: skip
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
-    last = refused.stderr.strip().splitlines()[-1]
-    assert last.startswith("orch: error: model org/gated-phi3 is gated on the Hugging Face Hub"), last
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("orch: error:")]
+    assert len(errors) == 1 and errors[0] == refused.stderr.strip().splitlines()[-1], refused.stderr[-2000:]
+    assert errors[0].startswith("orch: error: model org/gated-phi3 is gated on the Hugging Face Hub"), errors[0]
     assert not leftover()
 
 

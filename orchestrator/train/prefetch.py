@@ -142,7 +142,8 @@ def prefetch(env: Mapping[str, str], out=sys.stdout) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`--times FILE`: append `prefetched=<epoch seconds>` to it on success, `error=<the error line>` on a refusal
-    (scripts/node-setup.sh's setup.times; the download runs beside the rehearsal, so it records its own end)."""
+    instead of printing it (scripts/node-setup.sh's setup.times; the download runs beside the rehearsal, so it records
+    its own end, and the setup prints the first error)."""
     args = sys.argv[1:] if argv is None else argv
     times = args[1] if len(args) == 2 and args[0] == "--times" else None
     if args and times is None:
@@ -159,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = prefetch(os.environ)
     except OrchError as exc:
-        print(f"orch: error: {exc}", file=sys.stderr, flush=True)
-        record(times, "error", f"orch: error: {exc}")
+        if times:  # node-setup.sh prints the first recorded error once, last, whichever of its two jobs failed
+            record(times, "error", f"orch: error: {exc}")
+        else:
+            print(f"orch: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     if code == 0:
         record(times, "prefetched")
