@@ -1,6 +1,6 @@
 """A node's own directory for orch (ORCH_HOME, default ~/.orch), shared by the node launcher and the training
 processes: setup timings, NCCL traces, Trackio's live databases, and the checkpoint request of the preemption hook;
-and the run id both read (run_id)."""
+the run id both read (run_id); and, on SkyPilot's Slurm nodes, the account's home for the caches (shared_caches)."""
 
 from __future__ import annotations
 
