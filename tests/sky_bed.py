@@ -393,8 +393,10 @@ class SkyBed:
             self.sshd.wait(timeout=15)
         self.cluster.close()
         deadline = time.monotonic() + 20
-        while self._user_pids() and time.monotonic() < deadline:  # sshd's sessions, jobs' shells: by PID, until gone
-            for pid in self._user_pids():
+        # sshd's sessions, jobs' shells, and the API server's own leftovers (its subprocess_daemon.py watchers outlive
+        # `sky api stop` by ~30 s, polling for their dead parent): by PID, until gone
+        while (left := self._user_pids() + self._client_pids()) and time.monotonic() < deadline:
+            for pid in left:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -406,6 +408,22 @@ class SkyBed:
             ours = False
         if ours:
             subprocess.run(["userdel", USER], capture_output=True)
+
+    def _client_pids(self) -> list[int]:
+        """Live processes started with this bed's client environment (HOME=<client>): the API server, its workers and
+        their watchers, root's, which `_user_pids` does not see."""
+        mark = f"\0HOME={self.client}\0".encode()
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != os.getpid():
+                try:
+                    environ = b"\0" + Path(f"/proc/{entry}/environ").read_bytes()
+                    state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                except (OSError, IndexError):
+                    continue
+                if mark in environ and state != "Z":
+                    pids.append(int(entry))
+        return pids
 
     def _user_pids(self) -> list[int]:
         """Live processes of the bed's user (a zombie, already dead, waits for its parent to reap it)."""

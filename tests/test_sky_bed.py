@@ -57,6 +57,7 @@ def bed():
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not [n for n in namespaces.split() if n in made.cluster.network.namespaces]
     assert not made._user_pids()
+    assert not made._client_pids()  # SkyPilot's API server and its workers, root's processes with the client's HOME
     # nor a job step's slurmstepd (root's, reparented to init when its slurmd stops): the suite runs Slurm tests one
     # at a time (xdist_group "slurm"), so any here is this bed's
     steps = subprocess.run(["pgrep", "-a", "-x", "slurmstepd"], capture_output=True, text=True).stdout.strip()
