@@ -329,7 +329,7 @@ def test_wheel_holds_the_package_and_its_data(tmp_path):
 # ---------------------------------------------------------------- habits: types, pre-commit
 
 
-@pytest.mark.e2e  # a cold mypy cache (a fresh clone) takes ~40 s of CPU; `make lint` runs the same check
+@pytest.mark.e2e  # a cold mypy cache (a fresh clone) takes ~18 s of CPU; `make lint` runs the same check
 def test_the_launch_and_node_sides_type_check_at_zero_errors():
     """mypy over core/, launch/ and node/ as pyproject.toml configures it, no blanket ignores: every `type: ignore`
     names its error code and says why."""
