@@ -103,3 +103,12 @@ def test_the_recipes_reward_functions_run_in_the_environment_the_nodes_install()
     for func in _reward_funcs(sorted(named)):
         rewards = func(completions=completions, solution=["4", "4"], prompts=[[], []])
         assert len(rewards) == 2 and rewards[0] > (rewards[1] or 0), (func.__name__, rewards)
+
+
+def test_headline_metrics_pick_the_trainers_keys_in_order_and_one_reward_function_per_star():
+    record = {"loss": 0.5, "reward": 0.25, "rewards/acc/mean": 0.0, "rewards/acc/std": 0.1, "rewards/a/b/mean": 9.0,
+              "rewards/fmt/mean": 1, "kl": True, "rewards/accuracies": 0.75}  # fmt: skip
+    assert SPECS["grpo"].headline(record) == [("reward", 0.25), ("rewards/acc/mean", 0.0), ("rewards/fmt/mean", 1.0)]
+    assert SPECS["dpo"].headline(record) == [("rewards/accuracies", 0.75)]  # no margins logged: nothing made up
+    assert SPECS["kto"].headline(record) == []  # a bool is not a figure
+    assert all(spec.metrics for spec in SPECS.values())

@@ -1,5 +1,6 @@
 """Each TRL trainer smoke-trains through the local backend on 2 emulated nodes (tiny model, synthetic data)."""
 
+import fnmatch
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from conftest import orch
 from hub_standin import Hub
 from test_faults import processes_with
 
+from orchestrator.core import trainers
 from orchestrator.core.final_model import is_final_file
 from orchestrator.train.checkpoints import verify
 
@@ -79,6 +81,16 @@ def check_one_group(result, project, trainer: str, ran: str = "FSDP2"):
     assert not verify(output_dir / "checkpoint-8", node=0) and not verify(output_dir / "checkpoint-8", node=1)
     losses = [json.loads(x) for x in (output_dir / "orch" / "log.jsonl").read_text().splitlines()]
     assert len([r for r in losses if "loss" in r]) == 8
+    # the trainer's own measures (a reward, an accuracy) under TRL's names: each step line and the summary show them;
+    # a TRL that renames one fails here
+    spec = trainers.spec(trainer)
+    shown = spec.headline([r for r in losses if "loss" in r][-1])
+    for pattern in spec.metrics:
+        assert any(fnmatch.fnmatchcase(key, pattern) for key, _ in shown), (pattern, sorted(losses[-1]))
+    step_line = next(x for x in out.splitlines() if "[orch] step 8/8 loss=" in x)
+    for key, value in shown:
+        assert f" {key}={value:.4g}" in step_line, (key, step_line)
+        assert re.search(rf"^\[orch\] {re.escape(key)}: step 1 -?[\d.]+ -> step 8 {value:.4f}$", out, re.M), key
 
 
 @pytest.mark.parametrize("label", list(RECIPES))

@@ -8,6 +8,7 @@ format), the rehearsal and the one-row data check. Adding a trainer is a spec he
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -52,6 +53,19 @@ class TrainerSpec:
     min_micro_batch_why: str = ""
     smoke_overrides: Mapping[str, str] = field(default_factory=dict)
     """TRL arguments a smoke run adds for this trainer (core/smoke.py sets the shared ones)."""
+    metrics: tuple[str, ...] = ()
+    """TRL's own log keys that say how this trainer's training goes besides the loss (TRL 1.16's names; `*` stands
+    for one path part, a reward function's name): each step line and the run's summary show them."""
+
+    def headline(self, record: Mapping[str, object]) -> list[tuple[str, float]]:
+        """The record's values for `metrics`, in their order (a pattern's matches in the record's order)."""
+        shown = []
+        for pattern in self.metrics:
+            for key, value in record.items():
+                if fnmatch.fnmatchcase(key, pattern) and key.count("/") == pattern.count("/"):
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        shown.append((key, float(value)))
+        return shown
 
     def has_reference(self, settings: Mapping[str, object], peft: bool = False) -> bool:
         """Whether TRL builds a separate frozen reference model with these settings (beta from them or TRL's)."""
@@ -83,31 +97,32 @@ SPECS: dict[str, TrainerSpec] = {
             "sft", "SFTTrainer", "conversation", (("messages",), ("text",), ("prompt", "completion")),
             {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
             logit_bytes=12, smoke_overrides={"max_length": "64", "packing": "false", "padding_free": "false"},
+            metrics=("mean_token_accuracy",),
         ),
         TrainerSpec(
             "dpo", "DPOTrainer", "preference", (("chosen", "rejected"),), _PAIR, rows_per_sample=2,
-            reference="always", smoke_overrides={"max_length": "64"},
+            reference="always", smoke_overrides={"max_length": "64"}, metrics=("rewards/accuracies", "rewards/margins"),
         ),
         TrainerSpec(
             "kto", "KTOTrainer", "unpaired", (("prompt", "completion", "label"),),
             {"prompt": _CHAT, "completion": [{"role": "assistant", "content": "4"}], "label": True},
             reference="always", min_micro_batch=2,
             min_micro_batch_why="its KL baseline pairs mismatched samples of one micro-batch",
-            smoke_overrides={"max_length": "64", "per_device_train_batch_size": "2"},
+            smoke_overrides={"max_length": "64", "per_device_train_batch_size": "2"}, metrics=("rewards/margins", "kl"),
         ),
         TrainerSpec(
             "reward", "RewardTrainer", "preference", (("chosen", "rejected"),), _PAIR, rows_per_sample=2,
-            logit_bytes=0, smoke_overrides={"max_length": "64"},
+            logit_bytes=0, smoke_overrides={"max_length": "64"}, metrics=("accuracy", "margin"),
         ),
         TrainerSpec(
             "grpo", "GRPOTrainer", "prompt", (("prompt",),), {"prompt": [{"role": "user", "content": "What is 2+2?"}]},
             reference="beta", beta_default=0.0, generates=True, generations_default=8,
-            smoke_overrides=_GENERATING_SMOKE,
+            smoke_overrides=_GENERATING_SMOKE, metrics=("reward", "rewards/*/mean"),
         ),
         TrainerSpec(
             "rloo", "RLOOTrainer", "prompt", (("prompt",),), {"prompt": [{"role": "user", "content": "What is 2+2?"}]},
             reference="beta", beta_default=0.05, generates=True, generations_default=2,
-            smoke_overrides=_GENERATING_SMOKE,
+            smoke_overrides=_GENERATING_SMOKE, metrics=("reward", "rewards/*/mean"),
         ),
     )
 }  # fmt: skip

@@ -231,6 +231,9 @@ class OrchCallback(TrainerCallback):
         with open(self.report_dir / "log.jsonl", "a") as fh:
             fh.write(json.dumps({**record, "max_steps": state.max_steps}) + "\n")  # `orch status` reads the last
         shown = " ".join(f"{k}={v:.6g}" for k, v in record.items() if k in ("loss", "learning_rate", "grad_norm"))
+        spec = trainers.SPECS.get(getattr(self.trainer, "orch_trainer_name", ""))
+        if shown and spec:  # how this trainer's training goes, in TRL's own words (a reward, an accuracy)
+            shown += "".join(f" {k}={v:.4g}" for k, v in spec.headline(record))
         if shown:
             speed = f" | {self.meter.describe(figures)}" if figures else ""
             print(f"[orch] step {state.global_step}/{state.max_steps} {shown}{speed}", flush=True)

@@ -224,6 +224,7 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
     args = trainer.args
     return {
         "rank": acc.process_index,
+        "trainer": trainer.orch_trainer_name,
         "world_size": acc.num_processes,
         "distributed_type": acc.distributed_type.value,
         "strategy": strategy,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.core import final_model, scaling
+from orchestrator.core import final_model, scaling, trainers
 from orchestrator.core.timeline import time_to_first_step
 
 
@@ -142,6 +142,13 @@ def summary(output_dir: Path) -> list[str]:
             f"[orch] loss: step {losses[0]['step']} {losses[0]['loss']:.4f} -> step {losses[-1]['step']} "
             f"{losses[-1]['loss']:.4f}"
         )
+        if head.get("trainer") in trainers.SPECS:  # the trainer's own measures of progress (a reward, an accuracy)
+            spec = trainers.spec(head["trainer"])
+            last = dict(spec.headline(losses[-1]))
+            for key, first in spec.headline(losses[0]):
+                if key in last:
+                    lines.append(f"[orch] {key}: step {losses[0]['step']} {first:.4f} -> step {losses[-1]['step']} "
+                                 f"{last[key]:.4f}")  # fmt: skip
     lines.extend(straggler_lines(head.get("stragglers") or {}))
     if head.get("scaling"):
         lines.append(scaling.line(head["scaling"]))
