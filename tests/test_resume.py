@@ -96,3 +96,23 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(project):
     assert f"[orch] output: {output_dir.relative_to(project)}" in anyway.stdout
     said = "[orch] resuming checkpoint-8 with changed settings (ORCH_RESUME_CHANGED=on): max_grad_norm 1.0 -> 0.5"
     assert said in anyway.stdout
+
+
+@pytest.mark.parametrize("recipe,steps", [("qwen25_sft_ddp", "4"), ("qwen25_grpo_ddp", "8")])
+def test_a_rerun_of_a_finished_run_trains_no_step_past_max_steps(project, recipe, steps):
+    # transformers' loop checks max_steps only after a step: with an epoch longer than max_steps (SFT's smoke epoch is 8
+    # steps; GRPO's generation batches make its epoch longer than 8) the rerun, resumed from checkpoint-<max_steps>,
+    # trained one more step and saved checkpoint-<max_steps + 1>, then wrote that model as the final one
+    command = ["run", recipe, "--local", "--nodes", "2", "--smoke", f"max_steps={steps}"]
+    first = orch(*command, cwd=project)
+    assert first.returncode == 0, first.stdout[-3000:]
+    output_dir = project / re.search(r"^\[orch\] output: (\S+)$", first.stdout, re.M).group(1)
+    final = (output_dir / "model.safetensors").read_bytes()
+    again = orch(*command, cwd=project)
+    out = again.stdout
+    assert again.returncode == 0, out[-3000:]
+    assert f"[orch] resumed at step {steps}, max_steps {steps}: nothing left to train" in out, out[-3000:]
+    assert not re.search(rf"\[orch\] step {int(steps) + 1}/{steps} ", out), out[-3000:]
+    assert "already the last step: nothing left to train" in out
+    assert sorted(p.name for p in output_dir.glob("checkpoint-*"))[-1] == f"checkpoint-{steps}"
+    assert (output_dir / "model.safetensors").read_bytes() == final  # written again from checkpoint-<max_steps>

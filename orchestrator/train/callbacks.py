@@ -279,7 +279,8 @@ def _load_to_plain_cpu(original):
 
 
 class OrchTrainerMixin:
-    """Mixed into TRL's trainer class: counts the samples each rank trains on; the CPU resume workaround."""
+    """Mixed into TRL's trainer class: counts the samples each rank trains on; the CPU resume workaround; no step past
+    max_steps on a resume."""
 
     orch_trainer_name = ""
     orch_samples = 0
@@ -295,6 +296,18 @@ class OrchTrainerMixin:
             return super()._load_optimizer_and_scheduler(checkpoint)
         finally:
             torch.load = original
+
+    def _run_epoch(self, *args, **kwargs):
+        # transformers 5.17 checks max_steps only after an optimizer step: a run resumed from its last checkpoint
+        # (global_step == max_steps, an epoch longer than max_steps) trained step max_steps + 1 and saved it (every
+        # trainer; measured: SFT at max_steps=4 wrote checkpoint-5, GRPO and RLOO at 8 checkpoint-9). Nothing is left.
+        if 0 < self.state.max_steps <= self.state.global_step:
+            self.control.should_training_stop = True
+            if self.is_world_process_zero():
+                print(f"[orch] resumed at step {self.state.global_step}, max_steps {self.state.max_steps}: nothing left "
+                      "to train", flush=True)  # fmt: skip
+            return None
+        return super()._run_epoch(*args, **kwargs)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         # Counted here, after the trainer prepared the micro-batch (GRPO generates inside training_step).
