@@ -304,8 +304,8 @@ class OrchTrainerMixin:
         if 0 < self.state.max_steps <= self.state.global_step:
             self.control.should_training_stop = True
             if self.is_world_process_zero():
-                print(f"[orch] resumed at step {self.state.global_step}, max_steps {self.state.max_steps}: nothing left "
-                      "to train", flush=True)  # fmt: skip
+                step, last = self.state.global_step, self.state.max_steps
+                print(f"[orch] resumed at step {step}, max_steps {last}: nothing left to train", flush=True)
             return None
         return super()._run_epoch(*args, **kwargs)
 
