@@ -410,18 +410,21 @@ class SkyBed:
             subprocess.run(["userdel", USER], capture_output=True)
 
     def _client_pids(self) -> list[int]:
-        """Live processes started with this bed's client environment (HOME=<client>): the API server, its workers and
-        their watchers, root's, which `_user_pids` does not see."""
+        """Live Python processes started with this bed's client environment (HOME=<client>): the API server, its
+        workers and their watchers, root's, which `_user_pids` does not see (a person's shell under `make sky-bed`
+        is not Python: left alone)."""
         mark = f"\0HOME={self.client}\0".encode()
+        python = os.path.realpath(sys.executable)
         pids = []
         for entry in os.listdir("/proc"):
             if entry.isdigit() and int(entry) != os.getpid():
                 try:
                     environ = b"\0" + Path(f"/proc/{entry}/environ").read_bytes()
                     state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                    exe = os.path.realpath(f"/proc/{entry}/exe")
                 except (OSError, IndexError):
                     continue
-                if mark in environ and state != "Z":
+                if mark in environ and state != "Z" and exe == python:
                     pids.append(int(entry))
         return pids
 
