@@ -482,7 +482,8 @@ def test_status_refreshes_one_run_from_skypilots_logs_and_lists_from_records(in_
     fake.log_text = (
         "(head, rank=0, pid=1) [orch] step 40/400 loss=0.6931 grad_norm=1.2 learning_rate=1e-06 | 12,345 tok/s | "
         "MFU 41.0% | elapsed 5m00s | ETA 45m00s | $5.46 spent, $54.60 at the end\n"
-        "(head, rank=0, pid=1) [orch] step 41/400 loss=0.6812 grad_norm=1.1 learning_rate=1e-06 | 12,400 tok/s | "
+        "(head, rank=0, pid=1) [orch] step 41/400 loss=0.6812 grad_norm=1.1 learning_rate=1e-06 "
+        "rewards/accuracies=0.625 rewards/margins=0.04117 | 12,400 tok/s | "  # DPO's headline metrics (core/trainers)
         "elapsed 5m07s | ETA 44m53s | $5.60 spent, $54.60 at the end\n(head, rank=0, pid=1) saving...\n"
     )
     capsys.readouterr()
