@@ -119,6 +119,9 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
         "ORCH_CACHE_DIR": str(tmp_path / "orch-cache"),
         "ORCH_TRACK": "tiny_phi3",  # --track: the nodes also get the `track` extra (Trackio)
         "ORCH_PREFETCH_PROGRESS_S": "1",  # a progress line every second while the download is held (default 30)
+        # the download is held for as long as the rehearsal runs (13 s once under a loaded suite): longer than the
+        # Hub client's 10 s read timeout
+        "HF_HUB_DOWNLOAD_TIMEOUT": "300",
     }
     # The download runs while the head node rehearses: the stand-in Hub holds every file download until the
     # rehearsal's line is out, so the setup only ends if the two ran at once.
@@ -229,6 +232,39 @@ def test_prefetch_names_the_fix_for_a_gated_model(tmp_path, hub, project):
     missing = subprocess.run(run, cwd=project, env={**env, **hub_recipe(project, "org/nope")}, capture_output=True,
                              text=True)  # fmt: skip
     assert missing.returncode == 2 and "model org/nope does not exist on the Hugging Face Hub" in missing.stderr
+
+
+def test_prefetch_tries_a_stalled_download_again_then_refuses_in_one_line(tmp_path, hub, project):
+    # huggingface_hub does not retry a file's GET: a Hub that stalls past HF_HUB_DOWNLOAD_TIMEOUT ended the node's
+    # setup with httpx's traceback (seen in the suite). Now each repo gets ATTEMPTS tries, then one line naming the fix.
+    env = {**os.environ, **hub_recipe(project, "org/tiny-phi3"), "HF_HOME": str(tmp_path / "hf"),
+           "HF_ENDPOINT": hub.endpoint, "HF_HUB_DOWNLOAD_TIMEOUT": "1"}  # fmt: skip
+    run = [sys.executable, "-m", "orchestrator.train.prefetch"]
+    hub.hold.clear()  # every file download stalls
+    try:
+        stalled = subprocess.run(run, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        hub.hold.set()
+    assert stalled.returncode == 2 and "Traceback" not in stalled.stderr, stalled.stderr[-3000:]
+    line = stalled.stderr.strip().splitlines()[-1]
+    assert [x for x in stalled.stderr.splitlines() if x.startswith("orch: error:")] == [line], stalled.stderr
+    assert re.fullmatch(rf"orch: error: (model org/tiny-phi3|dataset org/prefs) could not be downloaded from "
+                        rf"{re.escape(hub.endpoint)}: no answer within 1 s \(\w+\), 3 tries; check the node's network "
+                        r"\(or HF_ENDPOINT\), or raise HF_HUB_DOWNLOAD_TIMEOUT for a slow link", line), line
+    assert "trying again (2/3)" in stalled.stdout and "trying again (3/3)" in stalled.stdout, stalled.stdout
+    # a stall that ends while tries are left: the download goes on from there
+    hub.hold.clear()
+    with subprocess.Popen(run, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as recovering:  # fmt: skip
+        seen = []
+        for out_line in recovering.stdout:  # type: ignore[union-attr]
+            seen.append(out_line)
+            if "trying again (2/3)" in out_line:
+                hub.hold.set()
+        rest = recovering.stderr.read()  # type: ignore[union-attr]
+    hub.hold.set()
+    assert recovering.returncode == 0, "".join(seen)[-2000:] + rest[-2000:]
+    assert any("[orch] prefetch: model org/tiny-phi3:" in x for x in seen), seen
 
 
 # ---------------------------------------------------------------- a bucket of one's own

@@ -70,8 +70,35 @@ def _progress(wanted: list[Repo], started: float, every: float, done: threading.
               file=out, flush=True)  # fmt: skip
 
 
-def fetch(repo: Repo, token: str | None) -> tuple[str, int]:
-    """(local snapshot dir, bytes) of one repo, or an OrchError naming the fix."""
+ATTEMPTS = 3  # tries of one repo when the link stalls or drops (the Hub's client does not retry a file's GET)
+
+
+def fetch(repo: Repo, token: str | None, out=sys.stdout) -> tuple[str, int]:
+    """(local snapshot dir, bytes) of one repo, or an OrchError naming the fix. A timeout or a dropped connection is
+    tried again (snapshot_download resumes the files it left incomplete), then refused in one line."""
+    import httpx
+    from huggingface_hub import constants
+
+    label = f"{repo.why} {repo.repo_id}"
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return _fetch_once(repo, token)
+        except (httpx.TransportError, ConnectionError, TimeoutError) as exc:
+            if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
+                why = f"no answer within {constants.HF_HUB_DOWNLOAD_TIMEOUT} s ({type(exc).__name__})"
+            else:
+                why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            if attempt == ATTEMPTS:
+                raise OrchError(
+                    f"{label} could not be downloaded from {constants.ENDPOINT}: {why}, {ATTEMPTS} tries; check the "
+                    "node's network (or HF_ENDPOINT), or raise HF_HUB_DOWNLOAD_TIMEOUT for a slow link"
+                ) from None
+            print(f"[orch] prefetch: {label}: {why}; trying again ({attempt + 1}/{ATTEMPTS})", file=out, flush=True)
+            time.sleep(attempt)
+    raise AssertionError("unreachable")
+
+
+def _fetch_once(repo: Repo, token: str | None) -> tuple[str, int]:
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
@@ -131,7 +158,7 @@ def prefetch(env: Mapping[str, str], out=sys.stdout) -> int:
     reporter.start()
     try:
         with ThreadPoolExecutor(max_workers=len(wanted)) as pool:
-            results = list(pool.map(lambda repo: fetch(repo, token), wanted))
+            results = list(pool.map(lambda repo: fetch(repo, token, out), wanted))
     finally:
         done.set()
     for repo, (_path, size) in zip(wanted, results, strict=True):
