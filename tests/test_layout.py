@@ -94,8 +94,10 @@ RULES = {
         # pyarrow: only to read a --data .parquet file's first row (launch/data.py); huggingface_hub: `orch pull`
         {"yaml", "sky", "pyarrow", "huggingface_hub"},
     ),
-    # trackio: --track; safetensors: the adapter file (train/checkpoints.save_adapter)
-    "train": ({"core", "train"}, HEAVY - {"sky", "vllm"} | {"yaml", "huggingface_hub", "trackio", "safetensors"}),
+    # trackio: --track; safetensors: the adapter file (train/checkpoints.save_adapter); httpx: huggingface_hub's HTTP
+    # client, whose timeouts the prefetch retries (train/prefetch.fetch)
+    "train": ({"core", "train"}, HEAVY - {"sky", "vllm"} | {"yaml", "huggingface_hub", "trackio", "safetensors",
+                                                          "httpx"}),
     "rehearsal": (  # bitsandbytes: imported before CUDA is faked (role.py), so its CPU kernels are the ones chosen
         {"core", "node.plan", "train", "rehearsal"}, HEAVY - {"sky", "vllm"} | {"huggingface_hub", "bitsandbytes"}
     ),
