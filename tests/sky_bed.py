@@ -415,34 +415,32 @@ class SkyBed:
         is not Python: left alone)."""
         mark = f"\0HOME={self.client}\0".encode()
         python = os.path.realpath(sys.executable)
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) != os.getpid():
-                try:
-                    environ = b"\0" + Path(f"/proc/{entry}/environ").read_bytes()
-                    state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                    exe = os.path.realpath(f"/proc/{entry}/exe")
-                except (OSError, IndexError):
-                    continue
-                if mark in environ and state != "Z" and exe == python:
-                    pids.append(int(entry))
-        return pids
+        return _live_pids(lambda proc: mark in b"\0" + (proc / "environ").read_bytes()
+                          and os.path.realpath(proc / "exe") == python)  # fmt: skip
 
     def _user_pids(self) -> list[int]:
-        """Live processes of the bed's user (a zombie, already dead, waits for its parent to reap it)."""
+        """Live processes of the bed's user."""
         uid = getattr(self, "uid", None)
         if uid is None:
             return []
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                    if os.stat(f"/proc/{entry}").st_uid == uid and state != "Z":
-                        pids.append(int(entry))
-                except (FileNotFoundError, ProcessLookupError, IndexError):
-                    continue
-        return pids
+        return _live_pids(lambda proc: proc.stat().st_uid == uid)
+
+
+def _live_pids(match) -> list[int]:
+    """PIDs of the processes other than this one for which `match(Path("/proc/<pid>"))` holds, zombies left out (one
+    is already dead and waits for its parent to reap it); a process gone during the walk is skipped."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        proc = Path("/proc") / entry
+        try:
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state != "Z" and match(proc):
+                pids.append(int(entry))
+        except (OSError, IndexError):
+            continue
+    return pids
 
 
 def main() -> int:
