@@ -18,6 +18,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, orch
@@ -28,24 +29,44 @@ pytestmark = pytest.mark.e2e
 MIB = 2**20
 
 
-@pytest.fixture(scope="module")
-def wide_llama(tmp_path_factory):
-    """A >= 300 MiB bf16 Llama (smoke_build --mib), its tokenizer and SFT rows; the name says its family."""
-    out = tmp_path_factory.mktemp("wide") / "llama-wide"
-    built = subprocess.run([sys.executable, "-m", "orchestrator.train.smoke_build", "llama", "sft", str(out),
+def wide_model(tmp_path_factory, family: str, trainer: str) -> Path:
+    """A >= 300 MiB bf16 model of `family` (smoke_build --mib), its tokenizer and `trainer`'s rows; the name says its
+    family."""
+    out = tmp_path_factory.mktemp("wide") / f"{family}-wide"
+    built = subprocess.run([sys.executable, "-m", "orchestrator.train.smoke_build", family, trainer, str(out),
                             "--mib", "300"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert built.returncode == 0, built.stderr[-2000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    return wide_model(tmp_path_factory, "llama", "sft")
 
 
 @pytest.fixture(scope="module")
 def wide_phi3(tmp_path_factory):
-    """A >= 300 MiB bf16 Phi-3 and DPO preference rows."""
-    out = tmp_path_factory.mktemp("wide") / "phi3-wide"
-    built = subprocess.run([sys.executable, "-m", "orchestrator.train.smoke_build", "phi3", "dpo", str(out),
-                            "--mib", "300"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert built.returncode == 0, built.stderr[-2000:]
-    return out
+    return wide_model(tmp_path_factory, "phi3", "dpo")
+
+
+def run_on(project, recipe: str, built: Path, *extra: str):
+    """One step of `recipe` on 1 node x 2 CPU processes with the built model and rows in bf16: the run, the checkpoint's
+    bytes and the memory model's FSDP setup for that model.
+
+    A fixed glibc mmap threshold in the ranks: by default glibc raises it to each freed block's size (up to 32 MiB),
+    so the broadcast's full-size receive buffers (CPU tensors here; GPU tensors on a GPU node) came back from the heap
+    and stayed there by timing: rank 1's prepare peak over its shard went from 62 to 150-200 MiB when another test ran
+    beside this one (2 of 3 runs over the bound). With the threshold fixed every such buffer is its own mapping,
+    returned when freed, and the figures are orch's, not the allocator's timing."""
+    model_dir = built / "model"
+    result = orch("run", recipe, "--local", "--nodes", "1", "--gpus", "CPU:2", "--smoke", *extra,
+                  f"model_name_or_path={model_dir}", f"dataset_name={built / 'data'}", "dtype=bfloat16", "bf16=true",
+                  "max_steps=1", "save_strategy=no", cwd=project, timeout=400,
+                  env={"MALLOC_MMAP_THRESHOLD_": str(MIB)})  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    arch = memory.Arch.from_config(json.loads((model_dir / "config.json").read_text()))
+    setup = memory.Setup(arch=arch, strategy="fsdp", gpus=2, weights_dtype="bfloat16", mixed_precision=True)
+    return result, (model_dir / "model.safetensors").stat().st_size, setup
 
 
 def reports(stdout: str, project) -> list[dict]:
@@ -60,26 +81,13 @@ def growth(host: dict, phase: str, since: str) -> int:
 
 
 def test_fsdp2_load_memory_per_rank_and_the_final_model_in_the_load_dtype(project, wide_llama):
-    # A fixed glibc mmap threshold in the ranks: by default glibc raises it to each freed block's size (up to 32 MiB),
-    # so the broadcast's full-size receive buffers (CPU tensors here; GPU tensors on a GPU node) came back from the
-    # heap and stayed there by timing: rank 1's prepare peak over its shard went from 62 to 150-200 MiB when another
-    # test ran beside this one (2 of 3 runs over the bound). With the threshold fixed every such buffer is its own
-    # mapping, returned when freed, and the figures are orch's, not the allocator's timing.
-    model_dir = wide_llama / "model"
-    weights = (model_dir / "model.safetensors").stat().st_size
-    result = orch("run", "llama3_70b_sft_fsdp", "--local", "--nodes", "1", "--gpus", "CPU:2", "--smoke",
-                  f"model_name_or_path={model_dir}", f"dataset_name={wide_llama / 'data'}", "dtype=bfloat16",
-                  "bf16=true", "max_steps=1", "save_strategy=no", cwd=project, timeout=400,
-                  env={"MALLOC_MMAP_THRESHOLD_": str(MIB)})  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    result, weights, setup = run_on(project, "llama3_70b_sft_fsdp", wide_llama)
     rank0, rank1 = reports(result.stdout, project)
     head, other = rank0["host_memory"], rank1["host_memory"]
     assert head["peak_resets"] and other["peak_resets"]
 
     # rank 1: no copy of the model at load, then only its own fp32 shard (the broadcast fills it) and the transient
     # full tensor of one parameter at a time
-    arch = memory.Arch.from_config(json.loads((model_dir / "config.json").read_text()))
-    setup = memory.Setup(arch=arch, strategy="fsdp", gpus=2, weights_dtype="bfloat16", mixed_precision=True)
     predicted = memory.at_load(setup, 2, cpu_ram_efficient=True)
     assert predicted.other == 0
     assert growth(other, "load", "before_load") < 0.25 * weights, other
@@ -100,15 +108,7 @@ def test_fsdp2_load_memory_per_rank_and_the_final_model_in_the_load_dtype(projec
 
 def test_fsdp2_without_cpu_ram_efficient_loading_every_rank_reads_and_upcasts_the_model(project, wide_phi3):
     # GLOBAL_BATCH_SIZE=2: one micro-batch per rank and step (the recipe's 64 would accumulate 32 on CPU)
-    model_dir = wide_phi3 / "model"
-    weights = (model_dir / "model.safetensors").stat().st_size
-    result = orch("run", "phi3_dpo_fsdp", "--local", "--nodes", "1", "--gpus", "CPU:2", "--smoke",
-                  "--env", "GLOBAL_BATCH_SIZE=2", f"model_name_or_path={model_dir}",
-                  f"dataset_name={wide_phi3 / 'data'}", "dtype=bfloat16", "bf16=true", "max_steps=1",
-                  "save_strategy=no", cwd=project, timeout=400, env={"MALLOC_MMAP_THRESHOLD_": str(MIB)})  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    arch = memory.Arch.from_config(json.loads((model_dir / "config.json").read_text()))
-    setup = memory.Setup(arch=arch, strategy="fsdp", gpus=2, weights_dtype="bfloat16", mixed_precision=True)
+    result, weights, setup = run_on(project, "phi3_dpo_fsdp", wide_phi3, "--env", "GLOBAL_BATCH_SIZE=2")
     predicted = memory.at_load(setup, 2, cpu_ram_efficient=False)
     assert predicted.rank0 == predicted.other == pytest.approx(3 * weights, rel=0.02)  # 2 + 4 bytes a param
     # the checkpoint is mapped at load (not yet resident) and read in prepare's upcast, with its fp32 copy, on every
