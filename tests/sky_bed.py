@@ -259,8 +259,10 @@ class SkyBed:
             f"set -e; export UV_CACHE_DIR={cache}; {self.shims}/uv venv -q --seed {work}/venv --python 3.10; "
             f"VIRTUAL_ENV={work}/venv {self.shims}/uv pip install -q '{wheel}[slurm,remote]'"
         )
+        # cwd: uv reads a uv.toml in its working directory, and the login user may not traverse the checkout's
+        # parents (a clone under `mktemp -d`, mode 0700, failed with "failed to open file .../uv.toml")
         done = subprocess.run(["runuser", "-u", USER, "--", "bash", "-c", script], capture_output=True, text=True,
-                              timeout=600)  # fmt: skip
+                              timeout=600, cwd=work)  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"warming the uv cache failed: {done.stderr[-1500:]}")
         stamp.touch()
