@@ -489,18 +489,18 @@ def test_status_refreshes_one_run_from_skypilots_logs_and_lists_from_records(in_
     capsys.readouterr()
     assert cli.main(["status", record.stem[:12]]) == 0
     header, row = capsys.readouterr().out.splitlines()
-    assert header.split()[:8] == ["RUN", "BACKEND", "STATE", "STEP", "LOSS", "TOK/S", "ETA", "SPENT"]
-    for cell in ("cluster UP", " 41/400 ", " 0.6812 ", " 12,400 ", " 44m53s ", " $5.60 "):
+    assert header.split()[:9] == ["RUN", "BACKEND", "STATE", "STEP", "LOSS", "METRIC", "TOK/S", "ETA", "SPENT"]
+    for cell in ("cluster UP", " 41/400 ", " 0.6812 ", " rewards/accuracies=0.625 ", " 12,400 ", " 44m53s ", " $5.60 "):
         assert cell in row, (cell, row)
     assert ("tail_logs", None, {"cluster_name": "prog1", "job_id": 7, "follow": False}) in fake.calls
     text = record.read_text()
-    assert "# step: 41/400" in text and "# spent: $5.60" in text
+    assert "# step: 41/400" in text and "# spent: $5.60" in text and "# metric: rewards/accuracies=0.625" in text
     # the listing answers from the record; a run known to be over is not asked about again
     record.write_text(text.replace("# state: cluster UP", "# state: SUCCEEDED"))
     fake.calls.clear()
     assert cli.main(["status"]) == 0
     row = capsys.readouterr().out.splitlines()[1]
-    assert " SUCCEEDED " in row and " 41/400 " in row and fake.calls == []
+    assert " SUCCEEDED " in row and " 41/400 " in row and " rewards/accuracies=0.625 " in row and fake.calls == []
 
 
 @pytest.mark.e2e

@@ -112,3 +112,22 @@ def test_headline_metrics_pick_the_trainers_keys_in_order_and_one_reward_functio
     assert SPECS["dpo"].headline(record) == [("rewards/accuracies", 0.75)]  # no margins logged: nothing made up
     assert SPECS["kto"].headline(record) == []  # a bool is not a figure
     assert all(spec.metrics for spec in SPECS.values())
+
+
+def test_orch_status_shows_the_trainers_first_measure_from_a_log_or_a_step_line(tmp_path):
+    """`orch status`'s METRIC column (launch/progress.py): from a local run's log.jsonl through the trainer's spec,
+    from a cloud run's step line as the node printed it; a log of an orch that named no trainer shows none."""
+    import json
+
+    from orchestrator.launch import progress
+
+    line = {"step": 3, "loss": 0.0, "grad_norm": 0.1, "reward": 0.8125, "rewards/digit/mean": 0.5, "max_steps": 8}
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({**line, "trainer": "grpo"}) + "\n" + json.dumps({"step": 3, "train_runtime": 9}) + "\n")
+    assert progress.from_log(log) == {"step": "3/8", "loss": "0", "metric": "reward=0.8125"}
+    log.write_text(json.dumps(line) + "\n")
+    assert "metric" not in progress.from_log(log)
+    printed = "(head, rank=0, pid=9) [orch] step 3/8 loss=0 learning_rate=5e-07 grad_norm=0.1 reward=0.8125 " \
+              "rewards/digit/mean=0.5 | 41 tok/s | elapsed 0m09s | ETA 0m15s"  # fmt: skip
+    assert progress.from_lines(printed)["metric"] == "reward=0.8125"
+    assert "metric" not in progress.from_lines("[orch] step 3/8 loss=0.5 learning_rate=5e-07 | 41 tok/s")

@@ -11,7 +11,7 @@ import argparse
 from orchestrator.commands import add, print_table
 
 EXAMPLES = {
-    "status": "  orch status                       # every recorded run: state, step, loss, tok/s, ETA, spend\n"
+    "status": "  orch status                       # every recorded run: state, step, loss, metric, tok/s, ETA, spend\n"
     "  orch status phi3-dpo-fsdp-20261122-101500   # one run, refreshed from SkyPilot's state and logs",
     "logs": "  orch logs phi3-dpo-fsdp-20261122-101500 --follow   # stream a run's logs\n"
     "  orch logs phi3_dpo_fsdp-8a463d72                   # a local run's log",
@@ -58,7 +58,7 @@ def status(args: argparse.Namespace) -> int:
         return 0
     from orchestrator.launch.progress import KEYS
 
-    table = [("RUN", "BACKEND", "STATE", "STEP", "LOSS", "TOK/S", "ETA", "SPENT", "STARTED", "RECIPE")]
+    table = [("RUN", "BACKEND", "STATE", "STEP", "LOSS", "METRIC", "TOK/S", "ETA", "SPENT", "STARTED", "RECIPE")]
     for record in rows:
         backend = backends.for_record(record)
         state = backend.state(record, refresh=bool(args.run))

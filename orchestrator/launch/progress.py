@@ -1,8 +1,9 @@
-"""A run's progress for `orch status`: step/total, last loss, tokens/s, ETA and spend.
+"""A run's progress for `orch status`: step/total, last loss, the trainer's first own measure (core/trainers
+`metrics`: a reward, an accuracy, a margin; the loss alone says little for GRPO or RLOO), tokens/s, ETA and spend.
 
 Read from what orch already writes: a local run's <output_dir>/orch/log.jsonl (its last line), or the step lines
-a node prints (`[orch] step 8/8 loss=4.12 ... | 3,525 tok/s | elapsed 0m16s | ETA 0m00s | $0.01 spent`), which
-`orch status RUN` reads from SkyPilot's logs and keeps in the run's record. Standard library only.
+a node prints (`[orch] step 8/8 loss=4.12 ... rewards/accuracies=0.625 | 3,525 tok/s | elapsed 0m16s | ETA 0m00s |
+$0.01 spent`), which `orch status RUN` reads from SkyPilot's logs and keeps in the run's record.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ import json
 import re
 from pathlib import Path
 
+from orchestrator.core import trainers
 from orchestrator.core.timeline import duration
 
-KEYS = ("step", "loss", "tok_s", "eta", "spent")
+KEYS = ("step", "loss", "metric", "tok_s", "eta", "spent")
 STEP_LINE = re.compile(r"\[orch\] step (\d+)/(\d+) (.*)$")
+PLAIN = ("loss", "learning_rate", "grad_norm")
+"""What every step line starts with; the trainer's own measures follow them (train/callbacks.py)."""
 
 
 def from_log(path: Path) -> dict[str, str]:
@@ -41,6 +45,9 @@ def from_log(path: Path) -> dict[str, str]:
     shown = {"step": f"{last['step']}/{total}"} if "step" in last else {}
     if "loss" in trained:
         shown["loss"] = f"{trained['loss']:.4g}"
+    spec = trainers.SPECS.get(str(trained.get("trainer")))  # a log of an orch before 2026-11-25 names none
+    for key, value in spec.headline(trained)[:1] if spec else ():
+        shown["metric"] = f"{key}={value:.4g}"
     if "tokens_per_s" in trained:
         shown["tok_s"] = f"{trained['tokens_per_s']:,.0f}"
     if "eta_s" in trained:
@@ -60,6 +67,9 @@ def from_lines(text: str) -> dict[str, str]:
         shown = {"step": f"{step}/{total}"}
         if loss := re.search(r"\bloss=(\S+)", rest):
             shown["loss"] = f"{float(loss.group(1)):.4g}"
+        words = rest.split(" | ", 1)[0].split()
+        if own := next((w for w in words if "=" in w and w.split("=", 1)[0] not in PLAIN), None):
+            shown["metric"] = own
         if rate := re.search(r"\| ([\d,]+) tok/s", rest):
             shown["tok_s"] = rate.group(1)
         if eta := re.search(r"\| ETA (\S+)", rest):

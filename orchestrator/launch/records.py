@@ -32,7 +32,7 @@ HEADER_KEYS = (
     "run", "recipe", "command", "time", "git", "platform", "backend", "cluster", "job_id", "state", "error", "stopped",
     "output_dir", "pid", "token",
     "relaunches", "relaunched",  # `orch run --resume RUN`: how many, the last one's time
-    "step", "loss", "tok_s", "eta", "spent",  # the last progress `orch status RUN` read (launch/progress.py)
+    "step", "loss", "metric", "tok_s", "eta", "spent",  # the last progress `orch status RUN` read (launch/progress.py)
 )  # fmt: skip
 """The record's fields, in the order the header lists them."""
 _LINE = re.compile(r"^# ([a-z_]+): (.*)$")

@@ -228,10 +228,11 @@ class OrchCallback(TrainerCallback):
         if figures:  # a training log: this attempt's spend so far, next to the checkpoints
             spend.write(self.output_dir, self.attempt, self.meter.run_started, figures["elapsed_s"], self.meter.price)
         self.report_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.report_dir / "log.jsonl", "a") as fh:
-            fh.write(json.dumps({**record, "max_steps": state.max_steps}) + "\n")  # `orch status` reads the last
+        name = getattr(self.trainer, "orch_trainer_name", "")
+        with open(self.report_dir / "log.jsonl", "a") as fh:  # `orch status` reads the last (its METRIC: the trainer's)
+            fh.write(json.dumps({**record, "max_steps": state.max_steps, "trainer": name}) + "\n")
         shown = " ".join(f"{k}={v:.6g}" for k, v in record.items() if k in ("loss", "learning_rate", "grad_norm"))
-        spec = trainers.SPECS.get(getattr(self.trainer, "orch_trainer_name", ""))
+        spec = trainers.SPECS.get(name)
         if shown and spec:  # how this trainer's training goes, in TRL's own words (a reward, an accuracy)
             shown += "".join(f" {k}={v:.4g}" for k, v in spec.headline(record))
         if shown:

@@ -110,7 +110,7 @@ class Backend(Protocol):
         ...
 
     def progress(self, record: Record) -> dict[str, str]:
-        """The run's last step, loss, tokens/s, ETA and spend (launch/progress.KEYS), as far as known."""
+        """The run's last step, loss, trainer's metric, tokens/s, ETA and spend (launch/progress.KEYS), as known."""
         ...
 
     def logs(self, record: Record, follow: bool) -> int:
