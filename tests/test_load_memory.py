@@ -8,6 +8,11 @@ its resident set grows by under 25% of the model at load, and during accelerate'
 under 25% of the model. transformers 5 alone fills that rank with a zero copy of the whole model (+332 MiB at load,
 +1201 MiB at prepare's peak, measured with loading.install() removed), which this test refuses.
 
+One run of the ZeRO-3 recipe's configs (llama3_sft_zero3: TRL's zero3 profile, deepspeed.zero.Init) on 1 node x 2
+CPU processes with the 320 MiB Llama saved in fp32 (DeepSpeed with bf16 does not run on CPU: "Your setup doesn't
+support bf16/gpu"): rank 0 alone reads the checkpoint, the other rank gets only its partition; on CPU the partitions
+live in host memory, as offload_param_device: cpu keeps them on a GPU node, so both ranks' growth is that path's.
+
 One run of the headline recipe's configs (phi3_dpo_fsdp: FSDP2 without CPU-RAM-efficient loading, bf16 mixed
 precision, DPO) on 1 node x 2 CPU processes with a 320 MiB bf16 Phi-3: every rank reads the whole checkpoint and
 upcasts it to fp32 in accelerate's prepare, before fully_shard would move it to the GPU (transformers' Trainer leaves
@@ -16,6 +21,7 @@ an FSDP model on the CPU until then), 3x the model per rank, which the memory mo
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +31,7 @@ from conftest import ROOT, orch
 
 from orchestrator.core import memory
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("load_memory")]  # one build of each wide model
 MIB = 2**20
 
 
@@ -49,9 +55,22 @@ def wide_phi3(tmp_path_factory):
     return wide_model(tmp_path_factory, "phi3", "dpo")
 
 
-def run_on(project, recipe: str, built: Path, *extra: str):
-    """One step of `recipe` on 1 node x 2 CPU processes with the built model and rows in bf16: the run, the checkpoint's
-    bytes and the memory model's FSDP setup for that model.
+@pytest.fixture(scope="module")
+def wide_llama_fp32(wide_llama, tmp_path_factory):
+    """The wide Llama saved again in fp32 by transformers (the same weights, twice the bytes)."""
+    out = tmp_path_factory.mktemp("wide32") / "llama-wide-fp32"
+    shutil.copytree(wide_llama, out, ignore=shutil.ignore_patterns("model.safetensors", "config.json"))
+    saved = subprocess.run([sys.executable, "-c", "import sys, torch; from transformers import AutoModelForCausalLM; "
+                            "AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)"
+                            ".save_pretrained(sys.argv[2])", str(wide_llama / "model"), str(out / "model")],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    return out
+
+
+def run_on(project, recipe: str, built: Path, *extra: str, dtype: str = "bfloat16", strategy: str = "fsdp"):
+    """One step of `recipe` on 1 node x 2 CPU processes with the built model and rows, loaded in `dtype` (bf16 mixed
+    precision for bfloat16): the run, the checkpoint's bytes and the memory model's setup for that model.
 
     A fixed glibc mmap threshold in the ranks: by default glibc raises it to each freed block's size (up to 32 MiB),
     so the broadcast's full-size receive buffers (CPU tensors here; GPU tensors on a GPU node) came back from the heap
@@ -60,12 +79,13 @@ def run_on(project, recipe: str, built: Path, *extra: str):
     returned when freed, and the figures are orch's, not the allocator's timing."""
     model_dir = built / "model"
     result = orch("run", recipe, "--local", "--nodes", "1", "--gpus", "CPU:2", "--smoke", *extra,
-                  f"model_name_or_path={model_dir}", f"dataset_name={built / 'data'}", "dtype=bfloat16", "bf16=true",
-                  "max_steps=1", "save_strategy=no", cwd=project, timeout=400,
-                  env={"MALLOC_MMAP_THRESHOLD_": str(MIB)})  # fmt: skip
+                  f"model_name_or_path={model_dir}", f"dataset_name={built / 'data'}", f"dtype={dtype}",
+                  f"bf16={str(dtype == 'bfloat16').lower()}", "max_steps=1", "save_strategy=no", cwd=project,
+                  timeout=400, env={"MALLOC_MMAP_THRESHOLD_": str(MIB)})  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     arch = memory.Arch.from_config(json.loads((model_dir / "config.json").read_text()))
-    setup = memory.Setup(arch=arch, strategy="fsdp", gpus=2, weights_dtype="bfloat16", mixed_precision=True)
+    setup = memory.Setup(arch=arch, strategy=strategy, gpus=2, weights_dtype=dtype,
+                         mixed_precision=dtype == "bfloat16")  # fmt: skip
     return result, (model_dir / "model.safetensors").stat().st_size, setup
 
 
@@ -119,3 +139,18 @@ def test_fsdp2_without_cpu_ram_efficient_loading_every_rank_reads_and_upcasts_th
         assert growth(host, "load", "before_load") < 0.1 * weights, host
         measured = growth(host, "prepare", "build")
         assert measured == pytest.approx(predicted.other, rel=0.2), (measured / MIB, predicted.other / MIB, host)
+
+
+def test_zero3_rank0_alone_reads_the_checkpoint_and_every_rank_keeps_its_partition(project, wide_llama_fp32):
+    # GLOBAL_BATCH_SIZE=2: one micro-batch per rank and step (ZeRO-3 on CPU gathers every layer at each micro-batch)
+    result, weights, setup = run_on(project, "llama3_sft_zero3", wide_llama_fp32, "--env", "GLOBAL_BATCH_SIZE=2",
+                                    dtype="float32", strategy="zero3")  # fmt: skip
+    head, other = reports(result.stdout, project)
+    assert head["distributed_type"] == "DEEPSPEED" and head["strategy"]["zero_stage"] == 3, head["strategy"]
+    on_gpu = memory.at_load(setup, 2, cpu_ram_efficient=False)  # the recipe's path: partitions on the GPUs
+    assert on_gpu.rank0 == pytest.approx(weights, rel=0.02) and on_gpu.other == 0
+    on_host = memory.at_load(setup, 2, cpu_ram_efficient=False, params_on_host=True)  # where they are on CPU
+    for report, predicted in ((head, on_host.rank0), (other, on_host.other)):
+        measured = growth(report["host_memory"], "load", "before_load")
+        assert measured == pytest.approx(predicted, rel=0.2), (report["rank"], measured / MIB, predicted / MIB)
+    assert on_host.other == pytest.approx(weights / 2, rel=0.02)  # its partition: none of the checkpoint's pages

@@ -145,3 +145,24 @@ def test_a_config_json_with_null_optional_sizes_reads_like_one_without_them():
     for bad in ({**base, "num_attention_heads": 0}, {**base, "hidden_size": -64}, {**base, "head_dim": -1}):
         with pytest.raises(ValueError, match="is not a whole number"):
             memory.Arch.from_config(bad)
+
+
+def test_zero3_load_follows_zero_init_and_where_the_partitions_live():
+    """ZeRO-3's loading path by the Accelerate config (tests/test_load_memory.py measures the zero.Init path): with
+    zero.Init (accelerate's default for stage 3) rank 0 alone reads the checkpoint; without it every rank does."""
+    from orchestrator.core import accelerate_config
+
+    base = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3}}
+    assert accelerate_config.parse(base).zero3_init_flag and not accelerate_config.parse(base).deepspeed_param_offload
+    off = accelerate_config.parse({**base, "deepspeed_config": {"zero_stage": 3, "zero3_init_flag": "false",
+                                                                 "offload_param_device": "cpu"}})  # fmt: skip
+    assert not off.zero3_init_flag and off.deepspeed_param_offload
+    setup = memory.Setup(arch=models.arch_of("meta-llama/Llama-3.1-8B-Instruct"), strategy="zero3", gpus=8,
+                         weights_dtype="bfloat16")  # fmt: skip
+    read = setup.arch.params * 2
+    on_gpu = memory.at_load(setup, 8, cpu_ram_efficient=False)
+    assert (on_gpu.rank0, on_gpu.other, on_gpu.node) == (read, 0, read)
+    on_host = memory.at_load(setup, 8, cpu_ram_efficient=False, params_on_host=True)
+    assert (on_host.other, on_host.node) == (read / 8, 2 * read) and on_gpu.gpu > on_host.gpu
+    every = memory.at_load(setup, 8, cpu_ram_efficient=False, zero3_init=False)
+    assert every.other == read and "without zero3_init_flag" in every.path

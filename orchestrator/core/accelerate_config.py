@@ -35,6 +35,8 @@ class AccelerateConfig:
     deepspeed_config_file: str = ""
     """A DeepSpeed JSON the config points at instead of inline settings."""
     zero3_save_16bit_model: bool = False
+    zero3_init_flag: bool = True
+    """deepspeed.zero.Init while the model is built (accelerate's default for ZeRO-3: on); read for stage 3 only."""
     offload_param_device: str = "none"
     offload_optimizer_device: str = "none"
     parallelism: parallel.Sizes | None = None
@@ -59,6 +61,11 @@ class AccelerateConfig:
     @property
     def deepspeed_offload(self) -> bool:
         return any(d not in _NONE for d in (self.offload_param_device, self.offload_optimizer_device))
+
+    @property
+    def deepspeed_param_offload(self) -> bool:
+        """ZeRO-3's parameter partitions live in host memory (offload_param_device: cpu; nvme keeps only buffers)."""
+        return self.offload_param_device.lower() == "cpu"
 
     @classmethod
     def of(cls, config: Mapping | AccelerateConfig, where: str = "the Accelerate config") -> AccelerateConfig:
@@ -100,6 +107,7 @@ def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateCo
         zero_stage=None if stage in (None, "") else _int(stage, "deepspeed_config.zero_stage", where),
         deepspeed_config_file=str(ds.get("deepspeed_config_file") or ""),
         zero3_save_16bit_model=truthy(ds.get("zero3_save_16bit_model", False)),
+        zero3_init_flag=truthy(ds.get("zero3_init_flag", True)),
         offload_param_device=str(ds.get("offload_param_device", "none")),
         offload_optimizer_device=str(ds.get("offload_optimizer_device", "none")),
         parallelism=parallel.declared(config),

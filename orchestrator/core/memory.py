@@ -305,10 +305,12 @@ class LoadMemory:
         return f"~{node:.1f} GiB host memory on the busiest node ({ranks}), ~{gpu:.1f} GiB per GPU: {self.path}"
 
 
-def at_load(setup: Setup, gpus_per_node: int, cpu_ram_efficient: bool, fsdp_version: int = 2) -> LoadMemory:
+def at_load(setup: Setup, gpus_per_node: int, cpu_ram_efficient: bool, fsdp_version: int = 2, zero3_init: bool = True,
+            params_on_host: bool = False) -> LoadMemory:  # fmt: skip
     """Host and GPU memory while loading, for the path the recipe's configs take (transformers 5.17, accelerate 1.15,
-    bitsandbytes 0.50, orch's train/loading.py). tests/test_load_memory.py checks the FSDP2 host figures against the
-    resident sets measured on CPU."""
+    DeepSpeed 0.19, bitsandbytes 0.50, orch's train/loading.py): `zero3_init` is the Accelerate config's
+    zero3_init_flag (accelerate's default: on for ZeRO-3), `params_on_host` DeepSpeed's offload_param_device: cpu.
+    tests/test_load_memory.py checks the FSDP2 and ZeRO-3 host figures against the resident sets measured on CPU."""
     a = setup.arch
     dtype = DTYPE_BYTES[setup.weights_dtype]
     read = a.params * dtype  # the checkpoint in the load dtype (and transformers' zero-filled copy of it)
@@ -334,7 +336,18 @@ def at_load(setup: Setup, gpus_per_node: int, cpu_ram_efficient: bool, fsdp_vers
         return LoadMemory(f"FSDP: every rank reads the whole checkpoint{fp32} before sharding "
                           "(fsdp_cpu_ram_efficient_loading: true loads it on rank 0 only)",
                           read + upcast, read + upcast, read + gpus_per_node * upcast, shard)  # fmt: skip
+    if setup.strategy == "zero3" and zero3_init:
+        # transformers' _load_state_dict_into_zero3_model: every rank maps the checkpoint, rank 0 alone copies from it
+        # into each module's parameters, gathered one module at a time (GatheredParameters(modifier_rank=0)), and
+        # zero.Init partitions them again: the other ranks never touch the mapped pages
+        part = a.params * dtype / setup.gpus
+        widest = max(a.vocab * a.hidden, *(i * o for i, o in a.linears().values())) * dtype
+        host = part if params_on_host else 0.0
+        where = "in host memory (offload_param_device: cpu)" if params_on_host else "on its GPU"
+        return LoadMemory(f"ZeRO-3 with deepspeed.zero.Init: rank 0 alone reads the checkpoint, one module gathered at "
+                          f"a time; every rank keeps its partition {where}", read + host, host,
+                          read + gpus_per_node * host, (0.0 if params_on_host else part) + widest)  # fmt: skip
     if setup.strategy == "zero3":
-        return LoadMemory("ZeRO-3: every rank reads the checkpoint and keeps its partition (deepspeed.zero.Init)",
-                          read, read, read, shard)  # fmt: skip
+        return LoadMemory("ZeRO-3 without zero3_init_flag: every rank reads the whole checkpoint; DeepSpeed partitions "
+                          "it when it initializes", read, read, read, shard)  # fmt: skip
     return LoadMemory("every rank reads the whole checkpoint and moves it to its GPU", read, read, read, read)

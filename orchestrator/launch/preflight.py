@@ -130,7 +130,8 @@ def load_memory(launch, estimate: memory.Estimate | None) -> memory.LoadMemory |
     if estimate is None or launch.gpus is None or not launch.gpus.name:
         return None
     accel = launch.paired.accelerate
-    return memory.at_load(estimate.setup, launch.gpus.count, accel.fsdp_cpu_ram_efficient_loading, accel.fsdp_version)
+    return memory.at_load(estimate.setup, launch.gpus.count, accel.fsdp_cpu_ram_efficient_loading, accel.fsdp_version,
+                          accel.zero3_init_flag, accel.deepspeed_param_offload)  # fmt: skip
 
 
 def check_fsdp_wrap(accelerate_config: AccelerateConfig | Mapping, model_id: str) -> None:
