@@ -13,12 +13,17 @@ CPU processes with the 320 MiB Llama saved in fp32 (DeepSpeed with bf16 does not
 support bf16/gpu"): rank 0 alone reads the checkpoint, the other rank gets only its partition; on CPU the partitions
 live in host memory, as offload_param_device: cpu keeps them on a GPU node, so both ranks' growth is that path's.
 
+One run of the 70B QLoRA recipe's configs (llama3_70b_qlora_fsdp: FSDP2, bitsandbytes NF4, which quantises on CPU
+too) on 1 node x 2 CPU processes with the 320 MiB bf16 Llama: every rank reads the whole checkpoint (accelerate's
+CPU-RAM-efficient loading and orch's skip 4-bit parameters) and quantises it where its device is, here in host memory.
+
 One run of the headline recipe's configs (phi3_dpo_fsdp: FSDP2 without CPU-RAM-efficient loading, bf16 mixed
 precision, DPO) on 1 node x 2 CPU processes with a 320 MiB bf16 Phi-3: every rank reads the whole checkpoint and
 upcasts it to fp32 in accelerate's prepare, before fully_shard would move it to the GPU (transformers' Trainer leaves
 an FSDP model on the CPU until then), 3x the model per rank, which the memory model must give for both ranks.
 """
 
+import dataclasses
 import json
 import re
 import shutil
@@ -154,3 +159,17 @@ def test_zero3_rank0_alone_reads_the_checkpoint_and_every_rank_keeps_its_partiti
         measured = growth(report["host_memory"], "load", "before_load")
         assert measured == pytest.approx(predicted, rel=0.2), (report["rank"], measured / MIB, predicted / MIB)
     assert on_host.other == pytest.approx(weights / 2, rel=0.02)  # its partition: none of the checkpoint's pages
+
+
+def test_4bit_every_rank_reads_the_checkpoint_and_quantises_the_whole_model(project, wide_llama):
+    result, weights, setup = run_on(project, "llama3_70b_qlora_fsdp", wide_llama, "--env", "GLOBAL_BATCH_SIZE=2")
+    assert re.search(r"base in 4-bit: \d+ Linear4bit layers \(QLoRA\)", result.stdout), result.stdout[-2000:]
+    setup = dataclasses.replace(setup, method="qlora", nested_quant=True)  # the recipe's TRL config
+    predicted = memory.at_load(setup, 2, cpu_ram_efficient=True)
+    assert predicted.rank0 == predicted.other == pytest.approx(weights, rel=0.02) and predicted.path.startswith("4-bit")
+    quantised = predicted.gpu - memory.trained_params(setup) * 4  # the GPU's share at load, before PEFT's adapters
+    assert quantised < 0.35 * weights
+    for report in reports(result.stdout, project):
+        assert report["adapter"]["linear4bit"] > 0, report["adapter"]
+        measured = growth(report["host_memory"], "load", "before_load")  # on CPU the quantised copy is host memory
+        assert measured == pytest.approx(predicted.other + quantised, rel=0.2), (measured / MIB, quantised / MIB)
