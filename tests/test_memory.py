@@ -135,6 +135,23 @@ def test_the_70b_recipe_fits_its_four_nodes_and_one_node_is_refused(project):
         one.stderr, one.stderr  # fmt: skip
 
 
+def test_4bit_loading_is_checked_per_gpu_where_more_nodes_do_not_help(project):
+    """The 70B QLoRA recipe at 1 x 4096 tokens per device fits 2 nodes of 8 x L4 in steady state (that check runs
+    first and passes), but every rank quantises the whole model onto its own GPU first (memory.at_load): refused
+    before launch, naming a GPU that holds it; its own L40S passes."""
+    from conftest import orch
+
+    args = ("--secret", "HF_TOKEN=x", "--dry-run", "--skip-optimizer")
+    small = orch("run", "llama3_70b_qlora_fsdp", "--gpus", "L4:8", "--nodes", "2", "per_device_train_batch_size=1",
+                 *args, cwd=project)  # fmt: skip
+    assert small.returncode == 2 and small.stdout == "", small.stdout[-2000:]
+    assert re.fullmatch(r"orch: error: loading needs ~3\d\.\d GiB per GPU \(4-bit: every rank quantises the whole "
+                        r"model onto its own GPU .*\), more than one L4 holds \(24 GiB\); use \S+ \(\d+ GiB\) or a "
+                        r"smaller model\n", small.stderr), small.stderr  # fmt: skip
+    fits = orch("run", "llama3_70b_qlora_fsdp", *args, cwd=project)
+    assert fits.returncode == 0 and "memory at load: " in fits.stdout, fits.stderr
+
+
 def test_a_config_json_with_null_optional_sizes_reads_like_one_without_them():
     """Many configs carry `"head_dim": null` or `"num_key_value_heads": null`: absent, as before; a zero head count
     or a negative size is still refused."""

@@ -129,9 +129,27 @@ def load_memory(launch, estimate: memory.Estimate | None) -> memory.LoadMemory |
     """memory.at_load for the launch's setup (None where orch has no shape for the model or no GPU named)."""
     if estimate is None or launch.gpus is None or not launch.gpus.name:
         return None
-    accel = launch.paired.accelerate
-    return memory.at_load(estimate.setup, launch.gpus.count, accel.fsdp_cpu_ram_efficient_loading, accel.fsdp_version,
+    return _at_load(estimate.setup, launch.gpus.count, launch.paired.accelerate)
+
+
+def _at_load(setup: memory.Setup, per_node: int, accel: AccelerateConfig) -> memory.LoadMemory:
+    return memory.at_load(setup, per_node, accel.fsdp_cpu_ram_efficient_loading, accel.fsdp_version,
                           accel.zero3_init_flag, accel.deepspeed_param_offload)  # fmt: skip
+
+
+def check_gpu_at_load(loading: memory.LoadMemory, gpu_name: str) -> None:
+    """The per-GPU peak while loading fits one `gpu_name` (4-bit: every rank quantises the whole model onto its own
+    GPU, so more nodes do not help), else an error naming an accelerator that holds it."""
+    need, capacity = loading.gpu / memory.GIB, accelerators.memory_gib(gpu_name)
+    if need <= capacity * USABLE_FRACTION:
+        return
+    bigger = next((g for g, mem in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: kv[1])
+                   if mem * USABLE_FRACTION >= need), None)  # fmt: skip
+    raise OrchError(
+        f"loading needs ~{need:.1f} GiB per GPU ({loading.path}), more than one {gpu_name} holds ({capacity} GiB)"
+        + (f"; use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB) or a smaller model" if bigger else
+           "; no known accelerator holds it: use a smaller model")
+    )  # fmt: skip
 
 
 def check_fsdp_wrap(accelerate_config: AccelerateConfig | Mapping, model_id: str) -> None:
@@ -195,4 +213,8 @@ def run(launch, trainer_nodes: int, gpus: Gpus | None) -> memory.Estimate | None
     name, per_node, _ = check_accelerator(gpus)
     check_process_split(per_node * trainer_nodes, trainer_nodes)
     setup = setup_of(launch, per_node * trainer_nodes)
-    return None if setup is None else check_memory(setup, name)
+    if setup is None:
+        return None
+    estimate = check_memory(setup, name)
+    check_gpu_at_load(_at_load(setup, per_node, accel), name)
+    return estimate
