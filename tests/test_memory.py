@@ -135,10 +135,11 @@ def test_the_70b_recipe_fits_its_four_nodes_and_one_node_is_refused(project):
         one.stderr, one.stderr  # fmt: skip
 
 
-def test_4bit_loading_is_checked_per_gpu_where_more_nodes_do_not_help(project):
+def test_4bit_loading_is_checked_per_gpu_where_more_nodes_do_not_help(project, plan):
     """The 70B QLoRA recipe at 1 x 4096 tokens per device fits 2 nodes of 8 x L4 in steady state (that check runs
     first and passes), but every rank quantises the whole model onto its own GPU first (memory.at_load): refused
-    before launch, naming a GPU that holds it; its own L40S passes."""
+    before launch, naming a GPU that holds it; its own L40S passes. `orch plan` lists no node count for L4 and says
+    why."""
     from conftest import orch
 
     args = ("--secret", "HF_TOKEN=x", "--dry-run", "--skip-optimizer")
@@ -150,6 +151,10 @@ def test_4bit_loading_is_checked_per_gpu_where_more_nodes_do_not_help(project):
                         r"smaller model\n", small.stderr), small.stderr  # fmt: skip
     fits = orch("run", "llama3_70b_qlora_fsdp", *args, cwd=project)
     assert fits.returncode == 0 and "memory at load: " in fits.stdout, fits.stderr
+    listed = plan("meta-llama/Llama-3.1-70B-Instruct", "--peft", "qlora", "--batch", "1", "--max-length", "4096")
+    rows = {line.split()[0]: line for line in listed.stdout.splitlines()[2:]}
+    assert re.search(r"^L4 +- +none: ~\d+ GiB/GPU while loading +24$", rows["L4"].rstrip()), rows["L4"]
+    assert re.search(r"^L40S +1 x 8 +FSDP2 ", rows["L40S"]), rows["L40S"]
 
 
 def test_a_config_json_with_null_optional_sizes_reads_like_one_without_them():

@@ -105,7 +105,11 @@ def main(args: argparse.Namespace) -> int:
                 host = memory.offload_host_gib(off.estimate.setup, off.nodes)
                 offload = f"{off.nodes} x {per_node}: ~{off.estimate.gib:.0f} GiB/GPU, ~{host:,.0f} GiB host RAM/node"
         if fit is None:
-            rows.append((name, "-", f"none up to {args.max_nodes} nodes", "", str(capacity), "", "", offload))
+            one_node = memory.with_(base, gpus=per_node)
+            loading = memory.at_load(one_node, per_node, cpu_ram_efficient=True).gpu / memory.GIB
+            why = f"none: ~{loading:.0f} GiB/GPU while loading" if loading > usable else \
+                f"none up to {args.max_nodes} nodes"  # fmt: skip
+            rows.append((name, "-", why, "", str(capacity), "", "", offload))
             continue
         dollars = f"{price[0] * fit.nodes:.2f}" if price else "-"
         rows.append((name, f"{fit.nodes} x {per_node}", preflight.label(fit.estimate.setup), f"{fit.estimate.gib:.1f}",

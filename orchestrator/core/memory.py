@@ -261,13 +261,15 @@ class Fit:
 
 
 def smallest_fit(base: Setup, capacity_gib: float, gpus_per_node: int, max_nodes: int, offload: bool = False):
-    """The fewest nodes, and at that count the fastest strategy, whose estimate fits `capacity_gib`; None when
-    nothing does up to max_nodes. With offload, ZeRO-3 with CPU offload only."""
+    """The fewest nodes, and at that count the fastest strategy, whose estimate and peak while loading (at_load: 4-bit
+    puts the whole quantised model on every GPU) fit `capacity_gib`; None when nothing does up to max_nodes. With
+    offload, ZeRO-3 with CPU offload only."""
     strategies = ("zero3",) if offload else STRATEGIES
     for nodes in range(1, max_nodes + 1):
         for strategy in strategies:
             estimate_ = estimate(replace(base, strategy=strategy, offload=offload, gpus=nodes * gpus_per_node))
-            if estimate_.gib <= capacity_gib:
+            loading = at_load(estimate_.setup, gpus_per_node, cpu_ram_efficient=True, params_on_host=offload)
+            if estimate_.gib <= capacity_gib and loading.gpu / GIB <= capacity_gib:
                 return Fit(nodes, estimate_)
     return None
 
