@@ -252,6 +252,33 @@ def test_host_memory_at_load_is_checked_against_the_planned_instance(tmp_path, p
 
 
 @pytest.mark.e2e
+def test_zero3_offloads_host_memory_while_training_is_checked_against_the_planned_instance(tmp_path):
+    """ZeRO-3 with CPU offload keeps the node's share of the bf16 weights, fp32 master weights and Adam's moments in
+    host memory for the whole run (~105 GiB for the 8B recipe on one node), more than its load needs: g5.48xlarge's
+    768 GiB hold it; the same row with a made-up 100 GiB is refused, naming the memory line and more nodes."""
+    argv = ["run", "llama3_sft_zero3_offload", "--gpus", "A10G:8", "--secret", "HF_TOKEN", "--dry-run"]
+
+    def dry_run(env):
+        return subprocess.run([sys.executable, "-c", DRY_RUN, *argv], cwd=ROOT, env={**env, "HF_TOKEN": "x"},
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    fits = dry_run(seeded_catalog(tmp_path / "big"))
+    assert fits.returncode == 0, fits.stderr[-3000:]
+    assert re.search(r"^host memory at load: ~\d+\.\d GiB on the busiest node; ~10\d\.\d GiB per node while training "
+                     r"\(ZeRO-3's CPU offload\), fits 768 GiB \(g5\.48xlarge in SkyPilot's catalog\)$", fits.stdout,
+                     re.M), fits.stdout[-3000:]  # fmt: skip
+    env = seeded_catalog(tmp_path / "small")
+    vms = Path(env["SKY_RUNTIME_DIR"]) / ".sky" / "catalogs" / "v8" / "aws" / "vms.csv"
+    vms.write_text(vms.read_text().replace("g5.48xlarge,A10G,8.0,192.0,768.0,", "g5.48xlarge,A10G,8.0,192.0,100.0,"))
+    refused = dry_run(env)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert re.fullmatch(r"orch: error: ZeRO-3's CPU offload needs ~10\d\.\d GiB of host memory per node while training "
+                        r"\(.*\), more than 90% of the 100 GiB of g5\.48xlarge in SkyPilot's catalog; set `memory: 11\d\+` "
+                        r"under resources in the recipe \(.*\), or more nodes \(--nodes: each holds a smaller share\)",
+                        refused.stderr.strip().splitlines()[-1]), refused.stderr[-2000:]  # fmt: skip
+
+
+@pytest.mark.e2e
 def test_dry_run_without_cloud_access_says_why_and_prints_the_rest(tmp_path):
     env = {**os.environ, "SKY_RUNTIME_DIR": str(tmp_path), "SKYPILOT_DISABLE_LOCAL_API_SERVER": "1"}
     result = subprocess.run(

@@ -55,6 +55,9 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
     at_load = preflight.load_memory(launch, checked.memory)  # None where the line above says not estimated
     if at_load is not None:
         print(f"memory at load: {at_load.describe()}")
+    if offloaded := preflight.offloaded_host_gib(launch, checked.memory):
+        print(f"host memory while training: ~{offloaded:.1f} GiB per node (ZeRO-3's CPU offload: bf16 weights, fp32 "
+              "master weights and Adam's moments of the node's share)")
     where = storage.durable_checkpoints(task) or "the nodes' own disks (lost with the cluster)"
     print(f"checkpoints and final model: {where}")
     _section("SkyPilot plan")
@@ -74,7 +77,7 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
     print(estimate(task, plan, head.topology.total_gpus))
     check_cap(task["envs"], plan, head.topology.total_gpus)
     if at_load is not None:
-        print(preflight.check_host_memory(at_load, plan))
+        print(preflight.check_host_memory(at_load, plan, preflight.offloaded_host_gib(launch, checked.memory)))
     return 0
 
 
@@ -118,7 +121,8 @@ def planned(launch: Launch, checked: Checked) -> tuple[object, OrchError | None]
     print(f"[orch] {estimate(task, plan, total)}")
     check_cap(task["envs"], plan, total)
     if loading := preflight.load_memory(launch, checked.memory):
-        print(f"[orch] {preflight.check_host_memory(loading, plan)}")
+        offloaded = preflight.offloaded_host_gib(launch, checked.memory)
+        print(f"[orch] {preflight.check_host_memory(loading, plan, offloaded)}")
     return plan, None
 
 
@@ -154,5 +158,7 @@ def unplanned(launch: Launch, checked: Checked, reason: OrchError) -> str:
     """What -y launches without, where SkyPilot's plan could not be computed here."""
     said = _not_planned(reason)
     if loading := preflight.load_memory(launch, checked.memory):
-        return f"{said}; host memory at load: ~{loading.node / GIB:.1f} GiB on the busiest node, unchecked"
+        offloaded = preflight.offloaded_host_gib(launch, checked.memory)
+        steady = f", ~{offloaded:.1f} GiB per node while training (ZeRO-3's CPU offload)" if offloaded else ""
+        return f"{said}; host memory at load: ~{loading.node / GIB:.1f} GiB on the busiest node{steady}, unchecked"
     return said

@@ -106,23 +106,37 @@ def check_memory(setup: memory.Setup, gpu_name: str) -> memory.Estimate:
 HOST_USABLE_FRACTION = 0.9
 
 
-def check_host_memory(loading: memory.LoadMemory, plan) -> str:
-    """Host memory at load on the busiest node against the planned node's (SkyPilot's `PlanResult`): a line saying
-    what was checked, or unchecked and why; an OrchError naming the fix when it does not fit."""
-    need, has = loading.node / memory.GIB, plan.memory_gib
-    said = f"host memory at load: ~{need:.1f} GiB on the busiest node"
+def check_host_memory(loading: memory.LoadMemory, plan, offloaded_gib: float = 0.0) -> str:
+    """Host memory on the busiest node, at load and, with ZeRO-3's CPU offload, while training (`offloaded_gib`, its
+    share of the offloaded states), against the planned node's (SkyPilot's `PlanResult`): a line saying what was
+    checked, or unchecked and why; an OrchError naming the fix when it does not fit."""
+    load, has = loading.node / memory.GIB, plan.memory_gib
+    said = f"host memory at load: ~{load:.1f} GiB on the busiest node" + (
+        f"; ~{offloaded_gib:.1f} GiB per node while training (ZeRO-3's CPU offload)" if offloaded_gib else "")
+    need = max(load, offloaded_gib)
     if has is None:
         return f"{said}, unchecked: {plan.memory_from}"
     if need <= has * HOST_USABLE_FRACTION:
         return f"{said}, fits {has:g} GiB ({plan.memory_from})"
     floor = math.ceil(need / HOST_USABLE_FRACTION)
+    what = (f"loading needs ~{load:.1f} GiB of host memory on the busiest node ({loading.path})" if load >= need else
+            f"ZeRO-3's CPU offload needs ~{offloaded_gib:.1f} GiB of host memory per node while training (bf16 "
+            "weights, fp32 master weights and Adam's moments of the node's share)")  # fmt: skip
     raise OrchError(
-        f"loading needs ~{need:.1f} GiB of host memory on the busiest node ({loading.path}), more than "
-        f"{HOST_USABLE_FRACTION:.0%} of the {has:g} GiB of {plan.memory_from}; set `memory: {floor}+` under "
-        "resources in the recipe (SkyPilot then plans a node with at least that much)"
+        f"{what}, more than {HOST_USABLE_FRACTION:.0%} of the {has:g} GiB of {plan.memory_from}; set `memory: "
+        f"{floor}+` under resources in the recipe (SkyPilot then plans a node with at least that much)"
         + (", or fsdp_cpu_ram_efficient_loading: true in the Accelerate config (rank 0 alone reads the checkpoint)"
-           if loading.path.startswith("FSDP:") else "")
+           if load >= need and loading.path.startswith("FSDP:") else "")
+        + (", or more nodes (--nodes: each holds a smaller share)" if load < need else "")
     )
+
+
+def offloaded_host_gib(launch, estimate: memory.Estimate | None) -> float:
+    """ZeRO-3 CPU offload's host memory per node while training (memory.offload_host_gib); 0 without offload or
+    where orch has no shape for the model."""
+    if estimate is None or not estimate.setup.offload or estimate.setup.strategy != "zero3":
+        return 0.0
+    return memory.offload_host_gib(estimate.setup, launch.nodes)
 
 
 def load_memory(launch, estimate: memory.Estimate | None) -> memory.LoadMemory | None:
