@@ -265,14 +265,14 @@ def test_zero3_offloads_host_memory_while_training_is_checked_against_the_planne
     fits = dry_run(seeded_catalog(tmp_path / "big"))
     assert fits.returncode == 0, fits.stderr[-3000:]
     assert re.search(r"^host memory at load: ~\d+\.\d GiB on the busiest node; ~10\d\.\d GiB per node while training "
-                     r"\(ZeRO-3's CPU offload\), fits 768 GiB \(g5\.48xlarge in SkyPilot's catalog\)$", fits.stdout,
+                     r"\(CPU offload\), fits 768 GiB \(g5\.48xlarge in SkyPilot's catalog\)$", fits.stdout,
                      re.M), fits.stdout[-3000:]  # fmt: skip
     env = seeded_catalog(tmp_path / "small")
     vms = Path(env["SKY_RUNTIME_DIR"]) / ".sky" / "catalogs" / "v8" / "aws" / "vms.csv"
     vms.write_text(vms.read_text().replace("g5.48xlarge,A10G,8.0,192.0,768.0,", "g5.48xlarge,A10G,8.0,192.0,100.0,"))
     refused = dry_run(env)
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
-    assert re.fullmatch(r"orch: error: ZeRO-3's CPU offload needs ~10\d\.\d GiB of host memory per node while training "
+    assert re.fullmatch(r"orch: error: CPU offload needs ~10\d\.\d GiB of host memory per node while training "
                         r"\(.*\), more than 90% of the 100 GiB of g5\.48xlarge in SkyPilot's catalog; set `memory: 11\d\+` "
                         r"under resources in the recipe \(.*\), or more nodes \(--nodes: each holds a smaller share\)",
                         refused.stderr.strip().splitlines()[-1]), refused.stderr[-2000:]  # fmt: skip

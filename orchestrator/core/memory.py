@@ -275,10 +275,13 @@ def smallest_fit(base: Setup, capacity_gib: float, gpus_per_node: int, max_nodes
 
 
 def offload_host_gib(setup: Setup, nodes: int) -> float:
-    """Host memory a node needs for ZeRO-3 CPU offload: bf16 weights and the fp32 master, m and v (14 bytes a
-    trained parameter) of its share of the states, plus the frozen weights."""
-    frozen = setup.arch.params * DTYPE_BYTES[setup.weights_dtype] if setup.method in ("lora", "qlora") else 0
-    return (trained_params(setup) * 14 + frozen) / nodes / GIB
+    """Host memory a node needs for CPU offload while training: its GPUs' share of what they would hold without it
+    (ZeRO-3: bf16 weights, fp32 master weights and Adam's moments, 14 bytes a trained parameter, the bf16 gradient
+    shard staying on the GPU; FSDP: parameters, gradients and Adam's moments, 16 bytes with bf16 mixed precision's
+    fp32 upcast), frozen weights included."""
+    held = states(replace(setup, offload=False))
+    on_gpu = held["gradients"] if setup.strategy == "zero3" else 0.0
+    return (sum(held.values()) - on_gpu) * setup.gpus / nodes / GIB
 
 
 # ---------------------------------------------------------------- memory while loading, by loading path

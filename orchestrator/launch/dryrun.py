@@ -56,8 +56,8 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
     if at_load is not None:
         print(f"memory at load: {at_load.describe()}")
     if offloaded := preflight.offloaded_host_gib(launch, checked.memory):
-        print(f"host memory while training: ~{offloaded:.1f} GiB per node (ZeRO-3's CPU offload: bf16 weights, fp32 "
-              "master weights and Adam's moments of the node's share)")
+        print(f"host memory while training: ~{offloaded:.1f} GiB per node (CPU offload: the node's share of the "
+              "weights and Adam's moments)")
     where = storage.durable_checkpoints(task) or "the nodes' own disks (lost with the cluster)"
     print(f"checkpoints and final model: {where}")
     _section("SkyPilot plan")
@@ -159,6 +159,6 @@ def unplanned(launch: Launch, checked: Checked, reason: OrchError) -> str:
     said = _not_planned(reason)
     if loading := preflight.load_memory(launch, checked.memory):
         offloaded = preflight.offloaded_host_gib(launch, checked.memory)
-        steady = f", ~{offloaded:.1f} GiB per node while training (ZeRO-3's CPU offload)" if offloaded else ""
+        steady = f", ~{offloaded:.1f} GiB per node while training (CPU offload)" if offloaded else ""
         return f"{said}; host memory at load: ~{loading.node / GIB:.1f} GiB on the busiest node{steady}, unchecked"
     return said

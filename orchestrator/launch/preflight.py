@@ -107,12 +107,12 @@ HOST_USABLE_FRACTION = 0.9
 
 
 def check_host_memory(loading: memory.LoadMemory, plan, offloaded_gib: float = 0.0) -> str:
-    """Host memory on the busiest node, at load and, with ZeRO-3's CPU offload, while training (`offloaded_gib`, its
-    share of the offloaded states), against the planned node's (SkyPilot's `PlanResult`): a line saying what was
+    """Host memory on the busiest node, at load and, with CPU offload, while training (`offloaded_gib`, its share of
+    the offloaded states), against the planned node's (SkyPilot's `PlanResult`): a line saying what was
     checked, or unchecked and why; an OrchError naming the fix when it does not fit."""
     load, has = loading.node / memory.GIB, plan.memory_gib
     said = f"host memory at load: ~{load:.1f} GiB on the busiest node" + (
-        f"; ~{offloaded_gib:.1f} GiB per node while training (ZeRO-3's CPU offload)" if offloaded_gib else "")
+        f"; ~{offloaded_gib:.1f} GiB per node while training (CPU offload)" if offloaded_gib else "")
     need = max(load, offloaded_gib)
     if has is None:
         return f"{said}, unchecked: {plan.memory_from}"
@@ -120,8 +120,8 @@ def check_host_memory(loading: memory.LoadMemory, plan, offloaded_gib: float = 0
         return f"{said}, fits {has:g} GiB ({plan.memory_from})"
     floor = math.ceil(need / HOST_USABLE_FRACTION)
     what = (f"loading needs ~{load:.1f} GiB of host memory on the busiest node ({loading.path})" if load >= need else
-            f"ZeRO-3's CPU offload needs ~{offloaded_gib:.1f} GiB of host memory per node while training (bf16 "
-            "weights, fp32 master weights and Adam's moments of the node's share)")  # fmt: skip
+            f"CPU offload needs ~{offloaded_gib:.1f} GiB of host memory per node while training (the node's share "
+            "of the weights and Adam's moments)")  # fmt: skip
     raise OrchError(
         f"{what}, more than {HOST_USABLE_FRACTION:.0%} of the {has:g} GiB of {plan.memory_from}; set `memory: "
         f"{floor}+` under resources in the recipe (SkyPilot then plans a node with at least that much)"
@@ -132,9 +132,9 @@ def check_host_memory(loading: memory.LoadMemory, plan, offloaded_gib: float = 0
 
 
 def offloaded_host_gib(launch, estimate: memory.Estimate | None) -> float:
-    """ZeRO-3 CPU offload's host memory per node while training (memory.offload_host_gib); 0 without offload or
-    where orch has no shape for the model."""
-    if estimate is None or not estimate.setup.offload or estimate.setup.strategy != "zero3":
+    """CPU offload's host memory per node while training, ZeRO-3's or FSDP's (memory.offload_host_gib); 0 without
+    offload or where orch has no shape for the model."""
+    if estimate is None or not estimate.setup.offload or estimate.setup.strategy not in ("zero3", "fsdp"):
         return 0.0
     return memory.offload_host_gib(estimate.setup, launch.nodes)
 
