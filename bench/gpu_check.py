@@ -4,7 +4,9 @@
    Accelerate config, NCCL, bf16, the recipe's attention and Liger settings where their packages are installed,
    else said), on the tiny model of its family: 8 steps with a checkpoint at 4 and 8, a second start that must
    resume from checkpoint-8 and train to step 12, and the final model loaded back by transformers. One line per
-   strategy, read from the ranks' reports (orchestrator/train/entry.py), never from the configs.
+   strategy, read from the ranks' reports (orchestrator/train/entry.py), never from the configs, with rank 0's GPU
+   peak from the model's load to the end of accelerate's prepare (its CUDA allocator) beside the memory model's
+   per-GPU figure at load (core/memory.at_load) for the same model and shape. QLoRA (4-bit, FSDP2) is one of them.
 2. Throughput of the SFT recipe's settings (bf16, Liger, padding-free, activation checkpointing) on a real-size
    architecture with random weights (Qwen2.5-0.5B's shapes from its config, sequence 2048) beside TRL's defaults
    on the same model and data: tokens/s, model FLOPs utilisation and the ratio.
@@ -38,6 +40,7 @@ STRATEGIES = {  # label -> a shipped recipe that asks for it
     "ZeRO-2": "qwen25_dpo_zero2",
     "ZeRO-1": "qwen3_sft_zero1",
     "DDP": "qwen25_sft_ddp",
+    "QLoRA": "llama3_70b_qlora_fsdp",  # 4-bit NF4 on FSDP2: every rank quantises the whole model onto its GPU
 }
 SEQ = 2048
 # bf16 dense peak (TFLOP/s, without sparsity) from the vendors' datasheets; orch's accelerator table comes later.
@@ -155,9 +158,27 @@ def check_strategy(label: str, recipe_name: str, gpus: int, work: Path) -> str:
         f"{label:7} ({recipe_name}): {report['distributed_type']} over {report['backend']}, {report['world_size']} "
         f"GPU(s), bf16, {trl['attn_implementation']}, liger {trl['use_liger_kernel']}{sharded}; resumed from "
         f"{Path(resumed).name} to step {report['optimizer_steps']}, last loss {losses[-1]:.4f}; final model "
-        f"loads ({model.num_parameters():,} params); {time.monotonic() - started:.0f} s"
-        + (f" [{'; '.join(said)}]" if said else "")
+        f"loads ({model.num_parameters():,} params); {load_figures(recipe_name, trl, gpus, report)}; "
+        f"{time.monotonic() - started:.0f} s" + (f" [{'; '.join(said)}]" if said else "")
     )
+
+
+def load_figures(recipe_name: str, trl: dict[str, str], gpus: int, report: dict) -> str:
+    """Rank 0's GPU peak from the load to the end of accelerate's prepare (train/loading.py's `gpu_peak` per phase)
+    beside memory.at_load's per-GPU figure for the recipe with these overrides (the smoke model) on `gpus` GPUs."""
+    from orchestrator.launch import preflight
+    from orchestrator.launch import recipe as recipes
+    from orchestrator.launch.resolved import resolve
+
+    phases = report.get("host_memory") or {}
+    peaks = [phases[p]["gpu_peak"] for p in ("load", "build", "prepare") if "gpu_peak" in (phases.get(p) or {})]
+    measured = f"GPU at load {max(peaks) / 2**20:,.1f} MiB" if peaks else "GPU at load not measured"
+    launch = resolve(recipes.load(recipe_name), trl_overrides=trl)
+    setup = preflight.setup_of(launch, gpus)
+    if setup is None:
+        return f"{measured} (no model figure: orch has no shape for the smoke model)"
+    model = preflight.at_load(setup, gpus, launch.paired.accelerate)
+    return f"{measured} (model {model.gpu / 2**20:,.1f} MiB: {model.path.split(':')[0]})"
 
 
 # ---------------------------------------------------------------- 2. throughput

@@ -1,5 +1,6 @@
 """`make gpu-check` (bench/gpu_check.py): its arithmetic here, itself only where a CUDA GPU is."""
 
+import re
 import subprocess
 import sys
 
@@ -31,7 +32,29 @@ def test_every_strategy_label_names_a_shipped_recipe_of_that_strategy():
 
         accel, _ = configs.load_accelerate(launch_recipe.envs["ACCELERATE_CONFIG"], ROOT)
         kind = strategy.of(accel).kind
-        assert kind == {"FSDP2": "fsdp2", "ZeRO-3": "zero3", "ZeRO-2": "zero2", "ZeRO-1": "zero1", "DDP": "ddp"}[label]
+        assert kind == {"FSDP2": "fsdp2", "ZeRO-3": "zero3", "ZeRO-2": "zero2", "ZeRO-1": "zero1", "DDP": "ddp",
+                        "QLoRA": "fsdp2"}[label]  # fmt: skip
+
+
+def test_load_figures_read_the_gpu_peak_and_the_model_for_the_smoke_model():
+    """The GPU-at-load part of each strategy line, from a report shaped like a GPU rank's (train/loading.py writes
+    `gpu_peak` per phase where CUDA is in use) and the memory model for the recipe on the smoke model's shape."""
+    from orchestrator.core import smoke
+    from orchestrator.launch import recipe, resolved
+
+    def overrides(name: str) -> dict:
+        launch = resolved.resolve(recipe.load(name))
+        artifacts = smoke.plan(str(launch.setting("model_name_or_path", "")), launch.trainer)
+        smoke.ensure(artifacts)
+        return gpu_check._gpu_overrides(launch, artifacts)[0]
+
+    report = {"host_memory": {"load": {"peak": 1, "after": 1, "gpu_peak": 3 * 2**20},
+                              "prepare": {"peak": 1, "after": 1, "gpu_peak": 5 * 2**20}}}  # fmt: skip
+    line = gpu_check.load_figures("llama3_70b_qlora_fsdp", overrides("llama3_70b_qlora_fsdp"), 1, report)
+    assert re.fullmatch(r"GPU at load 5\.0 MiB \(model [\d.]+ MiB: 4-bit\)", line), line
+    cpu = {"host_memory": {"load": {"peak": 1, "after": 1}}}
+    line = gpu_check.load_figures("llama3_sft_zero3", overrides("llama3_sft_zero3"), 1, cpu)
+    assert re.fullmatch(r"GPU at load not measured \(model [\d.]+ MiB: ZeRO-3 with deepspeed\.zero\.Init\)", line), line
 
 
 def _has_cuda() -> bool:

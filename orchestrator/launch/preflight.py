@@ -143,10 +143,11 @@ def load_memory(launch, estimate: memory.Estimate | None) -> memory.LoadMemory |
     """memory.at_load for the launch's setup (None where orch has no shape for the model or no GPU named)."""
     if estimate is None or launch.gpus is None or not launch.gpus.name:
         return None
-    return _at_load(estimate.setup, launch.gpus.count, launch.paired.accelerate)
+    return at_load(estimate.setup, launch.gpus.count, launch.paired.accelerate)
 
 
-def _at_load(setup: memory.Setup, per_node: int, accel: AccelerateConfig) -> memory.LoadMemory:
+def at_load(setup: memory.Setup, per_node: int, accel: AccelerateConfig) -> memory.LoadMemory:
+    """memory.at_load for `setup` with the loading path its Accelerate config takes."""
     return memory.at_load(setup, per_node, accel.fsdp_cpu_ram_efficient_loading, accel.fsdp_version,
                           accel.zero3_init_flag, accel.deepspeed_param_offload)  # fmt: skip
 
@@ -230,5 +231,5 @@ def run(launch, trainer_nodes: int, gpus: Gpus | None) -> memory.Estimate | None
     if setup is None:
         return None
     estimate = check_memory(setup, name)
-    check_gpu_at_load(_at_load(setup, per_node, accel), name)
+    check_gpu_at_load(at_load(setup, per_node, accel), name)
     return estimate

@@ -56,9 +56,21 @@ class HostMemory:
             return False
 
     def mark(self, phase: str) -> None:
-        """Close `phase`: its peak and the resident set now; the next phase's peak starts here."""
-        self.phases[phase] = {"peak": self._field("VmHWM"), "after": self.rss()}
+        """Close `phase`: its peak and the resident set now; the next phase's peak starts here. Where the process
+        uses CUDA, also its GPU's peak (torch's caching allocator, `gpu_peak`), which `make gpu-check` compares with
+        the memory model's per-GPU figure at load."""
+        self.phases[phase] = {"peak": self._field("VmHWM"), "after": self.rss(), **self._gpu_peak()}
         self._reset_peak()
+
+    @staticmethod
+    def _gpu_peak() -> dict[str, int]:
+        import torch
+
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # CPU, or nothing on the GPU yet
+            return {}
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return {"gpu_peak": peak}
 
     def report(self) -> dict:
         return {"baseline": self.baseline, "peak_resets": self.peak_resets, **self.phases}
