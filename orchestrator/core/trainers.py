@@ -22,6 +22,10 @@ FORMATS = ("conversation", "preference", "unpaired", "prompt")
 _CHAT = [{"role": "user", "content": "2+2?"}]
 
 
+PLAIN_METRICS = ("loss", "learning_rate", "grad_norm")
+"""What every step line shows first (train/callbacks.py); a trainer's own `metrics` follow them."""
+
+
 @dataclass(frozen=True)
 class TrainerSpec:
     name: str

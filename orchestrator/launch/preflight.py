@@ -75,6 +75,12 @@ def label(setup: memory.Setup) -> str:
     )
 
 
+def smallest_holding(gib: float) -> str | None:
+    """The known accelerator with the least memory whose usable part holds `gib`, None when none does."""
+    return next((g for g, mem in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: kv[1])
+                 if mem * USABLE_FRACTION >= gib), None)  # fmt: skip
+
+
 def check_memory(setup: memory.Setup, gpu_name: str) -> memory.Estimate:
     """The estimate when it fits one `gpu_name`, else an error naming a strategy or an accelerator that fits."""
     estimate = memory.estimate(setup)
@@ -87,11 +93,7 @@ def check_memory(setup: memory.Setup, gpu_name: str) -> memory.Estimate:
         if (alternative, off) != (setup.strategy, setup.offload) and other.gib <= capacity * USABLE_FRACTION:
             fixes.append(f"{label(other.setup)} on {setup.gpus} GPUs needs {other.describe().split(' (')[0]}")
             break
-    bigger = next(
-        (g for g, mem in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: kv[1])
-         if mem * USABLE_FRACTION >= estimate.gib),
-        None,
-    )  # fmt: skip
+    bigger = smallest_holding(estimate.gib)
     if bigger:
         fixes.append(f"or use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB)")
     raise OrchError(
@@ -158,8 +160,7 @@ def check_gpu_at_load(loading: memory.LoadMemory, gpu_name: str) -> None:
     need, capacity = loading.gpu / memory.GIB, accelerators.memory_gib(gpu_name)
     if need <= capacity * USABLE_FRACTION:
         return
-    bigger = next((g for g, mem in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: kv[1])
-                   if mem * USABLE_FRACTION >= need), None)  # fmt: skip
+    bigger = smallest_holding(need)
     raise OrchError(
         f"loading needs ~{need:.1f} GiB per GPU ({loading.path}), more than one {gpu_name} holds ({capacity} GiB)"
         + (f"; use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB) or a smaller model" if bigger else

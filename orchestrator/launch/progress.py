@@ -17,8 +17,6 @@ from orchestrator.core.timeline import duration
 
 KEYS = ("step", "loss", "metric", "tok_s", "eta", "spent")
 STEP_LINE = re.compile(r"\[orch\] step (\d+)/(\d+) (.*)$")
-PLAIN = ("loss", "learning_rate", "grad_norm")
-"""What every step line starts with; the trainer's own measures follow them (train/callbacks.py)."""
 
 
 def from_log(path: Path) -> dict[str, str]:
@@ -68,7 +66,7 @@ def from_lines(text: str) -> dict[str, str]:
         if loss := re.search(r"\bloss=(\S+)", rest):
             shown["loss"] = f"{float(loss.group(1)):.4g}"
         words = rest.split(" | ", 1)[0].split()
-        if own := next((w for w in words if "=" in w and w.split("=", 1)[0] not in PLAIN), None):
+        if own := next((w for w in words if "=" in w and w.split("=", 1)[0] not in trainers.PLAIN_METRICS), None):
             shown["metric"] = own
         if rate := re.search(r"\| ([\d,]+) tok/s", rest):
             shown["tok_s"] = rate.group(1)

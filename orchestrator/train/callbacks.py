@@ -231,7 +231,7 @@ class OrchCallback(TrainerCallback):
         name = getattr(self.trainer, "orch_trainer_name", "")
         with open(self.report_dir / "log.jsonl", "a") as fh:  # `orch status` reads the last (its METRIC: the trainer's)
             fh.write(json.dumps({**record, "max_steps": state.max_steps, "trainer": name}) + "\n")
-        shown = " ".join(f"{k}={v:.6g}" for k, v in record.items() if k in ("loss", "learning_rate", "grad_norm"))
+        shown = " ".join(f"{k}={v:.6g}" for k, v in record.items() if k in trainers.PLAIN_METRICS)
         spec = trainers.SPECS.get(name)
         if shown and spec:  # how this trainer's training goes, in TRL's own words (a reward, an accuracy)
             shown += "".join(f" {k}={v:.4g}" for k, v in spec.headline(record))
