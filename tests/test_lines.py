@@ -10,6 +10,8 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
+LINES = 20000  # per writer: long enough that the two overlap even when the suite's load delays one of them (at
+# 3000 one writer could finish before the other started, and the unprotected case showed no broken line)
 WRITER = """
 import os, sys, time
 from orchestrator.core.lines import whole_lines
@@ -17,7 +19,7 @@ if sys.argv[1] == "on":
     whole_lines()
 while not os.path.exists(sys.argv[2]):  # both start writing together
     time.sleep(0.001)
-for i in range(3000):
+for i in range(int(sys.argv[3])):
     print(f"{os.getpid()} line {i} " + "x" * 60, flush=True)
 """
 
@@ -25,7 +27,8 @@ for i in range(3000):
 def broken_lines(mode: str, go) -> int:
     read, write = os.pipe()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, mode, str(go)], stdout=write, env=env) for _ in range(2)]
+    argv = [sys.executable, "-c", WRITER, mode, str(go), str(LINES)]
+    procs = [subprocess.Popen(argv, stdout=write, env=env) for _ in range(2)]
     os.close(write)
     time.sleep(0.5)
     go.touch()
@@ -33,8 +36,8 @@ def broken_lines(mode: str, go) -> int:
         text = fh.read()
     assert all(p.wait(timeout=60) == 0 for p in procs)
     lines = text.splitlines()
-    assert len(lines) <= 6000
-    return sum(not (line.count(" line ") == 1 and line.endswith("x" * 60)) for line in lines) + 6000 - len(lines)
+    assert len(lines) <= 2 * LINES
+    return sum(not (line.count(" line ") == 1 and line.endswith("x" * 60)) for line in lines) + 2 * LINES - len(lines)
 
 
 def test_each_line_is_one_write(tmp_path):
