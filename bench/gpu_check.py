@@ -15,6 +15,8 @@
    on once it drops the mask; tests/ulysses_packing.py, whose CPU run in tests/test_packed_attention.py shows SDPA
    mixing them under Ulysses). Said, not failed, where the flash-attn package is not installed.
 
+4. The head node's memory check reads the GPUs' memory from nvidia-smi: printed beside CUDA's figure.
+
 Nothing here is simulated: without a CUDA GPU it says so in one line and exits 2. Results go to docs/gpu.md by
 hand, with the versions and the date it printed.
 """
@@ -282,6 +284,7 @@ def main(argv: list[str]) -> int:
         f"{accelerate.__version__}",
         flush=True,
     )
+    print(node_gpu_memory(torch), flush=True)
     only = argv[1:] or list(STRATEGIES)
     work = Path(tempfile.mkdtemp(prefix="orch-gpu-check-"))
     for label in only:
@@ -302,6 +305,20 @@ def main(argv: list[str]) -> int:
     if "packed" in only or not argv[1:]:
         print(packed_attention(work), flush=True)
     return 0
+
+
+def node_gpu_memory(torch) -> str:
+    """What the head node's memory check (orchestrator/node/memory.py) reads from nvidia-smi, beside what CUDA reports
+    for the same GPU: they must agree, or the check measures the wrong thing."""
+    from orchestrator.node import memory
+
+    seen = memory.gpu_memory({})
+    cuda = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())) / 2**30
+    if seen is None:
+        return f"node memory check: nvidia-smi gave nothing (CUDA: {cuda:.2f} GiB): the check would say GPU unchecked"
+    gib, name = seen
+    agree = "agree" if abs(gib - cuda) <= 0.05 * cuda else "DISAGREE"
+    return f"node memory check: nvidia-smi {gib:.2f} GiB ({name}), CUDA {cuda:.2f} GiB: {agree}"
 
 
 def packed_attention(work: Path, attention: str = "flash_attention_2") -> str:

@@ -105,6 +105,8 @@ KNOBS = {
     # where the training processes run (the local backend sets cpu), and what the launch side checks before sending
     "ORCH_DEVICE": (_choice("gpu", "cpu"), "gpu or cpu"),
     "ORCH_REHEARSAL": ON_OFF,
+    # the memory checks (core/fit.py) on the launch side and the head node: off launches what they would refuse
+    "ORCH_MEMORY_CHECK": ON_OFF,
     # resume from a checkpoint trained with other settings (train/run_config.py says which)
     "ORCH_RESUME_CHANGED": ON_OFF,
     "ORCH_SHOW_NOTICES": ON_OFF,

@@ -48,8 +48,9 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
         print(
             f"memory: {checked.memory.describe()} under {preflight.label(setup)} on {setup.gpus} GPUs, "
             f"{setup.micro_batch} x {setup.seq_len} tokens per device; each {name} has "
-            f"{accelerators.memory_gib(name)} GiB"
-        )
+            f"{accelerators.memory_gib(name)} GiB" + ("" if preflight.memory_checked(launch) else
+                                                       " (ORCH_MEMORY_CHECK=off: shown, not enforced)")
+        )  # fmt: skip
     else:
         print("memory: not estimated (orch has no shape for this model: `orch plan path/to/config.json` reads one)")
     at_load = preflight.load_memory(launch, checked.memory)  # None where the line above says not estimated
@@ -77,7 +78,8 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
     print(estimate(task, plan, head.topology.total_gpus))
     check_cap(task["envs"], plan, head.topology.total_gpus)
     if at_load is not None:
-        print(preflight.check_host_memory(at_load, plan, preflight.offloaded_host_gib(launch, checked.memory)))
+        print(preflight.check_host_memory(at_load, plan, preflight.offloaded_host_gib(launch, checked.memory),
+                                          preflight.memory_checked(launch)))
     return 0
 
 
@@ -122,7 +124,7 @@ def planned(launch: Launch, checked: Checked) -> tuple[object, OrchError | None]
     check_cap(task["envs"], plan, total)
     if loading := preflight.load_memory(launch, checked.memory):
         offloaded = preflight.offloaded_host_gib(launch, checked.memory)
-        print(f"[orch] {preflight.check_host_memory(loading, plan, offloaded)}")
+        print(f"[orch] {preflight.check_host_memory(loading, plan, offloaded, preflight.memory_checked(launch))}")
     return plan, None
 
 

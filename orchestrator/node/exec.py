@@ -172,9 +172,6 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     from orchestrator.rehearsal import driver
 
     env = run_env(os.environ if env is None else env)
-    if knob(env, "ORCH_REHEARSAL", "on") == "off":
-        print("[orch] rehearsal: skipped (ORCH_REHEARSAL=off)", flush=True)
-        return 0
     cluster = from_env(env)
     if cluster.node_rank != 0:
         print(f"[orch] rehearsal: node {cluster.node_rank} leaves it to the head node", flush=True)
@@ -189,6 +186,15 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     ranks = sorted({0, min(1, cluster.nodes - 1), cluster.nodes - 1})
     plans = [plan({**env, "SKYPILOT_NODE_RANK": str(r)}, *paired) for r in ranks]
     trainer, settings = plans[0].trainer, plans[0].settings  # as plan() checked and read them
+    if not smoking:  # the recipe's own model against this node's GPUs and host memory, before it downloads
+        from orchestrator.node import memory
+
+        topo = plans[0].topology
+        print(f"[orch] {memory.check(env, trainer, settings, paired.accelerate, topo.nodes, topo.gpus_per_node)}",
+              flush=True)  # fmt: skip
+    if knob(env, "ORCH_REHEARSAL", "on") == "off":
+        print("[orch] rehearsal: skipped (ORCH_REHEARSAL=off)", flush=True)
+        return 0
     artifacts = run_smoke or smoke.plan(str(settings.get("model_name_or_path", "")), trainer)
     batch = driver.Batch(
         trainer=trainer,

@@ -27,6 +27,7 @@ Variables read (all set by SkyPilot or by the recipe's `envs:`):
   ORCH_WATCHDOG, ORCH_STALL_FLOOR, ORCH_STALL_FIRST, ORCH_STALL_BUSY  optional: the progress watchdog
                      (node/watchdog.py); ORCH_NETCHECK, ORCH_MIN_BUS_GBPS: the network check (train/netcheck.py)
   ORCH_SHOW_NOTICES  optional: on shows the third-party notices the node otherwise hides (node/output.py)
+  ORCH_MEMORY_CHECK  optional: off shows the head node's memory figures (node/memory.py) without refusing
   ORCH_RESUME_CHANGED  optional: on resumes a checkpoint trained with other settings (train/run_config.py names
                      them; without it every rank stops before step 1)
 """

@@ -1,0 +1,155 @@
+"""Does a recipe fit the memory it will get: one GPU's while training and while loading, a node's host memory while
+loading and, with CPU offload, while training. One set of rules, checked twice: by the launch side against
+SkyPilot's catalog before anything is provisioned (launch/preflight.py), and by the head node against what its own
+GPUs and host report, in the setup, before the model downloads (node/memory.py), so that a plain `sky launch` with
+other accelerators, or a Slurm job's memory limit, gets the same refusal. The figures are core/memory.py's."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from orchestrator.core import accelerators, memory, models, strategy, trainers
+from orchestrator.core.accelerate_config import AccelerateConfig
+from orchestrator.core.errors import OrchError
+from orchestrator.core.overrides import truthy
+
+# Of a GPU's memory the estimate (which counts the CUDA context and the allocator's slack) may take: what the driver
+# reports usable (an H100 shows 79.6 of its 80 GiB) less a margin.
+USABLE_FRACTION = 0.95
+# Of a node's host memory loading may take: the OS, the page cache's own slack and SkyPilot's runtime need the rest.
+HOST_USABLE_FRACTION = 0.9
+
+
+def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConfig, gpus: int) -> memory.Setup | None:
+    """What the memory model needs, from the TRL settings the script will see and the Accelerate config (TRL's and
+    PEFT's defaults where they are silent) for `gpus` training processes; None when orch has no shape for the model."""
+
+    def setting(key: str, default=None):
+        value = settings.get(key)
+        return default if value is None else value
+
+    arch = models.arch_of(str(setting("model_name_or_path", "")))
+    if arch is None:
+        return None
+    asked = strategy.of(accel)
+    peft = truthy(setting("use_peft", False))
+    targets = setting("lora_target_modules") or memory.PEFT_DEFAULT_TARGETS
+    seq, completion = int(setting("max_length", 1024)), 0
+    if trainers.spec(trainer).generates:  # prompt + completion; logits over the completion only
+        completion = int(setting("max_completion_length", 512))
+        seq = int(setting("max_prompt_length", 512)) + completion
+    return memory.Setup(
+        arch=arch,
+        trainer=trainer,
+        beta=setting("beta"),
+        method=("qlora" if truthy(setting("load_in_4bit", False)) else "lora") if peft else "full",
+        strategy=asked.sharding,
+        gpus=gpus,
+        offload=asked.offload,
+        micro_batch=int(setting("per_device_train_batch_size", 8)),
+        seq_len=seq,
+        completion_len=completion,
+        checkpointing=accel.fsdp_activation_checkpointing or truthy(setting("gradient_checkpointing", True)),
+        seq_split=asked.cp * asked.sp,
+        weights_dtype=str(setting("dtype", "float32")),
+        mixed_precision=accel.mixed,
+        lora_r=int(setting("lora_r", 16)),
+        lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
+        lora_dropout=float(setting("lora_dropout", 0.05)),
+        nested_quant=truthy(setting("use_bnb_nested_quant", False)),
+        liger=truthy(setting("use_liger_kernel", False)),
+    )
+
+
+def label(setup: memory.Setup) -> str:
+    return {"fsdp": "FSDP2", "ddp": "DDP"}.get(setup.strategy, setup.strategy.replace("zero", "ZeRO-")) + (
+        " with CPU offload" if setup.offload else ""
+    )
+
+
+def smallest_holding(gib: float) -> str | None:
+    """The known accelerator with the least memory whose usable part holds `gib`, None when none does."""
+    return next((g for g, mem in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: kv[1])
+                 if mem * USABLE_FRACTION >= gib), None)  # fmt: skip
+
+
+def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Estimate:
+    """The estimate when it fits one GPU of `capacity_gib` (`gpu` names it), else an error naming a strategy or an
+    accelerator that fits."""
+    estimate = memory.estimate(setup)
+    if estimate.gib <= capacity_gib * USABLE_FRACTION:
+        return estimate
+    fixes = []
+    for alternative, off in (("fsdp", False), ("zero3", True)):
+        other = memory.estimate(memory.with_(setup, strategy=alternative, offload=off))
+        if (alternative, off) != (setup.strategy, setup.offload) and other.gib <= capacity_gib * USABLE_FRACTION:
+            fixes.append(f"{label(other.setup)} on {setup.gpus} GPUs needs {other.describe().split(' (')[0]}")
+            break
+    bigger = smallest_holding(estimate.gib)
+    if bigger:
+        fixes.append(f"or use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB)")
+    raise OrchError(
+        f"{setup.arch.params / 1e9:.3g}B {setup.trainer} ({setup.method}, {setup.micro_batch} x {setup.seq_len} tokens "
+        f"per device) needs {estimate.describe()} under {label(setup)} on {setup.gpus} GPU(s), more than one "
+        f"{gpu} holds ({gib(capacity_gib)} GiB)" + (f"; {', '.join(fixes)}" if fixes else "")
+        + "; `orch plan` lists what fits"
+    )
+
+
+def at_load(setup: memory.Setup, per_node: int, accel: AccelerateConfig) -> memory.LoadMemory:
+    """memory.at_load for `setup` with the loading path its Accelerate config takes."""
+    return memory.at_load(setup, per_node, accel.fsdp_cpu_ram_efficient_loading, accel.fsdp_version,
+                          accel.zero3_init_flag, accel.deepspeed_param_offload)  # fmt: skip
+
+
+def check_gpu_at_load(loading: memory.LoadMemory, capacity_gib: float, gpu: str) -> None:
+    """The per-GPU peak while loading fits one GPU of `capacity_gib` (4-bit: every rank quantises the whole model onto
+    its own GPU, so more nodes do not help), else an error naming an accelerator that holds it."""
+    need = loading.gpu / memory.GIB
+    if need <= capacity_gib * USABLE_FRACTION:
+        return
+    bigger = smallest_holding(need)
+    raise OrchError(
+        f"loading needs ~{need:.1f} GiB per GPU ({loading.path}), more than one {gpu} holds ({gib(capacity_gib)} GiB)"
+        + (f"; use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB) or a smaller model" if bigger else
+           "; no known accelerator holds it: use a smaller model")
+    )  # fmt: skip
+
+
+def offloaded_gib(setup: memory.Setup | None, nodes: int) -> float:
+    """CPU offload's host memory per node while training, ZeRO-3's or FSDP's (memory.offload_host_gib); 0 without
+    offload or where orch has no shape for the model."""
+    if setup is None or not setup.offload or setup.strategy not in ("zero3", "fsdp"):
+        return 0.0
+    return memory.offload_host_gib(setup, nodes)
+
+
+def gib(value: float) -> str:
+    """12, 23.54, 0.75: a memory size in GiB as people write it."""
+    return f"{value:.2f}".rstrip("0").rstrip(".")
+
+
+def check_host(loading: memory.LoadMemory, has_gib: float | None, has_from: str, offloaded: float = 0.0) -> str:
+    """Host memory on the busiest node, at load and, with CPU offload, while training (`offloaded`, its share of the
+    offloaded states in GiB), against `has_gib` of host memory (`has_from` says whose; None: unknown, and why): a
+    line saying what was checked, or unchecked and why; an OrchError naming the fix when it does not fit."""
+    load = loading.node / memory.GIB
+    said = f"host memory at load: ~{load:.1f} GiB on the busiest node" + (
+        f"; ~{offloaded:.1f} GiB per node while training (CPU offload)" if offloaded else "")
+    need = max(load, offloaded)
+    if has_gib is None:
+        return f"{said}, unchecked: {has_from}"
+    if need <= has_gib * HOST_USABLE_FRACTION:
+        return f"{said}, fits {gib(has_gib)} GiB ({has_from})"
+    floor = math.ceil(need / HOST_USABLE_FRACTION)
+    what = (f"loading needs ~{load:.1f} GiB of host memory on the busiest node ({loading.path})" if load >= need else
+            f"CPU offload needs ~{offloaded:.1f} GiB of host memory per node while training (the node's share "
+            "of the weights and Adam's moments)")  # fmt: skip
+    raise OrchError(
+        f"{what}, more than {HOST_USABLE_FRACTION:.0%} of the {gib(has_gib)} GiB of {has_from}; set `memory: "
+        f"{floor}+` under resources in the recipe (SkyPilot then plans a node with at least that much)"
+        + (", or fsdp_cpu_ram_efficient_loading: true in the Accelerate config (rank 0 alone reads the checkpoint)"
+           if load >= need and loading.path.startswith("FSDP:") else "")
+        + (", or more nodes (--nodes: each holds a smaller share)" if load < need else "")
+    )
