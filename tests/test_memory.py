@@ -135,6 +135,22 @@ def test_the_70b_recipe_fits_its_four_nodes_and_one_node_is_refused(project):
         one.stderr, one.stderr  # fmt: skip
 
 
+def test_memory_check_off_shows_the_figures_without_refusing(project):
+    """ORCH_MEMORY_CHECK=off (a recipe env or --env), for the run the model misjudges: the launch side prints what it
+    would have refused, marked not enforced; the same knob reaches the head node's check (tests/test_node_memory.py)."""
+    from conftest import orch
+
+    args = ("llama3_70b_sft_fsdp", "--nodes", "1", "--secret", "HF_TOKEN=x", "--dry-run", "--skip-optimizer")
+    assert orch("run", *args, cwd=project).returncode == 2
+    shown = orch("run", *args, "--env", "ORCH_MEMORY_CHECK=off", cwd=project)
+    assert shown.returncode == 0, shown.stderr
+    assert re.search(r"^memory: ~\d+\.\d GiB per GPU .* under FSDP2 on 8 GPUs, .* each H100 has 80 GiB "
+                     r"\(ORCH_MEMORY_CHECK=off: shown, not enforced\)$", shown.stdout, re.M), shown.stdout  # fmt: skip
+    bad = orch("run", *args, "--env", "ORCH_MEMORY_CHECK=maybe", cwd=project)
+    assert bad.returncode == 2
+    assert bad.stderr == "orch: error: ORCH_MEMORY_CHECK='maybe': ORCH_MEMORY_CHECK takes on or off\n"
+
+
 def test_4bit_loading_is_checked_per_gpu_where_more_nodes_do_not_help(project, plan):
     """The 70B QLoRA recipe at 1 x 4096 tokens per device fits 2 nodes of 8 x L4 in steady state (that check runs
     first and passes), but every rank quantises the whole model onto its own GPU first (memory.at_load): refused
