@@ -204,3 +204,35 @@ def test_zero3_load_follows_zero_init_and_where_the_partitions_live():
     assert (on_host.other, on_host.node) == (read / 8, 2 * read) and on_gpu.gpu > on_host.gpu
     every = memory.at_load(setup, 8, cpu_ram_efficient=False, zero3_init=False)
     assert every.other == read and "without zero3_init_flag" in every.path
+
+
+@pytest.mark.unit
+def test_colocated_vllm_reserves_its_share_of_each_gpu_beside_the_trainer():
+    """TRL's colocate mode builds a vLLM engine in every training process with gpu_memory_utilization of the GPU's
+    total for itself (trl/generation/vllm_generation.py; vLLM refuses to start when that much is not free), so the
+    trainer has the rest. The GRPO recipe's earlier settings (8 x 1536 tokens, 0.35) needed 24.1 + 14.0 GiB of an
+    A100-40GB's 38 usable, and the estimate alone said they fit."""
+    from orchestrator.core import configs, fit
+    from orchestrator.core.errors import OrchError
+
+    paired = configs.load({"TRL_CONFIG": "recipes/trl/qwen25_grpo.yaml", "ACCELERATE_CONFIG": "multi_gpu"})
+    before = {**paired.trl, "per_device_train_batch_size": 8, "vllm_gpu_memory_utilization": 0.35}
+    old = fit.setup_of("grpo", before, paired.accelerate, 8)
+    assert old.vllm_share == 0.35 and memory.estimate(old).gib < 40 * fit.USABLE_FRACTION  # fits without vLLM
+    with pytest.raises(OrchError, match=r"beside colocated vLLM's 14\.0 GiB \(vllm_gpu_memory_utilization 0\.35\), "
+                       r"more than one A100 holds \(40 GiB\); vllm_gpu_memory_utilization=0\.3 .*"
+                       r"vllm_enable_sleep_mode=true .*vllm_mode=server"):  # fmt: skip
+        fit.check_gpu(old, 40, "A100")
+    now = fit.setup_of("grpo", paired.trl, paired.accelerate, 8)  # the shipped recipe: 8 x 1536, 0.3
+    assert fit.with_vllm(fit.check_gpu(now, 40, "A100"), 40) <= 40 * fit.USABLE_FRACTION
+    # TRL's default share where the config names none; none in server mode or without vLLM
+    assert fit.setup_of("grpo", {k: v for k, v in before.items() if k != "vllm_gpu_memory_utilization"},
+                        paired.accelerate, 8).vllm_share == 0.3  # fmt: skip
+    assert fit.setup_of("grpo", {**before, "vllm_mode": "server"}, paired.accelerate, 8).vllm_share == 0
+    assert fit.setup_of("grpo", {**before, "use_vllm": False}, paired.accelerate, 8).vllm_share == 0
+    assert fit.setup_of("sft", {**before, "use_vllm": True}, paired.accelerate, 8).vllm_share == 0
+    # sleep mode: the share is held only beside the trainer's states while generating
+    asleep = fit.setup_of("grpo", {**before, "vllm_enable_sleep_mode": True}, paired.accelerate, 8)
+    states = sum(memory.states(asleep).values()) / memory.GIB
+    assert fit.with_vllm(memory.estimate(asleep), 40) == max(memory.estimate(asleep).gib, states + 1 + 14)
+    fit.check_gpu(asleep, 40, "A100")

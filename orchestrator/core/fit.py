@@ -19,6 +19,8 @@ from orchestrator.core.overrides import truthy
 USABLE_FRACTION = 0.95
 # Of a node's host memory loading may take: the OS, the page cache's own slack and SkyPilot's runtime need the rest.
 HOST_USABLE_FRACTION = 0.9
+VLLM_DEFAULT_SHARE = 0.3  # TRL 1.16's vllm_gpu_memory_utilization (GRPOConfig, RLOOConfig)
+VLLM_WEIGHTS_ROOM = 1.5  # a lower vLLM share is proposed only where it holds vLLM's weights and half as much KV cache
 
 
 def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConfig, gpus: int) -> memory.Setup | None:
@@ -35,10 +37,12 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
     asked = strategy.of(accel)
     peft = truthy(setting("use_peft", False))
     targets = setting("lora_target_modules") or memory.PEFT_DEFAULT_TARGETS
-    seq, completion = int(setting("max_length", 1024)), 0
+    seq, completion, vllm_share = int(setting("max_length", 1024)), 0, 0.0
     if trainers.spec(trainer).generates:  # prompt + completion; logits over the completion only
         completion = int(setting("max_completion_length", 512))
         seq = int(setting("max_prompt_length", 512)) + completion
+        if truthy(setting("use_vllm", False)) and str(setting("vllm_mode", "colocate")) == "colocate":
+            vllm_share = float(setting("vllm_gpu_memory_utilization", VLLM_DEFAULT_SHARE))
     return memory.Setup(
         arch=arch,
         trainer=trainer,
@@ -59,6 +63,8 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         lora_dropout=float(setting("lora_dropout", 0.05)),
         nested_quant=truthy(setting("use_bnb_nested_quant", False)),
         liger=truthy(setting("use_liger_kernel", False)),
+        vllm_share=vllm_share,
+        vllm_sleeps=vllm_share > 0 and truthy(setting("vllm_enable_sleep_mode", False)),
     )
 
 
@@ -68,33 +74,67 @@ def label(setup: memory.Setup) -> str:
     )
 
 
-def smallest_holding(gib: float) -> str | None:
-    """The known accelerator with the least memory whose usable part holds `gib`, None when none does."""
+def smallest_holding(gib: float, estimate: memory.Estimate | None = None) -> str | None:
+    """The known accelerator with the least memory whose usable part holds `gib` (or `estimate` with its colocated
+    vLLM engine's reserve, which grows with the GPU), None when none does."""
     return next((g for g, mem in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: kv[1])
-                 if mem * USABLE_FRACTION >= gib), None)  # fmt: skip
+                 if mem * USABLE_FRACTION >= (with_vllm(estimate, mem) if estimate else gib)), None)  # fmt: skip
+
+
+def with_vllm(estimate: memory.Estimate, capacity_gib: float) -> float:
+    """GiB one GPU of `capacity_gib` needs at the step's peak: the trainer's estimate plus a colocated vLLM engine's
+    reserve (its share of the GPU's total); with sleep mode the engine holds it only while generating, beside the
+    trainer's states and CUDA context, and frees it for the step."""
+    setup = estimate.setup
+    reserve = setup.vllm_share * capacity_gib
+    if not setup.vllm_sleeps:
+        return estimate.gib + reserve
+    held = sum(memory.states(setup).values()) / memory.GIB + memory.CONTEXT_GIB
+    return max(estimate.gib, held + reserve)
+
+
+def vllm_words(setup: memory.Setup, capacity_gib: float) -> str:
+    """`beside colocated vLLM's 14 GiB (vllm_gpu_memory_utilization 0.35)`, or nothing without one."""
+    if not setup.vllm_share:
+        return ""
+    sleeping = "; vllm_enable_sleep_mode frees it while the trainer steps" if setup.vllm_sleeps else ""
+    return (f" beside colocated vLLM's {setup.vllm_share * capacity_gib:.1f} GiB (vllm_gpu_memory_utilization "
+            f"{setup.vllm_share:g}{sleeping})")  # fmt: skip
 
 
 def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Estimate:
-    """The estimate when it fits one GPU of `capacity_gib` (`gpu` names it), else an error naming a strategy or an
-    accelerator that fits."""
+    """The estimate when it fits one GPU of `capacity_gib` (`gpu` names it), with a colocated vLLM engine's reserve,
+    else an error naming a strategy, a vLLM setting or an accelerator that fits."""
     estimate = memory.estimate(setup)
-    if estimate.gib <= capacity_gib * USABLE_FRACTION:
+    usable = capacity_gib * USABLE_FRACTION
+    need = with_vllm(estimate, capacity_gib)
+    if need <= usable:
         return estimate
     fixes = []
+    if setup.vllm_share and estimate.gib <= usable:  # the trainer alone fits: vLLM's reserve is what does not
+        lower = math.floor((usable - estimate.gib) / capacity_gib * 20) / 20  # 0.05 steps
+        # vLLM holds its own copy of the weights in its share, and needs room for a KV cache beside it
+        floor = setup.arch.params * memory.DTYPE_BYTES.get(setup.weights_dtype, 2) * VLLM_WEIGHTS_ROOM / memory.GIB
+        fixes.append(
+            (f"vllm_gpu_memory_utilization={lower:g} (a smaller KV cache), " if lower * capacity_gib >= floor else "")
+            + ("vllm_enable_sleep_mode=true (vLLM frees its share while the trainer steps), " if not setup.vllm_sleeps
+               and with_vllm(memory.estimate(memory.with_(setup, vllm_sleeps=True)), capacity_gib) <= usable else "")
+            + "or vLLM on a node of its own (vllm_mode=server with VLLM_SERVER_NODES=1)"
+        )  # fmt: skip
     for alternative, off in (("fsdp", False), ("zero3", True)):
         other = memory.estimate(memory.with_(setup, strategy=alternative, offload=off))
-        if (alternative, off) != (setup.strategy, setup.offload) and other.gib <= capacity_gib * USABLE_FRACTION:
+        if (alternative, off) != (setup.strategy, setup.offload) and with_vllm(other, capacity_gib) <= usable:
             fixes.append(f"{label(other.setup)} on {setup.gpus} GPUs needs {other.describe().split(' (')[0]}")
             break
-    bigger = smallest_holding(estimate.gib)
+    bigger = smallest_holding(need, estimate)
     if bigger:
         fixes.append(f"or use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB)")
     raise OrchError(
         f"{setup.arch.params / 1e9:.3g}B {setup.trainer} ({setup.method}, {setup.micro_batch} x {setup.seq_len} tokens "
-        f"per device) needs {estimate.describe()} under {label(setup)} on {setup.gpus} GPU(s), more than one "
-        f"{gpu} holds ({gib(capacity_gib)} GiB)" + (f"; {', '.join(fixes)}" if fixes else "")
-        + "; `orch plan` lists what fits"
-    )
+        f"per device) needs {estimate.describe()} under {label(setup)} on {setup.gpus} GPU(s)"
+        f"{vllm_words(setup, capacity_gib)}, more than one {gpu} holds ({gib(capacity_gib)} GiB)"
+        + (f"; {', '.join(fixes)}" if fixes else "") + "; `orch plan` lists what fits"
+    )  # fmt: skip
 
 
 def at_load(setup: memory.Setup, per_node: int, accel: AccelerateConfig) -> memory.LoadMemory:

@@ -130,6 +130,13 @@ class Setup:
     lora_dropout: float = 0.05
     nested_quant: bool = False
     liger: bool = False
+    vllm_share: float = 0.0
+    """The fraction of each GPU a colocated vLLM engine reserves for itself (TRL's vllm_gpu_memory_utilization with
+    vllm_mode colocate; vLLM takes it of the GPU's total, per engine, whatever the trainer holds): core/fit.py adds
+    it to the estimate, which is the trainer's alone."""
+    vllm_sleeps: bool = False
+    """vllm_enable_sleep_mode: the engine frees its share while the trainer steps (level 2), and holds it while it
+    generates, beside the trainer's states."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.core import accelerators
+from orchestrator.core import accelerators, fit
 from orchestrator.core.errors import OrchError
 from orchestrator.core.memory import GIB
 from orchestrator.core.yamlio import dump_task
@@ -45,10 +45,11 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
         )
     if checked.memory is not None and launch.gpus is not None and launch.gpus.name:  # estimated for a named GPU
         name, setup = launch.gpus.name, checked.memory.setup
+        capacity = accelerators.memory_gib(name)
         print(
             f"memory: {checked.memory.describe()} under {preflight.label(setup)} on {setup.gpus} GPUs, "
-            f"{setup.micro_batch} x {setup.seq_len} tokens per device; each {name} has "
-            f"{accelerators.memory_gib(name)} GiB" + ("" if preflight.memory_checked(launch) else
+            f"{setup.micro_batch} x {setup.seq_len} tokens per device{fit.vllm_words(setup, capacity)}; each {name} "
+            f"has {capacity} GiB" + ("" if preflight.memory_checked(launch) else
                                                        " (ORCH_MEMORY_CHECK=off: shown, not enforced)")
         )  # fmt: skip
     else:

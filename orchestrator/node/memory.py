@@ -118,7 +118,8 @@ def _check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object],
         estimate = fit.check_gpu(setup, capacity, name)
         loading = fit.at_load(setup, per_node, accel)
         fit.check_gpu_at_load(loading, capacity, name)
-        said.append(f"~{estimate.gib:.1f} GiB per GPU training, ~{loading.gpu / GIB:.1f} GiB loading, fits "
+        said.append(f"~{estimate.gib:.1f} GiB per GPU training{fit.vllm_words(setup, capacity)}, "
+                    f"~{loading.gpu / GIB:.1f} GiB loading, fits "
                     f"{fit.gib(capacity)} GiB ({name})")  # fmt: skip
     else:
         loading = fit.at_load(setup, per_node, accel)
