@@ -6,7 +6,7 @@ import re
 import pytest
 from conftest import orch
 
-from orchestrator.launch import memory_fix
+from orchestrator.core import memory_fix
 from orchestrator.node.output import error_of, first_error
 
 pytestmark = pytest.mark.cli
@@ -89,3 +89,31 @@ def test_node_output_keeps_no_raw_control_bytes():
 
     line = "completion: \x00\x07ab\x1b[31mred\x1b[0m\tcol\r\x7f\x1f\n"
     assert printable(line) == "completion: \ufffd\ufffdab\x1b[31mred\x1b[0m\tcol\r\ufffd\ufffd\n"
+
+
+def test_a_node_whose_rank_ran_out_of_memory_names_the_fix_then_quotes_the_error(tmp_path):
+    """On a GPU cluster, plain `sky launch` included: supervise() (node/supervise.py) under a stand-in rank that fails
+    as a CUDA rank does; the fix line comes before the failure line, which stays the last, and it says how to pass the
+    fix to either launcher (the recipe's TRL_OVERRIDES kept)."""
+    import subprocess
+    import sys
+
+    rank = f"import sys; print({f'[rank1]: {CUDA_OOM}'!r}, file=sys.stderr, flush=True); sys.exit(1)"
+    runner = (
+        "import sys; from orchestrator.node.supervise import supervise; "
+        "sys.exit(supervise([sys.executable, '-c', sys.argv[1]], {'PATH': '/usr/bin:/bin', 'ORCH_WATCHDOG': 'off', "
+        "'ORCH_HOME': sys.argv[2], 'TRL_OVERRIDES': 'beta=0.1 max_length=512'}, node_rank=0, ips=('127.0.0.1',), "
+        "probe_port=1, gpus=False, settings={'per_device_train_batch_size': 8, 'gradient_accumulation_steps': 2}))"
+    )
+    done = subprocess.run([sys.executable, "-c", runner, rank, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = [x for x in (done.stdout + done.stderr).splitlines() if x.startswith("[orch]")]
+    assert lines[-2] == (
+        "[orch] out of memory: halve the per-device batch (8 -> 4) and double the accumulation (2 -> 4): the same "
+        "global batch, so the same math; or a strategy that shards more: rerun with per_device_train_batch_size=4 "
+        "gradient_accumulation_steps=4 (`orch run RECIPE per_device_train_batch_size=4 gradient_accumulation_steps=4`"
+        ", or `sky launch ... --env TRL_OVERRIDES='beta=0.1 max_length=512 per_device_train_batch_size=4 "
+        "gradient_accumulation_steps=4'`)"
+    )
+    assert lines[-1] == f"[orch] failed on node 0: accelerate exited with code 1: {CUDA_OOM}"

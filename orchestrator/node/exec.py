@@ -75,13 +75,16 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     main_port = node_plan.cluster.port or int(env_port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT))
     from orchestrator.node.supervise import supervise  # not for --print: it costs a third of its start-up
 
+    gpus = knob(env, "ORCH_DEVICE", "gpu") != "cpu"
     return supervise(
         runnable(node_plan.argv),
         child_env,
         node_rank=node_plan.cluster.node_rank,
         ips=node_plan.cluster.node_ips,
         probe_port=int(env_port(env, "ORCH_BARRIER_PORT", main_port + 1)),
-        gpus=knob(env, "ORCH_DEVICE", "gpu") != "cpu",
+        gpus=gpus,
+        # a GPU node names an out-of-memory fix itself; a local (CPU) run's launch side does, with --auto-fit
+        settings=node_plan.settings if gpus else None,
     )
 
 

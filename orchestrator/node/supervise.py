@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from orchestrator.core import credentials
+from orchestrator.core import credentials, memory_fix
 from orchestrator.core.home import orch_home, run_id
 from orchestrator.node import stacks as stack_dump
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, notice, printable, retryable
@@ -136,9 +136,11 @@ class _Relay:
 
 
 def supervise(
-    argv: list[str], env: Mapping[str, str], node_rank: int, ips: tuple[str, ...], probe_port: int, gpus: bool
+    argv: list[str], env: Mapping[str, str], node_rank: int, ips: tuple[str, ...], probe_port: int, gpus: bool,
+    settings: Mapping[str, object] | None = None,
 ) -> int:
-    """Run `argv` (accelerate launch) under the watchdog; return its exit code, or EXIT_STALLED."""
+    """Run `argv` (accelerate launch) under the watchdog; return its exit code, or EXIT_STALLED. `settings`: the TRL
+    settings the ranks run with, for the fix a rank's out-of-memory error gets (core/memory_fix.py)."""
     from orchestrator.core.knobs import knob
 
     bounds = Bounds.from_env(env)
@@ -207,6 +209,8 @@ def supervise(
                 f"(this node then saw: {error})")  # fmt: skip
             return 1
         said = f": {error}" if error else ""
+        if settings is not None and (fix := memory_fix.advice(error, settings, env)):
+            say(f"[orch] {fix}")  # before the failure line, which stays the last
         if retryable(error):  # the cluster's failure: exit 75, which a managed job recovers from
             say(f"[orch] failed on node {node_rank}: a network or GPU failure (accelerate exited with code {code}, "
                 f"orch exits {EXIT_STALLED}, retryable){said}")  # fmt: skip

@@ -28,10 +28,10 @@ class LocalBackend:
         with that fix applied."""
         import dataclasses
 
+        from orchestrator.core import memory_fix
         from orchestrator.core.accelerators import CPU, Gpus
         from orchestrator.core.accelerators import parse as parse_gpus
         from orchestrator.core.knobs import check_knobs
-        from orchestrator.launch import memory_fix
         from orchestrator.launch.backends import SkyOptions
         from orchestrator.launch.resolved import resolve
 

@@ -4,6 +4,9 @@ the math (the same global batch): the per-device batch halved and the accumulati
 Under GLOBAL_BATCH_SIZE the node computes the accumulation itself, so halving the per-device batch doubles it;
 without one, orch doubles gradient_accumulation_steps explicitly. At a per-device batch of 1 nothing is left to
 halve: the fix is a strategy that shards more (FSDP, ZeRO-3, offload) or shorter sequences.
+
+Both sides name it: a local run (launch/backends/local_backend.py, with --auto-fit's retry) and every node whose rank
+failed out of memory (node/supervise.py, `advice`), so a GPU cluster launched with plain `sky launch` gets it too.
 """
 
 from __future__ import annotations
@@ -59,3 +62,23 @@ def propose(settings: Mapping[str, object], envs: Mapping[str, str]) -> Fix:
             f"; from an odd batch of {batch} the global batch shrinks" if batch % 2 else ""
         )
     return Fix(batch, accumulation, overrides)
+
+
+def advice(error: str, settings: Mapping[str, object], envs: Mapping[str, str]) -> str:
+    """The line a node prints when its rank's first error is out of memory (empty otherwise): the fix and how to pass
+    it to either launcher (TRL_OVERRIDES keeps the words it had)."""
+    if not is_oom(error):
+        return ""
+    fix = propose(settings, envs)
+    if fix.overrides is None:
+        return f"out of memory: {fix.describe()}"
+    import shlex
+
+    words = {}
+    for word in shlex.split(envs.get("TRL_OVERRIDES", "")):
+        key, _, value = word.partition("=")
+        words[key] = value
+    words.update(fix.overrides)
+    overrides = " ".join(f"{k}={v}" for k, v in words.items())
+    return (f"out of memory: {fix.describe()}: rerun with {fix.words()} (`orch run RECIPE {fix.words()}`, or "
+            f"`sky launch ... --env TRL_OVERRIDES={shlex.quote(overrides)}`)")  # fmt: skip
