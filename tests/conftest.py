@@ -38,6 +38,22 @@ def orch(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: float =
     )
 
 
+def supervised(rank: str, home: Path, env: dict | None = None, settings: dict | None = None,
+               node_rank: int = 0) -> subprocess.CompletedProcess:  # fmt: skip
+    """node/supervise.supervise() over a stand-in rank (`python -c RANK`), in a process of its own (it makes its
+    process a child subreaper); the watchdog off, ORCH_HOME at `home`."""
+    runner = (
+        "import json, sys; from orchestrator.node.supervise import supervise; "
+        "env = {'PATH': '/usr/bin:/bin', 'ORCH_WATCHDOG': 'off', 'ORCH_HOME': sys.argv[2], **json.loads(sys.argv[3])}; "
+        "sys.exit(supervise([sys.executable, '-c', sys.argv[1]], env, node_rank=int(sys.argv[5]), ips=('127.0.0.1',), "
+        "probe_port=1, gpus=False, settings=json.loads(sys.argv[4])))"
+    )
+    import json
+
+    argv = [rank, str(home), json.dumps(env or {}), json.dumps(settings), str(node_rank)]
+    return subprocess.run([sys.executable, "-c", runner, *argv], capture_output=True, text=True, timeout=120)
+
+
 def check_snapshot(name: str, text: str) -> None:
     """Compare with tests/snapshots/<name>; UPDATE_SNAPSHOT=1 writes it (a missing snapshot is a failure)."""
     path = SNAPSHOTS / name

@@ -200,20 +200,13 @@ def test_the_relay_hides_known_notices_and_keeps_everything_else():
 
 
 def test_a_failing_node_shows_the_notices_it_held_back(tmp_path):
-    """supervise() in a process of its own (it makes its process a child subreaper)."""
-    import subprocess
+    from conftest import supervised
 
     script = (
         "print(\"Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. Please make "
         "sure you already `pip install kernels` and the kernels >= 0.11.1\", flush=True); raise ValueError('bad')"
     )
-    runner = (
-        "import sys; from orchestrator.node.supervise import supervise; "
-        "sys.exit(supervise([sys.executable, '-c', sys.argv[1]], {'PATH': '/usr/bin:/bin', 'ORCH_WATCHDOG': 'off', "
-        "'ORCH_HOME': sys.argv[2]}, node_rank=0, ips=('127.0.0.1',), probe_port=1, gpus=False))"
-    )
-    done = subprocess.run([sys.executable, "-c", runner, script, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = supervised(script, tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "Failed to load CPU gemm_4bit_forward" in done.stdout  # a failing node hides nothing
     assert "[orch] failed on node 0: accelerate exited with code 1: ValueError: bad" in done.stdout + done.stderr

@@ -95,18 +95,11 @@ def test_a_node_whose_rank_ran_out_of_memory_names_the_fix_then_quotes_the_error
     """On a GPU cluster, plain `sky launch` included: supervise() (node/supervise.py) under a stand-in rank that fails
     as a CUDA rank does; the fix line comes before the failure line, which stays the last, and it says how to pass the
     fix to either launcher (the recipe's TRL_OVERRIDES kept)."""
-    import subprocess
-    import sys
+    from conftest import supervised
 
     rank = f"import sys; print({f'[rank1]: {CUDA_OOM}'!r}, file=sys.stderr, flush=True); sys.exit(1)"
-    runner = (
-        "import sys; from orchestrator.node.supervise import supervise; "
-        "sys.exit(supervise([sys.executable, '-c', sys.argv[1]], {'PATH': '/usr/bin:/bin', 'ORCH_WATCHDOG': 'off', "
-        "'ORCH_HOME': sys.argv[2], 'TRL_OVERRIDES': 'beta=0.1 max_length=512'}, node_rank=0, ips=('127.0.0.1',), "
-        "probe_port=1, gpus=False, settings={'per_device_train_batch_size': 8, 'gradient_accumulation_steps': 2}))"
-    )
-    done = subprocess.run([sys.executable, "-c", runner, rank, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = supervised(rank, tmp_path, env={"TRL_OVERRIDES": "beta=0.1 max_length=512"},
+                      settings={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2})  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     lines = [x for x in (done.stdout + done.stderr).splitlines() if x.startswith("[orch]")]
     assert lines[-2] == (
