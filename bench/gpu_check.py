@@ -312,7 +312,7 @@ def node_gpu_memory(torch) -> str:
     for the same GPU: they must agree, or the check measures the wrong thing."""
     from orchestrator.node import memory
 
-    seen = memory.gpu_memory({})
+    seen = memory.gpu_memory()
     cuda = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())) / 2**30
     if seen is None:
         return f"node memory check: nvidia-smi gave nothing (CUDA: {cuda:.2f} GiB): the check would say GPU unchecked"

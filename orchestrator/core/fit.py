@@ -74,9 +74,9 @@ def label(setup: memory.Setup) -> str:
     )
 
 
-def smallest_holding(gib: float, estimate: memory.Estimate | None = None) -> str | None:
-    """The known accelerator with the least memory whose usable part holds `gib` (or `estimate` with its colocated
-    vLLM engine's reserve, which grows with the GPU), None when none does."""
+def smallest_holding(gib: float = 0.0, *, estimate: memory.Estimate | None = None) -> str | None:
+    """The known accelerator with the least memory whose usable part holds `gib`, or else `estimate` with its colocated
+    vLLM engine's reserve (which grows with the GPU); None when none does."""
     return next((g for g, mem in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: kv[1])
                  if mem * USABLE_FRACTION >= (with_vllm(estimate, mem) if estimate else gib)), None)  # fmt: skip
 
@@ -126,7 +126,7 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
         if (alternative, off) != (setup.strategy, setup.offload) and with_vllm(other, capacity_gib) <= usable:
             fixes.append(f"{label(other.setup)} on {setup.gpus} GPUs needs {other.describe().split(' (')[0]}")
             break
-    bigger = smallest_holding(need, estimate)
+    bigger = smallest_holding(estimate=estimate)
     if bigger:
         fixes.append(f"or use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB)")
     raise OrchError(

@@ -74,11 +74,8 @@ def advice(error: str, settings: Mapping[str, object], envs: Mapping[str, str]) 
         return f"out of memory: {fix.describe()}"
     import shlex
 
-    words = {}
-    for word in shlex.split(envs.get("TRL_OVERRIDES", "")):
-        key, _, value = word.partition("=")
-        words[key] = value
-    words.update(fix.overrides)
-    overrides = " ".join(f"{k}={v}" for k, v in words.items())
+    from orchestrator.core import overrides
+
+    words = overrides.dumps({**overrides.loads(envs.get("TRL_OVERRIDES", "")), **fix.overrides})
     return (f"out of memory: {fix.describe()}: rerun with {fix.words()} (`orch run RECIPE {fix.words()}`, or "
-            f"`sky launch ... --env TRL_OVERRIDES={shlex.quote(overrides)}`)")  # fmt: skip
+            f"`sky launch ... --env TRL_OVERRIDES={shlex.quote(words)}`)")  # fmt: skip

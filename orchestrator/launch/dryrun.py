@@ -78,9 +78,8 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
     print(describe(plan))
     print(estimate(task, plan, head.topology.total_gpus))
     check_cap(task["envs"], plan, head.topology.total_gpus)
-    if at_load is not None:
-        print(preflight.check_host_memory(at_load, plan, preflight.offloaded_host_gib(launch, checked.memory),
-                                          preflight.memory_checked(launch)))
+    if host := preflight.check_host_memory(launch, checked.memory, plan):
+        print(host)
     return 0
 
 
@@ -123,9 +122,8 @@ def planned(launch: Launch, checked: Checked) -> tuple[object, OrchError | None]
     print(f"[orch] SkyPilot's plan: {describe(plan)}")
     print(f"[orch] {estimate(task, plan, total)}")
     check_cap(task["envs"], plan, total)
-    if loading := preflight.load_memory(launch, checked.memory):
-        offloaded = preflight.offloaded_host_gib(launch, checked.memory)
-        print(f"[orch] {preflight.check_host_memory(loading, plan, offloaded, preflight.memory_checked(launch))}")
+    if host := preflight.check_host_memory(launch, checked.memory, plan):
+        print(f"[orch] {host}")
     return plan, None
 
 

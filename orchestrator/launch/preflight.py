@@ -41,12 +41,14 @@ def check_memory(setup: memory.Setup, gpu_name: str) -> memory.Estimate:
     return fit.check_gpu(setup, accelerators.memory_gib(gpu_name), gpu_name)
 
 
-def check_host_memory(loading: memory.LoadMemory, plan, offloaded_gib: float = 0.0, checked: bool = True) -> str:
-    """core.fit.check_host against the planned node's memory (SkyPilot's `PlanResult`); unless `checked`, the
-    figures only (ORCH_MEMORY_CHECK=off)."""
-    if not checked:
-        return fit.check_host(loading, None, "ORCH_MEMORY_CHECK=off", offloaded_gib)
-    return fit.check_host(loading, plan.memory_gib, plan.memory_from, offloaded_gib)
+def check_host_memory(launch, estimate: memory.Estimate | None, plan) -> str | None:
+    """core.fit.check_host for the launch's load and CPU offload figures against the planned node's memory (SkyPilot's
+    `PlanResult`), or the figures only under ORCH_MEMORY_CHECK=off; None where orch has no figure (load_memory)."""
+    loading = load_memory(launch, estimate)
+    if loading is None:
+        return None
+    has, whose = (plan.memory_gib, plan.memory_from) if memory_checked(launch) else (None, "ORCH_MEMORY_CHECK=off")
+    return fit.check_host(loading, has, whose, offloaded_host_gib(launch, estimate))
 
 
 def offloaded_host_gib(launch, estimate: memory.Estimate | None) -> float:

@@ -2,7 +2,8 @@
 against what this node reports, not a catalog's figure: its GPUs' memory (nvidia-smi), and its host memory (MemTotal,
 or the cgroup's limit where that is lower: a Slurm job's `--mem`, a container's). The launch side checks the same
 rules against SkyPilot's catalog; this one also covers a plain `sky launch` with other accelerators (`--gpus L4:8`)
-and a node whose memory the catalog does not know. ORCH_MEMORY_CHECK=off skips both."""
+and a node whose memory the catalog does not know. ORCH_MEMORY_CHECK=off skips this one (the launch side then shows
+its figures without refusing)."""
 
 from __future__ import annotations
 
@@ -67,9 +68,9 @@ def cgroup_limit(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/c
     return min(found) if found else None
 
 
-def gpu_memory(env: Mapping[str, str]) -> tuple[float, str] | None:
-    """(GiB, name) of this node's smallest GPU, from nvidia-smi; None on a CPU node or where nvidia-smi is absent."""
-    if knob(env, "ORCH_DEVICE", "gpu") == "cpu" or not shutil.which("nvidia-smi"):
+def gpu_memory() -> tuple[float, str] | None:
+    """(GiB, name) of this node's smallest GPU, from nvidia-smi; None where nvidia-smi is absent or says nothing."""
+    if not shutil.which("nvidia-smi"):
         return None
     try:
         out = subprocess.run(
@@ -111,19 +112,17 @@ def _check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object],
         return f"memory: not checked ({exc})"
     if setup is None:
         return f"memory: not checked (orch has no shape for {settings.get('model_name_or_path')})"
-    said = []
-    gpu = gpu_memory(env)
+    loading = fit.at_load(setup, per_node, accel)
+    on_gpus = knob(env, "ORCH_DEVICE", "gpu") != "cpu"
+    gpu = gpu_memory() if on_gpus else None
     if gpu is not None:
         capacity, name = gpu
         estimate = fit.check_gpu(setup, capacity, name)
-        loading = fit.at_load(setup, per_node, accel)
         fit.check_gpu_at_load(loading, capacity, name)
-        said.append(f"~{estimate.gib:.1f} GiB per GPU training{fit.vllm_words(setup, capacity)}, "
-                    f"~{loading.gpu / GIB:.1f} GiB loading, fits "
-                    f"{fit.gib(capacity)} GiB ({name})")  # fmt: skip
+        said = (f"~{estimate.gib:.1f} GiB per GPU training{fit.vllm_words(setup, capacity)}, ~{loading.gpu / GIB:.1f} "
+                f"GiB loading, fits {fit.gib(capacity)} GiB ({name})")  # fmt: skip
     else:
-        loading = fit.at_load(setup, per_node, accel)
-        said.append("GPU unchecked (no nvidia-smi)" if knob(env, "ORCH_DEVICE", "gpu") != "cpu" else "CPU processes")
+        said = "GPU unchecked (no nvidia-smi)" if on_gpus else "CPU processes"
     has, whose = host_memory()
-    said.append(fit.check_host(loading, has, whose, fit.offloaded_gib(setup, nodes)))
-    return f"memory ({fit.label(setup)}, {nodes} x {per_node}): " + "; ".join(said)
+    host = fit.check_host(loading, has, whose, fit.offloaded_gib(setup, nodes))
+    return f"memory ({fit.label(setup)}, {nodes} x {per_node}): {said}; {host}"
