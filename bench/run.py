@@ -386,6 +386,9 @@ def main() -> int:
             f"<= 1.05: {'PASS' if cost <= 1.05 else 'FAIL'}",
         )
     )
+    import warm  # (f2): a new node's ranks with and without the setup's bytecode warm-up
+
+    rows += warm.rows(project, TRAIN_RUNS)
     shutil.rmtree(project, ignore_errors=True)
 
     import first_step  # (g), on the SkyPilot bed

@@ -14,7 +14,8 @@
 # 4. The recipe's model and dataset, downloaded once per node in parallel into the Hugging Face cache the training
 #    processes read (python -m orchestrator.train.prefetch), while the head node rehearses the cluster's rank roles
 #    against accelerate, TRL and transformers (orch node --rehearse; ORCH_REHEARSAL=off skips it). A failed
-#    rehearsal stops the download and the setup.
+#    rehearsal stops the download and the setup. The other nodes' `orch node --rehearse` compiles what their ranks
+#    import (uv installs without bytecode), once per environment.
 # With ORCH_TRACK set (orch run --track), the `track` extra (Trackio) is added to EXTRAS.
 # Timings go to $ORCH_HOME/setup.times for the time-to-first-step breakdown.
 set -euo pipefail

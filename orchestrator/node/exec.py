@@ -178,6 +178,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     cluster = from_env(env)
     if cluster.node_rank != 0:
         print(f"[orch] rehearsal: node {cluster.node_rank} leaves it to the head node", flush=True)
+        _warm(env, env.get("TRL_TRAINER", ""))
         return 0
     # A smoke run's tiny model and data are the ones the rehearsal swaps in: its own process builds them, as it
     # imports the training stack anyway (one process fewer on the head node, ~4 s here); `orch node` builds them
@@ -197,6 +198,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
               flush=True)  # fmt: skip
     if knob(env, "ORCH_REHEARSAL", "on") == "off":
         print("[orch] rehearsal: skipped (ORCH_REHEARSAL=off)", flush=True)
+        _warm(env, trainer)
         return 0
     artifacts = run_smoke or smoke.plan(str(settings.get("model_name_or_path", "")), trainer)
     batch = driver.Batch(
@@ -220,7 +222,17 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
                 + (f"; {fix}" if fix else "")
             )
     print(f"[orch] {driver.summary(outcomes, cluster.total_gpus, batch)}", flush=True)
+    _warm(env, trainer)  # a cached rehearsal imported nothing
     return 0
+
+
+def _warm(env: Mapping[str, str], trainer: str) -> None:
+    """This node's ranks' imports compiled now, where no process on it has yet (node/warm.py)."""
+    from orchestrator.node import warm
+
+    line = warm.stack(env, trainer)
+    if line:
+        print(f"[orch] {line}", flush=True)
 
 
 def setup_times(env: Mapping[str, str]) -> dict[str, float]:
