@@ -142,7 +142,8 @@ commands = st.one_of(
     st.just(["ls"]),
     st.tuples(st.just("plan"), st.sampled_from(["model", "model/config.json", "Qwen/Qwen2.5-0.5B-Instruct"]),
               st.lists(st.sampled_from(["--gpus", "--batch", "--max-length", "--max-nodes", "--gpus-per-node",
-                                        "--lora-r"]).flatmap(lambda f: st.tuples(st.just(f), words)),
+                                        "--lora-r", "--vllm-colocate", "--trainer"]).flatmap(
+                                            lambda f: st.tuples(st.just(f), words)),
                        max_size=2)).map(lambda t: [t[0], t[1], *[w for pair in t[2] for w in pair]]),
 )  # fmt: skip
 SIZES = ["num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size",

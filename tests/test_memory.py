@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from orchestrator import cli
-from orchestrator.core import memory, models
+from orchestrator.core import fit, memory, models
 
 pytestmark = pytest.mark.unit
 
@@ -236,3 +236,47 @@ def test_colocated_vllm_reserves_its_share_of_each_gpu_beside_the_trainer():
     states = sum(memory.states(asleep).values()) / memory.GIB
     assert fit.with_vllm(memory.estimate(asleep), 40) == max(memory.estimate(asleep).gib, states + 1 + 14)
     fit.check_gpu(asleep, 40, "A100")
+
+
+def _plan_rows(out: str) -> dict[str, tuple[str, str, float, float]]:
+    """`orch plan`'s table: accelerator -> (nodes, strategy, GiB per GPU, the GPU's GiB)."""
+    rows = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines()[2:] if re.match(r"^\S+\s{2,}\d+ x ", line)]
+    return {r[0]: (r[1], r[2], float(r[3]), float(r[4])) for r in rows}
+
+
+@pytest.mark.unit
+def test_plan_counts_colocated_vllm_as_the_launch_check_does(plan):
+    """`orch plan --trainer grpo` ignored a colocated vLLM engine's share of every GPU, which the launch check counts
+    (core/fit.with_vllm): it listed an L4 for GRPO that vLLM's share leaves no room on."""
+    args = ("Qwen/Qwen2.5-1.5B-Instruct", "--trainer", "grpo", "--batch", "8", "--max-length", "1536")
+    bare, colocated = plan(*args), plan(*args, "--vllm-colocate", "0.35")
+    assert bare.returncode == 0 and colocated.returncode == 0, bare.stderr + colocated.stderr
+    assert colocated.stdout.splitlines()[0].endswith(", colocated vLLM holding 0.35 of each GPU")
+    without, beside = _plan_rows(bare.stdout), _plan_rows(colocated.stdout)
+    assert without.keys() == beside.keys() and len(beside) > 10
+    moved = 0
+    for gpu, (nodes, strategy, gib, capacity) in beside.items():
+        assert gib <= capacity * fit.USABLE_FRACTION, gpu  # what it lists fits, vLLM's share included
+        if (nodes, strategy) == without[gpu][:2]:  # the same configuration: exactly the share more
+            assert gib == pytest.approx(without[gpu][2] + 0.35 * capacity, abs=0.11), gpu
+        else:  # the trainer alone fitted there; with vLLM's share it needs more nodes or a sharded strategy
+            assert without[gpu][2] + 0.35 * capacity > capacity * fit.USABLE_FRACTION, gpu
+            moved += 1
+    assert moved >= 2  # (the V100-32GB leaves DDP, the T4 needs a second node)
+    # sleep mode holds the share only beside the states while generating: never more than without it
+    asleep = _plan_rows(plan(*args, "--vllm-colocate", "0.35", "--vllm-sleep").stdout)
+    assert all(asleep[g][2] <= beside[g][2] + 0.11 or asleep[g][:2] != beside[g][:2] for g in beside)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("extra, message", [
+    (("--vllm-colocate", "0.3"), "--vllm-colocate: sft does not generate; vLLM serves grpo and rloo"),
+    (("--trainer", "grpo", "--vllm-colocate", "0"), "--vllm-colocate 0: give the share of a GPU's memory"),
+    (("--trainer", "grpo", "--vllm-colocate", "1.5"), "--vllm-colocate 1.5: give the share"),
+    (("--trainer", "grpo", "--vllm-colocate", "nan"), "--vllm-colocate nan: give the share"),
+    (("--trainer", "rloo", "--vllm-sleep"), "--vllm-sleep goes with --vllm-colocate"),
+])  # fmt: skip
+def test_plan_refuses_a_vllm_share_that_cannot_be(plan, extra, message):
+    done = plan("Qwen/Qwen2.5-0.5B-Instruct", *extra)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"orch: error: {message}") and len(done.stderr.splitlines()) == 1, done.stderr

@@ -12,6 +12,7 @@ examples:
   orch plan meta-llama/Llama-3.1-70B-Instruct --trainer sft --max-length 4096
   orch plan meta-llama/Llama-3.1-8B-Instruct --peft lora --batch 4 --max-length 2048
   orch plan meta-llama/Llama-3.1-70B-Instruct --peft qlora --liger
+  orch plan Qwen/Qwen3-8B --trainer grpo --batch 4 --vllm-colocate 0.3   # vLLM holds 0.3 of every GPU
   orch plan ./my-model/config.json --trainer dpo        # any decoder model's config.json
 
 The estimate (orchestrator/core/memory.py, docs/design.md) counts weights, gradients, optimizer states,
@@ -40,6 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="dtype the weights are loaded in (TRL's dtype)")
     parser.add_argument("--nested-quant", action="store_true", help="QLoRA with nested quantisation")
+    parser.add_argument("--vllm-colocate", type=float, metavar="SHARE",
+                        help="grpo/rloo generating with vLLM inside each training process (TRL's vllm_mode colocate): "
+                        "the share of every GPU's memory it holds (vllm_gpu_memory_utilization; TRL's default 0.3)")
+    parser.add_argument("--vllm-sleep", action="store_true",
+                        help="with --vllm-colocate: vllm_enable_sleep_mode (vLLM frees its share while the trainer "
+                        "steps)")  # fmt: skip
     parser.add_argument("--strategy", choices=("ddp", "zero1", "zero2", "zero3", "fsdp"),
                         help="with --gpus: estimate this one configuration, part by part, instead of the table")
     parser.add_argument("--gpus", type=int, help="with --strategy: the total number of GPUs")
@@ -52,12 +59,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     from orchestrator.commands import print_table
     from orchestrator.core import accelerators, memory, models
+    from orchestrator.core import fit as fit_rules
     from orchestrator.core.errors import OrchError
     from orchestrator.launch import preflight
 
     for flag in ("max_length", "batch", "lora_r", "gpus_per_node", "max_nodes", "gpus"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise OrchError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a positive whole number")
+    if args.vllm_colocate is not None:
+        if not trainers.spec(args.trainer).generates:
+            raise OrchError(f"--vllm-colocate: {args.trainer} does not generate; vLLM serves grpo and rloo "
+                            "(--trainer grpo)")  # fmt: skip
+        if not 0 < args.vllm_colocate <= 1:
+            raise OrchError(f"--vllm-colocate {args.vllm_colocate:g}: give the share of a GPU's memory vLLM holds, "
+                            "above 0 and at most 1 (TRL's default 0.3)")  # fmt: skip
+    elif args.vllm_sleep:
+        raise OrchError("--vllm-sleep goes with --vllm-colocate: e.g. --vllm-colocate 0.3 --vllm-sleep")
     if (args.strategy is None) != (args.gpus is None):
         raise OrchError("--strategy and --gpus go together: e.g. --strategy fsdp --gpus 16")
     arch = models.arch_of(args.model)
@@ -79,15 +96,20 @@ def main(args: argparse.Namespace) -> int:
         liger=args.liger,
         weights_dtype=args.dtype,
         nested_quant=args.nested_quant,
+        vllm_share=args.vllm_colocate or 0.0,
+        vllm_sleeps=args.vllm_sleep,
     )
     what = {"full": "full fine-tune", "lora": f"LoRA r{args.lora_r}", "qlora": f"QLoRA (NF4) r{args.lora_r}"}
     print(
         f"{args.model}: {arch.params / 1e9:.1f}B parameters, {args.trainer} {what[base.method]}, {args.batch} x "
         f"{args.max_length} tokens per GPU, activation checkpointing {'off' if args.no_checkpointing else 'on'}"
-    )
+        + (f", colocated vLLM holding {args.vllm_colocate:g} of each GPU"
+           + (" while generating (sleep mode)" if args.vllm_sleep else "") if args.vllm_colocate else "")
+    )  # fmt: skip
     if args.strategy:
         one = memory.estimate(memory.with_(base, strategy=args.strategy, gpus=args.gpus, offload=args.offload))
-        print(f"{preflight.label(one.setup)} on {args.gpus} GPU(s): {one.describe()}")
+        beside = f", plus colocated vLLM's {args.vllm_colocate:g} of the GPU's memory" if args.vllm_colocate else ""
+        print(f"{preflight.label(one.setup)} on {args.gpus} GPU(s): {one.describe()}{beside}")
         return 0
     per_node = args.gpus_per_node
     from orchestrator.launch import backends
@@ -96,14 +118,19 @@ def main(args: argparse.Namespace) -> int:
     rows = [("ACCELERATOR", "NODES", "STRATEGY", "GIB/GPU", "OF", "$/H", "INSTANCE", "FEWER NODES WITH CPU OFFLOAD")]
     for name, capacity in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: (-kv[1], kv[0])):
         usable = capacity * preflight.USABLE_FRACTION
-        fit = memory.smallest_fit(base, usable, per_node, args.max_nodes)
+
+        def need(estimate: memory.Estimate, capacity: float = capacity) -> float:  # with vLLM's share of this GPU
+            return fit_rules.with_vllm(estimate, capacity)
+
+        fit = memory.smallest_fit(base, usable, per_node, args.max_nodes, need=need)
         price = prices.get(name)
         offload = ""
         if fit is None or fit.nodes > 1:  # ZeRO-3 offload trades host memory (and speed) for nodes
-            off = memory.smallest_fit(base, usable, per_node, (fit.nodes - 1) if fit else args.max_nodes, offload=True)
+            off = memory.smallest_fit(base, usable, per_node, (fit.nodes - 1) if fit else args.max_nodes, offload=True,
+                                      need=need)  # fmt: skip
             if off is not None:
                 host = memory.offload_host_gib(off.estimate.setup, off.nodes)
-                offload = f"{off.nodes} x {per_node}: ~{off.estimate.gib:.0f} GiB/GPU, ~{host:,.0f} GiB host RAM/node"
+                offload = f"{off.nodes} x {per_node}: ~{need(off.estimate):.0f} GiB/GPU, ~{host:,.0f} GiB host RAM/node"
         if fit is None:
             one_node = memory.with_(base, gpus=per_node)
             loading = memory.at_load(one_node, per_node, cpu_ram_efficient=True).gpu / memory.GIB
@@ -112,8 +139,9 @@ def main(args: argparse.Namespace) -> int:
             rows.append((name, "-", why, "", str(capacity), "", "", offload))
             continue
         dollars = f"{price[0] * fit.nodes:.2f}" if price else "-"
-        rows.append((name, f"{fit.nodes} x {per_node}", preflight.label(fit.estimate.setup), f"{fit.estimate.gib:.1f}",
-                     str(capacity), dollars, price[1] if price else "", offload))  # fmt: skip
+        instance = price[1] if price else ""
+        rows.append((name, f"{fit.nodes} x {per_node}", preflight.label(fit.estimate.setup),
+                     f"{need(fit.estimate):.1f}", str(capacity), dollars, instance, offload))  # fmt: skip
     print_table(rows)
     if not prices:
         print("$/h: SkyPilot's catalog is not on this machine (`sky show-gpus` fetches it)")

@@ -20,6 +20,7 @@ against published measurements.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from orchestrator.core import trainers
@@ -267,16 +268,19 @@ class Fit:
     estimate: Estimate
 
 
-def smallest_fit(base: Setup, capacity_gib: float, gpus_per_node: int, max_nodes: int, offload: bool = False):
+def smallest_fit(base: Setup, capacity_gib: float, gpus_per_node: int, max_nodes: int, offload: bool = False,
+                 need: Callable[[Estimate], float] | None = None):  # fmt: skip
     """The fewest nodes, and at that count the fastest strategy, whose estimate and peak while loading (at_load: 4-bit
     puts the whole quantised model on every GPU) fit `capacity_gib`; None when nothing does up to max_nodes. With
-    offload, ZeRO-3 with CPU offload only."""
+    offload, ZeRO-3 with CPU offload only. `need`: GiB one GPU needs at the step's peak for an estimate, where more
+    than the estimate shares the GPU (core/fit.with_vllm: a colocated vLLM engine)."""
     strategies = ("zero3",) if offload else STRATEGIES
     for nodes in range(1, max_nodes + 1):
         for strategy in strategies:
             estimate_ = estimate(replace(base, strategy=strategy, offload=offload, gpus=nodes * gpus_per_node))
             loading = at_load(estimate_.setup, gpus_per_node, cpu_ram_efficient=True, params_on_host=offload)
-            if estimate_.gib <= capacity_gib and loading.gpu / GIB <= capacity_gib:
+            peak = need(estimate_) if need else estimate_.gib
+            if peak <= capacity_gib and loading.gpu / GIB <= capacity_gib:
                 return Fit(nodes, estimate_)
     return None
 
