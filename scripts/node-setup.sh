@@ -14,8 +14,8 @@
 # 4. The recipe's model and dataset, downloaded once per node in parallel into the Hugging Face cache the training
 #    processes read (python -m orchestrator.train.prefetch), while the head node rehearses the cluster's rank roles
 #    against accelerate, TRL and transformers (orch node --rehearse; ORCH_REHEARSAL=off skips it). A failed
-#    rehearsal stops the download and the setup. The other nodes' `orch node --rehearse` compiles what their ranks
-#    import (uv installs without bytecode), once per environment.
+#    rehearsal stops the download and the setup. After an install, the other nodes' `orch node --rehearse --warm`
+#    compiles what their ranks import (uv installs without bytecode).
 # With ORCH_TRACK set (orch run --track), the `track` extra (Trackio) is added to EXTRAS.
 # Timings go to $ORCH_HOME/setup.times for the time-to-first-step breakdown.
 set -euo pipefail
@@ -69,9 +69,11 @@ elif ! { exec 9>"$ORCH_VENV.lock"; } 2>/dev/null; then
 else
   flock 9 && locked=1
 fi
+installed_here=
 if [ -f "$stamp" ]; then
   say "$ORCH_VENV already holds uv.lock's orch[$extras] (a reused cluster): nothing to install"
 else
+  installed_here=1
   # 2. the environment
   if [ ! -x "$ORCH_VENV/bin/python" ]; then
     image_python=$(command -v python3 || true)
@@ -136,7 +138,9 @@ if [ -z "${ORCH_SKIP_PREFETCH:-}" ]; then
     --times "$times" &
   fetching=$!
 fi
-"$ORCH_VENV/bin/orch" node --rehearse --times "$times" &
+# --warm: this setup installed the environment, which uv leaves without bytecode; where no rehearsal here imports the
+# training stack (every node but the head), orch node compiles what the ranks import, so they do not after the launch
+"$ORCH_VENV/bin/orch" node --rehearse --times "$times" ${installed_here:+--warm} &
 rehearsing=$!
 while [ -n "$fetching$rehearsing" ]; do
   for job in rehearsing fetching; do

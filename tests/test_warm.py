@@ -41,9 +41,10 @@ def compiled(prefix: Path) -> set[Path]:
     return {p.relative_to(root) for p in root.rglob("*.pyc")} if root.exists() else set()
 
 
-def rehearse(env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", "node", "--rehearse"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+def rehearse(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
+    """`orch node --rehearse --warm` as node-setup.sh runs it after installing the environment."""
+    return subprocess.run([sys.executable, "-m", "orchestrator", "node", "--rehearse", *(flags or ("--warm",))],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
 @pytest.mark.e2e
@@ -61,7 +62,7 @@ def test_a_worker_node_compiles_what_its_ranks_import_once_and_they_compile_noth
     warmed = compiled(prefix)
     for package in WARMED:
         assert any(p.parts[0] == package for p in warmed), package
-    # A reused node pays nothing: the sentinels' bytecode is there.
+    # A reused node pays nothing: the sentinels' bytecode is there (and its setup installs nothing, so it does not ask).
     again = rehearse(env)
     assert again.returncode == 0 and again.stdout == "[orch] rehearsal: node 1 leaves it to the head node\n", again
     # The ranks of a real 2-node run on that environment (the launcher, FSDP2, DPO with its reference model, the
@@ -77,6 +78,14 @@ def test_a_worker_node_compiles_what_its_ranks_import_once_and_they_compile_noth
 
 @pytest.mark.cli
 def test_nothing_to_warm_says_nothing_and_bytecode_nobody_keeps_is_named(tmp_path):
+    # a setup that installed nothing (a reused node, or one whose shared environment another node installed, which
+    # the head's rehearsal compiles) does not ask for it
+    unasked = rehearse(worker_env(tmp_path / "empty"), "--times", str(tmp_path / "setup.times"))
+    assert unasked.returncode == 0 and unasked.stdout == "[orch] rehearsal: node 1 leaves it to the head node\n"
+    alone = subprocess.run([sys.executable, "-m", "orchestrator", "node", "--warm"], cwd=ROOT, env=worker_env(tmp_path),
+                           capture_output=True, text=True)  # fmt: skip
+    assert alone.returncode == 2 and alone.stderr == ("orch: error: --warm goes with --rehearse (scripts/node-setup.sh "
+                                                      "passes both after an install)\n")  # fmt: skip
     warm_env = worker_env(tmp_path / "unused")
     warm_env.pop("PYTHONPYCACHEPREFIX")  # this environment, compiled by make install
     quiet = rehearse(warm_env)
@@ -99,7 +108,7 @@ def test_a_read_only_bytecode_directory_is_named_not_warmed(tmp_path):
     prefix = tmp_path / "pycache"
     prefix.mkdir()
     script = (f"mount --bind {prefix} {prefix} && mount -o remount,ro,bind {prefix} && "
-              f"exec {sys.executable} -m orchestrator node --rehearse")  # fmt: skip
+              f"exec {sys.executable} -m orchestrator node --rehearse --warm")  # fmt: skip
     done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], cwd=ROOT,
                           env=worker_env(prefix), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -112,7 +121,7 @@ def test_a_stopped_setup_stops_the_warm_up_and_leaves_nothing(tmp_path):
     """node-setup.sh stops `orch node --rehearse` (SIGTERM) when the download fails first: the importing process goes
     with it."""
     env = worker_env(new_node_prefix(tmp_path / "pycache"))
-    node = subprocess.Popen([sys.executable, "-m", "orchestrator", "node", "--rehearse"], cwd=ROOT, env=env,
+    node = subprocess.Popen([sys.executable, "-m", "orchestrator", "node", "--rehearse", "--warm"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
     def warming() -> list[int]:  # this test's importing process (its prefix in its environment)

@@ -60,6 +60,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "instead of printing it when it refuses (scripts/node-setup.sh's setup.times; the setup prints it)",
     )
     parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="with --rehearse: also compile what this node's training processes import, where this environment "
+        "lacks their bytecode and no rehearsal here imported them (scripts/node-setup.sh passes it when its setup "
+        "installed the environment: uv writes no bytecode)",
+    )
+    parser.add_argument(
         "--recipe",
         metavar="FILE",
         help="take the recipe's envs from FILE (where no SkyPilot passes them: Slurm, an operator, by hand); this "
@@ -114,11 +121,13 @@ def main(args: argparse.Namespace) -> int:
         env["TRL_OVERRIDES"] = overrides.dumps(words)
     if args.times and not args.rehearse:
         raise OrchError("--times goes with --rehearse (scripts/node-setup.sh records when the rehearsal ended)")
+    if args.warm and not args.rehearse:
+        raise OrchError("--warm goes with --rehearse (scripts/node-setup.sh passes both after an install)")
     if args.rehearse:
         from orchestrator.core.timeline import record
 
         try:
-            code = node_exec.rehearse(env)
+            code = node_exec.rehearse(env, warm=args.warm)
         except OrchError as exc:
             if not args.times:
                 raise
