@@ -261,7 +261,9 @@ def test_no_input_gets_a_traceback_a_stray_file_or_a_stray_process(scratch, monk
     one()
     print(f"fuzz: {seen}")
     assert seen["examples"] >= EXAMPLES * 0.9, seen  # Hypothesis ran (nearly) all of them
-    assert seen.get("run exit 0", 0) >= EXAMPLES * 0.05, seen  # some launches got through every check to the dry run
+    # some launches got through every check to the dry run. Hypothesis' draws vary from one process to the next even
+    # derandomized (its engine adapts); at 300 examples 13 and 18 of 62 and 104 `run`s passed: 2%, not a narrower bar
+    assert seen.get("run exit 0", 0) >= EXAMPLES * 0.02, seen
 
 
 NODE_KEYS = ["SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE",
