@@ -4,7 +4,9 @@ In one bed, interleaved, each on a new SkyPilot cluster (torn down after):
   reference: a bare SkyPilot 2-node task, `run: echo`, through `sky launch`: command start -> the first node's line;
   subject:   `orch run phi3_dpo_fsdp --infra slurm/<bed> --nodes 2 --gpus none --smoke` (the client's checks and
              rehearsal included, as a user runs it): command start -> rank 0's `step 1` line.
-  shaped:    the same echo with the subject's workdir and a `setup:` (SkyPilot's own cost of a recipe's shape).
+  shaped:    the same echo with the subject's workdir, a `setup:` and its autostop (`-i 10 --down`, what orch run asks
+             for on Slurm: one more request to the cluster before the job is submitted, sky/execution.py PRE_EXEC):
+             SkyPilot's own cost of what the subject asks of it.
 target: subject <= 1.5x reference. Then `orch run` again on the last subject's cluster, still up (a relaunch on a reused
 cluster): node-setup.sh's own part (install) <= 2 s, the rehearsal and the download reported apart.
 
@@ -119,7 +121,7 @@ def rows() -> list[tuple[str, float, int, str, str]]:
                                            bed.env, "first line from node")  # fmt: skip
                 bed.sky("down", f"ref{i}", "-y")
                 shape_s, shape_seen, _ = timed([sky, "launch", str(shaped), *infra, "--gpus", "none", "-c", f"shp{i}",
-                                                "-y"], bed.env, "first line from node")  # fmt: skip
+                                                "-i", "10", "--down", "-y"], bed.env, "first line from node")  # fmt: skip
                 bed.sky("down", f"shp{i}", "-y")
                 sub_s, sub_seen, out = timed([*orch_run, "--cluster", f"o{i}"], env, "[orch] step 1/", project)
                 if i < ROUNDS - 1:
@@ -130,7 +132,7 @@ def rows() -> list[tuple[str, float, int, str, str]]:
                 out_rows.append((f"sky launch, bare 2-node echo, new cluster (reference, round {i + 1})", ref_s, 0,
                                  breakdown(ref_seen, ""), ""))  # fmt: skip
                 out_rows.append((
-                    f"sky launch, the same echo with orch's workdir and a setup, new cluster (round {i + 1})",
+                    f"sky launch, the same echo with orch's workdir, a setup and autostop, new cluster (round {i + 1})",
                     shape_s, 0,
                     f"{shape_s / ref_s:.2f}x the bare echo: SkyPilot's own cost of the recipe's shape; orch run is "
                     f"{sub_s / shape_s:.2f}x this; {breakdown(shape_seen, '')}", "",
