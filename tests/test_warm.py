@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, orch
+from conftest import ROOT
 from new_node import new_node_prefix
 
 from orchestrator.node import warm
@@ -68,8 +68,10 @@ def test_a_worker_node_compiles_what_its_ranks_import_once_and_they_compile_noth
     # The ranks of a real 2-node run on that environment (the launcher, FSDP2, DPO with its reference model, the
     # checkpoint) compile nothing of the warmed packages but the model's own modules, which may still be downloading
     # during the setup.
-    run = orch("run", "phi3_dpo_fsdp", "--local", "--nodes", "2", "--smoke", "--fresh", "-y", "max_steps=1",
-               env={"PYTHONPYCACHEPREFIX": str(prefix)}, cwd=project)  # fmt: skip
+    keeps = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # as on a node: bytecode is kept
+    run = subprocess.run([sys.executable, "-m", "orchestrator", "run", "phi3_dpo_fsdp", "--local", "--nodes", "2",
+                          "--smoke", "--fresh", "-y", "max_steps=1"], cwd=project, capture_output=True, text=True,
+                         env={**keeps, "PYTHONPYCACHEPREFIX": str(prefix)}, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     new = sorted(p for p in compiled(prefix) - warmed if p.parts[0] in WARMED)
     assert all(p.parts[:3] == ("transformers", "models", "phi3") for p in new), [str(p) for p in new]
