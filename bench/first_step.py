@@ -121,7 +121,8 @@ def rows() -> list[tuple[str, float, int, str, str]]:
                                            bed.env, "first line from node")  # fmt: skip
                 bed.sky("down", f"ref{i}", "-y")
                 shape_s, shape_seen, _ = timed([sky, "launch", str(shaped), *infra, "--gpus", "none", "-c", f"shp{i}",
-                                                "-i", "10", "--down", "-y"], bed.env, "first line from node")  # fmt: skip
+                                                "-i", "10", "--down", "-y"], bed.env,
+                                               "first line from node")  # fmt: skip
                 bed.sky("down", f"shp{i}", "-y")
                 sub_s, sub_seen, out = timed([*orch_run, "--cluster", f"o{i}"], env, "[orch] step 1/", project)
                 if i < ROUNDS - 1:
