@@ -146,3 +146,17 @@ def test_a_stopped_setup_stops_the_warm_up_and_leaves_nothing(tmp_path):
     _, err = node.communicate(timeout=30)
     assert node.returncode != 0 and "orch: interrupted (SIGTERM)" in err, err[-2000:]
     assert not any(Path(f"/proc/{pid}").exists() for pid in started)
+
+
+@pytest.mark.e2e
+def test_every_trainer_has_a_warm_up_that_imports(capsys):
+    """What the warm-up imports for each trainer orch runs exists (TRL's script module and trainer class), in this
+    process: after the first, each costs little."""
+    from orchestrator.core import trainers
+    from orchestrator.train import warm as train_warm
+
+    for name in trainers.TRAINERS:
+        assert train_warm.main([name]) == 0, name
+        out = capsys.readouterr().out  # DeepSpeed prints its accelerator notice on stdout too
+        assert [line for line in out.splitlines() if line.startswith("ORCH_WARM ")], (name, out)
+    assert train_warm.main(["nope"]) == 2 and "usage: python -m orchestrator.train.warm" in capsys.readouterr().err
