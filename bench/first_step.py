@@ -90,7 +90,8 @@ def breakdown(seen: dict[str, float], out: str) -> str:
 
 def setup_parts(out: str) -> dict[str, float]:
     """install, rehearsal, download in seconds, from the node's time-to-first-step line."""
-    match = re.search(r"setup [\d.]+ \(install ([\d.]+), rehearsal ([\d.]+) alongside download ([\d.]+)\)", out)
+    match = re.search(r"setup [\d.]+ \(install ([\d.]+), rehearsal ([\d.]+)(?: then bytecode warm-up [\d.]+)? "
+                      r"alongside download ([\d.]+)\)", out)  # fmt: skip
     if not match:
         raise SystemExit(f"bench: no setup breakdown in the run's output:\n{out[-3000:]}")
     return dict(zip(("install", "rehearsal", "download"), map(float, match.groups()), strict=True))

@@ -46,6 +46,10 @@ def test_time_to_first_step_from_the_submission_on_a_cloud_and_without_a_skewed_
     # the laptop's clock 5 s ahead of the node's: the figure is left out, the total starts at the setup
     assert time_to_first_step({"launched": 135.0, **node}) == time_to_first_step(node)
     assert time_to_first_step(node).startswith("21.0 s = setup 11.0")
+    # a head node whose rehearsal was cached compiles its ranks' imports after it, in the same process (node/warm.py)
+    warmed = {**node, "setup_rehearsed": 131.2, "setup_warmed": 140.0}
+    assert time_to_first_step(warmed).startswith("21.0 s = setup 11.0 (install 1.0, rehearsal 0.2 then bytecode "
+                                                 "warm-up 8.8 alongside download 6.0) + ")  # fmt: skip
 
 
 def test_figures_and_dollars():

@@ -53,8 +53,11 @@ def test_a_worker_node_compiles_what_its_ranks_import_once_and_they_compile_noth
     env = worker_env(prefix)
     missing, _ = warm.cold("dpo")
     assert not missing, "this environment should be warm (make install compiles it)"
-    first = rehearse(env)
+    times = tmp_path / "setup.times"
+    first = rehearse(env, "--warm", "--times", str(times))
     assert first.returncode == 0, first.stderr[-3000:]
+    # a worker's setup.times does not say it: rank 0's line reads the head's, which a shared home makes this one
+    assert [line.split("=")[0] for line in times.read_text().splitlines()] == ["rehearsed"]
     lines = first.stdout.splitlines()
     assert lines[0] == "[orch] rehearsal: node 1 leaves it to the head node"
     assert lines[1].startswith("[orch] warmed the dpo training stack's bytecode (") and lines[1].endswith(
@@ -76,6 +79,22 @@ def test_a_worker_node_compiles_what_its_ranks_import_once_and_they_compile_noth
     new = sorted(p for p in compiled(prefix) - warmed if p.parts[0] in WARMED)
     assert all(p.parts[:3] == ("transformers", "models", "phi3") for p in new), [str(p) for p in new]
     assert any(p.parts[:3] == ("transformers", "models", "phi3") for p in new), "the run compiled nothing?"
+
+
+@pytest.mark.e2e
+def test_a_head_node_without_a_rehearsal_warms_after_it_and_its_setup_times_say_so(tmp_path):
+    """ORCH_REHEARSAL=off (or a cached rehearsal) imports nothing on the head: it warms too, after, and rank 0's
+    time-to-first-step line shows the warm-up apart from the rehearsal (core/timeline.py)."""
+    env = {**worker_env(new_node_prefix(tmp_path / "pycache")), "SKYPILOT_SETUP_NODE_RANK": "0",
+           "ORCH_REHEARSAL": "off", "ORCH_MEMORY_CHECK": "off"}  # fmt: skip
+    times = tmp_path / "setup.times"
+    done = rehearse(env, "--warm", "--times", str(times))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[1:3] == ["[orch] rehearsal: skipped (ORCH_REHEARSAL=off)", lines[2]], done.stdout
+    assert lines[2].startswith("[orch] warmed the dpo training stack's bytecode ("), done.stdout
+    recorded = dict(line.split("=") for line in times.read_text().splitlines())
+    assert list(recorded) == ["rehearsed", "warmed"] and float(recorded["warmed"]) > float(recorded["rehearsed"])
 
 
 @pytest.mark.cli

@@ -127,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
         from orchestrator.core.timeline import record
 
         try:
-            code = node_exec.rehearse(env, warm=args.warm)
+            code = node_exec.rehearse(env)
         except OrchError as exc:
             if not args.times:
                 raise
@@ -135,5 +135,7 @@ def main(args: argparse.Namespace) -> int:
             return exc.exit_code
         if code == 0:
             record(args.times, "rehearsed")
+            if args.warm and node_exec.warm_up(env):
+                record(args.times, "warmed")  # after the rehearsal, in the same process: the breakdown says both
         return code
     return node_exec.run(print_only=args.print, env=env)

@@ -2,8 +2,9 @@
 process record it (epoch seconds), and the one-line breakdown users read.
 
 Keys: launched (when `orch run` sent the task: ORCH_LAUNCHED_AT, from the local backend or, on a cloud, at the SkyPilot
-submission), setup_started, setup_installed, setup_rehearsed, setup_prefetched, setup_done (scripts/node-setup.sh: the
-rehearsal and the download both start when the install ends and run at once), node_started, barrier_passed (`orch
+submission), setup_started, setup_installed, setup_rehearsed, setup_warmed, setup_prefetched, setup_done
+(scripts/node-setup.sh: the rehearsal, then any bytecode warm-up, and the download start when the install ends and run
+at once), node_started, barrier_passed (`orch
 node`), model_loaded, first_step (the training process).
 """
 
@@ -27,6 +28,8 @@ def time_to_first_step(timeline: dict[str, float]) -> str:
             steps.append(f"install {t['setup_installed'] - t['setup_started']:.1f}")
             beside = [f"{name} {t[f'setup_{key}'] - t['setup_installed']:.1f}"
                       for key, name in (("rehearsed", "rehearsal"), ("prefetched", "download")) if f"setup_{key}" in t]
+            if "setup_rehearsed" in t and "setup_warmed" in t and beside:  # the warm-up follows in the same process
+                beside[0] += f" then bytecode warm-up {t['setup_warmed'] - t['setup_rehearsed']:.1f}"
             if beside:  # both start when the install ends and run at once
                 steps.append(" alongside ".join(beside))
         parts.append(f"setup {t['setup_done'] - t['setup_started']:.1f}" + (f" ({', '.join(steps)})" if steps else ""))

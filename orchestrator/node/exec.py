@@ -165,12 +165,10 @@ def smoke_env(env: Mapping[str, str], build: bool = True) -> dict[str, str]:
     }
 
 
-def rehearse(env: Mapping[str, str] | None = None, warm: bool = False) -> int:
+def rehearse(env: Mapping[str, str] | None = None) -> int:
     """`orch node --rehearse` (run by scripts/node-setup.sh while the model downloads): on the head node,
     rehearse every distinct role of this cluster against the owners' code (rehearsal/); the other nodes leave it
-    to the head. Prints one line, or one `orch: error:` line and exits 2 (the setup, and the job, stop there).
-    `warm` (the setup installed this environment): where no rehearsal here imported the training stack, compile
-    what the ranks import (node/warm.py)."""
+    to the head. Prints one line, or one `orch: error:` line and exits 2 (the setup, and the job, stop there)."""
     from orchestrator.core import configs, overrides, smoke
     from orchestrator.node.env import run_env
     from orchestrator.node.plan import plan
@@ -180,7 +178,6 @@ def rehearse(env: Mapping[str, str] | None = None, warm: bool = False) -> int:
     cluster = from_env(env)
     if cluster.node_rank != 0:
         print(f"[orch] rehearsal: node {cluster.node_rank} leaves it to the head node", flush=True)
-        _warm(env, env.get("TRL_TRAINER", ""), warm)
         return 0
     # A smoke run's tiny model and data are the ones the rehearsal swaps in: its own process builds them, as it
     # imports the training stack anyway (one process fewer on the head node, ~4 s here); `orch node` builds them
@@ -200,7 +197,6 @@ def rehearse(env: Mapping[str, str] | None = None, warm: bool = False) -> int:
               flush=True)  # fmt: skip
     if knob(env, "ORCH_REHEARSAL", "on") == "off":
         print("[orch] rehearsal: skipped (ORCH_REHEARSAL=off)", flush=True)
-        _warm(env, trainer, warm)
         return 0
     artifacts = run_smoke or smoke.plan(str(settings.get("model_name_or_path", "")), trainer)
     batch = driver.Batch(
@@ -224,19 +220,22 @@ def rehearse(env: Mapping[str, str] | None = None, warm: bool = False) -> int:
                 + (f"; {fix}" if fix else "")
             )
     print(f"[orch] {driver.summary(outcomes, cluster.total_gpus, batch)}", flush=True)
-    _warm(env, trainer, warm)  # a cached rehearsal imported nothing
     return 0
 
 
-def _warm(env: Mapping[str, str], trainer: str, wanted: bool) -> None:
-    """This node's ranks' imports compiled now, where no process on it has yet (node/warm.py)."""
-    if not wanted:
-        return
+def warm_up(env: Mapping[str, str] | None = None) -> bool:
+    """`orch node --rehearse --warm`, after the rehearsal (the setup installed this environment): where no process here
+    has compiled what the ranks import (every node but the head; the head after a cached or skipped rehearsal), compile
+    it now (node/warm.py). Prints what it did, if anything. True when the head node warmed: its setup.times records it
+    for rank 0's time-to-first-step line (a shared home holds one setup.times for every node, so the others do not)."""
     from orchestrator.node import warm
+    from orchestrator.node.env import run_env
 
-    line = warm.stack(env, trainer)
+    env = run_env(os.environ if env is None else env)
+    line = warm.stack(env, env.get("TRL_TRAINER", ""))
     if line:
         print(f"[orch] {line}", flush=True)
+    return bool(line and line.startswith("warmed ")) and from_env(env).node_rank == 0
 
 
 def setup_times(env: Mapping[str, str]) -> dict[str, float]:
