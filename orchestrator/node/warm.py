@@ -1,4 +1,5 @@
-"""A node's training stack compiled during its setup, not by its ranks after the launch (`orch node --rehearse`).
+"""A node's training stack compiled during its setup, not by its ranks after the launch (`orch node --rehearse --warm`,
+which scripts/node-setup.sh passes when its setup installed the environment).
 
 uv installs without compiling bytecode, so on a new node the first import of TRL and its stack compiles it: on the
 head node the rehearsal does, during the setup; on the others their ranks did, after the launch, and every rank
