@@ -202,10 +202,16 @@ def image_env() -> Path:
     return env
 
 
-def setup_figures(runs: int) -> tuple[float, float]:
-    """(median seconds of the setup script, median seconds of the pip baseline), interleaved."""
+def setup_figures(runs: int) -> tuple[float, float, float]:
+    """(median seconds of the setup script's install, median seconds of the pip baseline, median seconds of the whole
+    script), interleaved. The script runs as node 1 of 2 (SkyPilot's setup variables, the default recipe's envs): its
+    `orch node --rehearse` needs a cluster's environment, and after an install it may warm the ranks' bytecode, which
+    pip's install is not compared with."""
+    import yaml
+
     house, image = wheelhouse(), image_env()
-    ours, theirs = [], []
+    recipe = yaml.safe_load((ROOT / "recipes" / "phi3_dpo_fsdp.yaml").read_text())["envs"]
+    ours, theirs, whole = [], [], []
     for _ in range(runs):
         for which in ("pip", "setup"):
             scratch = Path(tempfile.mkdtemp(prefix=f"orch-bench-{which}-"))
@@ -220,6 +226,10 @@ def setup_figures(runs: int) -> tuple[float, float]:
                 argv = ["bash", "scripts/node-setup.sh", "train"]
                 env = {
                     **base,
+                    **{k: str(v) for k, v in recipe.items()},
+                    "SKYPILOT_SETUP_NODE_RANK": "1",
+                    "SKYPILOT_SETUP_NODE_IPS": "127.0.0.1\n127.0.0.2\n",
+                    "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": "1",
                     "ORCH_VENV": str(env_dir),
                     "ORCH_HOME": str(scratch / "home"),
                     "ORCH_SKIP_PREFETCH": "1",
@@ -231,11 +241,17 @@ def setup_figures(runs: int) -> tuple[float, float]:
             started = time.perf_counter()
             result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
             elapsed = time.perf_counter() - started
+            recorded = scratch / "home" / "setup.times"
+            times = dict(line.split("=", 1) for line in recorded.read_text().split()) if recorded.exists() else {}
             shutil.rmtree(scratch, ignore_errors=True)
             if result.returncode != 0:
                 raise SystemExit(f"bench: {which} install failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
-            (theirs if which == "pip" else ours).append(elapsed)
-    return statistics.median(ours), statistics.median(theirs)
+            if which == "pip":
+                theirs.append(elapsed)
+            else:
+                ours.append(float(times["installed"]) - float(times["started"]))
+                whole.append(elapsed)
+    return statistics.median(ours), statistics.median(theirs), statistics.median(whole)
 
 
 def status_project(count: int) -> Path:
@@ -325,17 +341,18 @@ def main() -> int:
         )
     )
 
-    setup_s, pip_s = setup_figures(SETUP_RUNS)
+    setup_s, pip_s, whole_s = setup_figures(SETUP_RUNS)
     rows.append(
         ("pip install -e '.[train]' (reference; torch in the image, local packages, cold cache)", pip_s, 0, "", "")
     )
     speedup = pip_s / setup_s
     rows.append(
         (
-            "scripts/node-setup.sh train (uv, uv.lock; same packages, cold cache)",
+            "scripts/node-setup.sh train's install (uv, uv.lock; same packages, cold cache)",
             setup_s,
             0,
-            f"{speedup:.1f}x faster than pip",
+            f"{speedup:.1f}x faster than pip; the whole script {whole_s:.1f} s (as node 1 of 2: the ranks' bytecode "
+            "warm-up after the install, where this environment keeps bytecode)",
             f">= 3x: {'PASS' if speedup >= 3 else 'FAIL'}",
         )
     )
