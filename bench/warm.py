@@ -46,7 +46,7 @@ def warm_up(prefix: Path) -> float:
     env.update(SKYPILOT_SETUP_NODE_RANK="1", SKYPILOT_SETUP_NODE_IPS="10.0.0.1\n10.0.0.2\n",
                SKYPILOT_SETUP_NUM_GPUS_PER_NODE="2", PYTHONPYCACHEPREFIX=str(prefix))  # fmt: skip
     started = time.perf_counter()
-    done = subprocess.run([*ORCH, "node", "--rehearse"], cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run([*ORCH, "node", "--rehearse", "--warm"], cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0 or "warmed the dpo training stack" not in done.stdout:
         raise SystemExit(f"bench (f2): the warm-up did not run:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return time.perf_counter() - started
