@@ -19,11 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from new_node import new_node_prefix  # noqa: E402
+from new_node import new_node_prefix, worker_env  # noqa: E402
 
 ORCH = [sys.executable, "-m", "orchestrator"]
 
@@ -40,13 +38,9 @@ def launch_and_load(project: Path, prefix: Path) -> float:
 
 
 def warm_up(prefix: Path) -> float:
-    envs = yaml.safe_load((ROOT / "recipes" / "phi3_dpo_fsdp.yaml").read_text())["envs"]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE" and not k.startswith("SKYPILOT_")}
-    env.update({k: str(v) for k, v in envs.items()})
-    env.update(SKYPILOT_SETUP_NODE_RANK="1", SKYPILOT_SETUP_NODE_IPS="10.0.0.1\n10.0.0.2\n",
-               SKYPILOT_SETUP_NUM_GPUS_PER_NODE="2", PYTHONPYCACHEPREFIX=str(prefix))  # fmt: skip
     started = time.perf_counter()
-    done = subprocess.run([*ORCH, "node", "--rehearse", "--warm"], cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run([*ORCH, "node", "--rehearse", "--warm"], cwd=ROOT, env=worker_env(prefix),
+                          capture_output=True, text=True)  # fmt: skip
     if done.returncode != 0 or "warmed the dpo training stack" not in done.stdout:
         raise SystemExit(f"bench (f2): the warm-up did not run:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return time.perf_counter() - started

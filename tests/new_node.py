@@ -5,8 +5,13 @@ every process that gets it see this environment as such a node (Python then read
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def new_node_prefix(prefix: Path) -> Path:
@@ -19,3 +24,14 @@ def new_node_prefix(prefix: Path) -> Path:
         for pyc in cache.glob("*.pyc"):
             shutil.copy2(pyc, target / pyc.name)
     return prefix
+
+
+def worker_env(prefix: Path, **extra: str) -> dict[str, str]:
+    """This process's environment as node 1 of 2 sees it in phi3_dpo_fsdp's setup (SkyPilot's setup variables, the
+    recipe's envs), with `prefix` as its PYTHONPYCACHEPREFIX and, as on a node, PYTHONDONTWRITEBYTECODE unset."""
+    envs = yaml.safe_load((ROOT / "recipes" / "phi3_dpo_fsdp.yaml").read_text())["envs"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SKYPILOT_", "PYTHONDONTWRITEBYTECODE"))}
+    env.update({k: str(v) for k, v in envs.items()})
+    env.update(SKYPILOT_SETUP_NODE_RANK="1", SKYPILOT_SETUP_NODE_IPS="10.0.0.1\n10.0.0.2\n",
+               SKYPILOT_SETUP_NUM_GPUS_PER_NODE="2", PYTHONPYCACHEPREFIX=str(prefix), **extra)  # fmt: skip
+    return env

@@ -14,25 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import ROOT
-from new_node import new_node_prefix
+from new_node import new_node_prefix, worker_env
 
 from orchestrator.node import warm
 
 SITE = Path(sysconfig.get_paths()["purelib"]).resolve()
 # The packages a uv install leaves without bytecode and the warm-up is for (torch comes with the image)
 WARMED = ("trl", "transformers", "accelerate", "peft", "datasets", "deepspeed")
-
-
-def worker_env(prefix: Path, **extra: str) -> dict[str, str]:
-    """Node 1 of 2 in phi3_dpo_fsdp's setup, as SkyPilot's setup stage sets it."""
-    envs = yaml.safe_load((ROOT / "recipes" / "phi3_dpo_fsdp.yaml").read_text())["envs"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SKYPILOT_", "PYTHONDONTWRITEBYTECODE"))}
-    env.update({k: str(v) for k, v in envs.items()})
-    env.update(SKYPILOT_SETUP_NODE_RANK="1", SKYPILOT_SETUP_NODE_IPS="10.0.0.1\n10.0.0.2\n",
-               SKYPILOT_SETUP_NUM_GPUS_PER_NODE="2", PYTHONPYCACHEPREFIX=str(prefix), **extra)  # fmt: skip
-    return env
 
 
 def compiled(prefix: Path) -> set[Path]:
