@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 from orchestrator.commands import add
 from orchestrator.core import trainers
@@ -100,12 +101,14 @@ def main(args: argparse.Namespace) -> int:
         vllm_sleeps=args.vllm_sleep,
     )
     what = {"full": "full fine-tune", "lora": f"LoRA r{args.lora_r}", "qlora": f"QLoRA (NF4) r{args.lora_r}"}
+    vllm = ""
+    if args.vllm_colocate:
+        asleep = " while generating (sleep mode)" if args.vllm_sleep else ""
+        vllm = f", colocated vLLM holding {args.vllm_colocate:g} of each GPU{asleep}"
     print(
         f"{args.model}: {arch.params / 1e9:.1f}B parameters, {args.trainer} {what[base.method]}, {args.batch} x "
-        f"{args.max_length} tokens per GPU, activation checkpointing {'off' if args.no_checkpointing else 'on'}"
-        + (f", colocated vLLM holding {args.vllm_colocate:g} of each GPU"
-           + (" while generating (sleep mode)" if args.vllm_sleep else "") if args.vllm_colocate else "")
-    )  # fmt: skip
+        f"{args.max_length} tokens per GPU, activation checkpointing {'off' if args.no_checkpointing else 'on'}{vllm}"
+    )
     if args.strategy:
         one = memory.estimate(memory.with_(base, strategy=args.strategy, gpus=args.gpus, offload=args.offload))
         beside = f", plus colocated vLLM's {args.vllm_colocate:g} of the GPU's memory" if args.vllm_colocate else ""
@@ -118,10 +121,7 @@ def main(args: argparse.Namespace) -> int:
     rows = [("ACCELERATOR", "NODES", "STRATEGY", "GIB/GPU", "OF", "$/H", "INSTANCE", "FEWER NODES WITH CPU OFFLOAD")]
     for name, capacity in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: (-kv[1], kv[0])):
         usable = capacity * preflight.USABLE_FRACTION
-
-        def need(estimate: memory.Estimate, capacity: float = capacity) -> float:  # with vLLM's share of this GPU
-            return fit_rules.with_vllm(estimate, capacity)
-
+        need = functools.partial(fit_rules.with_vllm, capacity_gib=capacity)  # with vLLM's share of this GPU
         fit = memory.smallest_fit(base, usable, per_node, args.max_nodes, need=need)
         price = prices.get(name)
         offload = ""
