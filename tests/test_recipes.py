@@ -2,6 +2,7 @@
 the trainer's TRL argument parser. Walks recipes/ recursively; a YAML that none of them claims fails."""
 
 import importlib
+import os
 import re
 from pathlib import Path
 
@@ -126,6 +127,26 @@ def test_long_context_configs_follow_trl_rules():
     assert long["attn_implementation"] == "sdpa" and long["gradient_checkpointing"] is False
     alst = yaml.safe_load((RECIPES_DIR / "accelerate" / "alst_ulysses_sp2.yaml").read_text())
     assert alst["distributed_type"] == "DEEPSPEED" and alst["deepspeed_config"]["zero_stage"] == 3
+
+
+def test_a_hub_that_cannot_be_reached_is_named_as_the_network_not_the_data():
+    """A laptop that cannot reach the Hub gets a note naming the connection's own error (datasets alone retries and
+    then raises about a closed HTTP client), and the launch goes on: the data are not at fault."""
+    import json
+    import subprocess
+    import sys
+
+    request = {"dataset": "trl-lib/ultrafeedback_binarized", "config": None, "split": "train",
+               "model": "microsoft/Phi-3-mini-4k-instruct", "trainer": "dpo", "chat_template_path": None}  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    done = subprocess.run([sys.executable, "-m", "orchestrator.rehearsal.data"], input=json.dumps(request),
+                          capture_output=True, text=True, env={**env, "HF_ENDPOINT": "http://127.0.0.1:9"})  # fmt: skip
+    line = next(x for x in done.stdout.splitlines() if x.startswith("ORCH_DATA "))
+    assert json.loads(line.split(" ", 1)[1]) == {
+        "fatal": False,
+        "error": "cannot reach the Hub from here for trl-lib/ultrafeedback_binarized "
+        "(ConnectError: [Errno 111] Connection refused)",
+    }
 
 
 @pytest.mark.e2e

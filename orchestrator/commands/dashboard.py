@@ -40,12 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from orchestrator.core import owned
+    from orchestrator.core import home, owned
     from orchestrator.core import trackio_files as tracking
     from orchestrator.launch import backends, records
 
     record = records.find(args.run)
-    work = Path(os.environ.get("ORCH_CACHE_DIR") or Path.home() / ".cache" / "orch") / "dashboards" / record.run
+    work = home.cache_dir() / "dashboards" / record.run
     if args.dir is not None:
         output_dir = args.dir
     else:

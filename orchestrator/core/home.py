@@ -38,6 +38,12 @@ def orch_home(env: Mapping[str, str] = os.environ) -> Path:
     return Path(env.get("ORCH_HOME") or Path.home() / ".orch")
 
 
+def cache_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """orch's caches (ORCH_CACHE_DIR, default ~/.cache/orch): smoke artifacts, rehearsals, staged data, dashboards,
+    recipes that passed SkyPilot's schema. Everything under it can be deleted; it is rebuilt."""
+    return Path(env.get("ORCH_CACHE_DIR") or Path.home() / ".cache" / "orch")
+
+
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 

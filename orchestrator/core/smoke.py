@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.core import trainers
+from orchestrator.core import home, trainers
 from orchestrator.core.errors import OrchError
 from orchestrator.core.models import family_of
 
@@ -44,7 +44,7 @@ class SmokePlan:
 
 
 def cache_root(env: dict | os._Environ = os.environ) -> Path:
-    return Path(env.get("ORCH_CACHE_DIR") or Path.home() / ".cache" / "orch") / "smoke"
+    return home.cache_dir(env) / "smoke"
 
 
 def plan(model_id: str, trainer: str, root: Path | None = None) -> SmokePlan:

@@ -54,10 +54,36 @@ def _texts(row: dict, trainer: str) -> list:
     return [joined(row["completion"])]
 
 
+def _unreachable(name: str) -> str | None:
+    """Why the Hub cannot be asked about dataset `name` from here, or None (it answered, or the name is a local path,
+    or HF_HUB_OFFLINE asks for the cache alone). One metadata request with a timeout: without it datasets retries the
+    failed request and then raises about a closed HTTP client, not about the network."""
+    import os
+
+    if os.path.exists(name) or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return None
+    import httpx
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        HfApi().dataset_info(name, timeout=10)
+    except HfHubHTTPError:  # the Hub answered (not found, gated, private): load_dataset says which
+        return None
+    except (httpx.TransportError, OSError) as exc:
+        return _why(exc)
+    except Exception:  # noqa: BLE001 - anything else is load_dataset's to report
+        return None
+    return None
+
+
 def check(request: dict) -> dict:
+    name, trainer = request["dataset"], request["trainer"]
+    unreachable = _unreachable(name)
+    if unreachable:
+        return {"fatal": False, "error": f"cannot reach the Hub from here for {name} ({unreachable})"}
     from datasets import load_dataset
 
-    name, trainer = request["dataset"], request["trainer"]
     try:
         stream = load_dataset(name, request.get("config"), split=request.get("split") or "train", streaming=True)
         row = next(iter(stream))

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from orchestrator.core import trainers
+from orchestrator.core import home, trainers
 from orchestrator.node.plan import NodePlan
 
 PORTABLE_ATTENTION = ("sdpa", "eager")
@@ -183,7 +183,7 @@ def cache_key(batch: Batch, workdir: Path) -> str:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("ORCH_CACHE_DIR") or Path.home() / ".cache" / "orch") / "rehearsals"
+    return home.cache_dir() / "rehearsals"
 
 
 def output_dir() -> str:

@@ -1,0 +1,90 @@
+"""core/sky_schema.py remembers a task that passed SkyPilot's schema (so that `orch ls` need not import jsonschema),
+and never lets that memory pass a task or a schema it has not checked."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from orchestrator.core import sky_schema
+from orchestrator.core.errors import OrchError
+
+pytestmark = pytest.mark.unit
+
+TASK = {"num_nodes": 2, "resources": {"accelerators": "A100:8"}, "envs": {"GLOBAL_BATCH_SIZE": 64}, "run": "true"}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    for cached in (sky_schema.schema, sky_schema._schema_digest, sky_schema._validator):
+        cached.cache_clear()
+    yield tmp_path / "sky-schema"
+    for cached in (sky_schema.schema, sky_schema._schema_digest, sky_schema._validator):
+        cached.cache_clear()
+
+
+def test_a_remembered_task_is_not_validated_again_in_a_new_process(cache):
+    probe = (
+        "import sys, json; from orchestrator.core import sky_schema; "
+        f"sky_schema.check_task(json.loads({json.dumps(json.dumps(TASK))}), 'probe'); "
+        "print('jsonschema' in sys.modules)"
+    )
+    seen = [
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+        for _ in range(2)
+    ]
+    assert seen == ["True\n", "False\n"]
+    assert len(list(cache.iterdir())) == 1
+
+
+@pytest.mark.parametrize(
+    "changed, field",
+    [
+        ({"num_nodes": "2"}, "num_nodes"),  # same text as the remembered 2, another JSON type
+        ({"num_nodes": 2.5}, "num_nodes"),
+        ({"file_mounts": ["a"]}, "file_mounts"),
+        ({"run": "true", "setup": ["pip install x"]}, "setup"),
+    ],
+)
+def test_a_changed_task_is_checked_again_and_a_failure_is_not_remembered(cache, changed, field):
+    sky_schema.check_task(TASK, "good")
+    remembered = set(cache.iterdir())
+    for _ in range(2):
+        with pytest.raises(OrchError, match=rf"^bad: {field}: .*\(SkyPilot's task schema\)"):
+            sky_schema.check_task({**TASK, **changed}, "bad")
+    assert set(cache.iterdir()) == remembered
+
+
+def test_a_changed_schema_checks_a_remembered_task_again(cache, tmp_path, monkeypatch):
+    sky_schema.check_task(TASK, "good")
+    stricter = json.loads(sky_schema.SCHEMA.read_text())
+    stricter["properties"]["num_nodes"]["maximum"] = 1
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(stricter))
+    monkeypatch.setattr(sky_schema, "SCHEMA", path)
+    for cached in (sky_schema.schema, sky_schema._schema_digest, sky_schema._validator):
+        cached.cache_clear()
+    with pytest.raises(OrchError, match=r"num_nodes: 2 is greater than the maximum of 1"):
+        sky_schema.check_task(TASK, "good")
+
+
+def test_an_unwritable_cache_still_checks(cache, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(blocker))  # a file where the directory would be
+    sky_schema.check_task(TASK, "good")
+    with pytest.raises(OrchError, match="num_nodes"):
+        sky_schema.check_task({**TASK, "num_nodes": "x"}, "bad")
+
+
+def test_a_task_that_cannot_be_hashed_canonically_is_checked_every_time(cache):
+    """YAML keys of mixed types (1 beside num_nodes) have no sorted JSON form: nothing is remembered, and the check
+    names the key as text instead of failing on it."""
+    for _ in range(2):
+        with pytest.raises(OrchError, match="^mixed: '1' is not a SkyPilot task field"):
+            sky_schema.check_task({**TASK, 1: "x"}, "mixed")
+    sky_schema.check_task({**TASK, "file_mounts": {1: "/a", "/b": "/c"}}, "mixed")  # SkyPilot's schema allows it
+    assert not cache.exists()
