@@ -56,7 +56,8 @@ gpu-check: install
 # The launch side's snapshots of the installed training stack (TRL's arguments and profiles, accelerate's keys).
 snapshots: install
 	$(PY) -m orchestrator.train.snapshots
-	$(PY) -c 'from orchestrator.launch.backends import sky; sky.write_task_schema()'
+	$(PY) -c 'from orchestrator.core.sky_schema import SCHEMA; from orchestrator.launch.backends import sky; \
+		SCHEMA.write_text(sky.task_schema_text()); print("wrote", SCHEMA)'
 
 # Re-resolve uv.lock (pins in pyproject.toml hold; the rest moves to the newest that fits), reinstall from it and
 # regenerate the snapshots from what it installed: the lock and the snapshots change together.

@@ -165,6 +165,9 @@ BAD = [
     (["run", "mounts_list"], "file_mounts: ['a'] is not of type 'object'"),
     (["run", "run_list"], "run: ['orch', 'node'] is not of type 'string'"),
     (["run", "typo_field"], "'num_node' is not a SkyPilot task field; did you mean num_nodes?"),
+    (["run", "resources_typo"], "'acelerators' is not a SkyPilot resources field; did you mean accelerators?"),
+    (["run", "resources_both"], "resources: set accelerators or its alias gpus, not both"),
+    (["run", "resources_spot"], "resources.use_spot: 'maybe' is not of type 'boolean' (SkyPilot's task schema)"),
     (["run", "int_key"], "'1' is not a SkyPilot task field"),  # YAML reads 1 as an int key: no traceback
     (["run", "null_key"], "'None' is not a SkyPilot task field"),
     (["run", "phi3_dpo_fsdp", "--env", "TRL_CONFIG=/dev/zero"], "is a device, FIFO or socket, not a regular file"),
@@ -216,7 +219,10 @@ def bad_project(project):
     for name, field in (("nodes_abc", "num_nodes: abc"), ("nodes_half", "num_nodes: 1.5"),
                         ("nodes_zero", "num_nodes: 0"), ("resources_list", "resources: [A100]"),
                         ("secrets_list", "secrets: [HF_TOKEN]"), ("mounts_list", "file_mounts: [a]"),
-                        ("typo_field", "num_node: 2"), ("int_key", "1: x"), ("null_key", "null: x")):  # fmt: skip
+                        ("typo_field", "num_node: 2"), ("int_key", "1: x"), ("null_key", "null: x"),
+                        ("resources_typo", "resources: {acelerators: A100:8}"),
+                        ("resources_both", "resources: {gpus: A100:8, accelerators: A100:8}"),
+                        ("resources_spot", "resources: {accelerators: A100:8, use_spot: maybe}")):  # fmt: skip
         key = field.split(":")[0]
         text = re.sub(rf"^{key}:.*?(?=^\S)", "", phi3, flags=re.M | re.S) if key in phi3 else phi3
         (recipes / f"{name}.yaml").write_text(text + field + "\n")

@@ -98,8 +98,10 @@ RULES = {
     # client, whose timeouts the prefetch retries (train/prefetch.fetch)
     "train": ({"core", "train"}, HEAVY - {"sky", "vllm"} | {"yaml", "huggingface_hub", "trackio", "safetensors",
                                                           "httpx"}),
-    "rehearsal": (  # bitsandbytes: imported before CUDA is faked (role.py), so its CPU kernels are the ones chosen
-        {"core", "node.plan", "train", "rehearsal"}, HEAVY - {"sky", "vllm"} | {"huggingface_hub", "bitsandbytes"}
+    "rehearsal": (  # bitsandbytes: imported before CUDA is faked (role.py), so its CPU kernels are the ones chosen;
+        # httpx: huggingface_hub's HTTP client, whose connection errors name an unreachable Hub (rehearsal/data.py)
+        {"core", "node.plan", "train", "rehearsal"},
+        HEAVY - {"sky", "vllm"} | {"huggingface_hub", "bitsandbytes", "httpx"},
     ),
     "commands": ({"core", "launch", "node", "commands"}, {"yaml"}),
 }

@@ -1,7 +1,9 @@
 """SkyPilot's own task schema, as data the launch side checks a recipe with before anything else reads it.
 
-`sky_task_schema.json` beside this file is `sky.utils.schemas.get_task_schema()` of the installed SkyPilot
-(`make snapshots`: launch/backends/sky.write_task_schema; a test fails when it drifts). Importing SkyPilot costs
+`sky_task_schema.json` beside this file is `sky.utils.schemas.get_task_schema()` of the installed SkyPilot with its
+resources schema in place of `resources: {type: object}` and its resource aliases (gpus -> accelerators), which
+Resources.from_yaml_config applies before validating the resources (`make snapshots` writes launch/backends/sky.
+task_schema_text(); a test fails when it drifts). Importing SkyPilot costs
 ~1.5 s of CPU, which `orch ls` and every dry run would pay; jsonschema (SkyPilot's own validator library) costs
 0.1 s. The check is SkyPilot's `validate_schema`: None-valued fields skipped, envs and secrets given as strings (as
 `Task.from_yaml` converts YAML numbers), SkyPilot's case-(in)sensitive enum keywords, and one line naming the field.
@@ -28,6 +30,30 @@ SCHEMA = Path(__file__).parent / "sky_task_schema.json"
 @cache
 def schema() -> dict:
     return json.loads(SCHEMA.read_text())
+
+
+def resources(resources: Mapping, where: str) -> dict:
+    """The resources mapping as Resources.from_yaml_config validates it: None-valued fields skipped, and each alias
+    renamed to its field, at the top and in every `any_of` / `ordered` entry (both spellings at once is its error)."""
+    aliases = schema().get("x-resource-aliases", {})
+
+    def renamed(entry):
+        if not isinstance(entry, dict):
+            return entry
+        entry = dict(entry)
+        for alias, field in aliases.items():
+            if alias in entry:
+                if field in entry:
+                    raise OrchError(f"{where}: resources: set {field} or its alias {alias}, not both (SkyPilot refuses "
+                                    "both)")  # fmt: skip
+                entry[field] = entry.pop(alias)
+        return entry
+
+    out = renamed({k: v for k, v in resources.items() if v is not None})
+    for key in ("any_of", "ordered"):
+        if isinstance(out.get(key), list):
+            out[key] = [renamed(entry) for entry in out[key]]
+    return out
 
 
 @cache
@@ -70,6 +96,8 @@ def check_task(task: Mapping, where: str) -> None:
     for key in ("envs", "secrets"):
         if isinstance(config.get(key), dict):
             config[key] = {str(k): None if v is None else str(v) for k, v in config[key].items()}
+    if isinstance(config.get("resources"), dict):
+        config["resources"] = resources(config["resources"], where)
     passed = _passed(config)
     if passed is not None and passed.is_file():
         return
@@ -82,10 +110,12 @@ def check_task(task: Mapping, where: str) -> None:
         return
     error = errors[0]
     field = ".".join(str(p) for p in error.absolute_path) or "the task"
-    if error.validator == "additionalProperties" and not error.absolute_path:
-        known = list(schema().get("properties", {}))
-        unknown = [str(k) for k in config if k not in known]
+    known = list(error.schema.get("properties", {})) if isinstance(error.schema, dict) else []
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict) and known:
+        unknown = [str(k) for k in error.instance if k not in known]
         hint = did_you_mean(unknown[0], known, cutoff=0.6) if unknown else ""
-        raise OrchError(f"{where}: {unknown[0] if unknown else 'a field'!r} is not a SkyPilot task field; "
+        what = "task" if not error.absolute_path else "resources" if error.absolute_path[0] == "resources" else field
+        inside = f"{field}: " if error.absolute_path else ""
+        raise OrchError(f"{where}: {inside}{unknown[0] if unknown else 'a field'!r} is not a SkyPilot {what} field; "
                         f"{hint}see SkyPilot's task YAML reference")  # fmt: skip
     raise OrchError(f"{where}: {field}: {error.message[:200]} (SkyPilot's task schema); fix the file")

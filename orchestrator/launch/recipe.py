@@ -96,6 +96,8 @@ def load(name_or_path: str) -> Recipe:
     if not isinstance(envs, dict):
         raise OrchError(f"recipe {path} has no `envs:` mapping; it must set {', '.join(REQUIRED_ENVS)}")
     sky_schema.check_task(task, f"recipe {path}")  # SkyPilot's own types, before orch reads a field
+    if isinstance(task.get("resources"), dict):  # SkyPilot's aliases renamed as its Resources does (gpus: accelerators)
+        task = {**task, "resources": sky_schema.resources(task["resources"], f"recipe {path}")}
     workdir = task.get("workdir")
     if isinstance(workdir, str):  # SkyPilot rsyncs it through a shell here; orch resolves paths under it
         slots.check("field", workdir.removeprefix("~"), f"recipe {path}: workdir")

@@ -79,20 +79,18 @@ def _call(what: str, fn, *args, **kwargs):
 
 
 def task_schema_text() -> str:
-    """SkyPilot's task schema as core/sky_schema.py reads it (the launch side checks recipes without importing sky)."""
+    """SkyPilot's task schema as core/sky_schema.py reads it (the launch side checks recipes without importing sky),
+    with the resources schema and aliases that Resources.from_yaml_config applies in place of `resources: object`."""
     import json
 
+    from sky import resources
     from sky.utils import schemas
 
-    return json.dumps(schemas.get_task_schema(), indent=1, sort_keys=True) + "\n"
-
-
-def write_task_schema() -> None:
-    """`make snapshots`: regenerate core/sky_task_schema.json from the installed SkyPilot."""
-    from orchestrator.core import sky_schema
-
-    sky_schema.SCHEMA.write_text(task_schema_text())
-    print(f"wrote {sky_schema.SCHEMA}")
+    schema = schemas.get_task_schema()
+    assert schema["properties"]["resources"] == {"type": "object"}, "SkyPilot's task schema now describes resources"
+    schema["properties"]["resources"] = {k: v for k, v in schemas.get_resources_schema().items() if k != "$schema"}
+    schema["x-resource-aliases"] = dict(resources.RESOURCE_CONFIG_ALIASES)  # a keyword jsonschema ignores
+    return json.dumps(schema, indent=1, sort_keys=True) + "\n"
 
 
 def to_task(task: dict, secrets: dict[str, str] | None = None):
