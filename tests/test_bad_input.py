@@ -168,6 +168,7 @@ BAD = [
     (["run", "resources_typo"], "'acelerators' is not a SkyPilot resources field; did you mean accelerators?"),
     (["run", "resources_both"], "resources: set accelerators or its alias gpus, not both"),
     (["run", "resources_spot"], "resources.use_spot: 'maybe' is not of type 'boolean' (SkyPilot's task schema)"),
+    (["run", "mount_mode"], "file_mounts./checkpoints.mode: 'MOUNTCACHED' is not one of ['MOUNT', 'COPY', "),
     (["run", "int_key"], "'1' is not a SkyPilot task field"),  # YAML reads 1 as an int key: no traceback
     (["run", "null_key"], "'None' is not a SkyPilot task field"),
     (["run", "phi3_dpo_fsdp", "--env", "TRL_CONFIG=/dev/zero"], "is a device, FIFO or socket, not a regular file"),
@@ -222,7 +223,8 @@ def bad_project(project):
                         ("typo_field", "num_node: 2"), ("int_key", "1: x"), ("null_key", "null: x"),
                         ("resources_typo", "resources: {acelerators: A100:8}"),
                         ("resources_both", "resources: {gpus: A100:8, accelerators: A100:8}"),
-                        ("resources_spot", "resources: {accelerators: A100:8, use_spot: maybe}")):  # fmt: skip
+                        ("resources_spot", "resources: {accelerators: A100:8, use_spot: maybe}"),
+                        ("mount_mode", "file_mounts: {/checkpoints: {name: b, mode: MOUNTCACHED}}")):  # fmt: skip
         key = field.split(":")[0]
         text = re.sub(rf"^{key}:.*?(?=^\S)", "", phi3, flags=re.M | re.S) if key in phi3 else phi3
         (recipes / f"{name}.yaml").write_text(text + field + "\n")

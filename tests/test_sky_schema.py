@@ -117,8 +117,26 @@ RESOURCES = {
 }
 
 
-@pytest.mark.parametrize("name", list(RESOURCES) + ["gpus_alias", "gpus_and_accelerators"])
-def test_orchs_resources_check_and_skypilots_agree(cache, name):
+# Each changes the default recipe's file mounts (its checkpoint bucket is /checkpoints: {name, mode}); SkyPilot's
+# Task reads a string as a path, {store: volume, ...} as a volume, any other mapping as a bucket that Storage
+# validates against its storage schema, and anything else not at all.
+MOUNTS = {
+    "mode_typo": {"/checkpoints": {"name": "b", "mode": "MOUNTCACHED"}},
+    "mode_lower": {"/checkpoints": {"name": "b", "mode": "mount_cached"}},
+    "field_typo": {"/checkpoints": {"nme": "b", "mode": "MOUNT"}},
+    "persistent_text": {"/checkpoints": {"name": "b", "persistent": "yes"}},
+    "store_typo": {"/checkpoints": {"name": "b", "store": "s4"}},
+    "number": {"/x": 5},
+    "list": {"/x": ["a"]},
+    "path": {"/data": "./data"},
+    "volume": {"/v": {"store": "volume", "name": "v1", "persistent": True}},
+}
+
+
+@pytest.mark.parametrize(
+    "name", [f"resources.{n}" for n in RESOURCES] + [f"file_mounts.{n}" for n in MOUNTS] + ["gpus_alias", "gpus_both"]
+)
+def test_orchs_check_and_skypilots_agree(cache, name):
     import copy
 
     import sky
@@ -126,12 +144,15 @@ def test_orchs_resources_check_and_skypilots_agree(cache, name):
 
     task = yaml.safe_load(PHI3.read_text())
     resources = task["resources"]
+    field, _, case = name.partition(".")
     if name == "gpus_alias":
         resources["gpus"] = resources.pop("accelerators")
-    elif name == "gpus_and_accelerators":
+    elif name == "gpus_both":
         resources["gpus"] = resources["accelerators"]
+    elif field == "resources":
+        resources.update(RESOURCES[case])
     else:
-        resources.update(RESOURCES[name])
+        task["file_mounts"].update(MOUNTS[case])
     try:
         sky.Task.from_yaml_config(copy.deepcopy(task))
         skypilot = None
@@ -142,7 +163,7 @@ def test_orchs_resources_check_and_skypilots_agree(cache, name):
         orch = None
     except OrchError as exc:
         orch = str(exc)
-    if name in OUTSIDE:
+    if case in OUTSIDE:
         assert orch is None and skypilot is not None, (orch, skypilot)
         return
     assert (orch is None) == (skypilot is None), (orch, skypilot)

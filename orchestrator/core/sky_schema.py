@@ -1,8 +1,9 @@
 """SkyPilot's own task schema, as data the launch side checks a recipe with before anything else reads it.
 
-`sky_task_schema.json` beside this file is `sky.utils.schemas.get_task_schema()` of the installed SkyPilot with its
-resources schema in place of `resources: {type: object}` and its resource aliases (gpus -> accelerators), which
-Resources.from_yaml_config applies before validating the resources (`make snapshots` writes launch/backends/sky.
+`sky_task_schema.json` beside this file is `sky.utils.schemas.get_task_schema()` of the installed SkyPilot with the
+schemas SkyPilot applies later in place of its `{type: object}`: the resources schema and its aliases (gpus ->
+accelerators), which Resources.from_yaml_config applies before validating, and each file mount's rule (a path, a
+volume, or a bucket under the storage schema) (`make snapshots` writes launch/backends/sky.
 task_schema_text(); a test fails when it drifts). Importing SkyPilot costs
 ~1.5 s of CPU, which `orch ls` and every dry run would pay; jsonschema (SkyPilot's own validator library) costs
 0.1 s. The check is SkyPilot's `validate_schema`: None-valued fields skipped, envs and secrets given as strings (as
@@ -114,7 +115,8 @@ def check_task(task: Mapping, where: str) -> None:
     if error.validator == "additionalProperties" and isinstance(error.instance, dict) and known:
         unknown = [str(k) for k in error.instance if k not in known]
         hint = did_you_mean(unknown[0], known, cutoff=0.6) if unknown else ""
-        what = "task" if not error.absolute_path else "resources" if error.absolute_path[0] == "resources" else field
+        what = {(): "task", ("resources",): "resources", ("file_mounts",): "storage"}.get(
+            tuple(error.absolute_path)[:1], field)
         inside = f"{field}: " if error.absolute_path else ""
         raise OrchError(f"{where}: {inside}{unknown[0] if unknown else 'a field'!r} is not a SkyPilot {what} field; "
                         f"{hint}see SkyPilot's task YAML reference")  # fmt: skip

@@ -46,10 +46,12 @@ FIXES = {
 }
 
 
-def _reason(exc: BaseException) -> str:
+def _reason(exc: BaseException, first_line: bool = False) -> str:
+    """SkyPilot's message on one line, uncoloured, capped; `first_line`: its reason alone (a table may follow)."""
     import re
 
-    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split())  # SkyPilot colours its messages
+    text = str(exc).strip()
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", text.splitlines()[0] if first_line and text else text).split())
     return text[:300] or type(exc).__name__
 
 
@@ -80,16 +82,22 @@ def _call(what: str, fn, *args, **kwargs):
 
 def task_schema_text() -> str:
     """SkyPilot's task schema as core/sky_schema.py reads it (the launch side checks recipes without importing sky),
-    with the resources schema and aliases that Resources.from_yaml_config applies in place of `resources: object`."""
+    with what SkyPilot validates later where it says `{type: object}`: Resources.from_yaml_config's schema and aliases
+    for `resources`; Task.from_yaml_config's rule for each file mount (a path, a volume, or a bucket under Storage's),
+    without their $schema (nested, it would switch jsonschema's dialect and drop SkyPilot's enum keywords)."""
     import json
 
     from sky import resources
     from sky.utils import schemas
 
-    schema = schemas.get_task_schema()
-    assert schema["properties"]["resources"] == {"type": "object"}, "SkyPilot's task schema now describes resources"
-    schema["properties"]["resources"] = {k: v for k, v in schemas.get_resources_schema().items() if k != "$schema"}
+    root = lambda s: {k: v for k, v in s.items() if k != "$schema"}  # noqa: E731
+    schema, later = schemas.get_task_schema(), {"type": "object"}
+    assert schema["properties"]["resources"] == schema["properties"]["file_mounts"] == later, "SkyPilot moved these"
+    schema["properties"]["resources"] = root(schemas.get_resources_schema())
     schema["x-resource-aliases"] = dict(resources.RESOURCE_CONFIG_ALIASES)  # a keyword jsonschema ignores
+    volume, bucket = {"properties": {"store": {"const": "volume"}}, "required": ["store"]}, schemas.get_storage_schema()
+    schema["properties"]["file_mounts"]["additionalProperties"] = {
+        "if": {"type": "object"}, "then": {"if": volume, "else": root(bucket)}, "else": {"type": "string"}}  # fmt: skip
     return json.dumps(schema, indent=1, sort_keys=True) + "\n"
 
 
@@ -99,8 +107,7 @@ def to_task(task: dict, secrets: dict[str, str] | None = None):
     try:
         sky_task = sky.Task.from_yaml_config(copy.deepcopy(task))
     except Exception as exc:  # SkyPilot raises ValueError / jsonschema errors with long texts
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise OrchError(f"SkyPilot rejects the task: {first}") from None
+        raise OrchError(f"SkyPilot rejects the task: {_reason(exc, first_line=True)}") from None
     if secrets:
         sky_task.update_secrets(secrets)
     return sky_task
@@ -141,11 +148,7 @@ def optimize(task: dict) -> PlanResult:
         with sky_logging.silent():  # in-process, SkyPilot would print its server-side spinner codes
             dag = Optimizer.optimize(dag, minimize=common.OptimizeTarget.COST, quiet=True)
     except Exception as exc:
-        import re
-
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        reason = re.sub(r"\x1b\[[0-9;]*m", "", reason)  # SkyPilot colours its messages
-        raise OrchError(f"{type(exc).__name__}: {reason[:300]}") from None
+        raise OrchError(f"{type(exc).__name__}: {_reason(exc, first_line=True)}") from None
     best = dag.tasks[0].best_resources
     memory_gib, memory_from = instance_memory(best)
     return PlanResult(
