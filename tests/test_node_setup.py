@@ -267,6 +267,40 @@ def test_prefetch_tries_a_stalled_download_again_then_refuses_in_one_line(tmp_pa
     assert any("[orch] prefetch: model org/tiny-phi3:" in x for x in seen), seen
 
 
+@pytest.mark.e2e  # ~7 s of tries and their pauses
+def test_prefetch_quotes_a_refused_connection_not_the_hub_clients_closed_error(tmp_path, project):
+    """huggingface_hub 1.16 retries a refused connection with the HTTP client it has just closed
+    (prefetch.CLOSED_CLIENT, fixed upstream where SkyPilot's click pin keeps the lock from going): a dataset's download
+    ended in that RuntimeError's traceback, with no try again and no word of the network. Now: its tries, then one
+    line quoting the connection's own error."""
+    trl = {"model_name_or_path": str(tmp_path), "dataset_name": "org/prefs"}
+    (project / "trl.yaml").write_text(yaml.safe_dump(trl))
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env.update(TRL_CONFIG="trl.yaml", HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT="http://127.0.0.1:9")  # nothing listens
+    refused = subprocess.run([sys.executable, "-m", "orchestrator.train.prefetch"], cwd=project, env=env,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "orch: error: dataset org/prefs could not be downloaded from http://127.0.0.1:9: ConnectError: [Errno 111] "
+        "Connection refused, 3 tries; check the node's network (or HF_ENDPOINT), or raise HF_HUB_DOWNLOAD_TIMEOUT for "
+        "a slow link"
+    )
+    assert "org/prefs: ConnectError: [Errno 111] Connection refused; trying again (3/3)" in refused.stdout
+
+
+def test_the_hub_clients_closed_retry_is_still_in_the_installed_huggingface_hub():
+    """The workaround above stays only while the bug does: a huggingface_hub that takes its client on each try (1.28+)
+    fails this, so that prefetch.CLOSED_CLIENT and its handling go."""
+    import inspect
+
+    from huggingface_hub.utils import _http
+
+    source = inspect.getsource(_http._http_backoff_base)
+    assert source.index("client = get_session()") < source.index("while True"), (
+        "huggingface_hub now opens its client on each try: drop prefetch.CLOSED_CLIENT and its handling"
+    )
+
+
 # ---------------------------------------------------------------- a bucket of one's own
 
 

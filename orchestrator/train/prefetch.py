@@ -83,7 +83,11 @@ def fetch(repo: Repo, token: str | None, out=sys.stdout) -> tuple[str, int]:
     for attempt in range(1, ATTEMPTS + 1):
         try:
             return _fetch_once(repo, token)
-        except (httpx.TransportError, ConnectionError, TimeoutError) as exc:
+        except (httpx.TransportError, ConnectionError, TimeoutError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError):
+                if CLOSED_CLIENT not in str(exc):
+                    raise
+                exc = _connection_error(repo, token) or exc
             if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
                 why = f"no answer within {constants.HF_HUB_DOWNLOAD_TIMEOUT} s ({type(exc).__name__})"
             else:
@@ -96,6 +100,28 @@ def fetch(repo: Repo, token: str | None, out=sys.stdout) -> tuple[str, int]:
             print(f"[orch] prefetch: {label}: {why}; trying again ({attempt + 1}/{ATTEMPTS})", file=out, flush=True)
             time.sleep(attempt)
     raise AssertionError("unreachable")
+
+
+# huggingface_hub 1.16's retry (utils/_http.py, _http_backoff_base) closes its shared HTTP client on a ConnectError and
+# then retries with that closed client, so a file request that cannot connect (datasets' README, a model's file) ends
+# in this RuntimeError instead of the connection's error; fixed upstream by 1.28, which needs a click newer than
+# SkyPilot 0.14.1's pin (one lock holds both). The next request opens a new client, so the repo can be tried again.
+CLOSED_CLIENT = "Cannot send a request, as the client has been closed"
+
+
+def _connection_error(repo: Repo, token: str | None) -> Exception | None:
+    """The error a fresh metadata request for `repo` meets (one request, no retry, 10 s), when it is the connection's:
+    what the closed-client RuntimeError hid."""
+    import httpx
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi().repo_info(repo.repo_id, repo_type=repo.repo_type, revision=repo.revision, token=token, timeout=10)
+    except (httpx.TransportError, ConnectionError, TimeoutError) as exc:
+        return exc
+    except Exception:  # noqa: BLE001 - the Hub answered this time: the retry will say what it says
+        return None
+    return None
 
 
 def _fetch_once(repo: Repo, token: str | None) -> tuple[str, int]:
