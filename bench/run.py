@@ -41,8 +41,8 @@ TRAIN_RUNS = int(os.environ.get("BENCH_TRAIN_RUNS", "3"))
 SETUP_RUNS = int(os.environ.get("BENCH_SETUP_RUNS", "3"))
 
 
-# A dry run streams the recipe's first dataset row from the Hub (launch/datacheck.py): a network request, which this
-# machine cannot make (it waited for the client to give up: 2.1 s on 2026-11-25), not the CLI's own speed
+# A dry run streams the recipe's first dataset row from the Hub (launch/datacheck.py, in a process of its own that
+# imports datasets): the network's time, not the CLI's (this machine has no route to the Hub: 0.4 s to say so)
 NO_HUB = {"ORCH_DATA_CHECK": "off"}
 
 

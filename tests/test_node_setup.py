@@ -288,6 +288,19 @@ def test_prefetch_quotes_a_refused_connection_not_the_hub_clients_closed_error(t
     assert "org/prefs: ConnectError: [Errno 111] Connection refused; trying again (3/3)" in refused.stdout
 
 
+def test_orch_pull_from_an_unreachable_hub_names_the_network_not_a_token(tmp_path):
+    probe = ("from pathlib import Path; from orchestrator.launch import model_out; "
+             f"model_out.download('org/model', Path({str(tmp_path / 'out')!r}))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    done = subprocess.run([sys.executable, "-c", probe], env={**env, "HF_ENDPOINT": "http://127.0.0.1:9"},
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("orchestrator.core.errors.OrchError: could not download org/model from the Hub ("), last
+    assert "ConnectError: [Errno 111] Connection refused" in last and "HF_TOKEN" not in last, last
+    assert last.endswith("); this machine could not reach the Hub: check its network (or HF_ENDPOINT) and run "
+                         "`orch pull` again"), last  # fmt: skip
+
+
 def test_the_hub_clients_closed_retry_is_still_in_the_installed_huggingface_hub():
     """The workaround above stays only while the bug does: a huggingface_hub that takes its client on each try (1.28+)
     fails this, so that prefetch.CLOSED_CLIENT and its handling go."""
