@@ -250,7 +250,8 @@ def test_prefetch_tries_a_stalled_download_again_then_refuses_in_one_line(tmp_pa
     assert [x for x in stalled.stderr.splitlines() if x.startswith("orch: error:")] == [line], stalled.stderr
     assert re.fullmatch(rf"orch: error: (model org/tiny-phi3|dataset org/prefs) could not be downloaded from "
                         rf"{re.escape(hub.endpoint)}: no answer within 1 s \(\w+\), 3 tries; check the node's network "
-                        r"\(or HF_ENDPOINT\), or raise HF_HUB_DOWNLOAD_TIMEOUT for a slow link", line), line
+                        r"\(or HF_ENDPOINT\), or raise HF_HUB_DOWNLOAD_TIMEOUT for a slow link; nodes with no route "
+                        r"to the Hub: fill HF_HOME's cache where there is one and set HF_HUB_OFFLINE=1", line), line
     assert "trying again (2/3)" in stalled.stdout and "trying again (3/3)" in stalled.stdout, stalled.stdout
     # a stall that ends while tries are left: the download goes on from there
     hub.hold.clear()
@@ -265,6 +266,37 @@ def test_prefetch_tries_a_stalled_download_again_then_refuses_in_one_line(tmp_pa
     hub.hold.set()
     assert recovering.returncode == 0, "".join(seen)[-2000:] + rest[-2000:]
     assert any("[orch] prefetch: model org/tiny-phi3:" in x for x in seen), seen
+
+
+@pytest.mark.e2e
+def test_prefetch_on_a_node_with_no_route_to_the_hub_reads_the_cache_hf_hub_offline_names(tmp_path, hub, project):
+    """Nodes with no route to the Hub (many Slurm clusters) set HF_HUB_OFFLINE=1 over a cache filled beforehand. The
+    setup tried the Hub 3 times anyway and refused ('could not be downloaded ... offline mode is enabled'); now it
+    reads each repo from the cache as the training will, asking nothing (the endpoint is a closed port), and a repo the
+    cache lacks is one line saying how to fill it, at once."""
+    online = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    online.update(hub_recipe(project, "org/tiny-phi3"), HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=hub.endpoint)
+    run = [sys.executable, "-m", "orchestrator.train.prefetch"]
+    filled = subprocess.run(run, cwd=project, env=online, capture_output=True, text=True, timeout=120)
+    assert filled.returncode == 0, filled.stderr[-2000:]
+    offline = {**online, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    requests = len(hub.requests)
+    cached = subprocess.run(run, cwd=project, env=offline, capture_output=True, text=True, timeout=120)
+    assert cached.returncode == 0, cached.stderr[-2000:]
+    assert "[orch] prefetch: model org/tiny-phi3: " in cached.stdout and "[orch] prefetch: dataset org/prefs: " in (
+        cached.stdout) and "trying again" not in cached.stdout + cached.stderr  # fmt: skip
+    assert len(hub.requests) == requests
+    for model, missing in (("org/tiny-phi3", "model org/tiny-phi3"), (str(tmp_path), "dataset org/prefs")):
+        trl = {**yaml.safe_load((project / "recipes" / "trl" / "hub.yaml").read_text()), "model_name_or_path": model}
+        (project / "recipes" / "trl" / "hub.yaml").write_text(yaml.safe_dump(trl))
+        empty = subprocess.run(run, cwd=project, env={**offline, "HF_HOME": str(tmp_path / "empty")},
+                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert empty.returncode == 2 and "Traceback" not in empty.stderr, empty.stderr[-3000:]
+        assert empty.stderr.strip().splitlines()[-1] == (
+            f"orch: error: {missing} is not in this node's Hugging Face cache ({tmp_path / 'empty' / 'hub'}), and "
+            "HF_HUB_OFFLINE=1 keeps the node off the Hub: fill that cache where the Hub can be reached (this setup "
+            "there, with the same HF_HOME), or unset HF_HUB_OFFLINE"
+        )
 
 
 @pytest.mark.e2e  # ~7 s of tries and their pauses
@@ -283,7 +315,7 @@ def test_prefetch_quotes_a_refused_connection_not_the_hub_clients_closed_error(t
     assert refused.stderr.strip().splitlines()[-1] == (
         "orch: error: dataset org/prefs could not be downloaded from http://127.0.0.1:9: ConnectError: [Errno 111] "
         "Connection refused, 3 tries; check the node's network (or HF_ENDPOINT), or raise HF_HUB_DOWNLOAD_TIMEOUT for "
-        "a slow link"
+        "a slow link; nodes with no route to the Hub: fill HF_HOME's cache where there is one and set HF_HUB_OFFLINE=1"
     )
     assert "org/prefs: ConnectError: [Errno 111] Connection refused; trying again (3/3)" in refused.stdout
 

@@ -79,6 +79,8 @@ def fetch(repo: Repo, token: str | None, out=sys.stdout) -> tuple[str, int]:
     import httpx
     from huggingface_hub import constants
 
+    if constants.HF_HUB_OFFLINE:
+        return _from_cache(repo, token)
     label = f"{repo.why} {repo.repo_id}"
     for attempt in range(1, ATTEMPTS + 1):
         try:
@@ -95,7 +97,8 @@ def fetch(repo: Repo, token: str | None, out=sys.stdout) -> tuple[str, int]:
             if attempt == ATTEMPTS:
                 raise OrchError(
                     f"{label} could not be downloaded from {constants.ENDPOINT}: {why}, {ATTEMPTS} tries; check the "
-                    "node's network (or HF_ENDPOINT), or raise HF_HUB_DOWNLOAD_TIMEOUT for a slow link"
+                    "node's network (or HF_ENDPOINT), or raise HF_HUB_DOWNLOAD_TIMEOUT for a slow link; nodes with no "
+                    "route to the Hub: fill HF_HOME's cache where there is one and set HF_HUB_OFFLINE=1"
                 ) from None
             print(f"[orch] prefetch: {label}: {why}; trying again ({attempt + 1}/{ATTEMPTS})", file=out, flush=True)
             time.sleep(attempt)
@@ -122,6 +125,25 @@ def _connection_error(repo: Repo, token: str | None) -> Exception | None:
     except Exception:  # noqa: BLE001 - the Hub answered this time: the retry will say what it says
         return None
     return None
+
+
+def _from_cache(repo: Repo, token: str | None) -> tuple[str, int]:
+    """HF_HUB_OFFLINE=1 (nodes with no route to the Hub, as on many Slurm clusters, their cache filled beforehand): the
+    repo read from the cache as the training processes will read it, or one line saying how to fill it. Nothing is
+    tried again: the Hub is not asked."""
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        if repo.repo_type == "dataset":
+            return _load_dataset(repo, token)
+        path = snapshot_download(repo.repo_id, revision=repo.revision, token=token)
+    except (FileNotFoundError, ConnectionError):  # huggingface_hub's LocalEntryNotFoundError; datasets' offline miss
+        raise OrchError(
+            f"{repo.why} {repo.repo_id} is not in this node's Hugging Face cache ({constants.HF_HUB_CACHE}), and "
+            "HF_HUB_OFFLINE=1 keeps the node off the Hub: fill that cache where the Hub can be reached (this setup "
+            "there, with the same HF_HOME), or unset HF_HUB_OFFLINE"
+        ) from None
+    return path, sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 def _fetch_once(repo: Repo, token: str | None) -> tuple[str, int]:
