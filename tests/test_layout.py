@@ -91,8 +91,9 @@ RULES = {
     "node": ({"core", "node", "rehearsal.driver"}, set()),
     "launch": (
         {"core", "launch", "node.plan", "node.env", "node.script", "node.output", "node.procs", "rehearsal.driver"},
-        # pyarrow: only to read a --data .parquet file's first row (launch/data.py); huggingface_hub: `orch pull`
-        {"yaml", "sky", "pyarrow", "huggingface_hub"},
+        # pyarrow: only to read a --data .parquet file's first row (launch/data.py); huggingface_hub: `orch pull`, and
+        # httpx, its HTTP client, whose connection errors `orch pull` names (launch/model_out.py)
+        {"yaml", "sky", "pyarrow", "huggingface_hub", "httpx"},
     ),
     # trackio: --track; safetensors: the adapter file (train/checkpoints.save_adapter); httpx: huggingface_hub's HTTP
     # client, whose timeouts the prefetch retries (train/prefetch.fetch)
