@@ -56,3 +56,33 @@ def test_command_imports_nothing_heavy(argv, env):
     )
     assert "HEAVY []" in result.stdout, result.stdout + result.stderr
     assert "CODE 0" in result.stdout, result.stdout + result.stderr
+
+
+def test_the_stacks_versions_read_from_folder_names_are_importlib_metadatas(tmp_path, monkeypatch):
+    """rehearsal.driver.versions reads `<name>-<version>.dist-info` folder names along sys.path instead of importing
+    importlib.metadata and parsing METADATA (a third of a dry run): the same answer, here and with a shadowing
+    install first on the path (another spelling of the name), and importlib.metadata for what has no such folder."""
+    import importlib.metadata
+
+    from orchestrator.rehearsal import driver
+
+    def metadata() -> dict[str, str]:
+        out = {}
+        for name in driver.STACK:
+            with __import__("contextlib").suppress(importlib.metadata.PackageNotFoundError):
+                out[name] = importlib.metadata.version(name)
+        return out
+
+    assert driver.versions() == metadata() and driver.versions()["trl"]
+    shadow = tmp_path / "Torch-9.9.9.dist-info"  # an older installer's spelling of torch's folder
+    shadow.mkdir()
+    (shadow / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 9.9.9\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert driver.versions()["torch"] == "9.9.9" == metadata()["torch"]
+    egg = tmp_path / "eggy-1.2.egg-info"  # no dist-info folder: importlib.metadata's own answer
+    egg.mkdir()
+    (egg / "PKG-INFO").write_text("Metadata-Version: 1.0\nName: eggy\nVersion: 1.2\n")
+    importlib.invalidate_caches()
+    monkeypatch.setattr(driver, "STACK", (*driver.STACK, "eggy", "absent-package"))
+    assert driver.versions()["eggy"] == "1.2" == metadata()["eggy"] and "absent-package" not in driver.versions()

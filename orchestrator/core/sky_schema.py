@@ -1,16 +1,15 @@
 """SkyPilot's own task schema, as data the launch side checks a recipe with before anything else reads it.
 
-`sky_task_schema.json` beside this file is `sky.utils.schemas.get_task_schema()` of the installed SkyPilot with the
-schemas SkyPilot applies later in place of its `{type: object}`: the resources schema and its aliases (gpus ->
-accelerators), which Resources.from_yaml_config applies before validating, and each file mount's rule (a path, a
-volume, or a bucket under the storage schema) (`make snapshots` writes launch/backends/sky.
-task_schema_text(); a test fails when it drifts). Importing SkyPilot costs
-~1.5 s of CPU, which `orch ls` and every dry run would pay; jsonschema (SkyPilot's own validator library) costs
-0.1 s. The check is SkyPilot's `validate_schema`: None-valued fields skipped, envs and secrets given as strings (as
-`Task.from_yaml` converts YAML numbers), SkyPilot's case-(in)sensitive enum keywords, and one line naming the field.
-A task that passed is remembered by a hash of itself and of the schema (ORCH_CACHE_DIR/sky-schema/<hash>), so `orch ls`
-over unchanged recipes does not import jsonschema at all (0.06 s of its 0.12 s); a changed task or schema is checked
-again, and a failed check is never remembered.
+`sky_task_schema.json` beside this file is `sky.utils.schemas.get_task_schema()` of the installed SkyPilot, with what
+SkyPilot validates later in place of its `{type: object}`: the resources schema and its aliases (gpus -> accelerators),
+which Resources.from_yaml_config applies before validating, and each file mount's rule (a path, a volume, or a bucket
+under the storage schema). `make snapshots` writes it from launch/backends/sky.task_schema_text(); a test fails when it
+drifts. Importing SkyPilot costs ~1.5 s of CPU, which `orch ls` and every dry run would pay; jsonschema (SkyPilot's own
+validator library) costs 0.1 s. The check is SkyPilot's `validate_schema`: None-valued fields skipped, envs and secrets
+given as strings (as `Task.from_yaml` converts YAML numbers), SkyPilot's case-(in)sensitive enum keywords, and one line
+naming the field. A task that passed is remembered by a hash of itself and of the schema
+(ORCH_CACHE_DIR/sky-schema/<hash>), so `orch ls` over unchanged recipes does not import jsonschema at all (0.06 s of its
+0.12 s); a changed task or schema is checked again, and a failed check is never remembered.
 """
 
 from __future__ import annotations

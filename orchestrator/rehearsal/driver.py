@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -92,8 +91,26 @@ def stack_installed() -> bool:
 
 
 def versions() -> dict[str, str]:
+    """The training stack's installed versions: from the name of each package's `<name>-<version>.dist-info`
+    directory, the first along sys.path as importlib.metadata finds it (the wheel standard names it so), else from
+    importlib.metadata. Importing it and parsing six METADATA files took ~35 ms of a ~85 ms dry run."""
+    found: dict[str, str] = {}
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for folder in names:
+            if folder.endswith(".dist-info"):
+                name, _, version = folder.removesuffix(".dist-info").partition("-")
+                found.setdefault(re.sub(r"[-_.]+", "_", name).lower(), version)
     out = {}
     for name in STACK:
+        if found.get(name):
+            out[name] = found[name]
+            continue
+        import importlib.metadata
+
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
