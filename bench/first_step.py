@@ -97,6 +97,11 @@ def setup_parts(out: str) -> dict[str, float]:
     return dict(zip(("install", "rehearsal", "download"), map(float, match.groups()), strict=True))
 
 
+# A round whose bare echo takes this much longer than the shaped echo (a superset of its work) is not judged: on
+# 2026-11-25 one bare echo's "instances up" took 131 s against 3-11 s in every other launch, and its round read PASS.
+OUTLIER = 1.25
+
+
 def rows() -> list[tuple[str, float, int, str, str]]:
     """The bench's rows for time to first step on the bed (raises SystemExit when a launch fails)."""
     from sky_bed import BED_HOMES, REPO_COPY_IGNORE, SkyBed
@@ -139,10 +144,13 @@ def rows() -> list[tuple[str, float, int, str, str]]:
                     f"{shape_s / ref_s:.2f}x the bare echo: SkyPilot's own cost of the recipe's shape; orch run is "
                     f"{sub_s / shape_s:.2f}x this; {breakdown(shape_seen, '')}", "",
                 ))  # fmt: skip
+                verdict = f"<= 1.5x: {'PASS' if ratio <= 1.5 else 'FAIL'}"
+                if ref_s > OUTLIER * shape_s:  # the bare echo does a part of the shaped one's work: SkyPilot stalled
+                    verdict = (f"not judged: the bare echo took {ref_s / shape_s:.1f}x the shaped echo, which does "
+                               "more; a stalled reference")  # fmt: skip
                 out_rows.append((
                     f"orch run --infra slurm --nodes 2 --smoke to step 1, new cluster ({env_state})", sub_s, 0,
-                    f"{ratio:.2f}x the bare echo launch; {breakdown(sub_seen, out)}",
-                    f"<= 1.5x: {'PASS' if ratio <= 1.5 else 'FAIL'}",
+                    f"{ratio:.2f}x the bare echo launch; {breakdown(sub_seen, out)}", verdict,
                 ))  # fmt: skip
             again_s, again_seen, out = timed([*orch_run, "--cluster", f"o{ROUNDS - 1}"], env, "[orch] step 1/",
                                              project)
