@@ -7,6 +7,7 @@ Launch a resolved task as a cluster job (`sky.launch`) or a managed job (`sky.jo
 from __future__ import annotations
 
 import copy
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,13 +47,12 @@ FIXES = {
 }
 
 
-def _reason(exc: BaseException, first_line: bool = False) -> str:
-    """SkyPilot's message on one line, uncoloured, capped; `first_line`: its reason alone (a table may follow)."""
-    import re
-
+def _reason(exc: BaseException, first_line: bool = False, cap: int | None = 300) -> str:
+    """SkyPilot's message on one line, uncoloured, capped (None: schema refusals end with their field); `first_line`:
+    its reason alone (a table may follow)."""
     text = str(exc).strip()
     text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", text.splitlines()[0] if first_line and text else text).split())
-    return text[:300] or type(exc).__name__
+    return text[:cap] or type(exc).__name__
 
 
 def sdk_error(what: str, exc: Exception) -> OrchError:
@@ -107,7 +107,7 @@ def to_task(task: dict, secrets: dict[str, str] | None = None):
     try:
         sky_task = sky.Task.from_yaml_config(copy.deepcopy(task))
     except Exception as exc:  # SkyPilot raises ValueError / jsonschema errors with long texts
-        raise OrchError(f"SkyPilot rejects the task: {_reason(exc, first_line=True)}") from None
+        raise OrchError(f"SkyPilot rejects the task: {_reason(exc, first_line=True, cap=None)}") from None
     if secrets:
         sky_task.update_secrets(secrets)
     return sky_task
