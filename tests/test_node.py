@@ -183,9 +183,20 @@ def test_the_relay_hides_known_notices_and_keeps_everything_else():
         "barrier. Elapsed: 0.02 seconds\n",
         "E1123 20:19:49.158000 12952 torch/distributed/elastic/agent/server/api.py:1008] Traceback (most recent call\n",
     ]
+    kernel = [  # bitsandbytes' CPU kernel from the Kernels Hub: without the kernels package, and offline with it
+        "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. Please make sure you "
+        "already `pip install kernels` and the kernels >= 0.11.1\n",
+        "/v/lib/python3.11/site-packages/bitsandbytes/backends/cpu/ops.py:247: UserWarning: Skipping publisher trust "
+        "check for 'kernels-community/quantization-bitsandbytes' because Hugging Face Hub is in offline mode.\n",
+        "  gemm_4bit_forward_kernel = get_kernel(\n",
+        "Failed to load CPU gemm_4bit_forward from kernels-community: Version 1 of 'kernels-community/quantization-"
+        "bitsandbytes' is not available in the local cache and Hugging Face Hub is in offline mode. Download the "
+        "kernel while online first, or pass an explicit `revision=<commit>`.. Please make sure you already `pip "
+        "install kernels` and the kernels >= 0.11.1\n",
+    ]
     after = ["[orch] done\n", "frame #9: a C++ frame of something else\n", "ValueError: x\n"]  # not a notice's block
-    lines = [ds, "[orch] step 1/8 loss=0.69\n", *race, *after]
-    for cpu, hidden in ((True, 1 + len(race)), (False, len(race))):
+    lines = [ds, *kernel, "[orch] step 1/8 loss=0.69\n", *race, *after]
+    for cpu, hidden in ((True, 1 + len(kernel) + len(race)), (False, len(kernel) + len(race))):
         out = io.StringIO()
         sys_stdout, sys.stdout = sys.stdout, out
         try:
