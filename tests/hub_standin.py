@@ -1,10 +1,13 @@
 """A local stand-in for the Hugging Face Hub, for tests: huggingface_hub's own client talks to it over HTTP
 (HF_ENDPOINT), so downloads, caching and the Hub's errors run for real, with no network.
 
-Serves repos saved on disk under ROOT/models/<org>/<name>/ and ROOT/datasets/<org>/<name>/ at revision "main":
-  GET  /api/{models,datasets}/<repo>[/revision/<rev>]    repo info (sha, siblings)
-  GET  /api/{models,datasets}/<repo>/tree/<rev>          file list
-  HEAD/GET /<repo>/resolve/<rev>/<file>, /datasets/<repo>/resolve/<rev>/<file>
+Serves repos saved on disk under ROOT/models/<org>/<name>/, ROOT/datasets/<org>/<name>/ and ROOT/kernels/<org>/<name>/
+at revision "main" (and, for kernels, the version branches v1..v3, as the Kernels Hub names them):
+  GET  /api/{models,datasets,kernels}/<repo>[/revision/<rev>]    repo info (sha, siblings)
+  GET  /api/{models,datasets,kernels}/<repo>/tree/<rev>[/<path>] what is under path (?recursive=true: every file)
+  GET  /api/kernels/<repo>/refs                                   branches main and v1..v3
+  GET  /api/organizations/<org>/overview                          trustedKernelPublisher: org in `trusted`
+  HEAD/GET /<repo>/resolve/<rev>/<file>, /{datasets,kernels}/<repo>/resolve/<rev>/<file>
 A repo listed in `gated` answers 401 GatedRepo to requests without `Authorization: Bearer <token>`. `hold.clear()` makes
 every file download wait until `hold.set()` (a download in flight, for as long as a test needs); `downloading` is set
 when one has started.
@@ -23,11 +26,48 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 SHA = "0" * 40
+BRANCHES = ("main", "v1", "v2", "v3")  # a kernel repo's version branches (kernels resolves version=N to vN)
+
+
+# A Kernels Hub attention kernel in plain torch: flash attention's two entry points over SDPA, each document of a varlen
+# batch attending only within itself, as the flash-attn builds do.
+KERNEL_SOURCE = '''import torch
+import torch.nn.functional as F
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **kwargs):
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p,
+                                         scale=softmax_scale, is_causal=causal, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
+                           softmax_scale=None, causal=False, **kwargs):
+    pieces = []
+    for i in range(len(cu_seqlens_q) - 1):
+        q0, q1, k0, k1 = cu_seqlens_q[i], cu_seqlens_q[i + 1], cu_seqlens_k[i], cu_seqlens_k[i + 1]
+        pieces.append(flash_attn_func(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dropout_p, softmax_scale,
+                                      causal)[0])
+    return torch.cat(pieces)
+'''
+
+
+def save_kernel(root: Path, repo: str, variant: str = "torch-cpu") -> None:
+    """A kernel repo under ROOT/kernels/<repo>/ with one build (torch-cpu: the noarch CPU build this machine's torch
+    picks; torch213-cxx11-cu130-x86_64-linux: a CUDA build it cannot use), metadata as the kernels package reads it."""
+    build = root / "kernels" / repo / "build" / variant
+    build.mkdir(parents=True)
+    (build / "__init__.py").write_text(KERNEL_SOURCE)
+    backend = "cpu" if variant.endswith("-cpu") else "cuda"
+    metadata = {"id": f"_{repo.split('/')[1].replace('-', '_')}_0", "name": repo.split("/")[1], "version": 1,
+                "license": "Apache-2.0", "python-depends": [], "backend": {"type": backend}}  # fmt: skip
+    (build / "metadata.json").write_text(json.dumps(metadata))
 
 
 class Hub:
-    def __init__(self, root: Path, gated: set[str] = frozenset(), token: str = "hf_standin_token"):
-        self.root, self.gated, self.token = root, set(gated), token
+    def __init__(self, root: Path, gated: set[str] = frozenset(), token: str = "hf_standin_token",
+                 trusted: set[str] = frozenset({"kernels-community"})):  # fmt: skip
+        self.root, self.gated, self.token, self.trusted = root, set(gated), token, set(trusted)
         self.requests: list[str] = []
         self.hold, self.downloading = threading.Event(), threading.Event()
         self.hold.set()
@@ -67,15 +107,23 @@ class Hub:
                 body = json.dumps({"error": error_code}).encode()
                 self._send(code, body, {"X-Error-Code": error_code, "Content-Type": "application/json"}, head)
 
+            def _json(self, answer, head: bool):
+                return self._send(200, json.dumps(answer).encode(), {"Content-Type": "application/json"}, head)
+
             def _route(self, head: bool):
-                path = unquote(urlparse(self.path).path)
+                url = urlparse(self.path)
+                path = unquote(url.path)
                 hub.requests.append(f"{self.command} {path}")
                 parts = path.strip("/").split("/")
+                if parts[:2] == ["api", "organizations"] and parts[3:] == ["overview"]:
+                    org = parts[2]
+                    overview = {"name": org, "fullname": org, "trustedKernelPublisher": org in hub.trusted}
+                    return self._json(overview, head)
                 if parts[0] == "api":  # /api/models/org/name/revision/main
                     kind, repo, rest = parts[1], "/".join(parts[2:4]), parts[4:]
-                else:  # /org/name/resolve/main/file, /datasets/org/name/resolve/main/file
-                    kind = "datasets" if parts[0] == "datasets" else "models"
-                    parts = parts[1:] if kind == "datasets" else parts
+                else:  # /org/name/resolve/main/file, /datasets/org/name/resolve/main/file, /kernels/...
+                    kind = parts[0] if parts[0] in ("datasets", "kernels") else "models"
+                    parts = parts[1:] if kind != "models" else parts
                     repo, rest = "/".join(parts[:2]), parts[2:]
                 folder = hub.root / kind / repo
                 if not folder.is_dir():
@@ -85,10 +133,22 @@ class Hub:
                 files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
                 if parts[0] == "api" and (not rest or rest[0] == "revision"):
                     info = {"id": repo, "sha": SHA, "siblings": [{"rfilename": f} for f in files], "private": False}
+                    if kind == "kernels":  # the Hub's kernel info lists no files (huggingface_hub then lists the tree)
+                        del info["siblings"]
                     return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, head)
-                if parts[0] == "api" and rest[0] == "tree":
-                    tree = [{"type": "file", "path": f, "size": (folder / f).stat().st_size, "oid": SHA} for f in files]
-                    return self._send(200, json.dumps(tree).encode(), {"Content-Type": "application/json"}, head)
+                if parts[0] == "api" and rest[0] == "refs" and kind == "kernels":
+                    branches = [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": SHA} for b in BRANCHES]
+                    return self._json({"branches": branches, "tags": [], "converts": []}, head)
+                if parts[0] == "api" and rest[0] == "tree":  # /tree/<rev>[/<path>]: files, and folders unless recursive
+                    under = "/".join(rest[2:])
+                    prefix, recursive = f"{under}/" if under else "", "recursive=true" in url.query.lower()
+                    inside = [f[len(prefix):] for f in files if f.startswith(prefix)]
+                    tree = [{"type": "file", "path": prefix + f, "size": (folder / prefix / f).stat().st_size,
+                             "oid": SHA} for f in inside if recursive or "/" not in f]  # fmt: skip
+                    if not recursive:
+                        folders = sorted({f.split("/")[0] for f in inside if "/" in f})
+                        tree += [{"type": "directory", "path": prefix + d, "oid": SHA} for d in folders]
+                    return self._json(tree, head)
                 if rest[0] == "resolve":
                     target = folder / "/".join(rest[2:])
                     if not target.is_file():

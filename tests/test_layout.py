@@ -96,9 +96,10 @@ RULES = {
         {"yaml", "sky", "pyarrow", "huggingface_hub", "httpx"},
     ),
     # trackio: --track; safetensors: the adapter file (train/checkpoints.save_adapter); httpx: huggingface_hub's HTTP
-    # client, whose timeouts the prefetch retries (train/prefetch.fetch)
+    # client, whose timeouts the prefetch retries (train/prefetch.fetch); kernels: the Kernels Hub client, which holds
+    # the attention kernel the prefetch loaded (train/attention_kernel.py)
     "train": ({"core", "train"}, HEAVY - {"sky", "vllm"} | {"yaml", "huggingface_hub", "trackio", "safetensors",
-                                                          "httpx"}),
+                                                          "httpx", "kernels"}),
     "rehearsal": (  # bitsandbytes: imported before CUDA is faked (role.py), so its CPU kernels are the ones chosen;
         # httpx: huggingface_hub's HTTP client, whose connection errors name an unreachable Hub (rehearsal/data.py)
         {"core", "node.plan", "train", "rehearsal"},

@@ -12,10 +12,12 @@ import pytest
 import tomllib
 import yaml
 from conftest import ROOT, orch
-from hub_standin import Hub
+from hub_standin import Hub, save_kernel
 
-from orchestrator.core import accelerate_schema, trl_schema
+from orchestrator.core import accelerate_schema, overrides, trl_schema
+from orchestrator.core.errors import OrchError
 from orchestrator.launch import storage
+from orchestrator.train import attention_kernel
 
 pytestmark = pytest.mark.cli
 
@@ -59,6 +61,10 @@ def test_recipe_setup_installs_from_the_lock(path):
     assert "train" in extras and set(extras) <= EXTRAS
     if task["envs"].get("TRL_TRAINER") == "grpo" and "use_vllm" in (ROOT / task["envs"]["TRL_CONFIG"]).read_text():
         assert "vllm" in extras, f"{path.stem} generates with vLLM"
+    trl = yaml.safe_load((ROOT / task["envs"]["TRL_CONFIG"]).read_text())
+    attention, _ = attention_kernel.requested(overrides.effective(trl, overrides.loads(task["envs"]["TRL_OVERRIDES"])))
+    if attention_kernel.may_need_hub(attention):  # transformers loads it with the kernels package (trl[kernels])
+        assert "gpu" in extras, f"{path.stem}'s attention {attention} is a Kernels Hub kernel: its setup needs gpu"
     assert "pip install" not in task["setup"]
     assert 'export PATH="${ORCH_VENV:-$HOME/.orch/venv}/bin:$PATH"' in task["run"] and "orch node" in task["run"]
 
@@ -297,6 +303,141 @@ def test_prefetch_on_a_node_with_no_route_to_the_hub_reads_the_cache_hf_hub_offl
             "HF_HUB_OFFLINE=1 keeps the node off the Hub: fill that cache where the Hub can be reached (this setup "
             "there, with the same HF_HOME), or unset HF_HUB_OFFLINE"
         )
+
+
+@pytest.fixture
+def kernel_hub(tmp_path):
+    """Kernels Hub repos served by the stand-in: two CPU-runnable attention kernels from kernels-community (one the
+    name transformers falls back to for flash_attention_2), the same from a publisher the Hub does not trust, and one
+    with only a CUDA build."""
+    root = tmp_path / "hub"
+    for repo in ("kernels-community/tiny-flash", "kernels-community/flash-attn2", "someone/tiny-flash"):
+        save_kernel(root, repo)
+    save_kernel(root, "kernels-community/cuda-flash", "torch213-cxx11-cu130-x86_64-linux")
+    (root / "models").mkdir()
+    with Hub(root) as server:
+        yield server
+
+
+def kernel_recipe(project: Path, attention: str, **extra: str) -> dict[str, str]:
+    """The envs of a recipe whose model and data are local and whose attention is `attention`."""
+    trl = {"model_name_or_path": str(project), "dataset_name": str(project), "attn_implementation": attention}
+    (project / "recipes" / "trl" / "kernel.yaml").write_text(yaml.safe_dump(trl))
+    return {"TRL_CONFIG": "recipes/trl/kernel.yaml", **extra}
+
+
+@pytest.mark.e2e  # ~6 processes that import transformers
+def test_prefetch_fetches_and_loads_the_attention_kernel_the_ranks_load_so_an_offline_rank_finds_it(
+    tmp_path, kernel_hub, project
+):
+    """transformers loads a Hub-named attn_implementation (and flash_attention_2 without the flash-attn package) from
+    the Kernels Hub in every rank's from_pretrained, after the launch. The setup's prefetch now runs that loader once
+    per node: the kernel lands in the cache the ranks read, and a rank with HF_HUB_OFFLINE=1 loads it without the Hub
+    (the kernels package alone would not find the version it downloaded: attention_kernel._keep_version)."""
+    online = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    online.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=kernel_hub.endpoint)
+    run = [sys.executable, "-m", "orchestrator.train.prefetch"]
+    for attention, kernel in (("kernels-community/tiny-flash", "kernels-community/tiny-flash"),
+                              ("flash_attention_2", "kernels-community/flash-attn2")):  # fmt: skip
+        fetched = subprocess.run(run, cwd=project, env={**online, **kernel_recipe(project, attention)},
+                                 capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert fetched.returncode == 0, fetched.stderr[-3000:]
+        assert f"[orch] prefetch: attention kernel {kernel}: 0.00 GB in the cache, loaded (torch-cpu build)" in (
+            fetched.stdout), fetched.stdout  # fmt: skip
+    offline = {**online, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    requests = len(kernel_hub.requests)
+    rank = ("from transformers.modeling_flash_attention_utils import lazy_import_flash_attention as load; "
+            "print(load('kernels-community/tiny-flash')[0][1].__name__)")  # what from_pretrained calls  # fmt: skip
+    loaded = subprocess.run([sys.executable, "-c", rank], env=offline, capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "flash_attn_varlen_func", loaded.stderr[-3000:]
+    cached = subprocess.run(run, cwd=project, env={**offline, **kernel_recipe(project, "kernels-community/tiny-flash")},
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert cached.returncode == 0 and "loaded (torch-cpu build)" in cached.stdout, cached.stderr[-3000:]
+    assert len(kernel_hub.requests) == requests
+    empty = subprocess.run(run, cwd=project, env={**offline, "HF_HOME": str(tmp_path / "empty"),
+                                                  **kernel_recipe(project, "kernels-community/tiny-flash")},
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert empty.returncode == 2 and "Traceback" not in empty.stderr, empty.stderr[-3000:]
+    assert empty.stderr.strip().splitlines()[-1] == (
+        f"orch: error: attention kernel kernels-community/tiny-flash is not in this node's Hugging Face cache "
+        f"({tmp_path / 'empty' / 'hub'}), and HF_HUB_OFFLINE=1 keeps the node off the Hub: fill that cache where the "
+        "Hub can be reached (this setup there, with the same HF_HOME), or unset HF_HUB_OFFLINE"
+    )
+
+
+@pytest.mark.e2e  # ~4 processes that import transformers
+@pytest.mark.parametrize(
+    ("attention", "refusal"),
+    [
+        ("someone/tiny-flash", r"attention kernel someone/tiny-flash cannot be loaded on this node, as every rank "
+         r"would load it: ValueError: Kernel repository 'someone/tiny-flash' is not from a trusted publisher; set "
+         r'model_init_kwargs=\{"allow_all_kernels": true\} if you trust its code, or another attn_implementation'),
+        ("kernels-community/cuda-flash", r"attention kernel kernels-community/cuda-flash cannot be loaded on this "
+         r"node, as every rank would load it: FileNotFoundError: Cannot find a build variant for this system in "
+         r"kernels-community/cuda-flash \(revision: 0{40}\); it has no build for this node's torch, accelerator and "
+         r"platform: choose another attn_implementation"),
+        ("kernels-community/nope", r"attention kernel kernels-community/nope does not exist on the Hugging Face Hub "
+         r"\(or this node may not read it: give HF_TOKEN\); check attn_implementation in the TRL config"),
+    ],
+    ids=["untrusted publisher", "no build for this node", "no such kernel"],
+)
+def test_prefetch_refuses_an_attention_kernel_no_rank_could_load_in_one_line(
+    tmp_path, kernel_hub, project, attention, refusal
+):
+    env = {**os.environ, **kernel_recipe(project, attention), "HF_HOME": str(tmp_path / "hf"),
+           "HF_ENDPOINT": kernel_hub.endpoint}  # fmt: skip
+    env.pop("HF_HUB_OFFLINE", None)
+    refused = subprocess.run([sys.executable, "-m", "orchestrator.train.prefetch"], cwd=project, env=env,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    line = refused.stderr.strip().splitlines()[-1]
+    assert [x for x in refused.stderr.splitlines() if x.startswith("orch: error:")] == [line]
+    assert re.fullmatch(f"orch: error: {refusal}", line), line
+
+
+@pytest.mark.e2e  # imports transformers
+def test_a_hub_attention_kernel_without_the_kernels_package_is_one_line_naming_the_gpu_extra(monkeypatch):
+    """A copied recipe whose setup installs `train` alone, given a Hub attention kernel: every rank's from_pretrained
+    raised transformers' ImportError after the launch; the setup now says which extra to install."""
+    from transformers.integrations import hub_kernels
+
+    assert attention_kernel.repo("kernels-community/flash-attn2") == "kernels-community/flash-attn2"
+    assert attention_kernel.repo("flash_attention_2") == "kernels-community/flash-attn2"  # no flash-attn package here
+    assert attention_kernel.repo("sdpa") is None and not attention_kernel.may_need_hub("sdpa")
+    monkeypatch.setattr(hub_kernels, "is_kernels_available", lambda *a, **k: False)  # what transformers decides by
+    with pytest.raises(OrchError, match=r"^attn_implementation flash_attention_2 loads the Kernels Hub kernel "
+                       r"kernels-community/flash-attn2, but this node has no kernels package in the version "
+                       r"transformers accepts: install orch's gpu extra \(the recipe's setup: bash scripts/node-setup"
+                       r"\.sh train,gpu\), or set attn_implementation=sdpa$"):  # fmt: skip
+        attention_kernel.repo("flash_attention_2")
+
+
+def test_the_attention_kernel_the_ranks_load_is_the_one_model_init_kwargs_names():
+    """train/entry.build lets model_init_kwargs (a mapping, or TRL's JSON text from a key=value) win over
+    attn_implementation; allow_all_kernels is read there too; paged| names (inference) load the same kernel."""
+    assert attention_kernel.requested({"attn_implementation": "org/a"}) == ("org/a", False)
+    assert attention_kernel.requested({"attn_implementation": "sdpa", "model_init_kwargs": {
+        "attn_implementation": "org/b", "allow_all_kernels": True}}) == ("org/b", True)  # fmt: skip
+    text = '{"attn_implementation": "paged|org/c@v2:fn", "allow_all_kernels": "false"}'
+    assert attention_kernel.requested({"model_init_kwargs": text}) == ("org/c@v2:fn", False)
+    assert attention_kernel.requested({}) == (None, False)
+    assert [attention_kernel.may_need_hub(a) for a in ("eager", "flex_attention", "flash_attention_3", "a/b")] == [
+        False, False, True, True]  # fmt: skip
+
+
+@pytest.mark.e2e
+def test_the_kernels_package_still_leaves_a_version_it_downloaded_unreadable_offline(tmp_path, kernel_hub):
+    """attention_kernel._keep_version exists because the kernels package downloads version N as a commit and then,
+    offline, looks for the version's ref, which it never wrote. When this fails, it writes it: drop _keep_version."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=kernel_hub.endpoint)
+    get = "from kernels import get_kernel; get_kernel('kernels-community/tiny-flash', version=2)"
+    done = subprocess.run([sys.executable, "-c", get], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    offline = subprocess.run([sys.executable, "-c", get], env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert offline.returncode == 1 and "Version 2 of 'kernels-community/tiny-flash' is not available in the local " \
+        "cache" in offline.stderr, "the kernels package now loads offline what it downloaded: drop _keep_version"
 
 
 @pytest.mark.e2e  # ~7 s of tries and their pauses

@@ -1,12 +1,13 @@
-"""Download a recipe's model(s) and dataset(s) once per node, in parallel, before any GPU process starts.
+"""Download a recipe's model(s), dataset(s) and attention kernel once per node, in parallel, before any GPU process
+starts.
 
 `python -m orchestrator.train.prefetch` (run by scripts/node-setup.sh with the task's envs and secrets) reads the
 recipe's TRL config and TRL_OVERRIDES, then fetches every Hub repo the training will load (the model, a GRPO
-reward model, the dataset or dataset mixture) into the Hugging Face cache the training processes read, with
-huggingface_hub's own downloader (hf_xet where the Hub serves Xet; HF_XET_HIGH_PERFORMANCE is set by the
-setup). Local paths are left alone. A gated or missing repo ends the setup with one line naming the fix,
-before the cluster has trained nothing for minutes.
-"""
+reward model, the dataset or dataset mixture, a Kernels Hub attention kernel, which it also loads as the ranks will:
+train/attention_kernel.py) into the Hugging Face cache the training processes read, with huggingface_hub's own
+downloader (hf_xet where the Hub serves Xet; HF_XET_HIGH_PERFORMANCE is set by the setup). Local paths are left alone.
+A gated or missing repo ends the setup with one line naming the fix, before the cluster has trained nothing for
+minutes."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import NamedTuple
 from orchestrator.core import configs, overrides
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
+from orchestrator.train import attention_kernel
 
 # Weights in other formats and the original (non-transformers) checkpoints that Meta's repos carry: never loaded.
 MODEL_IGNORE = ["original/*", "*.pth", "*.pt", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "*.ot", "*.tflite"]
@@ -31,11 +33,11 @@ MODEL_IGNORE = ["original/*", "*.pth", "*.pt", "*.gguf", "*.onnx", "*.msgpack", 
 class Repo(NamedTuple):
     repo_id: str
     repo_type: str
-    """model or dataset."""
+    """model, dataset or kernel (train/attention_kernel.py)."""
     revision: str | None = None
     why: str = ""
     config: str | None = None
-    """A dataset's config name (TRL's dataset_config)."""
+    """A dataset's config name (TRL's dataset_config); a kernel's name as transformers loads it."""
 
 
 def repos(settings: Mapping) -> list[Repo]:
@@ -191,28 +193,40 @@ def prefetch(env: Mapping[str, str], out=sys.stdout) -> int:
         return 0
     trl = configs.load_yaml(Path(configs.required(env, "TRL_CONFIG", "recipes/trl/phi3_dpo.yaml")), "TRL config")
     settings = overrides.effective(trl, overrides.loads(env.get("TRL_OVERRIDES", "")))
+    if not sys.stderr.isatty():  # a log (SkyPilot's, shared with the rehearsal): whole lines, not redrawn bars; set
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # before huggingface_hub's import reads it
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     wanted = repos(settings)
+    attention, allow_all = attention_kernel.requested(settings)
+    kernel = attention_kernel.repo(attention) if attention_kernel.may_need_hub(attention) else None
+    if kernel:
+        wanted.append(Repo(kernel.split(":")[0].split("@")[0], "kernel", None, "attention kernel", kernel))
     if not wanted:
         print("[orch] prefetch: the model and data are local paths: nothing to download", file=out, flush=True)
         return 0
     token = env.get("HF_TOKEN") or None
     started = time.monotonic()
-    if not sys.stderr.isatty():  # a log (SkyPilot's, shared with the rehearsal): whole lines, not redrawn bars
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     done = threading.Event()
     every = knob(env, "ORCH_PREFETCH_PROGRESS_S", PROGRESS_EVERY)
     reporter = threading.Thread(target=_progress, args=(wanted, started, every, done, out), daemon=True)
     reporter.start()
     try:
         with ThreadPoolExecutor(max_workers=len(wanted)) as pool:
-            results = list(pool.map(lambda repo: fetch(repo, token, out), wanted))
+            results = list(pool.map(lambda repo: _get(repo, token, attention, allow_all, out), wanted))
     finally:
         done.set()
-    for repo, (_path, size) in zip(wanted, results, strict=True):
-        print(f"[orch] prefetch: {repo.why} {repo.repo_id}: {size / 1e9:.2f} GB in the cache", file=out, flush=True)
+    for repo, (path, size) in zip(wanted, results, strict=True):
+        loaded = f", loaded ({Path(path).name} build)" if repo.repo_type == "kernel" and path else ""
+        print(f"[orch] prefetch: {repo.why} {repo.repo_id}: {size / 1e9:.2f} GB in the cache{loaded}", file=out,
+              flush=True)  # fmt: skip
     print(f"[orch] prefetch: {len(wanted)} repo(s) in {time.monotonic() - started:.1f} s", file=out, flush=True)
     return 0
+
+
+def _get(repo: Repo, token: str | None, attention: str | None, allow_all: bool, out) -> tuple[str, int]:
+    if repo.repo_type == "kernel":  # `config` holds the name transformers loads (org/name[@rev][:function])
+        return attention_kernel.fetch(str(repo.config), str(attention), allow_all)
+    return fetch(repo, token, out)
 
 
 def main(argv: list[str] | None = None) -> int:
