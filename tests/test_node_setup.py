@@ -307,11 +307,11 @@ def test_prefetch_on_a_node_with_no_route_to_the_hub_reads_the_cache_hf_hub_offl
 
 @pytest.fixture
 def kernel_hub(tmp_path):
-    """Kernels Hub repos served by the stand-in: two CPU-runnable attention kernels from kernels-community (one the
-    name transformers falls back to for flash_attention_2), the same from a publisher the Hub does not trust, and one
+    """Kernels Hub repos served by the stand-in: CPU-runnable attention kernels from kernels-community (flash-attn2,
+    the recipes' and transformers' fallback for flash_attention_2) and from a publisher the Hub does not trust, and one
     with only a CUDA build."""
     root = tmp_path / "hub"
-    for repo in ("kernels-community/tiny-flash", "kernels-community/flash-attn2", "someone/tiny-flash"):
+    for repo in ("kernels-community/flash-attn2", "kernels-community/tiny-flash", "someone/tiny-flash"):
         save_kernel(root, repo)
     save_kernel(root, "kernels-community/cuda-flash", "torch213-cxx11-cu130-x86_64-linux")
     (root / "models").mkdir()
@@ -326,7 +326,7 @@ def kernel_recipe(project: Path, attention: str, **extra: str) -> dict[str, str]
     return {"TRL_CONFIG": "recipes/trl/kernel.yaml", **extra}
 
 
-@pytest.mark.e2e  # ~6 processes that import transformers
+@pytest.mark.e2e  # 4 processes that import transformers
 def test_prefetch_fetches_and_loads_the_attention_kernel_the_ranks_load_so_an_offline_rank_finds_it(
     tmp_path, kernel_hub, project
 ):
@@ -337,29 +337,28 @@ def test_prefetch_fetches_and_loads_the_attention_kernel_the_ranks_load_so_an_of
     online = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     online.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=kernel_hub.endpoint)
     run = [sys.executable, "-m", "orchestrator.train.prefetch"]
-    for attention, kernel in (("kernels-community/tiny-flash", "kernels-community/tiny-flash"),
-                              ("flash_attention_2", "kernels-community/flash-attn2")):  # fmt: skip
-        fetched = subprocess.run(run, cwd=project, env={**online, **kernel_recipe(project, attention)},
-                                 capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert fetched.returncode == 0, fetched.stderr[-3000:]
-        assert f"[orch] prefetch: attention kernel {kernel}: 0.00 GB in the cache, loaded (torch-cpu build)" in (
-            fetched.stdout), fetched.stdout  # fmt: skip
+    # flash_attention_2: no flash-attn package here, so the recipes' kernel, at the version transformers asks (3)
+    fetched = subprocess.run(run, cwd=project, env={**online, **kernel_recipe(project, "flash_attention_2")},
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert fetched.returncode == 0, fetched.stderr[-3000:]
+    assert "[orch] prefetch: attention kernel kernels-community/flash-attn2: 0.00 GB in the cache, loaded (torch-cpu " \
+        "build)" in fetched.stdout, fetched.stdout
+    assert "GET /api/kernels/kernels-community/flash-attn2/refs" in kernel_hub.requests
     offline = {**online, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
     requests = len(kernel_hub.requests)
     rank = ("from transformers.modeling_flash_attention_utils import lazy_import_flash_attention as load; "
-            "print(load('kernels-community/tiny-flash')[0][1].__name__)")  # what from_pretrained calls  # fmt: skip
+            "print(load('kernels-community/flash-attn2')[0][1].__name__)")  # what from_pretrained calls  # fmt: skip
     loaded = subprocess.run([sys.executable, "-c", rank], env=offline, capture_output=True, text=True, timeout=300)
     assert loaded.returncode == 0 and loaded.stdout.strip() == "flash_attn_varlen_func", loaded.stderr[-3000:]
-    cached = subprocess.run(run, cwd=project, env={**offline, **kernel_recipe(project, "kernels-community/tiny-flash")},
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    recipe = kernel_recipe(project, "kernels-community/flash-attn2")  # as the recipes name it
+    cached = subprocess.run(run, cwd=project, env={**offline, **recipe}, capture_output=True, text=True, timeout=300)
     assert cached.returncode == 0 and "loaded (torch-cpu build)" in cached.stdout, cached.stderr[-3000:]
     assert len(kernel_hub.requests) == requests
-    empty = subprocess.run(run, cwd=project, env={**offline, "HF_HOME": str(tmp_path / "empty"),
-                                                  **kernel_recipe(project, "kernels-community/tiny-flash")},
+    empty = subprocess.run(run, cwd=project, env={**offline, "HF_HOME": str(tmp_path / "empty"), **recipe},
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert empty.returncode == 2 and "Traceback" not in empty.stderr, empty.stderr[-3000:]
     assert empty.stderr.strip().splitlines()[-1] == (
-        f"orch: error: attention kernel kernels-community/tiny-flash is not in this node's Hugging Face cache "
+        f"orch: error: attention kernel kernels-community/flash-attn2 is not in this node's Hugging Face cache "
         f"({tmp_path / 'empty' / 'hub'}), and HF_HUB_OFFLINE=1 keeps the node off the Hub: fill that cache where the "
         "Hub can be reached (this setup there, with the same HF_HOME), or unset HF_HUB_OFFLINE"
     )

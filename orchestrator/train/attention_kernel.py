@@ -87,7 +87,12 @@ def fetch(name: str, attention: str, allow_all: bool) -> tuple[str, int]:
             folder = Path(loaded.module.__file__).parent  # build/<variant>/ or build/<variant>/<module>/
             variant = folder if folder.parent.name == "build" else folder.parent
             if not revision and not constants.HF_HUB_OFFLINE:
-                _keep_version(repo_id, variant.name)
+                try:
+                    _keep_version(repo_id, variant.name)
+                except Exception as exc:  # noqa: BLE001 - only an offline rank needs the ref: said, not fatal
+                    print(f"[orch] prefetch: attention kernel {repo_id}: its version's ref not kept "
+                          f"({type(exc).__name__}): a rank with HF_HUB_OFFLINE=1 would not find it in this cache",
+                          flush=True)  # fmt: skip
             return str(variant), sum(p.stat().st_size for p in variant.rglob("*") if p.is_file())
     return "", 0  # a local kernel (LOCAL_KERNELS): nothing in the cache
 
