@@ -240,6 +240,7 @@ def test_prefetch_names_the_fix_for_a_gated_model(tmp_path, hub, project):
     assert missing.returncode == 2 and "model org/nope does not exist on the Hugging Face Hub" in missing.stderr
 
 
+@pytest.mark.e2e  # ~15 s: 3 timed-out tries and their pauses, twice
 def test_prefetch_tries_a_stalled_download_again_then_refuses_in_one_line(tmp_path, hub, project):
     # huggingface_hub does not retry a file's GET: a Hub that stalls past HF_HUB_DOWNLOAD_TIMEOUT ended the node's
     # setup with httpx's traceback (seen in the suite). Now each repo gets ATTEMPTS tries, then one line naming the fix.
