@@ -25,6 +25,11 @@ from orchestrator.core.overrides import truthy
 FLASH = re.compile(r"flash_attention_\d")
 
 
+class NotCached(Exception):
+    """HF_HUB_OFFLINE=1 and the kernel is not in the cache (its argument: what to call it); train/prefetch.py words it
+    as it words a model or a dataset the cache lacks."""
+
+
 def requested(settings: Mapping) -> tuple[str | None, bool]:
     """(the attn_implementation the ranks load the model with, allow_all_kernels), from the TRL settings: a key of
     model_init_kwargs wins over the top-level attn_implementation, as in train/entry.build."""
@@ -78,7 +83,7 @@ def fetch(name: str, attention: str, allow_all: bool) -> tuple[str, int]:
     try:
         lazy_import_flash_attention(name, allow_all_kernels=allow_all)
     except (ImportError, ValueError, OSError, RuntimeError) as exc:
-        raise OrchError(_refusal(name, attention, exc, constants.HF_HUB_OFFLINE, constants.HF_HUB_CACHE)) from None
+        raise _refusal(name, attention, exc, constants.HF_HUB_OFFLINE) from None
     import kernels
 
     repo_id, _, revision = name.split(":")[0].partition("@")
@@ -104,17 +109,17 @@ def _keep_version(repo_id: str, variant: str) -> None:
     offline it reads only refs/vN ('Version N of ... is not available in the local cache'). A download by the branch's
     name writes it, fetching nothing new (tests/test_node_setup.py fails once the kernels package writes it itself)."""
     from huggingface_hub import HfApi
-    from kernels.utils import CACHE_DIR
+    from kernels.utils import _BYTECODE_IGNORE_PATTERNS, CACHE_DIR  # the kernels package's own download's arguments
     from transformers.integrations import hub_kernels
 
     version = hub_kernels.get_attn_kernel_version(repo_id)  # what transformers asks the kernels package for
     HfApi().snapshot_download(
         repo_id, repo_type="kernel", revision=f"v{version}", allow_patterns=[f"build/{variant}/*"],
-        ignore_patterns=["*.pyc", "**/__pycache__/**"], cache_dir=CACHE_DIR,
+        ignore_patterns=_BYTECODE_IGNORE_PATTERNS, cache_dir=CACHE_DIR,
     )  # fmt: skip
 
 
-def _refusal(name: str, attention: str, exc: BaseException, offline: bool, cache: str) -> str:
+def _refusal(name: str, attention: str, exc: BaseException, offline: bool) -> Exception:
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     cause = exc
@@ -123,16 +128,12 @@ def _refusal(name: str, attention: str, exc: BaseException, offline: bool, cache
     quoted = " ".join(str(cause).strip().splitlines()[0].split()).rstrip(":.")[:300]
     what = f"attention kernel {name}" + (f" (attn_implementation {attention})" if attention != name else "")
     if isinstance(cause, GatedRepoError | RepositoryNotFoundError):
-        return (
+        return OrchError(
             f"{what} does not exist on the Hugging Face Hub (or this node may not read it: give HF_TOKEN); check "
             "attn_implementation in the TRL config"
         )
     if offline and ("local cache" in quoted or "local snapshot" in quoted):
-        return (
-            f"{what} is not in this node's Hugging Face cache ({cache}), and HF_HUB_OFFLINE=1 keeps the node off the "
-            "Hub: fill that cache where the Hub can be reached (this setup there, with the same HF_HOME), or unset "
-            "HF_HUB_OFFLINE"
-        )
+        return NotCached(what)
     if "trusted publisher" in quoted or "publisher trust" in quoted:
         quoted = quoted.split(". Set trust_remote_code")[0]  # the kernels package's knob; the recipe's is below
         fix = 'set model_init_kwargs={"allow_all_kernels": true} if you trust its code, or another attn_implementation'
@@ -142,4 +143,5 @@ def _refusal(name: str, attention: str, exc: BaseException, offline: bool, cache
         fix = "its build does not run on this node's GPU: choose another accelerator or attn_implementation"
     else:
         fix = "check attn_implementation in the TRL config, and the node's route to the Hub (HF_ENDPOINT)"
-    return f"{what} cannot be loaded on this node, as every rank would load it: {type(cause).__name__}: {quoted}; {fix}"
+    return OrchError(f"{what} cannot be loaded on this node, as every rank would load it: {type(cause).__name__}: "
+                     f"{quoted}; {fix}")  # fmt: skip

@@ -133,19 +133,25 @@ def _from_cache(repo: Repo, token: str | None) -> tuple[str, int]:
     """HF_HUB_OFFLINE=1 (nodes with no route to the Hub, as on many Slurm clusters, their cache filled beforehand): the
     repo read from the cache as the training processes will read it, or one line saying how to fill it. Nothing is
     tried again: the Hub is not asked."""
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import snapshot_download
 
     try:
         if repo.repo_type == "dataset":
             return _load_dataset(repo, token)
         path = snapshot_download(repo.repo_id, revision=repo.revision, token=token)
     except (FileNotFoundError, ConnectionError):  # huggingface_hub's LocalEntryNotFoundError; datasets' offline miss
-        raise OrchError(
-            f"{repo.why} {repo.repo_id} is not in this node's Hugging Face cache ({constants.HF_HUB_CACHE}), and "
-            "HF_HUB_OFFLINE=1 keeps the node off the Hub: fill that cache where the Hub can be reached (this setup "
-            "there, with the same HF_HOME), or unset HF_HUB_OFFLINE"
-        ) from None
+        raise _not_cached(f"{repo.why} {repo.repo_id}") from None
     return path, sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _not_cached(label: str) -> OrchError:
+    from huggingface_hub import constants
+
+    return OrchError(
+        f"{label} is not in this node's Hugging Face cache ({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 keeps the "
+        "node off the Hub: fill that cache where the Hub can be reached (this setup there, with the same HF_HOME), or "
+        "unset HF_HUB_OFFLINE"
+    )
 
 
 def _fetch_once(repo: Repo, token: str | None) -> tuple[str, int]:
@@ -225,7 +231,10 @@ def prefetch(env: Mapping[str, str], out=sys.stdout) -> int:
 
 def _get(repo: Repo, token: str | None, attention: str | None, allow_all: bool, out) -> tuple[str, int]:
     if repo.repo_type == "kernel":  # `config` holds the name transformers loads (org/name[@rev][:function])
-        return attention_kernel.fetch(str(repo.config), str(attention), allow_all)
+        try:
+            return attention_kernel.fetch(str(repo.config), str(attention), allow_all)
+        except attention_kernel.NotCached as exc:
+            raise _not_cached(str(exc)) from None
     return fetch(repo, token, out)
 
 
