@@ -1,5 +1,12 @@
-"""Name the slow node while it is slow (issue 32, item 2): an emulated node throttled mid-run to 0.2 core with a cgroup
-v1 CPU quota (cpu.cfs_quota_us) is named within 3 logging steps; the same run unthrottled names nobody."""
+"""Name the slow node while it is slow (issue 32, item 2): an emulated node throttled mid-run to 0.1 core with a cgroup
+v1 CPU quota (cpu.cfs_quota_us) is named within 3 logging steps; the same run unthrottled names nobody.
+
+Both emulated nodes share this 2-core host with whatever the suite's other worker runs. A neighbour that lands on the
+core of one node and not the other is a real noisy neighbour for that node, and the detector rightly names it: CI saw
+node 0 at 2.0x for 3 logging steps (steps 12-14) with nothing throttled. So, once the first logging steps (not judged)
+are logged, both runs put every thread of both nodes on one core (`share_one_core`): the suite's load then falls on
+both nodes alike, as a healthy cluster's nodes see the same conditions, and the only difference left between the two
+runs is the quota."""
 
 import json
 import os
@@ -17,29 +24,49 @@ from orchestrator.train import stragglers
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 COMMAND = ["run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "--env", "GLOBAL_BATCH_SIZE=256",
-           "max_steps=24", "save_steps=100", "per_device_train_batch_size=4"]
+           "max_steps=16", "save_steps=100", "per_device_train_batch_size=4"]
+
+
+def share_one_core(marker: str) -> None:
+    """Every thread of this run's processes (both nodes) onto one core; threads started later inherit it."""
+    core = min(os.sched_getaffinity(0))
+    for pid in processes_with(f"ORCH_TEST_RUN={marker}"):
+        try:
+            threads = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:
+            continue  # gone meanwhile
+        for tid in threads:
+            try:
+                os.sched_setaffinity(tid, {core})
+            except OSError:
+                pass  # gone meanwhile
 
 
 def run_and_maybe_throttle(project, throttle: bool, *extra: str) -> tuple[str, int]:
-    """Run COMMAND; with `throttle`, once step 4 is logged, move node 1's processes into a cgroup of 0.2 core. Returns
-    the output and the last step logged before the quota took effect (0 when not throttled)."""
+    """Run COMMAND; once step 2 is logged, put both nodes on one core (see the module's docstring); with `throttle`,
+    once step 4 is logged, move node 1's processes into a cgroup of 0.1 core. Returns the output and the last step
+    logged before the quota took effect (0 when not throttled)."""
     marker = uuid.uuid4().hex[:8]
     env = {**os.environ, "ORCH_TEST_RUN": marker}
     group = CPU_CGROUP / f"orch-test-{marker}"
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *COMMAND, *extra], cwd=project, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    lines, throttled_after = [], 0
+    lines, throttled_after, shared = [], 0, False
     try:
         for line in proc.stdout:
             lines.append(line)
             step = re.match(r"\(node0\) \[orch\] step (\d+)/", line)
+            if step and not shared and int(step.group(1)) >= stragglers.WARMUP:
+                share_one_core(marker)
+                shared = True
             if throttle and step and not throttled_after and int(step.group(1)) >= 4:
                 group.mkdir()
-                # 0.2 of a core (the issue asks <= 0.3: a 2-core machine running the suite gives each rank ~0.5), in
+                # 0.1 of a core (the issue asks <= 0.3; on the core both nodes share, 0.2 left node 1 at 1.75-3.5x
+                # node 0 with the suite's load beside it, 0.1 leaves it further from the 1.5x that names it), in
                 # 10 ms periods: a step spans many (in 100 ms periods a short step runs whole inside one burst, or
-                # stalls 80 ms: no steady 0.2)
+                # stalls 90 ms: no steady 0.1)
                 (group / "cpu.cfs_period_us").write_text("10000")
-                (group / "cpu.cfs_quota_us").write_text("2000")
+                (group / "cpu.cfs_quota_us").write_text("1000")
                 pids = processes_with("SKYPILOT_NODE_RANK=1", f"ORCH_TEST_RUN={marker}")  # node 1 of this run
                 assert pids, "node 1's processes not found"
                 for pid in pids:
@@ -72,14 +99,14 @@ def run_and_maybe_throttle(project, throttle: bool, *extra: str) -> tuple[str, i
 @pytest.mark.skipif(not (CPU_CGROUP / "cpu.cfs_quota_us").exists(), reason="needs cgroup v1's cpu controller")
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a cgroup")
 def test_a_throttled_node_is_named_within_three_logging_steps(project):
-    out, after = run_and_maybe_throttle(project, throttle=True)
+    out, after = run_and_maybe_throttle(project, True, "max_steps=10")  # named by step 8: the rest would crawl at 0.1
     named = re.search(r"^\(node0\) \[orch\] straggler at step (\d+): node 1 \(rank 1\) takes ([\d.]+)x the others' "
                       r"compute per step for 3 logging steps; the others wait for it in collectives; the usual causes",
                       out, re.M)  # fmt: skip
     assert named, out[-4000:]
     assert int(named.group(1)) <= after + 3 + 1, (after, named.group(0))  # + the step in flight when throttled
     assert float(named.group(2)) >= 1.5
-    assert "straggler" not in out.split(f"step {after}/24")[0]  # nobody before the throttle
+    assert "straggler" not in out.split(f"step {after}/")[0]  # nobody before the throttle
     assert re.search(r"^\[orch\] slowest at the end: rank 1 on node 1, [\d.]+x the others' compute per step", out, re.M)
     assert "[orch] stragglers named during the run: 1; first: straggler at step" in out
 
