@@ -71,6 +71,8 @@ class Hub:
         self.requests: list[str] = []
         self.hold, self.downloading = threading.Event(), threading.Event()
         self.hold.set()
+        self.drop = 0  # the next `drop` requests get their connection closed, no answer (a link that drops)
+        self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -163,6 +165,12 @@ class Hub:
                 return self._error(404, "EntryNotFound", head)
 
             def _safe(self, head: bool):
+                with hub.lock:
+                    dropped, hub.drop = hub.drop > 0, max(0, hub.drop - 1)
+                if dropped:
+                    hub.requests.append(f"dropped {self.command} {unquote(urlparse(self.path).path)}")
+                    self.close_connection = True
+                    return
                 try:
                     self._route(head)
                 except (IndexError, ValueError):

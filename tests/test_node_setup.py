@@ -395,6 +395,35 @@ def test_prefetch_refuses_an_attention_kernel_no_rank_could_load_in_one_line(
     assert re.fullmatch(f"orch: error: {refusal}", line), line
 
 
+@pytest.mark.e2e  # 2 processes that import transformers, ~3 s of pauses between tries
+def test_a_kernel_download_the_link_fails_is_tried_again_and_named_as_the_network(tmp_path, kernel_hub, project):
+    """The kernel's download had no second try, and a Hub the node could not reach at all was worded as the kernels
+    package's publisher check words it ('could not verify publisher trust status'), with the advice to trust every
+    publisher. Now a dropped link is tried again, as for the model and the data (transformers remembers a name it
+    failed to load: attention_kernel.fetch forgets it, or the second try loads nothing), and a Hub that cannot be
+    reached is the network's line."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env.update(kernel_recipe(project, "flash_attention_2"), HF_HOME=str(tmp_path / "hf"))
+    run = [sys.executable, "-m", "orchestrator.train.prefetch"]
+    kernel_hub.drop = 1  # the first request: the publisher check, which the kernels package wraps
+    again = subprocess.run(run, cwd=project, env={**env, "HF_ENDPOINT": kernel_hub.endpoint}, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert kernel_hub.requests[0].startswith("dropped GET /api/organizations/kernels-community"), kernel_hub.requests
+    assert re.search(r"^\[orch\] prefetch: attention kernel kernels-community/flash-attn2: RemoteProtocolError: .*; "
+                     r"trying again \(2/3\)$", again.stdout, re.M), again.stdout  # fmt: skip
+    assert "kernels-community/flash-attn2: 0.00 GB in the cache, loaded (torch-cpu build)" in again.stdout
+    unreachable = subprocess.run(run, cwd=project, env={**env, "HF_ENDPOINT": "http://127.0.0.1:9"},
+                                 capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert unreachable.returncode == 2 and "Traceback" not in unreachable.stderr, unreachable.stderr[-3000:]
+    assert unreachable.stderr.strip().splitlines()[-1] == (
+        "orch: error: attention kernel kernels-community/flash-attn2 could not be downloaded from http://127.0.0.1:9: "
+        "ConnectError: [Errno 111] Connection refused, 3 tries; check the node's network (or HF_ENDPOINT), or raise "
+        "HF_HUB_DOWNLOAD_TIMEOUT for a slow link; nodes with no route to the Hub: fill HF_HOME's cache where there is "
+        "one and set HF_HUB_OFFLINE=1"
+    )
+
+
 @pytest.mark.e2e  # imports transformers
 def test_a_hub_attention_kernel_without_the_kernels_package_is_one_line_naming_the_gpu_extra(monkeypatch):
     """A copied recipe whose setup installs `train` alone, given a Hub attention kernel: every rank's from_pretrained

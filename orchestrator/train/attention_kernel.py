@@ -21,6 +21,7 @@ from pathlib import Path
 
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import truthy
+from orchestrator.train.hub_link import link_error
 
 FLASH = re.compile(r"flash_attention_\d")
 
@@ -76,13 +77,18 @@ def fetch(name: str, attention: str, allow_all: bool) -> tuple[str, int]:
     """(the kernel's build folder in the cache, its bytes): downloaded (or, with HF_HUB_OFFLINE=1, found in the cache)
     and imported by transformers' loader as a rank's from_pretrained does; or an OrchError quoting why not."""
     from huggingface_hub import constants
-    from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+    from transformers import modeling_flash_attention_utils as flash
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # its notes on inference (continuous batching's block tables) say nothing here
     try:
-        lazy_import_flash_attention(name, allow_all_kernels=allow_all)
+        flash.lazy_import_flash_attention(name, allow_all_kernels=allow_all)
     except (ImportError, ValueError, OSError, RuntimeError) as exc:
+        # transformers records the name as loaded before it loads: another try in this process would load nothing
+        flash._loaded_implementation = None
+        link = None if constants.HF_HUB_OFFLINE else link_error(exc)
+        if link is not None:  # the network's, not the kernel's: the prefetch tries again (train/prefetch.tried)
+            raise link from None
         raise _refusal(name, attention, exc, constants.HF_HUB_OFFLINE) from None
     import kernels
 

@@ -25,6 +25,7 @@ from orchestrator.core import configs, overrides
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
 from orchestrator.train import attention_kernel
+from orchestrator.train.hub_link import CLOSED_CLIENT, is_link
 
 # Weights in other formats and the original (non-transformers) checkpoints that Meta's repos carry: never loaded.
 MODEL_IGNORE = ["original/*", "*.pth", "*.pt", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "*.ot", "*.tflite"]
@@ -78,19 +79,27 @@ ATTEMPTS = 3  # tries of one repo when the link stalls or drops (the Hub's clien
 def fetch(repo: Repo, token: str | None, out=sys.stdout) -> tuple[str, int]:
     """(local snapshot dir, bytes) of one repo, or an OrchError naming the fix. A timeout or a dropped connection is
     tried again (snapshot_download resumes the files it left incomplete), then refused in one line."""
-    import httpx
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         return _from_cache(repo, token)
+    return tried(repo, token, lambda: _fetch_once(repo, token), out)
+
+
+def tried(repo: Repo, token: str | None, once, out=sys.stdout) -> tuple[str, int]:
+    """once() up to ATTEMPTS times while the link to the Hub fails it (hub_link.is_link), saying each try again; then
+    one line naming the network. Any other error is once()'s own."""
+    import httpx
+    from huggingface_hub import constants
+
     label = f"{repo.why} {repo.repo_id}"
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            return _fetch_once(repo, token)
+            return once()
         except (httpx.TransportError, ConnectionError, TimeoutError, RuntimeError) as exc:
-            if isinstance(exc, RuntimeError):
-                if CLOSED_CLIENT not in str(exc):
-                    raise
+            if not is_link(exc):
+                raise
+            if CLOSED_CLIENT in str(exc):
                 exc = _connection_error(repo, token) or exc
             if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
                 why = f"no answer within {constants.HF_HUB_DOWNLOAD_TIMEOUT} s ({type(exc).__name__})"
@@ -107,11 +116,6 @@ def fetch(repo: Repo, token: str | None, out=sys.stdout) -> tuple[str, int]:
     raise AssertionError("unreachable")
 
 
-# huggingface_hub 1.16's retry (utils/_http.py, _http_backoff_base) closes its shared HTTP client on a ConnectError and
-# then retries with that closed client, so a file request that cannot connect (datasets' README, a model's file) ends
-# in this RuntimeError instead of the connection's error; fixed upstream by 1.28, which needs a click newer than
-# SkyPilot 0.14.1's pin (one lock holds both). The next request opens a new client, so the repo can be tried again.
-CLOSED_CLIENT = "Cannot send a request, as the client has been closed"
 
 
 def _connection_error(repo: Repo, token: str | None) -> Exception | None:
@@ -231,8 +235,13 @@ def prefetch(env: Mapping[str, str], out=sys.stdout) -> int:
 
 def _get(repo: Repo, token: str | None, attention: str | None, allow_all: bool, out) -> tuple[str, int]:
     if repo.repo_type == "kernel":  # `config` holds the name transformers loads (org/name[@rev][:function])
-        try:
+        from huggingface_hub import constants
+
+        def once() -> tuple[str, int]:
             return attention_kernel.fetch(str(repo.config), str(attention), allow_all)
+
+        try:
+            return once() if constants.HF_HUB_OFFLINE else tried(repo, token, once, out)
         except attention_kernel.NotCached as exc:
             raise _not_cached(str(exc)) from None
     return fetch(repo, token, out)
