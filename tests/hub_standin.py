@@ -72,6 +72,7 @@ class Hub:
         self.hold, self.downloading = threading.Event(), threading.Event()
         self.hold.set()
         self.drop = 0  # the next `drop` requests get their connection closed, no answer (a link that drops)
+        self.unavailable = 0  # the next `unavailable` requests get 503 (the Hub's own failure)
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -167,6 +168,11 @@ class Hub:
             def _safe(self, head: bool):
                 with hub.lock:
                     dropped, hub.drop = hub.drop > 0, max(0, hub.drop - 1)
+                    failed = not dropped and hub.unavailable > 0
+                    hub.unavailable -= failed
+                if failed:
+                    hub.requests.append(f"503 {self.command} {unquote(urlparse(self.path).path)}")
+                    return self._error(503, "ServiceUnavailable", head)
                 if dropped:
                     hub.requests.append(f"dropped {self.command} {unquote(urlparse(self.path).path)}")
                     self.close_connection = True

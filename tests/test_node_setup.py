@@ -413,6 +413,16 @@ def test_a_kernel_download_the_link_fails_is_tried_again_and_named_as_the_networ
     assert re.search(r"^\[orch\] prefetch: attention kernel kernels-community/flash-attn2: RemoteProtocolError: .*; "
                      r"trying again \(2/3\)$", again.stdout, re.M), again.stdout  # fmt: skip
     assert "kernels-community/flash-attn2: 0.00 GB in the cache, loaded (torch-cpu build)" in again.stdout
+    kernel_hub.unavailable = 1  # the Hub's own failure to answer the publisher check: not a verdict on the publisher
+    failed = subprocess.run(run, cwd=project, env={**env, "HF_ENDPOINT": kernel_hub.endpoint, "HF_HOME": str(tmp_path)},
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    assert re.fullmatch(r"orch: error: attention kernel kernels-community/flash-attn2 \(attn_implementation "
+                        r"flash_attention_2\) cannot be loaded on this node: the Hub failed to say whether its "
+                        r"publisher is trusted \(HTTP 503: Server error '503 Service Unavailable' for url "
+                        r"'\S+/api/organizations/kernels-community/overview'\); run the setup again later, or check "
+                        r"HF_ENDPOINT",
+                        failed.stderr.strip().splitlines()[-1]), failed.stderr[-2000:]  # fmt: skip
     unreachable = subprocess.run(run, cwd=project, env={**env, "HF_ENDPOINT": "http://127.0.0.1:9"},
                                  capture_output=True, text=True, timeout=300)  # fmt: skip
     assert unreachable.returncode == 2 and "Traceback" not in unreachable.stderr, unreachable.stderr[-3000:]
