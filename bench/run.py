@@ -248,7 +248,9 @@ def setup_figures(runs: int) -> tuple[float, float, float]:
             started = time.perf_counter()
             result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
             elapsed = time.perf_counter() - started
-            recorded = scratch / "home" / "setup.times"
+            from orchestrator.core.timeline import setup_times_file  # the name node-setup.sh gives this node's file
+
+            recorded = Path(setup_times_file(env, str(scratch / "home")) or "")
             times = dict(line.split("=", 1) for line in recorded.read_text().split()) if recorded.exists() else {}
             shutil.rmtree(scratch, ignore_errors=True)
             if result.returncode != 0:

@@ -17,7 +17,7 @@
 #    rehearsal stops the download and the setup. After an install, the other nodes' `orch node --rehearse --warm`
 #    compiles what their ranks import (uv installs without bytecode).
 # With ORCH_TRACK set (orch run --track), the `track` extra (Trackio) is added to EXTRAS.
-# Timings go to $ORCH_HOME/setup.times for the time-to-first-step breakdown.
+# Timings go to $ORCH_HOME/setup-<cluster>-node<rank>.times for the time-to-first-step breakdown.
 set -euo pipefail
 
 extras="${1:-train}"
@@ -29,9 +29,15 @@ ORCH_HOME="${ORCH_HOME:-$HOME/.orch}"
 ORCH_VENV="${ORCH_VENV:-$ORCH_HOME/venv}"
 mkdir -p "$ORCH_HOME"
 now() { date +%s.%N; }
-times="$ORCH_HOME/setup.times"
-echo "started=$(now)" > "$times"
 say() { echo "[orch] setup: $*"; }
+# One timings file per node of each cluster: on Slurm every node of every cluster of the account shares the home, and
+# one setup.times was truncated and appended by all of them at once (a node read another's records, or lost its own
+# error line). The name is orch's core/timeline.setup_times_file, which the nodes' `orch node` reads back.
+node_rank="${SKYPILOT_SETUP_NODE_RANK:-${SKYPILOT_NODE_RANK:-0}}"
+[[ "$node_rank" =~ ^[0-9]+$ ]] || { echo "orch: error: node rank '$node_rank' is not a number (SKYPILOT_SETUP_NODE_RANK)" >&2; exit 2; }
+cluster=$(printf '%s' "${SKYPILOT_CLUSTER_INFO:-}" | sha256sum | cut -c1-12)
+times="$ORCH_HOME/setup-$cluster-node$node_rank.times"
+echo "started=$(now)" > "$times"
 [ -f uv.lock ] || { echo "orch: error: no uv.lock here ($(pwd)); run the setup from the repository root" >&2; exit 2; }
 
 # 1. uv
@@ -126,7 +132,7 @@ stop_both() {
   local code=$? pid
   for pid in $fetching $rehearsing; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  # both record their refusal in setup.times instead of printing it: the first one, once, last (after a stopped
+  # both record their refusal in the timings file instead of printing it: the first one, once, last (after a stopped
   # rehearsal's `orch: interrupted`)
   [ "$code" -eq 0 ] || sed -n 's/^error=//p' "$times" 2>/dev/null | head -n 1 >&2
 }

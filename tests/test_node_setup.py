@@ -1,5 +1,6 @@
 """The nodes' setup: one lock (uv.lock) installed by uv, the model and data prefetched."""
 
+import json
 import os
 import re
 import shutil
@@ -16,7 +17,9 @@ from hub_standin import Hub, save_kernel
 
 from orchestrator.core import accelerate_schema, overrides, trl_schema
 from orchestrator.core.errors import OrchError
+from orchestrator.core.timeline import setup_times_file
 from orchestrator.launch import storage
+from orchestrator.node.exec import setup_times
 from orchestrator.train import attention_kernel
 
 pytestmark = pytest.mark.cli
@@ -121,6 +124,7 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
         "SKYPILOT_SETUP_NODE_RANK": "0",
         "SKYPILOT_SETUP_NODE_IPS": "10.0.0.1\n10.0.0.2\n",
         "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": "2",
+        "SKYPILOT_CLUSTER_INFO": json.dumps({"cluster_name": "c1", "cloud": "Slurm", "region": "bed", "zone": None}),
         "ORCH_REHEARSAL": "on",
         "ORCH_CACHE_DIR": str(tmp_path / "orch-cache"),
         "ORCH_TRACK": "tiny_phi3",  # --track: the nodes also get the `track` extra (Trackio)
@@ -172,9 +176,11 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
     offline = {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     loaded = subprocess.run([str(venv / "bin/python"), "-c", load], env=offline, capture_output=True, text=True)
     assert loaded.returncode == 0 and loaded.stdout.strip().endswith("128"), loaded.stderr[-2000:]
-    recorded = (tmp_path / "orch-home" / "setup.times").read_text().split()
-    times = {key: float(value) for key, value in (x.split("=") for x in recorded)}
+    # read back as the head node's `orch node` reads it in the run (SkyPilot's run names the node SKYPILOT_NODE_RANK)
+    run_env = {k: v for k, v in env.items() if not k.startswith("SKYPILOT_SETUP_")} | {"SKYPILOT_NODE_RANK": "0"}
+    times = {k.removeprefix("setup_"): v for k, v in setup_times(run_env).items()}
     assert times["started"] <= times["installed"] <= times["rehearsed"] <= times["prefetched"] <= times["done"]
+    assert [p.name for p in (tmp_path / "orch-home").glob("*.times")] == [Path(setup_times_file(env, "")).name]
     # a reused cluster: the second setup installs nothing
     again = subprocess.run(
         ["bash", "scripts/node-setup.sh", "train"], cwd=project, env=env, capture_output=True, text=True
@@ -568,6 +574,29 @@ def test_on_slurm_drops_the_bucket_and_roots_checkpoints_on_the_shared_home(tmp_
 
 
 @pytest.mark.root
+@pytest.mark.unit
+def test_each_node_of_each_cluster_has_its_own_setup_timings_file():
+    """On Slurm every node of every cluster of the account shares the home: one setup.times was truncated and appended
+    by all of them at once. The setup (SKYPILOT_SETUP_NODE_RANK) and the run (SKYPILOT_NODE_RANK) name the same file."""
+    one = {"SKYPILOT_CLUSTER_INFO": json.dumps({"cluster_name": "a", "cloud": "Slurm", "region": "r", "zone": None})}
+    other = {"SKYPILOT_CLUSTER_INFO": one["SKYPILOT_CLUSTER_INFO"].replace('"a"', '"b"')}
+    names = {setup_times_file({**info, var: rank}, "/h") for info in (one, other) for rank in ("0", "1")
+             for var in ("SKYPILOT_SETUP_NODE_RANK", "SKYPILOT_NODE_RANK")}  # fmt: skip
+    assert len(names) == 4 and all(n.startswith("/h/setup-") and n.endswith(".times") for n in names), names
+    assert setup_times_file({}, "/h") == setup_times_file({"SKYPILOT_NODE_RANK": "0"}, "/h")  # no SkyPilot: node 0
+    assert setup_times_file({"SKYPILOT_NODE_RANK": "../1"}, "/h") is None
+
+
+@pytest.mark.cli
+def test_setup_refuses_a_node_rank_that_is_not_a_number(tmp_path):
+    env = {**os.environ, "ORCH_HOME": str(tmp_path / "home"), "SKYPILOT_SETUP_NODE_RANK": "../../etc/x"}
+    done = subprocess.run(["bash", "scripts/node-setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr == "orch: error: node rank '../../etc/x' is not a number (SKYPILOT_SETUP_NODE_RANK)\n"
+    assert list((tmp_path / "home").iterdir()) == []
+
+
 def test_setup_stops_with_one_line_when_it_cannot_take_the_install_lock():
     # Nodes that share ORCH_VENV (a Slurm home) install one at a time under ORCH_VENV.lock. A user who cannot write
     # that lock is told so before anything is installed, instead of two nodes racing into one environment.

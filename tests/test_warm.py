@@ -45,7 +45,7 @@ def test_a_worker_node_compiles_what_its_ranks_import_once_and_they_compile_noth
     times = tmp_path / "setup.times"
     first = rehearse(env, "--warm", "--times", str(times))
     assert first.returncode == 0, first.stderr[-3000:]
-    # a worker's setup.times does not say it: rank 0's line reads the head's, which a shared home makes this one
+    # a worker's timings do not say it: rank 0's line reads the head's alone
     assert [line.split("=")[0] for line in times.read_text().splitlines()] == ["rehearsed"]
     lines = first.stdout.splitlines()
     assert lines[0] == "[orch] rehearsal: node 1 leaves it to the head node"

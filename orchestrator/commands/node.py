@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--times",
         metavar="FILE",
         help="with --rehearse: append `rehearsed=<epoch seconds>` to FILE when it passes, `error=<its line>` "
-        "instead of printing it when it refuses (scripts/node-setup.sh's setup.times; the setup prints it)",
+        "instead of printing it when it refuses (scripts/node-setup.sh's timings file; the setup prints it)",
     )
     parser.add_argument(
         "--warm",

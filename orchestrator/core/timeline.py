@@ -10,6 +10,9 @@ node`), model_loaded, first_step (the training process).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 
 def time_to_first_step(timeline: dict[str, float]) -> str:
     """`52.3 s = setup 30.1 (install 20.0, rehearsal 8.0 alongside download 10.1) + waiting for the other nodes 3.2
@@ -48,10 +51,24 @@ def time_to_first_step(timeline: dict[str, float]) -> str:
     return f"{total} = " + " + ".join(parts) + " (seconds)"
 
 
+def setup_times_file(env: Mapping[str, str], home: str | os.PathLike) -> str | None:
+    """This node's timings file of scripts/node-setup.sh (which names it the same way): one per node of each cluster,
+    since on Slurm every node of every cluster of the account shares the home. SkyPilot's setup names the node
+    SKYPILOT_SETUP_NODE_RANK, its run SKYPILOT_NODE_RANK; SKYPILOT_CLUSTER_INFO is the same text in both. None
+    for a rank that is not a number (the setup refuses it; no path is made of it)."""
+    import hashlib
+
+    rank = env.get("SKYPILOT_SETUP_NODE_RANK") or env.get("SKYPILOT_NODE_RANK") or "0"
+    if not (rank.isascii() and rank.isdigit()):
+        return None
+    cluster = hashlib.sha256(env.get("SKYPILOT_CLUSTER_INFO", "").encode()).hexdigest()[:12]
+    return os.path.join(home, f"setup-{cluster}-node{rank}.times")
+
+
 def record(path: str | None, key: str, value: str | None = None) -> None:
-    """Append `key=value` (default: now, in epoch seconds) to a setup.times file, if one is named. The rehearsal and the
-    download run at once in scripts/node-setup.sh, so each records its own end, or its error line (`error=`), which
-    the setup prints last."""
+    """Append `key=value` (default: now, in epoch seconds) to a setup timings file, if one is named. The rehearsal and
+    the download run at once in scripts/node-setup.sh, so each records its own end, or its error line (`error=`),
+    which the setup prints last."""
     if path:
         import time
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from orchestrator.core.errors import OrchError
 from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, account_home, orch_home
 from orchestrator.core.knobs import env_port, knob
+from orchestrator.core.timeline import setup_times_file
 from orchestrator.core.topology import Topology
 from orchestrator.node import vllm
 from orchestrator.node.env import from_env
@@ -226,8 +227,8 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
 def warm_up(env: Mapping[str, str] | None = None) -> bool:
     """`orch node --rehearse --warm`, after the rehearsal (the setup installed this environment): where no process here
     has compiled what the ranks import (every node but the head; the head after a cached or skipped rehearsal), compile
-    it now (node/warm.py). Prints what it did, if anything. True when the head node warmed: its setup.times records it
-    for rank 0's time-to-first-step line (a shared home holds one setup.times for every node, so the others do not)."""
+    it now (node/warm.py). Prints what it did, if anything. True when the head node warmed: its setup timings record
+    it for rank 0's time-to-first-step line, which reads the head's alone."""
     from orchestrator.node import warm
     from orchestrator.node.env import run_env
 
@@ -239,14 +240,15 @@ def warm_up(env: Mapping[str, str] | None = None) -> bool:
 
 
 def setup_times(env: Mapping[str, str]) -> dict[str, float]:
-    """What scripts/node-setup.sh recorded on this node (ORCH_HOME/setup.times: started, installed, prefetched);
-    the local backend records when orch started the nodes instead (ORCH_LAUNCHED_AT)."""
+    """What scripts/node-setup.sh recorded on this node (started, installed, prefetched... in its file under
+    ORCH_HOME: core/timeline.setup_times_file); the local backend records when orch started the nodes instead
+    (ORCH_LAUNCHED_AT)."""
     times: dict[str, float] = {}
     if launched := knob(env, "ORCH_LAUNCHED_AT"):
         times["launched"] = launched
-    home = orch_home(env)
+    path = setup_times_file(env, orch_home(env))
     try:
-        lines = open(os.path.join(home, "setup.times")).read().splitlines()
+        lines = open(path).read().splitlines() if path else []
     except OSError:
         return times
     for line in lines:

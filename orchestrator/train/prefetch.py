@@ -249,7 +249,7 @@ def _get(repo: Repo, token: str | None, attention: str | None, allow_all: bool, 
 
 def main(argv: list[str] | None = None) -> int:
     """`--times FILE`: append `prefetched=<epoch seconds>` to it on success, `error=<the error line>` on a refusal
-    instead of printing it (scripts/node-setup.sh's setup.times; the download runs beside the rehearsal, so it records
+    instead of printing it (scripts/node-setup.sh's timings file; the download runs beside the rehearsal, so it records
     its own end, and the setup prints the first error)."""
     args = sys.argv[1:] if argv is None else argv
     times = args[1] if len(args) == 2 and args[0] == "--times" else None
