@@ -27,9 +27,12 @@ COMMAND = ["run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "--env
            "max_steps=16", "save_steps=100", "per_device_train_batch_size=4"]
 
 
+ONE_CORE = min(os.sched_getaffinity(0))
+
+
 def share_one_core(marker: str) -> None:
     """Every thread of this run's processes (both nodes) onto one core; threads started later inherit it."""
-    core = min(os.sched_getaffinity(0))
+    core = ONE_CORE
     for pid in processes_with(f"ORCH_TEST_RUN={marker}"):
         try:
             threads = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
@@ -117,8 +120,11 @@ def test_the_same_run_unthrottled_names_nobody_and_says_its_scaling_efficiency(p
     run also says its efficiency against it (core/scaling.py)."""
     single = [*COMMAND, "max_steps=6"]  # the schedule is not part of the rate's key
     single[single.index("--nodes") + 1] = "1"
+    # on the core the 2-node run shares (share_one_core), from its start: its processes see one CPU, so its rank runs
+    # one OpenMP thread. Unpinned beside the suite's 2-node runs, its 2 threads took ~20 s a step instead of 0.3 (spin
+    # waits on an oversubscribed host): a rate of 225 tok/s, and a 2-node run at 1,600% of it
     first = subprocess.run([sys.executable, "-m", "orchestrator", *single], cwd=project, capture_output=True, text=True,
-                           timeout=600)  # fmt: skip
+                           timeout=600, preexec_fn=lambda: os.sched_setaffinity(0, {ONE_CORE}))  # fmt: skip
     assert first.returncode == 0, first.stdout[-3000:]
     rates = json.loads((project / "outputs" / "orch_rates.json").read_text())
     ((key, recorded),) = rates.items()
