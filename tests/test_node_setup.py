@@ -401,6 +401,15 @@ def test_prefetch_refuses_an_attention_kernel_no_rank_could_load_in_one_line(
     assert re.fullmatch(f"orch: error: {refusal}", line), line
 
 
+def refused_at_port_9(label: str) -> str:
+    """The prefetch's last line for a repo whose Hub (HF_ENDPOINT=http://127.0.0.1:9, where nothing listens) refused
+    every try."""
+    return (f"orch: error: {label} could not be downloaded from http://127.0.0.1:9: ConnectError: [Errno 111] "
+            "Connection refused, 3 tries; check the node's network (or HF_ENDPOINT), or raise HF_HUB_DOWNLOAD_TIMEOUT "
+            "for a slow link; nodes with no route to the Hub: fill HF_HOME's cache where there is one and set "
+            "HF_HUB_OFFLINE=1")  # fmt: skip
+
+
 @pytest.mark.e2e  # 2 processes that import transformers, ~3 s of pauses between tries
 def test_a_kernel_download_the_link_fails_is_tried_again_and_named_as_the_network(tmp_path, kernel_hub, project):
     """The kernel's download had no second try, and a Hub the node could not reach at all was worded as the kernels
@@ -432,12 +441,8 @@ def test_a_kernel_download_the_link_fails_is_tried_again_and_named_as_the_networ
     unreachable = subprocess.run(run, cwd=project, env={**env, "HF_ENDPOINT": "http://127.0.0.1:9"},
                                  capture_output=True, text=True, timeout=300)  # fmt: skip
     assert unreachable.returncode == 2 and "Traceback" not in unreachable.stderr, unreachable.stderr[-3000:]
-    assert unreachable.stderr.strip().splitlines()[-1] == (
-        "orch: error: attention kernel kernels-community/flash-attn2 could not be downloaded from http://127.0.0.1:9: "
-        "ConnectError: [Errno 111] Connection refused, 3 tries; check the node's network (or HF_ENDPOINT), or raise "
-        "HF_HUB_DOWNLOAD_TIMEOUT for a slow link; nodes with no route to the Hub: fill HF_HOME's cache where there is "
-        "one and set HF_HUB_OFFLINE=1"
-    )
+    last = unreachable.stderr.strip().splitlines()[-1]
+    assert last == refused_at_port_9("attention kernel kernels-community/flash-attn2"), last
 
 
 @pytest.mark.e2e  # imports transformers
@@ -498,11 +503,7 @@ def test_prefetch_quotes_a_refused_connection_not_the_hub_clients_closed_error(t
     refused = subprocess.run([sys.executable, "-m", "orchestrator.train.prefetch"], cwd=project, env=env,
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
-    assert refused.stderr.strip().splitlines()[-1] == (
-        "orch: error: dataset org/prefs could not be downloaded from http://127.0.0.1:9: ConnectError: [Errno 111] "
-        "Connection refused, 3 tries; check the node's network (or HF_ENDPOINT), or raise HF_HUB_DOWNLOAD_TIMEOUT for "
-        "a slow link; nodes with no route to the Hub: fill HF_HOME's cache where there is one and set HF_HUB_OFFLINE=1"
-    )
+    assert refused.stderr.strip().splitlines()[-1] == refused_at_port_9("dataset org/prefs")
     assert "org/prefs: ConnectError: [Errno 111] Connection refused; trying again (3/3)" in refused.stdout
 
 
