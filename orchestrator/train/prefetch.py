@@ -116,8 +116,6 @@ def tried(repo: Repo, token: str | None, once, out=sys.stdout) -> tuple[str, int
     raise AssertionError("unreachable")
 
 
-
-
 def _connection_error(repo: Repo, token: str | None) -> Exception | None:
     """The error a fresh metadata request for `repo` meets (one request, no retry, 10 s), when it is the connection's:
     what the closed-client RuntimeError hid."""
