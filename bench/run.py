@@ -216,6 +216,8 @@ def setup_figures(runs: int) -> tuple[float, float, float]:
     pip's install is not compared with."""
     import yaml
 
+    from orchestrator.core.timeline import setup_times_file  # the name node-setup.sh gives a node's file
+
     house, image = wheelhouse(), image_env()
     recipe = yaml.safe_load((ROOT / "recipes" / "phi3_dpo_fsdp.yaml").read_text())["envs"]
     ours, theirs, whole = [], [], []
@@ -248,8 +250,6 @@ def setup_figures(runs: int) -> tuple[float, float, float]:
             started = time.perf_counter()
             result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
             elapsed = time.perf_counter() - started
-            from orchestrator.core.timeline import setup_times_file  # the name node-setup.sh gives this node's file
-
             recorded = Path(setup_times_file(env, str(scratch / "home")) or "")
             times = dict(line.split("=", 1) for line in recorded.read_text().split()) if recorded.exists() else {}
             shutil.rmtree(scratch, ignore_errors=True)

@@ -170,11 +170,12 @@ class Hub:
                     dropped, hub.drop = hub.drop > 0, max(0, hub.drop - 1)
                     failed = not dropped and hub.unavailable > 0
                     hub.unavailable -= failed
+                if failed or dropped:
+                    hub.requests.append(f"{'503' if failed else 'dropped'} {self.command} "
+                                        f"{unquote(urlparse(self.path).path)}")  # fmt: skip
                 if failed:
-                    hub.requests.append(f"503 {self.command} {unquote(urlparse(self.path).path)}")
                     return self._error(503, "ServiceUnavailable", head)
                 if dropped:
-                    hub.requests.append(f"dropped {self.command} {unquote(urlparse(self.path).path)}")
                     self.close_connection = True
                     return
                 try:

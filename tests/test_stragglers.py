@@ -32,7 +32,6 @@ ONE_CORE = min(os.sched_getaffinity(0))
 
 def share_one_core(marker: str) -> None:
     """Every thread of this run's processes (both nodes) onto one core; threads started later inherit it."""
-    core = ONE_CORE
     for pid in processes_with(f"ORCH_TEST_RUN={marker}"):
         try:
             threads = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
@@ -40,7 +39,7 @@ def share_one_core(marker: str) -> None:
             continue  # gone meanwhile
         for tid in threads:
             try:
-                os.sched_setaffinity(tid, {core})
+                os.sched_setaffinity(tid, {ONE_CORE})
             except OSError:
                 pass  # gone meanwhile
 

@@ -96,8 +96,8 @@ def tried(repo: Repo, token: str | None, once, out=sys.stdout) -> tuple[str, int
     for attempt in range(1, ATTEMPTS + 1):
         try:
             return once()
-        except (httpx.TransportError, ConnectionError, TimeoutError, RuntimeError) as exc:
-            if not is_link(exc):
+        except Exception as exc:
+            if not is_link(exc):  # the Hub's answer (or a bug): once()'s own error
                 raise
             if CLOSED_CLIENT in str(exc):
                 exc = _connection_error(repo, token) or exc
