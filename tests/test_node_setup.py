@@ -16,6 +16,7 @@ from conftest import ROOT, orch
 from hub_standin import Hub, save_kernel
 
 from orchestrator.core import accelerate_schema, overrides, trl_schema
+from orchestrator.core import attention as attention_names
 from orchestrator.core.errors import OrchError
 from orchestrator.core.timeline import setup_times_file
 from orchestrator.launch import storage
@@ -65,8 +66,8 @@ def test_recipe_setup_installs_from_the_lock(path):
     if task["envs"].get("TRL_TRAINER") == "grpo" and "use_vllm" in (ROOT / task["envs"]["TRL_CONFIG"]).read_text():
         assert "vllm" in extras, f"{path.stem} generates with vLLM"
     trl = yaml.safe_load((ROOT / task["envs"]["TRL_CONFIG"]).read_text())
-    attention, _ = attention_kernel.requested(overrides.effective(trl, overrides.loads(task["envs"]["TRL_OVERRIDES"])))
-    if attention_kernel.may_need_hub(attention):  # transformers loads it with the kernels package (trl[kernels])
+    attention, _ = attention_names.requested(overrides.effective(trl, overrides.loads(task["envs"]["TRL_OVERRIDES"])))
+    if attention_names.may_need_hub(attention):  # transformers loads it with the kernels package (trl[kernels])
         assert "gpu" in extras, f"{path.stem}'s attention {attention} is a Kernels Hub kernel: its setup needs gpu"
     assert "pip install" not in task["setup"]
     assert 'export PATH="${ORCH_VENV:-$HOME/.orch/venv}/bin:$PATH"' in task["run"] and "orch node" in task["run"]
@@ -453,7 +454,7 @@ def test_a_hub_attention_kernel_without_the_kernels_package_is_one_line_naming_t
 
     assert attention_kernel.repo("kernels-community/flash-attn2") == "kernels-community/flash-attn2"
     assert attention_kernel.repo("flash_attention_2") == "kernels-community/flash-attn2"  # no flash-attn package here
-    assert attention_kernel.repo("sdpa") is None and not attention_kernel.may_need_hub("sdpa")
+    assert attention_kernel.repo("sdpa") is None and not attention_names.may_need_hub("sdpa")
     monkeypatch.setattr(hub_kernels, "is_kernels_available", lambda *a, **k: False)  # what transformers decides by
     with pytest.raises(OrchError, match=r"^attn_implementation flash_attention_2 loads the Kernels Hub kernel "
                        r"kernels-community/flash-attn2, but this node has no kernels package in the version "
@@ -465,13 +466,13 @@ def test_a_hub_attention_kernel_without_the_kernels_package_is_one_line_naming_t
 def test_the_attention_kernel_the_ranks_load_is_the_one_model_init_kwargs_names():
     """train/entry.build lets model_init_kwargs (a mapping, or TRL's JSON text from a key=value) win over
     attn_implementation; allow_all_kernels is read there too; paged| names (inference) load the same kernel."""
-    assert attention_kernel.requested({"attn_implementation": "org/a"}) == ("org/a", False)
-    assert attention_kernel.requested({"attn_implementation": "sdpa", "model_init_kwargs": {
+    assert attention_names.requested({"attn_implementation": "org/a"}) == ("org/a", False)
+    assert attention_names.requested({"attn_implementation": "sdpa", "model_init_kwargs": {
         "attn_implementation": "org/b", "allow_all_kernels": True}}) == ("org/b", True)  # fmt: skip
     text = '{"attn_implementation": "paged|org/c@v2:fn", "allow_all_kernels": "false"}'
-    assert attention_kernel.requested({"model_init_kwargs": text}) == ("org/c@v2:fn", False)
-    assert attention_kernel.requested({}) == (None, False)
-    assert [attention_kernel.may_need_hub(a) for a in ("eager", "flex_attention", "flash_attention_3", "a/b")] == [
+    assert attention_names.requested({"model_init_kwargs": text}) == ("org/c@v2:fn", False)
+    assert attention_names.requested({}) == (None, False)
+    assert [attention_names.may_need_hub(a) for a in ("eager", "flex_attention", "flash_attention_3", "a/b")] == [
         False, False, True, True]  # fmt: skip
 
 

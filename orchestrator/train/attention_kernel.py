@@ -1,5 +1,6 @@
 """The attention kernel a recipe's ranks would fetch from the Kernels Hub as they load the model: fetched and loaded
-once per node in its setup instead (train/prefetch.py runs it beside the model's and the data's downloads).
+once per node in its setup instead (train/prefetch.py runs it beside the model's and the data's downloads). Which
+attention the ranks ask for, and whether it may be a Hub kernel: core/attention.py.
 
 transformers 5.x loads an `attn_implementation` named like a Hub repo (`kernels-community/flash-attn2`, `org/name@rev`,
 `org/name:function`) with the `kernels` package (orch's `gpu` extra), and falls back to kernels-community's flash
@@ -13,40 +14,15 @@ ranks read, the build variant is the one they pick, its import and GPU check run
 
 from __future__ import annotations
 
-import contextlib
-import json
-import re
-from collections.abc import Mapping
 from pathlib import Path
 
 from orchestrator.core.errors import OrchError
-from orchestrator.core.overrides import truthy
 from orchestrator.train.hub_link import link_error
-
-FLASH = re.compile(r"flash_attention_\d")
 
 
 class NotCached(Exception):
     """HF_HUB_OFFLINE=1 and the kernel is not in the cache (its argument: what to call it); train/prefetch.py words it
     as it words a model or a dataset the cache lacks."""
-
-
-def requested(settings: Mapping) -> tuple[str | None, bool]:
-    """(the attn_implementation the ranks load the model with, allow_all_kernels), from the TRL settings: a key of
-    model_init_kwargs wins over the top-level attn_implementation, as in train/entry.build."""
-    kwargs = settings.get("model_init_kwargs") or {}
-    if isinstance(kwargs, str):  # a key=value override: TRL parses the JSON text
-        with contextlib.suppress(ValueError):
-            kwargs = json.loads(kwargs)
-    kwargs = kwargs if isinstance(kwargs, Mapping) else {}
-    attention = kwargs.get("attn_implementation") or settings.get("attn_implementation")
-    name = str(attention).split("|")[-1].strip() if attention else None  # paged|...: inference only
-    return name, truthy(kwargs.get("allow_all_kernels", False))
-
-
-def may_need_hub(attention: str | None) -> bool:
-    """Whether `attention` may load a Hub kernel (decided without importing transformers: sdpa, eager... never do)."""
-    return attention is not None and ("/" in attention or FLASH.fullmatch(attention) is not None)
 
 
 def repo(attention: str) -> str | None:

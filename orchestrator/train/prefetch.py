@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
+from orchestrator.core import attention as attention_names
 from orchestrator.core import configs, overrides
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
@@ -205,8 +206,8 @@ def prefetch(env: Mapping[str, str], out=sys.stdout) -> int:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # before huggingface_hub's import reads it
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     wanted = repos(settings)
-    attention, allow_all = attention_kernel.requested(settings)
-    kernel = attention_kernel.repo(attention) if attention_kernel.may_need_hub(attention) else None
+    attention, allow_all = attention_names.requested(settings)
+    kernel = attention_kernel.repo(attention) if attention_names.may_need_hub(attention) else None
     if kernel:
         wanted.append(Repo(kernel.split(":")[0].split("@")[0], "kernel", None, "attention kernel", kernel))
     if not wanted:
