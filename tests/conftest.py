@@ -14,6 +14,7 @@ os.environ["SKYPILOT_DISABLE_LOCAL_API_SERVER"] = "1"
 # the subject; elsewhere it would only repeat that work.
 os.environ.setdefault("ORCH_REHEARSAL", "off")
 os.environ.setdefault("ORCH_DATA_CHECK", "off")  # the one-row dataset check: on in test_recipes.py only
+os.environ.setdefault("ORCH_KERNEL_CHECK", "off")  # the attention kernel asked of the Hub: on in test_kernel_check.py
 # A cache of tiny smoke models and rehearsals private to this test session (CI builds them from scratch), shared by
 # its pytest-xdist workers: a model one worker built, the other finds (builds and cache writes are atomic).
 if "ORCH_CACHE_DIR" not in os.environ:

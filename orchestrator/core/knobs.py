@@ -113,6 +113,8 @@ KNOBS = {
     # `orch node` trains the recipe's tiny model on synthetic data, built on the node (a CPU cluster, a first check)
     "ORCH_SMOKE": ON_OFF,  # third-party notices the node hides (node/output.py NOTICES)
     "ORCH_DATA_CHECK": ON_OFF,
+    # the Kernels Hub attention kernel checked before a cloud launch (launch/kernelcheck.py)
+    "ORCH_KERNEL_CHECK": ON_OFF,
     # seconds between the node setup's download progress lines (train/prefetch.py)
     "ORCH_PREFETCH_PROGRESS_S": SECONDS,
     # set by the launch side and the node launcher for the training processes

@@ -105,10 +105,11 @@ def check(launch: Launch, task_id: str = PLACEHOLDER_TASK_ID, device: str = "gpu
     plans = previews(launch, task_id, device)
     trainers = launch.nodes - (1 if plans[-1].role == "vllm-server" else 0)
     memory = preflight.run(launch, trainers, gpus=launch.gpus if device == "gpu" else None)
-    if device == "gpu":  # a cloud launch: one row of the dataset, streamed here (launch/datacheck.py)
-        from orchestrator.launch import datacheck
+    if device == "gpu":  # a cloud launch: one row of the dataset and the attention kernel, asked of the Hub here
+        from orchestrator.launch import datacheck, kernelcheck
 
-        line = datacheck.run(launch)
-        if line:
-            print(line, flush=True)
+        with kernelcheck.Check(launch) as kernel:  # its process asks the Hub while the data check runs
+            for line in (datacheck.run(launch), kernel.result()):
+                if line:
+                    print(line, flush=True)
     return Checked(plans, memory)

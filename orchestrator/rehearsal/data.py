@@ -15,6 +15,7 @@ import io
 import json
 import sys
 import warnings
+from collections.abc import Callable
 
 from orchestrator.core import dataset_format, trainers
 
@@ -127,12 +128,18 @@ def check(request: dict) -> dict:
     return out
 
 
-def main() -> None:
-    request = json.loads(sys.stdin.read())
+def answer(tag: str, result_of: Callable[[], dict]) -> None:
+    """The one line a launch-side check reads, `<tag> <json>`: whatever the libraries print or warn on the way is
+    dropped (launch/datacheck.py and launch/kernelcheck.py quote their own lines)."""
     warnings.filterwarnings("ignore")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        result = check(request)
-    sys.stdout.write("ORCH_DATA " + json.dumps(result) + "\n")
+        result = result_of()
+    sys.stdout.write(f"{tag} {json.dumps(result)}\n")
+
+
+def main() -> None:
+    request = json.loads(sys.stdin.read())
+    answer("ORCH_DATA", lambda: check(request))
 
 
 if __name__ == "__main__":
