@@ -36,6 +36,7 @@ def test_every_strategy_label_names_a_shipped_recipe_of_that_strategy():
                         "QLoRA": "fsdp2"}[label]  # fmt: skip
 
 
+@pytest.mark.e2e  # builds two tiny smoke models with transformers (~6.5 s)
 def test_load_figures_read_the_gpu_peak_and_the_model_for_the_smoke_model():
     """The GPU-at-load part of each strategy line, from a report shaped like a GPU rank's (train/loading.py writes
     `gpu_peak` per phase where CUDA is in use) and the memory model for the recipe on the smoke model's shape."""

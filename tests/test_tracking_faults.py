@@ -52,7 +52,7 @@ print("trained on:", tracker.off)
 """
 
 
-@pytest.mark.cli  # not unit: a process of its own that imports Trackio and torch (~6 s)
+@pytest.mark.e2e  # not unit or cli: a process of its own that imports Trackio and torch (6-7.5 s, test-fast's slowest)
 def test_a_corrupt_database_in_the_resumed_checkpoint_does_not_stop_the_run(tmp_path):
     """Trackio reads TRACKIO_DIR once, at import: a process of its own."""
     env = {**os.environ, "ORCH_HOME": str(tmp_path / "home")}
