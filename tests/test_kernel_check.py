@@ -28,10 +28,12 @@ def test_the_nodes_torch_and_cuda_are_read_from_the_lock_they_install(tmp_path):
 
 @pytest.fixture
 def hub(tmp_path):
-    """kernels-community's flash-attn2 with a CPU build only, kernels with a CUDA build for uv.lock's torch, for an
-    older torch and CUDA, and for aarch64, and one from a publisher the Hub does not trust."""
+    """kernels-community's flash-attn2 with a CPU build only and its flash-attn4 at versions 1-3 (transformers asks
+    for 0); kernels with a CUDA build for uv.lock's torch, for an older torch and CUDA, and for aarch64; one from a
+    publisher the Hub does not trust."""
     root = tmp_path / "hub"
     save_kernel(root, "kernels-community/flash-attn2")
+    save_kernel(root, "kernels-community/flash-attn4", "torch213-cxx11-cu130-x86_64-linux")
     save_kernel(root, "kernels-community/cuda-flash", "torch213-cxx11-cu130-x86_64-linux")
     save_kernel(root, "kernels-community/old-flash", "torch212-cxx11-cu128-x86_64-linux")
     save_kernel(root, "kernels-community/old-flash", "torch213-cxx11-cu130-aarch64-linux")
@@ -59,12 +61,12 @@ def test_a_kernel_no_rank_could_load_is_refused_before_launch_by_the_owners_code
     }
     # flash_attention_2: no flash-attn package on the nodes, so transformers' fallback repo at the version it asks (3)
     assert check("flash_attention_2") == {
-        "fatal": "attention kernel kernels-community/flash-attn2 (attn_implementation flash_attention_2) (version 3) "
+        "fatal": "attention kernel kernels-community/flash-attn2 (attn_implementation flash_attention_2) at version 3 "
         f"has no build for {system}, so no rank could load it (torch-cpu: backend (cpu) does not match system "
         "backend (cuda) and is not universal); choose another attn_implementation, e.g. sdpa"
     }
     refused = check("kernels-community/old-flash")["fatal"]
-    assert refused.startswith(f"attention kernel kernels-community/old-flash (version 1) has no build for {system}")
+    assert refused.startswith(f"attention kernel kernels-community/old-flash at version 1 has no build for {system}")
     assert "torch212-cxx11-cu128-x86_64-linux: Torch version (2.12) does not match environment Torch version " \
         "(2.13)" in refused and "torch213-cxx11-cu130-aarch64-linux: CPU (aarch64) does not match system CPU " \
         "(x86_64)" in refused  # fmt: skip
@@ -77,6 +79,12 @@ def test_a_kernel_no_rank_could_load_is_refused_before_launch_by_the_owners_code
     assert check("someone/cuda-flash", allow_all=True)["line"].startswith(
         "attention kernel someone/cuda-flash: version 1, any publisher (allow_all_kernels), build "
     )
+    # flash_attention_4: transformers asks for version 0 of its kernel (FA4 is in beta); this repo has 1-3 only
+    assert check("flash_attention_4") == {
+        "fatal": "attention kernel kernels-community/flash-attn4 (attn_implementation flash_attention_4): transformers "
+        "asks for version 0, and the repo has 1, 2, 3 only; name a revision "
+        "(attn_implementation=kernels-community/flash-attn4@<branch or commit>)"
+    }
     assert check("kernels-community/nope") == {
         "fatal": "attention kernel kernels-community/nope does not exist on the Hugging Face Hub, or this machine may "
         "not read it (HF_TOKEN); check attn_implementation in the TRL config, or ORCH_KERNEL_CHECK=off to launch "

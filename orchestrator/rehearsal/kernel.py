@@ -104,7 +104,7 @@ def check(request: dict) -> dict:
     if not accepted:
         why = "; ".join(f"{d.variant.variant_str}: {d.reason}" for d in trace[:3]) or "it has no builds"
         more = f" (and {len(trace) - 3} more)" if len(trace) > 3 else ""
-        return {"fatal": f"{what} ({label}) has no build for {system}, so no rank could load it ({why}{more}); "
+        return {"fatal": f"{what} at {label} has no build for {system}, so no rank could load it ({why}{more}); "
                          "choose another attn_implementation, e.g. sdpa"}  # fmt: skip
     trust = "any publisher (allow_all_kernels)" if allow_all else "a trusted publisher"
     return {"line": f"{what}: {label}, {trust}, build {accepted[0].variant_str} for {system}; the node's setup "
