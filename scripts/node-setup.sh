@@ -34,7 +34,8 @@ say() { echo "[orch] setup: $*"; }
 # one setup.times was truncated and appended by all of them at once (a node read another's records, or lost its own
 # error line). The name is orch's core/timeline.setup_times_file, which the nodes' `orch node` reads back.
 node_rank="${SKYPILOT_SETUP_NODE_RANK:-${SKYPILOT_NODE_RANK:-0}}"
-[[ "$node_rank" =~ ^[0-9]+$ ]] || { echo "orch: error: node rank '$node_rank' is not a number (SKYPILOT_SETUP_NODE_RANK)" >&2; exit 2; }
+rank_from=$([ -n "${SKYPILOT_SETUP_NODE_RANK:-}" ] && echo SKYPILOT_SETUP_NODE_RANK || echo SKYPILOT_NODE_RANK)
+[[ "$node_rank" =~ ^[0-9]+$ ]] || { echo "orch: error: node rank '$node_rank' is not a number ($rank_from)" >&2; exit 2; }
 cluster=$(printf '%s' "${SKYPILOT_CLUSTER_INFO:-}" | sha256sum | cut -c1-12)
 times="$ORCH_HOME/setup-$cluster-node$node_rank.times"
 echo "started=$(now)" > "$times"

@@ -590,12 +590,14 @@ def test_each_node_of_each_cluster_has_its_own_setup_timings_file():
 
 
 @pytest.mark.cli
-def test_setup_refuses_a_node_rank_that_is_not_a_number(tmp_path):
-    env = {**os.environ, "ORCH_HOME": str(tmp_path / "home"), "SKYPILOT_SETUP_NODE_RANK": "../../etc/x"}
+@pytest.mark.parametrize("var", ["SKYPILOT_SETUP_NODE_RANK", "SKYPILOT_NODE_RANK"])  # the setup stage's, else run's
+def test_setup_refuses_a_node_rank_that_is_not_a_number_naming_where_it_came_from(tmp_path, var):
+    env = {k: v for k, v in os.environ.items() if not k.endswith("NODE_RANK")}
+    env.update({"ORCH_HOME": str(tmp_path / "home"), var: "../../etc/x"})
     done = subprocess.run(["bash", "scripts/node-setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
-    assert done.stderr == "orch: error: node rank '../../etc/x' is not a number (SKYPILOT_SETUP_NODE_RANK)\n"
+    assert done.stderr == f"orch: error: node rank '../../etc/x' is not a number ({var})\n"
     assert list((tmp_path / "home").iterdir()) == []
 
 
