@@ -52,15 +52,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
 '''
 
 
-def save_kernel(root: Path, repo: str, variant: str = "torch-cpu") -> None:
+def save_kernel(root: Path, repo: str, variant: str = "torch-cpu", archs: list[str] | None = None) -> None:
     """A kernel repo under ROOT/kernels/<repo>/ with one build (torch-cpu: the noarch CPU build this machine's torch
-    picks; torch213-cxx11-cu130-x86_64-linux: a CUDA build it cannot use), metadata as the kernels package reads it."""
+    picks; torch213-cxx11-cu130-x86_64-linux: a CUDA build it cannot use), metadata as the kernels package reads it
+    (archs: the CUDA compute capabilities a build declares)."""
     build = root / "kernels" / repo / "build" / variant
     build.mkdir(parents=True)
     (build / "__init__.py").write_text(KERNEL_SOURCE)
     backend = "cpu" if variant.endswith("-cpu") else "cuda"
     metadata = {"id": f"_{repo.split('/')[1].replace('-', '_')}_0", "name": repo.split("/")[1], "version": 1,
                 "license": "Apache-2.0", "python-depends": [], "backend": {"type": backend}}  # fmt: skip
+    if archs:
+        metadata["backend"]["archs"] = archs
     (build / "metadata.json").write_text(json.dumps(metadata))
 
 

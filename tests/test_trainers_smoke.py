@@ -195,7 +195,8 @@ def test_lora_sft_pushes_its_adapter_to_the_hub_and_pull_brings_it_back(project,
         posts = [r for r in hub.requests if r.startswith("POST")]
         assert posts[0] == "POST /api/repos/create" and posts[-1] == "POST /api/models/me/tiny-lora/commit/main"
         run = re.search(r"^\[orch\] run (\S+):", result.stdout, re.M).group(1)
-        pulled = orch("pull", run, str(tmp_path / "mine"), cwd=project, env=env)
+        cache = {"HF_HOME": str(tmp_path / "hf")}  # where the pull's download is cached: not this machine's ~/.cache
+        pulled = orch("pull", run, str(tmp_path / "mine"), cwd=project, env={**env, **cache})
     assert pulled.returncode == 0, pulled.stderr
     assert f"final model from the Hub (me/tiny-lora) -> {tmp_path / 'mine'} ({len(on_hub)} files" in pulled.stdout
     from peft import AutoPeftModelForCausalLM

@@ -28,6 +28,27 @@ KNOWN_GIB = {
 }
 CPU = "CPU"
 
+# Name as SkyPilot spells it -> CUDA compute capability (NVIDIA's "CUDA GPUs - Compute Capability" table), for what a
+# kernel build declares it runs on (launch/kernelcheck.py). AMD parts (MI300X) have none.
+CUDA_CAPABILITY = {
+    "B200": (10, 0),
+    "H200": (9, 0),
+    "H100": (9, 0),
+    "H100-MEGA": (9, 0),
+    "GH200": (9, 0),
+    "A100-80GB": (8, 0),
+    "A100": (8, 0),
+    "L40S": (8, 9),
+    "L40": (8, 9),
+    "A6000": (8, 6),
+    "L4": (8, 9),
+    "A10G": (8, 6),
+    "A10": (8, 6),
+    "V100-32GB": (7, 0),
+    "V100": (7, 0),
+    "T4": (7, 5),
+}
+
 # Peak dense BF16 tensor throughput per device, TFLOPS, for MFU (orchestrator/train/throughput.py): the vendors'
 # datasheets, which print "with sparsity" figures for NVIDIA parts; dense is half of those. Matched against
 # torch.cuda.get_device_name(), most specific first. Parts without a published BF16 figure (A10G, V100, T4) are

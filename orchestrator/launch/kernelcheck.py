@@ -1,9 +1,10 @@
 """The Kernels Hub attention kernel a recipe's ranks load (attn_implementation `org/name`, or flash_attention_2/3/4,
 whose Kernels Hub fallback the nodes load: uv.lock installs no flash-attn package), checked before a cloud launch
 (rehearsal/kernel.py does it in a process of its own, beside the data check): the repo and the version transformers asks
-for exist, its publisher is one the Hub trusts (or the recipe allows all kernels), and it has a build for the nodes'
-torch and CUDA (uv.lock's) and CPU. One that no rank could load stops the launch (exit 2, one line); a laptop without
-the kernels package or an answer from the Hub gets a note. ORCH_KERNEL_CHECK=off skips it."""
+for exist, its publisher is one the Hub trusts (or the recipe allows all kernels), it has a build for the nodes' torch
+and CUDA (uv.lock's) and CPU, and that build declares the accelerator's CUDA compute capability. One that no rank could
+load stops the launch (exit 2, one line); a laptop without the kernels package or an answer from the Hub gets a note.
+ORCH_KERNEL_CHECK=off skips it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.core import attention as attention_names
+from orchestrator.core.accelerators import CUDA_CAPABILITY
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
 from orchestrator.launch.resolved import Launch
@@ -56,9 +58,14 @@ class Check:
         if versions is None:
             self.note = f"[orch] attention kernel {attention}: not checked (no uv.lock with torch in the workdir)"
             return
-        grace = launch.gpus is not None and (launch.gpus.name or "").upper() in GRACE_CPUS
+        accelerator = (launch.gpus.name if launch.gpus else None) or ""
+        if accelerator.upper().startswith("MI"):  # AMD: a ROCm torch, not the lock's CUDA one
+            self.note = f"[orch] attention kernel {attention}: not checked for {accelerator} (ROCm builds)"
+            return
+        known = next((k for k in CUDA_CAPABILITY if k.lower() == accelerator.lower()), None)
         request = {"attention": attention, "allow_all": allow_all, "torch": versions[0], "cuda": versions[1],
-                   "cpu": "aarch64" if grace else "x86_64"}  # fmt: skip
+                   "cpu": "aarch64" if accelerator.upper() in GRACE_CPUS else "x86_64", "accelerator": known,
+                   "capability": ".".join(map(str, CUDA_CAPABILITY[known])) if known else None}  # fmt: skip
         self.attention = attention
         # the request in argv (names and versions, no secret): the process asks the Hub while the data check runs
         self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.rehearsal.kernel", json.dumps(request)],

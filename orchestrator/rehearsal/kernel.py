@@ -48,6 +48,7 @@ def check(request: dict) -> dict:
         from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
         from kernels import _versions, utils
         from kernels import variants as kv
+        from kernels.archs import _supports_cuda_capability as supports
         from kernels.backends import CUDA
         from packaging.version import Version
         from transformers.integrations import hub_kernels
@@ -106,9 +107,35 @@ def check(request: dict) -> dict:
         more = f" (and {len(trace) - 3} more)" if len(trace) > 3 else ""
         return {"fatal": f"{what} at {label} has no build for {system}, so no rank could load it ({why}{more}); "
                          "choose another attn_implementation, e.g. sdpa"}  # fmt: skip
+    variant = accepted[0].variant_str  # the one the kernels package picks on the node, and checks the GPU against
+    runs_on = ""
+    if request.get("capability"):
+        try:
+            archs = _archs(repo_id, resolved, variant)
+        except Exception as exc:  # noqa: BLE001 - its metadata unread: the node checks the GPU itself
+            archs, runs_on = None, f"; the GPU not checked (its metadata: {type(exc).__name__})"
+        gpu, capability = request["accelerator"], tuple(int(x) for x in str(request["capability"]).split("."))
+        if archs and not supports(archs, capability):
+            return {"fatal": f"{what} at {label}: its build {variant} declares CUDA capabilities {', '.join(archs)}, "
+                             f"and a {gpu} is {request['capability']}, so every rank's load refuses it; choose an "
+                             "accelerator it declares, or another attn_implementation, e.g. sdpa"}  # fmt: skip
+        if archs:
+            runs_on = f", which declares the {gpu}'s CUDA capability {request['capability']}"
     trust = "any publisher (allow_all_kernels)" if allow_all else "a trusted publisher"
-    return {"line": f"{what}: {label}, {trust}, build {accepted[0].variant_str} for {system}; the node's setup "
-                    "fetches and loads it"}  # fmt: skip
+    return {"line": f"{what}: {label}, {trust}, build {variant} for {system}{runs_on}; the node's setup fetches and "
+                    "loads it"}  # fmt: skip
+
+
+def _archs(repo_id: str, revision: str, variant: str) -> list[str] | None:
+    """The CUDA capabilities the build declares (its metadata.json, one small file, as the kernels package's has_kernel
+    reads it), or None where it declares none."""
+    from huggingface_hub import hf_hub_download
+    from kernels.utils import CACHE_DIR
+    from kernels_data import Metadata
+
+    path = hf_hub_download(repo_id, f"build/{variant}/metadata.json", repo_type="kernel", revision=revision,
+                           cache_dir=CACHE_DIR)  # fmt: skip
+    return Metadata.read_from_file(path).backend.archs
 
 
 def main() -> None:
