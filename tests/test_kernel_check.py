@@ -30,6 +30,18 @@ def test_the_nodes_torch_and_cuda_are_read_from_the_lock_they_install(tmp_path):
     assert kernelcheck.locked(tmp_path / "nowhere") is None
 
 
+@pytest.mark.cli
+def test_a_laptop_without_the_kernels_package_gets_a_note_naming_how_to_check(monkeypatch):
+    """The kernels package comes with the gpu extra, on Linux only: a Mac laptop has none, and its launch goes on."""
+    from orchestrator.rehearsal import kernel
+
+    monkeypatch.setitem(sys.modules, "kernels", None)  # `import kernels` raises ModuleNotFoundError, as when missing
+    assert kernel.check({"attention": "org/x", "allow_all": False, **NODES}) == {
+        "note": "attention kernel org/x: not checked here (no kernels package: pip install kernels to check it before "
+        "launch); the node's setup loads it"
+    }
+
+
 @pytest.fixture
 def hub(tmp_path):
     """kernels-community's flash-attn2 with a CPU build only and its flash-attn4 at versions 1-3 (transformers asks

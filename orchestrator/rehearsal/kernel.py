@@ -55,9 +55,11 @@ def check(request: dict) -> dict:
         from transformers.modeling_flash_attention_utils import FLASH_ATTN_KERNEL_FALLBACK
 
         from orchestrator.train.hub_link import link_error
-    except ImportError as exc:
-        return {"note": f"attention kernel {attention}: not checked here (no {exc.name or 'kernels'} package: "
-                        "pip install '.[train,gpu]' to check it before launch); the node's setup loads it"}  # fmt: skip
+    except ImportError as exc:  # the kernels package comes with the gpu extra, on Linux only; transformers with train
+        missing = (exc.name or "kernels").split(".")[0]
+        get = "pip install kernels" if missing in ("kernels", "kernels_data") else "pip install '.[train]'"
+        return {"note": f"attention kernel {attention}: not checked here (no {missing} package: {get} to check it "
+                        "before launch); the node's setup loads it"}  # fmt: skip
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
