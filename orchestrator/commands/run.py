@@ -27,10 +27,12 @@ Which side wins: flags you give override the recipe (--gpus beats resources.acce
 num_nodes, --env beats envs); key=value words override the TRL config. Every run is recorded as
 sky_jobs/<run>.yaml, which `sky launch sky_jobs/<run>.yaml` relaunches. `orch ls` lists the recipes.
 
-Before a cloud launch orch shows SkyPilot's choice and its $/h (and the recipe's cost estimate) and asks;
--y skips the question. A managed job, a multi-node run or --down needs checkpoints on a mounted bucket
-(CHECKPOINT_ROOT): the nodes' own disks are lost with the cluster. Several nodes get network_tier: best
-(InfiniBand/EFA where the cloud has it) unless the recipe sets a tier.
+Before a cloud launch orch rehearses every rank against the training stack, streams one row of the recipe's
+dataset and asks the Hub for its attention kernel: what no rank could train with stops the launch here
+(ORCH_REHEARSAL, ORCH_DATA_CHECK, ORCH_KERNEL_CHECK=off skip them). Then it shows SkyPilot's choice and its $/h
+(and the recipe's cost estimate) and asks; -y skips the question. A managed job, a multi-node run or --down
+needs checkpoints on a mounted bucket (CHECKPOINT_ROOT): the nodes' own disks are lost with the cluster.
+Several nodes get network_tier: best (InfiniBand/EFA where the cloud has it) unless the recipe sets a tier.
 """
 
 
