@@ -102,9 +102,10 @@ RULES = {
                                                           "httpx", "kernels"}),
     "rehearsal": (  # bitsandbytes: imported before CUDA is faked (role.py), so its CPU kernels are the ones chosen;
         # httpx: huggingface_hub's HTTP client, whose connection errors name an unreachable Hub (rehearsal/data.py);
-        # kernels and packaging (its versions): the attention kernel's builds for the nodes (rehearsal/kernel.py)
+        # kernels, kernels_data (its metadata parser) and packaging (its versions): the attention kernel's builds for
+        # the nodes (rehearsal/kernel.py)
         {"core", "node.plan", "train", "rehearsal"},
-        HEAVY - {"sky", "vllm"} | {"huggingface_hub", "bitsandbytes", "httpx", "kernels", "packaging"},
+        HEAVY - {"sky", "vllm"} | {"huggingface_hub", "bitsandbytes", "httpx", "kernels", "kernels_data", "packaging"},
     ),
     "commands": ({"core", "launch", "node", "commands"}, {"yaml"}),
 }
