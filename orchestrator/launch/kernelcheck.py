@@ -62,10 +62,11 @@ class Check:
         if accelerator.upper().startswith("MI"):  # AMD: a ROCm torch, not the lock's CUDA one
             self.note = f"[orch] attention kernel {attention}: not checked for {accelerator} (ROCm builds)"
             return
-        known = next((k for k in CUDA_CAPABILITY if k.lower() == accelerator.lower()), None)
+        capability = CUDA_CAPABILITY.get(accelerator.upper())  # its names are SkyPilot's, in capitals
         request = {"attention": attention, "allow_all": allow_all, "torch": versions[0], "cuda": versions[1],
-                   "cpu": "aarch64" if accelerator.upper() in GRACE_CPUS else "x86_64", "accelerator": known,
-                   "capability": ".".join(map(str, CUDA_CAPABILITY[known])) if known else None}  # fmt: skip
+                   "cpu": "aarch64" if accelerator.upper() in GRACE_CPUS else "x86_64",
+                   "accelerator": accelerator.upper() if capability else None,
+                   "capability": ".".join(map(str, capability)) if capability else None}  # fmt: skip
         self.attention = attention
         # the request in argv (names and versions, no secret): the process asks the Hub while the data check runs
         self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.rehearsal.kernel", json.dumps(request)],

@@ -16,29 +16,10 @@ from __future__ import annotations
 import json
 import sys
 
+from orchestrator.core.attention import TRUST_FIX
 from orchestrator.rehearsal.data import answer
 
 FIX_NAME = "check attn_implementation in the TRL config"
-TRUST_FIX = 'set model_init_kwargs={"allow_all_kernels": true} if you trust its code, or another attn_implementation'
-
-
-def _said(exc: BaseException) -> str:
-    return " ".join(str(exc).strip().splitlines()[0].split()).rstrip(":.")[:240] if str(exc).strip() else ""
-
-
-def _server_error(exc: BaseException) -> int | None:
-    """The status of the Hub's own failure (5xx) under `exc`, or None where it answered or was not reached."""
-    from huggingface_hub.errors import HfHubHTTPError
-
-    found: BaseException | None = exc
-    seen: set[int] = set()
-    while found is not None and id(found) not in seen:
-        response = getattr(found, "response", None) if isinstance(found, HfHubHTTPError) else None
-        if (getattr(response, "status_code", 0) or 0) >= 500:
-            return int(response.status_code)
-        seen.add(id(found))
-        found = found.__cause__ or found.__context__
-    return None
 
 
 def check(request: dict) -> dict:
@@ -54,7 +35,7 @@ def check(request: dict) -> dict:
         from transformers.integrations import hub_kernels
         from transformers.modeling_flash_attention_utils import FLASH_ATTN_KERNEL_FALLBACK
 
-        from orchestrator.train.hub_link import link_error
+        from orchestrator.train.hub_link import hub_failure, link_error, said
     except ImportError as exc:  # the kernels package comes with the gpu extra, on Linux only; transformers with train
         missing = (exc.name or "kernels").split(".")[0]
         get = "pip install kernels" if missing in ("kernels", "kernels_data") else "pip install '.[train]'"
@@ -84,21 +65,22 @@ def check(request: dict) -> dict:
         return {"fatal": f"{what} does not exist on the Hugging Face Hub, or this machine may not read it (HF_TOKEN); "
                          f"{FIX_NAME}, or ORCH_KERNEL_CHECK=off to launch without this check"}  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - the network's, the Hub's or the kernel's: told apart below
-        link, status = link_error(exc), _server_error(exc)
+        link, failed = link_error(exc), hub_failure(exc)
         if link is not None:  # the kernels package wraps it ('could not verify publisher trust status')
             return {"note": f"{what}: not checked (cannot reach the Hub from here: {type(link).__name__}: "
-                            f"{_said(link)})"}  # fmt: skip
-        if status is not None:
-            return {"note": f"{what}: not checked (the Hub failed to answer about {stage}: HTTP {status})"}
-        said = _said(exc)
-        if "trusted publisher" in said or "publisher trust" in said:
+                            f"{said(link)})"}  # fmt: skip
+        if failed is not None:
+            return {"note": f"{what}: not checked (the Hub failed to answer about {stage}: HTTP {failed[0]})"}
+        quoted = said(exc)
+        if "trusted publisher" in quoted or "publisher trust" in quoted:
             return {"fatal": f"{what} is not from a publisher the Hub trusts, and the ranks load only those; "
                              f"{TRUST_FIX}"}  # fmt: skip
-        if "not found, available versions" in said:
-            return {"fatal": f"{what}: transformers asks for version {version}, and the repo has {said.split(': ')[-1]}"
-                             f" only; name a revision (attn_implementation={repo_id}@<branch or commit>)"}  # fmt: skip
+        if "not found, available versions" in quoted:
+            available = quoted.split(": ")[-1]
+            return {"fatal": f"{what}: transformers asks for version {version}, and the repo has {available} only; "
+                             f"name a revision (attn_implementation={repo_id}@<branch or commit>)"}  # fmt: skip
         return {"fatal": f"{what} cannot be loaded, as every rank would load it ({stage}): {type(exc).__name__}: "
-                         f"{said}; {FIX_NAME}"}  # fmt: skip
+                         f"{quoted}; {FIX_NAME}"}  # fmt: skip
     accepted, trace = kv._resolve_variant_for_system(
         variants=found, selected_backend=CUDA(version=Version(str(request["cuda"]))), cpu=str(request["cpu"]),
         os="linux", torch_version=Version(str(request["torch"])), torch_cxx11_abi=True, tvm_ffi_version=None,

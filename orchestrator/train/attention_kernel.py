@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from orchestrator.core.attention import TRUST_FIX
 from orchestrator.core.errors import OrchError
-from orchestrator.train.hub_link import link_error
+from orchestrator.train.hub_link import hub_failure, link_error, said
 
 
 class NotCached(Exception):
@@ -107,7 +108,7 @@ def _refusal(name: str, attention: str, exc: BaseException, offline: bool) -> Ex
     cause = exc
     if str(exc).startswith("An error occurred while trying to load from") and exc.__context__ is not None:
         cause = exc.__context__  # transformers wraps the kernels package's error: quote that one
-    quoted = " ".join(str(cause).strip().splitlines()[0].split()).rstrip(":.")[:300]
+    quoted = said(cause, 300)
     what = f"attention kernel {name}" + (f" (attn_implementation {attention})" if attention != name else "")
     if isinstance(cause, GatedRepoError | RepositoryNotFoundError):
         return OrchError(
@@ -116,14 +117,14 @@ def _refusal(name: str, attention: str, exc: BaseException, offline: bool) -> Ex
         )
     if offline and ("local cache" in quoted or "local snapshot" in quoted):
         return NotCached(what)
-    unanswered = _hub_failure(cause) if "could not verify publisher trust" in quoted else None
+    unanswered = hub_failure(cause) if "could not verify publisher trust" in quoted else None
     if unanswered is not None:  # the kernels package asks the Hub about the publisher and wraps any failure
-        status, said = unanswered
+        status, answered = unanswered
         return OrchError(f"{what} cannot be loaded on this node: the Hub failed to say whether its publisher is "
-                         f"trusted (HTTP {status}: {said}); run the setup again later, or check HF_ENDPOINT")
+                         f"trusted (HTTP {status}: {answered}); run the setup again later, or check HF_ENDPOINT")
     if "trusted publisher" in quoted or "publisher trust" in quoted:
         quoted = quoted.split(". Set trust_remote_code")[0]  # the kernels package's knob; the recipe's is below
-        fix = 'set model_init_kwargs={"allow_all_kernels": true} if you trust its code, or another attn_implementation'
+        fix = TRUST_FIX
     elif "build variant" in quoted:
         fix = "it has no build for this node's torch, accelerator and platform: choose another attn_implementation"
     elif "not supported by the architectures" in quoted:
@@ -133,15 +134,3 @@ def _refusal(name: str, attention: str, exc: BaseException, offline: bool) -> Ex
     return OrchError(f"{what} cannot be loaded on this node, as every rank would load it: {type(cause).__name__}: "
                      f"{quoted}; {fix}")  # fmt: skip
 
-
-def _hub_failure(exc: BaseException) -> tuple[int, str] | None:
-    """(status, what it said) where the Hub answered the request under `exc` with a server error (5xx); None for
-    anything else (a publisher the Hub does not know as an organization answers 404: the trust question stands)."""
-    from huggingface_hub.errors import HfHubHTTPError
-
-    inner = exc.__cause__ or exc.__context__
-    response = getattr(inner, "response", None) if isinstance(inner, HfHubHTTPError) else None
-    status = getattr(response, "status_code", 0) or 0
-    if status < 500:
-        return None
-    return status, " ".join(str(inner).split("For more information")[0].split())[:200]  # not its link to MDN

@@ -19,6 +19,31 @@ def is_link(exc: BaseException) -> bool:
     return isinstance(exc, (httpx.TransportError, ConnectionError, TimeoutError))
 
 
+def said(exc: BaseException, limit: int = 240) -> str:
+    """What an error said, its first line with its whitespace folded and no trailing colon or period, at most `limit`
+    characters ('' for an error that said nothing)."""
+    lines = str(exc).strip().splitlines()
+    return " ".join(lines[0].split()).rstrip(":.")[:limit] if lines else ""
+
+
+def hub_failure(exc: BaseException) -> tuple[int, str] | None:
+    """(status, what it said) of the Hub's own failure (a 5xx answer) in exc's chain, or None: the Hub answered
+    otherwise (a publisher it does not know as an organization answers 404: the trust question stands) or was not
+    reached (link_error)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    seen: set[int] = set()
+    found: BaseException | None = exc
+    while found is not None and id(found) not in seen:
+        response = getattr(found, "response", None) if isinstance(found, HfHubHTTPError) else None
+        status = getattr(response, "status_code", 0) or 0
+        if status >= 500:
+            return status, " ".join(str(found).split("For more information")[0].split())[:200]  # not its link to MDN
+        seen.add(id(found))
+        found = found.__cause__ or found.__context__
+    return None
+
+
 def link_error(exc: BaseException) -> BaseException | None:
     """The first error in exc's chain (itself, then what caused it) that is the link's, or None: the Hub answered.
     Libraries above huggingface_hub wrap it (the kernels package's publisher check says 'could not verify publisher
