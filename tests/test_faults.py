@@ -340,7 +340,7 @@ BAD_INPUT = [
         "ORCH_TEST_UNSET_TOKEN is not set in your environment",
     ),
     (["run", "llama3_sft_fsdp"], "recipe needs secret HF_TOKEN: pass --secret HF_TOKEN"),
-    (["run", "llama3_sft_zero3", "--secret", "HF_TOKEN=x", "--env", "ACCELERATE_CONFIG=multi_gpu"], "needs ~86.9 GiB"),
+    (["run", "llama3_sft_zero3", "--secret", "HF_TOKEN=x", "--env", "ACCELERATE_CONFIG=multi_gpu"], "needs ~90.7 GiB"),
     (["run", "phi3_dpo_fsdp", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["run", "phi3_dpo_fsdp", "notanoverride"], "override 'notanoverride' is not key=value"),
     (["cp", "phi3_dpo_fsdp", "qwen25_sft_ddp"], "recipes/qwen25_sft_ddp.yaml already exists; pass --force"),

@@ -227,7 +227,7 @@ def test_memory_check_suggests_a_strategy_that_fits():
     from orchestrator.core import memory, models
 
     llama8 = memory.Setup(models.KNOWN_ARCHS["meta-llama/llama-3.1-8b-instruct"], strategy="ddp", micro_batch=2,
-                          seq_len=4096, liger=True)  # fmt: skip
+                          seq_len=4096)  # fmt: skip
     with pytest.raises(
         OrchError,
         match=r"^8.03B sft \(full, 2 x 4096 tokens per device\) needs ~\d+\.\d GiB per GPU \(weights 15.0, .*\) under "
@@ -276,9 +276,9 @@ def test_launch_refuses_a_recipe_that_cannot_fit():
     result = orch(
         "run", "llama3_sft_zero3", "--env", "ACCELERATE_CONFIG=multi_gpu", "--secret", "HF_TOKEN=x", "--dry-run"
     )
-    assert result.returncode == 2 and "needs ~86.9 GiB per GPU (weights 15.0, gradients 29.9, optimizer 29.9, " \
-        "activations 3.3, overhead 8.8) under DDP on 8 GPU(s)" in result.stderr  # fmt: skip
-    assert "FSDP2 on 8 GPUs needs ~23.9 GiB per GPU" in result.stderr and result.stdout == ""
+    assert result.returncode == 2 and "needs ~90.7 GiB per GPU (weights 15.0, gradients 29.9, optimizer 29.9, " \
+        "activations 3.3, lm head 3.4, overhead 9.2) under DDP on 8 GPU(s)" in result.stderr  # fmt: skip
+    assert "FSDP2 on 8 GPUs needs ~27.7 GiB per GPU" in result.stderr and result.stdout == ""
 
 
 def test_dry_run_shows_batch_and_memory():

@@ -4,6 +4,7 @@ that no other module decides anything by a trainer's name."""
 import ast
 import dataclasses
 import importlib
+import inspect
 
 import pytest
 from conftest import ROOT
@@ -46,6 +47,8 @@ def test_each_spec_agrees_with_trls_class_script_and_defaults(name):
     assert spec.format in trainers.FORMATS
     assert all(set(spec.example) >= set(columns) for columns in spec.columns[:1])  # the example has the columns
     assert set(spec.smoke_overrides) <= arguments
+    # the memory model counts TRL's fused LM head (core/memory.lm_head) for the trainers that add one
+    assert ("add_fused_lm_head(" in inspect.getsource(getattr(trl, spec.trl_class))) == spec.fused_head
 
 
 def test_reference_models_follow_the_spec():

@@ -12,12 +12,13 @@ EPILOG = """\
 examples:
   orch plan meta-llama/Llama-3.1-70B-Instruct --trainer sft --max-length 4096
   orch plan meta-llama/Llama-3.1-8B-Instruct --peft lora --batch 4 --max-length 2048
-  orch plan meta-llama/Llama-3.1-70B-Instruct --peft qlora --liger
+  orch plan meta-llama/Llama-3.1-70B-Instruct --peft qlora --nested-quant
   orch plan Qwen/Qwen3-8B --trainer grpo --batch 4 --vllm-colocate 0.3   # vLLM holds 0.3 of every GPU
   orch plan ./my-model/config.json --trainer dpo        # any decoder model's config.json
 
 The estimate (orchestrator/core/memory.py, docs/design.md) counts weights, gradients, optimizer states,
-activations, logits, the reference model and the CUDA context; tests check it against published measurements.
+activations, TRL's fused LM head, the reference model and the CUDA context; tests check it against published
+measurements and against TRL's own code.
 """
 
 
@@ -37,7 +38,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--peft", choices=("lora", "qlora"), help="train a LoRA adapter (qlora: on 4-bit weights)")
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (TRL's default 16)")
     parser.add_argument("--all-linear", action="store_true", help="LoRA on every linear layer, not q_proj/v_proj")
-    parser.add_argument("--liger", action="store_true", help="Liger's fused loss: no full logits tensor")
     parser.add_argument("--no-checkpointing", action="store_true", help="without activation checkpointing")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="dtype the weights are loaded in (TRL's dtype)")
@@ -94,7 +94,6 @@ def main(args: argparse.Namespace) -> int:
         checkpointing=not args.no_checkpointing,
         lora_r=args.lora_r,
         lora_targets=("all-linear",) if args.all_linear else memory.PEFT_DEFAULT_TARGETS,
-        liger=args.liger,
         weights_dtype=args.dtype,
         nested_quant=args.nested_quant,
         vllm_share=args.vllm_colocate or 0.0,

@@ -38,7 +38,7 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
     peft = truthy(setting("use_peft", False))
     targets = setting("lora_target_modules") or memory.PEFT_DEFAULT_TARGETS
     seq, completion, vllm_share = int(setting("max_length", 1024)), 0, 0.0
-    if trainers.spec(trainer).generates:  # prompt + completion; logits over the completion only
+    if trainers.spec(trainer).generates:  # prompt + completion; the head scores the completion only
         completion = int(setting("max_completion_length", 512))
         seq = int(setting("max_prompt_length", 512)) + completion
         if truthy(setting("use_vllm", False)) and str(setting("vllm_mode", "colocate")) == "colocate":
@@ -62,7 +62,6 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
         lora_dropout=float(setting("lora_dropout", 0.05)),
         nested_quant=truthy(setting("use_bnb_nested_quant", False)),
-        liger=truthy(setting("use_liger_kernel", False)),
         vllm_share=vllm_share,
         vllm_sleeps=vllm_share > 0 and truthy(setting("vllm_enable_sleep_mode", False)),
     )
@@ -128,7 +127,7 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
             break
     bigger = smallest_holding(estimate=estimate)
     if bigger:
-        fixes.append(f"or use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB)")
+        fixes.append(("or " if fixes else "") + f"use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB)")
     raise OrchError(
         f"{setup.arch.params / 1e9:.3g}B {setup.trainer} ({setup.method}, {setup.micro_batch} x {setup.seq_len} tokens "
         f"per device) needs {estimate.describe()} under {label(setup)} on {setup.gpus} GPU(s)"

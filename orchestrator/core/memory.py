@@ -3,7 +3,7 @@
     weights + gradients + optimizer states   (per strategy: what is sharded over how many ranks, in which dtype)
   + frozen weights                          (LoRA's base model, 16-bit or 4-bit; a trainer's reference model)
   + activations                             (tokens per micro-batch, per layer, checkpointed or not, split by CP/SP)
-  + logits                                  (tokens x vocabulary, unless Liger's fused loss chunks them)
+  + LM head                                 (TRL's fused head: one token x vocabulary tile, never the whole logits)
   + gathered units / buckets                (FSDP and ZeRO-3 all-gather one decoder layer ahead; DDP's buckets)
   + overhead                                (CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation)
 
@@ -117,7 +117,7 @@ class Setup:
     micro_batch: int = 8
     seq_len: int = 1024
     completion_len: int = 0
-    """A generating trainer's (GRPO, RLOO) completion part of seq_len, the only part with logits."""
+    """A generating trainer's (GRPO, RLOO) completion part of seq_len, the only part the LM head scores."""
     beta: float | str | None = None
     """The KL coefficient of a trainer whose reference model depends on it, as the TRL config or an override gives
     it (None: TRL's default)."""
@@ -130,7 +130,6 @@ class Setup:
     lora_targets: tuple[str, ...] = PEFT_DEFAULT_TARGETS
     lora_dropout: float = 0.05
     nested_quant: bool = False
-    liger: bool = False
     vllm_share: float = 0.0
     """The fraction of each GPU a colocated vLLM engine reserves for itself (TRL's vllm_gpu_memory_utilization with
     vllm_mode colocate; vLLM takes it of the GPU's total, per engine, whatever the trainer holds): core/fit.py adds
@@ -229,9 +228,38 @@ def activations(setup: Setup) -> dict[str, float]:
         act = tokens * (a.layers * 2 * a.hidden + layer)
     else:
         act = tokens * a.layers * layer
-    with_logits = setup.micro_batch * setup.completion_len if spec.generates else tokens
-    logits = 0.0 if setup.liger else with_logits * a.vocab * spec.logit_bytes  # Liger: chunked
-    return {"activations": act, "logits": logits}
+    head = 0.0
+    if spec.fused_head:
+        scored = setup.micro_batch * setup.completion_len if spec.generates else tokens
+        compute = 2 if setup.mixed_precision or DTYPE_BYTES[setup.weights_dtype] == 2 else 4
+        head = sum(lm_head(scored, a.vocab, a.hidden, trained=setup.method == "full", compute=compute,
+                           zero3=setup.strategy == "zero3").values())  # fmt: skip
+    return {"activations": act, "lm head": head}
+
+
+# TRL's fused LM head works in tiles of TOKEN_CHUNK_SIZE tokens (trl/kernels/chunked_logprob.py) by
+# _CHUNKED_LOGPROB_CHUNK_SIZE vocabulary columns (trl/trainer/utils.py); tests/test_memory.py pins both to TRL's.
+HEAD_TILE = (4096, 32768)
+
+
+def lm_head(tokens: float, vocab: int, hidden: int, *, trained: bool, compute: int = 2, zero3: bool = False,
+            tile: tuple[int, int] = HEAD_TILE) -> dict[str, float]:  # fmt: skip
+    """Bytes TRL 1.16's fused LM head holds at its peak, the end of its backward (trl/trainer/utils.add_fused_lm_head,
+    trl/kernels/chunked_logprob.ChunkedLogProbFunction). SFT, DPO, KTO, GRPO and RLOO all score tokens through it,
+    whatever use_liger_kernel says (TRL turns Liger's fused loss off), so the tokens x vocabulary logits never exist
+    whole. It holds one tile in the compute dtype (the backward recomputes each tile into it and turns it into the
+    logits' gradient in place), the hidden states' gradient (an fp32 accumulator, then its copy in their dtype) beside
+    the copy of the scored hidden states the forward saved, and with the head trained (full fine-tuning) its weight's
+    gradient (fp32, then its copy in the weight's dtype); ZeRO-3 gathers the head's weight for it
+    (maybe_gather_lm_head_ctx). FSDP2's gathered head is accelerate's tail unit (`transient`)."""
+    cast = compute if compute < 4 else 0  # .to(float32) of an fp32 accumulator is the same tensor
+    rows, cols = tile
+    return {
+        "tile": min(tokens, rows) * min(vocab, cols) * compute,
+        "hidden-state gradient": tokens * hidden * (4 + cast + compute),
+        "head gradient": vocab * hidden * (4 + cast) if trained else 0.0,
+        "gathered head": vocab * hidden * compute if zero3 else 0.0,
+    }
 
 
 def transient(setup: Setup) -> float:
@@ -242,9 +270,9 @@ def transient(setup: Setup) -> float:
     a = setup.arch
     per = NF4_BYTES[setup.nested_quant] if setup.method == "qlora" else 2
     grads = 0 if setup.method in ("lora", "qlora") else a.layer_linear_params * 4
-    # accelerate's FSDP2 prepare keeps [final norm, lm_head] gathered from forward to backward (its own unit,
-    # reshard_after_forward=False): the output embedding in the compute dtype
-    tail = a.vocab * a.hidden * 2 if setup.strategy == "fsdp" and not a.tied else 0
+    # accelerate's FSDP2 prepare keeps [final norm, lm_head] (with tied weights, the input embedding too: one tensor)
+    # gathered from forward to backward (its own unit, reshard_after_forward=False): the output embedding in bf16
+    tail = a.vocab * a.hidden * 2 if setup.strategy == "fsdp" else 0
     return 2 * a.layer_linear_params * per + grads + tail
 
 

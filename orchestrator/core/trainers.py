@@ -40,9 +40,8 @@ class TrainerSpec:
     """A row that would do, shown when a row lacks a column."""
     rows_per_sample: int = 1
     """Rows one sample puts in a micro-batch (a preference pair's chosen and rejected go through the model together)."""
-    logit_bytes: int = 4
-    """Bytes per token and vocabulary entry its loss keeps: 12 for a causal LM's own loss (bf16 logits, their fp32
-    copy, the log-softmax, the gradient), 4 for TRL's row-by-row selective_log_softmax, 0 for a 1-label head."""
+    fused_head: bool = True
+    """It scores tokens through TRL's fused LM head (core/memory.lm_head); a reward model's 1-label head does not."""
     reference: str = "none"
     """A frozen reference model: "always" (TRL prepares one for full fine-tuning), "beta" (when beta != 0), "none".
     Never with PEFT: TRL disables the adapter instead."""
@@ -100,7 +99,7 @@ SPECS: dict[str, TrainerSpec] = {
         TrainerSpec(
             "sft", "SFTTrainer", "conversation", (("messages",), ("text",), ("prompt", "completion")),
             {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
-            logit_bytes=12, smoke_overrides={"max_length": "64", "packing": "false", "padding_free": "false"},
+            smoke_overrides={"max_length": "64", "packing": "false", "padding_free": "false"},
             metrics=("mean_token_accuracy",),
         ),
         TrainerSpec(
@@ -116,7 +115,7 @@ SPECS: dict[str, TrainerSpec] = {
         ),
         TrainerSpec(
             "reward", "RewardTrainer", "preference", (("chosen", "rejected"),), _PAIR, rows_per_sample=2,
-            logit_bytes=0, smoke_overrides={"max_length": "64"}, metrics=("accuracy", "margin"),
+            fused_head=False, smoke_overrides={"max_length": "64"}, metrics=("accuracy", "margin"),
         ),
         TrainerSpec(
             "grpo", "GRPOTrainer", "prompt", (("prompt",),), {"prompt": [{"role": "user", "content": "What is 2+2?"}]},
