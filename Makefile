@@ -49,7 +49,8 @@ bench: install
 	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) bench/run.py
 
 # On a machine with CUDA GPUs: each strategy's smoke recipe for real (bf16, NCCL, save, resume, final model), then
-# tokens/s and MFU of the SFT recipe's settings vs TRL's defaults. Record what it prints in docs/gpu.md.
+# tokens/s and MFU of the SFT recipe's settings vs TRL's defaults, packed attention, the fused LM head's memory.
+# Record what it prints in docs/gpu.md.
 gpu-check: install
 	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) bench/gpu_check.py
 

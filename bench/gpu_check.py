@@ -16,6 +16,9 @@
    mixing them under Ulysses). Said, not failed, where the flash-attn package is not installed.
 
 4. The head node's memory check reads the GPUs' memory from nvidia-smi: printed beside CUDA's figure.
+5. TRL's fused LM head on CUDA (its Triton fold, TRL's own tile) at Llama-3-8B's head shape: the CUDA allocator's
+   peak over one forward and backward beside the memory model's term (core/memory.lm_head), trained and frozen
+   (tests/test_lm_head_memory.py measures the torch fold on CPU, with a smaller tile).
 
 Nothing here is simulated: without a CUDA GPU it says so in one line and exits 2. Results go to docs/gpu.md by
 hand, with the versions and the date it printed.
@@ -304,7 +307,42 @@ def main(argv: list[str]) -> int:
         print(f"throughput ratio recipe / trl-defaults: {ours['tokens_per_s'] / base['tokens_per_s']:.2f}x")
     if "packed" in only or not argv[1:]:
         print(packed_attention(work), flush=True)
+    if "head" in only or not argv[1:]:
+        print(lm_head_memory(torch), flush=True)
     return 0
+
+
+def lm_head_memory(torch, vocab: int = 128256, hidden: int = 4096, tokens: int = 8192, device: str = "cuda") -> str:
+    """TRL's fused LM head, one forward and backward under bf16 autocast, its allocator peak (over what was allocated
+    before) beside core/memory.lm_head's figure less the scored hidden states' copy, which its caller makes."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    from orchestrator.core import memory
+
+    said = []
+    for trained in (True, False):
+        torch.manual_seed(0)
+        hidden_states = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+        weight = (torch.randn(vocab, hidden, device=device, dtype=torch.bfloat16) * 0.02).requires_grad_(trained)
+        labels = torch.randint(0, vocab, (tokens,), device=device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            log_probs, *_ = ChunkedLogProbFunction.apply(hidden_states, weight, None, labels, 1.0,
+                                                         _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
+                                                         ("log_probs", "entropy", "is_top1"))  # fmt: skip
+        log_probs.sum().backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        counted = sum(memory.lm_head(tokens, vocab, hidden, trained=trained).values()) - tokens * hidden * 2
+        verdict = "within 10%" if abs(peak - counted) <= 0.1 * counted else "DIFFERS by more than 10%"
+        said.append(f"{'trained' if trained else 'frozen'} head: CUDA peak {peak / 2**30:.2f} GiB, the model "
+                    f"{counted / 2**30:.2f} GiB ({peak / counted:.2f}x, {verdict})")  # fmt: skip
+        del hidden_states, weight, labels, log_probs
+        torch.cuda.empty_cache()
+    return f"fused LM head (TRL's Triton fold; {vocab} x {hidden}, {tokens} tokens, bf16): " + "; ".join(said)
 
 
 def node_gpu_memory(torch) -> str:
