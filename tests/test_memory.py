@@ -232,6 +232,8 @@ def test_colocated_vllm_reserves_its_share_of_each_gpu_beside_the_trainer():
                        r"vllm_enable_sleep_mode=true .*vllm_mode=server"):  # fmt: skip
         fit.check_gpu(old, 40, "A100")
     now = fit.setup_of("grpo", paired.trl, paired.accelerate, 8)  # the shipped recipe: 8 x 1536, 0.3
+    assert fit.tokens_words(now) == ("8 x 1536 tokens per device (prompts taken as 512 tokens: TRL keeps them whole; "
+                                     "1024 completion)")  # fmt: skip
     assert fit.with_vllm(fit.check_gpu(now, 40, "A100"), 40) <= 40 * fit.USABLE_FRACTION
     # TRL's default share where the config names none; none in server mode or without vLLM
     assert fit.setup_of("grpo", {k: v for k, v in before.items() if k != "vllm_gpu_memory_utilization"},

@@ -40,6 +40,7 @@ def test_each_spec_agrees_with_trls_class_script_and_defaults(name):
     if spec.generates:
         assert defaults["num_generations"] == spec.generations_default
         assert {"reward_funcs", "use_vllm", "max_completion_length"} <= arguments
+        assert "max_prompt_length" not in arguments  # prompts go in whole: core/fit.PROMPT_TOKENS stands for them
     else:
         assert "num_generations" not in arguments
     if spec.reference == "beta":

@@ -21,6 +21,9 @@ USABLE_FRACTION = 0.95
 HOST_USABLE_FRACTION = 0.9
 VLLM_DEFAULT_SHARE = 0.3  # TRL 1.16's vllm_gpu_memory_utilization (GRPOConfig, RLOOConfig)
 VLLM_WEIGHTS_ROOM = 1.5  # a lower vLLM share is proposed only where it holds vLLM's weights and half as much KV cache
+# GRPO and RLOO take each prompt whole (TRL 1.16's GRPOConfig and RLOOConfig have no max_prompt_length): the estimate
+# takes prompts of this many tokens and says so (`tokens_words`).
+PROMPT_TOKENS = 512
 
 
 def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConfig, gpus: int) -> memory.Setup | None:
@@ -40,7 +43,7 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
     seq, completion, vllm_share = int(setting("max_length", 1024)), 0, 0.0
     if trainers.spec(trainer).generates:  # prompt + completion; the head scores the completion only
         completion = int(setting("max_completion_length", 512))
-        seq = int(setting("max_prompt_length", 512)) + completion
+        seq = PROMPT_TOKENS + completion
         if truthy(setting("use_vllm", False)) and str(setting("vllm_mode", "colocate")) == "colocate":
             vllm_share = float(setting("vllm_gpu_memory_utilization", VLLM_DEFAULT_SHARE))
     return memory.Setup(
@@ -65,6 +68,15 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         vllm_share=vllm_share,
         vllm_sleeps=vllm_share > 0 and truthy(setting("vllm_enable_sleep_mode", False)),
     )
+
+
+def tokens_words(setup: memory.Setup) -> str:
+    """The micro-batch's shape as the memory lines give it; for a generating trainer, with its assumed prompt length."""
+    words = f"{setup.micro_batch} x {setup.seq_len} tokens per device"
+    if setup.completion_len:
+        words += (f" (prompts taken as {setup.seq_len - setup.completion_len} tokens: TRL keeps them whole; "
+                  f"{setup.completion_len} completion)")  # fmt: skip
+    return words
 
 
 def label(setup: memory.Setup) -> str:
@@ -129,8 +141,8 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
     if bigger:
         fixes.append(("or " if fixes else "") + f"use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB)")
     raise OrchError(
-        f"{setup.arch.params / 1e9:.3g}B {setup.trainer} ({setup.method}, {setup.micro_batch} x {setup.seq_len} tokens "
-        f"per device) needs {estimate.describe()} under {label(setup)} on {setup.gpus} GPU(s)"
+        f"{setup.arch.params / 1e9:.3g}B {setup.trainer} ({setup.method}, {tokens_words(setup)}) needs "
+        f"{estimate.describe()} under {label(setup)} on {setup.gpus} GPU(s)"
         f"{vllm_words(setup, capacity_gib)}, more than one {gpu} holds ({gib(capacity_gib)} GiB)"
         + (f"; {', '.join(fixes)}" if fixes else "") + "; `orch plan` lists what fits"
     )  # fmt: skip

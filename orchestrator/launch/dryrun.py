@@ -48,7 +48,7 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
         capacity = accelerators.memory_gib(name)
         print(
             f"memory: {checked.memory.describe()} under {preflight.label(setup)} on {setup.gpus} GPUs, "
-            f"{setup.micro_batch} x {setup.seq_len} tokens per device{fit.vllm_words(setup, capacity)}; each {name} "
+            f"{fit.tokens_words(setup)}{fit.vllm_words(setup, capacity)}; each {name} "
             f"has {capacity} GiB" + ("" if preflight.memory_checked(launch) else
                                                        " (ORCH_MEMORY_CHECK=off: shown, not enforced)")
         )  # fmt: skip
