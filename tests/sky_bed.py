@@ -33,6 +33,9 @@ from slurm_cluster import SlurmCluster, start_install, started
 USER = "orchsky"
 BED_HOMES = "/var/tmp/orch-skybed"  # beds live under paths starting with this (not /tmp: each node has its own)
 CACHE = Path("/var/tmp/orch-skybed-cache")  # kept between beds: the user's uv cache, filled once per version
+# What the test session sets for itself and a cluster's client would not have: the local API server switch, and the
+# session's own SkyPilot state and datasets cache (tests/conftest.py); the client keeps its state in its own home.
+BED_DROPS = ("SKYPILOT_DISABLE_LOCAL_API_SERVER", "SKY_RUNTIME_DIR", "HF_DATASETS_CACHE")
 NAME = "orchbed"
 API_PORT = 46580  # SkyPilot's local API server (sky/server/common.py DEFAULT_SERVER_PORT); the managed bed relays it
 UV_INSTALLER = "https://astral.sh/uv/install.sh"
@@ -239,7 +242,7 @@ class SkyBed:
     @property
     def env(self) -> dict[str, str]:
         """The environment the SkyPilot client (sky CLI, the SDK, orch) runs with."""
-        env = {k: v for k, v in os.environ.items() if k != "SKYPILOT_DISABLE_LOCAL_API_SERVER"}
+        env = {k: v for k, v in os.environ.items() if k not in BED_DROPS}
         return {**env, "HOME": str(self.client), "SKYPILOT_DEBUG": env.get("SKYPILOT_DEBUG", "0")}
 
     def _warm_uv_cache(self) -> None:
