@@ -238,7 +238,7 @@ def activations(setup: Setup) -> dict[str, float]:
 
 
 # TRL's fused LM head works in tiles of TOKEN_CHUNK_SIZE tokens (trl/kernels/chunked_logprob.py) by
-# _CHUNKED_LOGPROB_CHUNK_SIZE vocabulary columns (trl/trainer/utils.py); tests/test_memory.py pins both to TRL's.
+# _CHUNKED_LOGPROB_CHUNK_SIZE vocabulary columns (trl/trainer/utils.py); tests/test_lm_head_memory.py pins them.
 HEAD_TILE = (4096, 32768)
 
 
@@ -256,7 +256,7 @@ def lm_head(tokens: float, vocab: int, hidden: int, *, trained: bool, compute: i
     rows, cols = tile
     return {
         "tile": min(tokens, rows) * min(vocab, cols) * compute,
-        "hidden-state gradient": tokens * hidden * (4 + cast + compute),
+        "hidden states and their gradient": tokens * hidden * (4 + cast + compute),
         "head gradient": vocab * hidden * (4 + cast) if trained else 0.0,
         "gathered head": vocab * hidden * compute if zero3 else 0.0,
     }
