@@ -24,11 +24,9 @@ if "ORCH_CACHE_DIR" not in os.environ:
         os.environ["ORCH_CACHE_DIR"] = str(shared)
     else:
         os.environ["ORCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="orch-test-cache-")
-# Never the developer's own state: SkyPilot's (state.db, catalogs: SKY_RUNTIME_DIR, one per worker, since the state is
-# one SQLite file; tests that need a catalog set their own, and the SkyPilot bed's client keeps its state in its own
-# home) and the datasets cache of the tiny smoke runs.
+# Never the developer's own SkyPilot state (state.db, catalogs): SKY_RUNTIME_DIR, one per worker, since the state is one
+# SQLite file. Tests that need a catalog set their own; the SkyPilot bed's client keeps its state in its own home.
 os.environ.setdefault("SKY_RUNTIME_DIR", tempfile.mkdtemp(prefix="orch-test-sky-"))
-os.environ.setdefault("HF_DATASETS_CACHE", str(Path(os.environ["ORCH_CACHE_DIR"]) / "datasets"))
 
 
 def orch(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -34,8 +34,8 @@ USER = "orchsky"
 BED_HOMES = "/var/tmp/orch-skybed"  # beds live under paths starting with this (not /tmp: each node has its own)
 CACHE = Path("/var/tmp/orch-skybed-cache")  # kept between beds: the user's uv cache, filled once per version
 # What the test session sets for itself and a cluster's client would not have: the local API server switch, and the
-# session's own SkyPilot state and datasets cache (tests/conftest.py); the client keeps its state in its own home.
-BED_DROPS = ("SKYPILOT_DISABLE_LOCAL_API_SERVER", "SKY_RUNTIME_DIR", "HF_DATASETS_CACHE")
+# session's own SkyPilot state (tests/conftest.py); the client keeps its state in its own home.
+BED_DROPS = ("SKYPILOT_DISABLE_LOCAL_API_SERVER", "SKY_RUNTIME_DIR")
 NAME = "orchbed"
 API_PORT = 46580  # SkyPilot's local API server (sky/server/common.py DEFAULT_SERVER_PORT); the managed bed relays it
 UV_INSTALLER = "https://astral.sh/uv/install.sh"
