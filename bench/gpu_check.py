@@ -336,7 +336,8 @@ def lm_head_memory(torch, vocab: int = 128256, hidden: int = 4096, tokens: int =
         log_probs.sum().backward()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
-        counted = sum(memory.lm_head(tokens, vocab, hidden, trained=trained).values()) - tokens * hidden * 2
+        parts = memory.lm_head(tokens, vocab, hidden, trained=trained)
+        counted = sum(parts.values()) - parts["scored hidden states"]  # the caller's copy, not the function's
         verdict = "within 10%" if abs(peak - counted) <= 0.1 * counted else "DIFFERS by more than 10%"
         said.append(f"{'trained' if trained else 'frozen'} head: CUDA peak {peak / 2**30:.2f} GiB, the model "
                     f"{counted / 2**30:.2f} GiB ({peak / counted:.2f}x, {verdict})")  # fmt: skip

@@ -58,7 +58,7 @@ def test_trls_fused_head_holds_what_the_memory_model_counts(peaks, case):
     compute = 2 if autocast else 4
     parts = memory.lm_head(tokens, vocab, hidden, trained=trained, compute=compute, tile=TILE)
     # the scored hidden states' copy is made by the caller (add_fused_lm_head), before the function measured here
-    counted = sum(parts.values()) - tokens * hidden * compute
+    counted = sum(parts.values()) - parts["scored hidden states"]
     # left out by the model: the per-token fp32 statistics (log-sum-exp, entropy, ...), and the CPU's fold temporaries
     # (a few fp32 tiles), which make the peak only where the gradients are not copied at the end (fp32)
     left_out = tokens * 4 * 12 + 8 * TILE[0] * TILE[1] * 4

@@ -256,7 +256,8 @@ def lm_head(tokens: float, vocab: int, hidden: int, *, trained: bool, compute: i
     rows, cols = tile
     return {
         "tile": min(tokens, rows) * min(vocab, cols) * compute,
-        "hidden states and their gradient": tokens * hidden * (4 + cast + compute),
+        "scored hidden states": tokens * hidden * compute,  # add_fused_lm_head copies them for the function
+        "hidden-state gradient": tokens * hidden * (4 + cast),
         "head gradient": vocab * hidden * (4 + cast) if trained else 0.0,
         "gathered head": vocab * hidden * compute if zero3 else 0.0,
     }
