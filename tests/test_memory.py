@@ -2,6 +2,7 @@
 
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -258,7 +259,7 @@ def _plan_rows(out: str) -> dict[str, tuple[str, str, float, float]]:
 def test_plan_counts_colocated_vllm_as_the_launch_check_does(plan):
     """`orch plan --trainer grpo` ignored a colocated vLLM engine's share of every GPU, which the launch check counts
     (core/fit.with_vllm): it listed an L4 for GRPO that vLLM's share leaves no room on."""
-    args = ("Qwen/Qwen2.5-1.5B-Instruct", "--trainer", "grpo", "--batch", "8", "--max-length", "1536")
+    args = ("Qwen/Qwen2.5-1.5B-Instruct", "--trainer", "grpo", "--batch", "8", "--max-completion-length", "1024")
     bare, colocated = plan(*args), plan(*args, "--vllm-colocate", "0.35")
     assert bare.returncode == 0 and colocated.returncode == 0, bare.stderr + colocated.stderr
     assert colocated.stdout.splitlines()[0].endswith(", colocated vLLM holding 0.35 of each GPU")
@@ -279,12 +280,40 @@ def test_plan_counts_colocated_vllm_as_the_launch_check_does(plan):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("trl_config, trainer", [("recipes/trl/qwen25_grpo.yaml", "grpo"),
+                                                 ("recipes/trl/qwen25_rloo.yaml", "rloo")])  # fmt: skip
+def test_plan_takes_a_generating_trainers_lengths_as_the_launch_check_does(plan, trl_config, trainer):
+    """`orch plan --trainer grpo` split --max-length into half prompt, half completion, where the launch check takes
+    prompts as fit.PROMPT_TOKENS plus max_completion_length: the same recipe got two figures. Now the plan asks for
+    the completion length and gives the launch check's figure and words."""
+    from orchestrator.core import configs
+
+    root = Path(__file__).resolve().parents[1]  # the plan fixture works in a directory of its own
+    paired = configs.load({"TRL_CONFIG": str(root / trl_config), "ACCELERATE_CONFIG": "multi_gpu"})
+    settings = {**paired.trl, "use_vllm": False}  # vLLM's share has its own test above
+    launch = memory.estimate(fit.setup_of(trainer, settings, paired.accelerate, 8))
+    done = plan(str(settings["model_name_or_path"]), "--trainer", trainer, "--strategy", "ddp", "--gpus", "8",
+                "--batch", str(settings["per_device_train_batch_size"]), "--dtype", str(settings["dtype"]),
+                "--max-completion-length", str(settings["max_completion_length"]))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"{fit.tokens_words(launch.setup).replace(' per device', ' per GPU')}, " in done.stdout.splitlines()[0]
+    assert f"~{launch.gib:.1f} GiB per GPU" in done.stdout, (launch.describe(), done.stdout)
+    defaults = plan(str(settings["model_name_or_path"]), "--trainer", trainer)  # TRL's 512 completion tokens
+    words = "1 x 1024 tokens per GPU (prompts taken as 512 tokens: TRL keeps them whole; 512 completion)"
+    assert words in defaults.stdout
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("extra, message", [
     (("--vllm-colocate", "0.3"), "--vllm-colocate: sft does not generate; vLLM serves grpo and rloo"),
     (("--trainer", "grpo", "--vllm-colocate", "0"), "--vllm-colocate 0: give the share of a GPU's memory"),
     (("--trainer", "grpo", "--vllm-colocate", "1.5"), "--vllm-colocate 1.5: give the share"),
     (("--trainer", "grpo", "--vllm-colocate", "nan"), "--vllm-colocate nan: give the share"),
     (("--trainer", "rloo", "--vllm-sleep"), "--vllm-sleep goes with --vllm-colocate"),
+    (("--trainer", "grpo", "--max-length", "1536"), "--max-length: grpo takes each prompt whole (TRL 1.16 has no "
+     "max_prompt_length); give --max-completion-length (prompts are taken as 512 tokens)"),
+    (("--max-completion-length", "256"), "--max-completion-length: sft does not generate; give --max-length"),
+    (("--trainer", "rloo", "--max-completion-length", "0"), "--max-completion-length 0: give a positive whole number"),
 ])  # fmt: skip
 def test_plan_refuses_a_vllm_share_that_cannot_be(plan, extra, message):
     done = plan("Qwen/Qwen2.5-0.5B-Instruct", *extra)

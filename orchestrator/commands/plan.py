@@ -33,7 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("model", help="Hugging Face id orch knows, or a model's config.json (or its directory)")
     parser.add_argument("--trainer", default="sft", choices=trainers.TRAINERS, help="the TRL trainer (default: sft)")
-    parser.add_argument("--max-length", type=int, default=1024, help="tokens per sequence (TRL's max_length: 1024)")
+    parser.add_argument("--max-length", type=int,
+                        help="tokens per sequence (TRL's max_length: 1024); not for grpo/rloo, which keep prompts "
+                        "whole")
+    parser.add_argument("--max-completion-length", type=int,
+                        help="grpo/rloo: tokens generated per prompt (TRL's max_completion_length: 512); prompts are "
+                        "taken as 512 tokens, as the launch check takes them")
     parser.add_argument("--batch", type=int, default=1, help="per-device micro-batch, in sequences (default 1)")
     parser.add_argument("--peft", choices=("lora", "qlora"), help="train a LoRA adapter (qlora: on 4-bit weights)")
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (TRL's default 16)")
@@ -64,11 +69,20 @@ def main(args: argparse.Namespace) -> int:
     from orchestrator.core.errors import OrchError
     from orchestrator.launch import preflight
 
-    for flag in ("max_length", "batch", "lora_r", "gpus_per_node", "max_nodes", "gpus"):
+    for flag in ("max_length", "max_completion_length", "batch", "lora_r", "gpus_per_node", "max_nodes", "gpus"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise OrchError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a positive whole number")
+    generates = trainers.spec(args.trainer).generates
+    if generates and args.max_length is not None:
+        raise OrchError(f"--max-length: {args.trainer} takes each prompt whole (TRL 1.16 has no max_prompt_length); "
+                        f"give --max-completion-length (prompts are taken as {fit_rules.PROMPT_TOKENS} tokens)")
+    if not generates and args.max_completion_length is not None:
+        raise OrchError(f"--max-completion-length: {args.trainer} does not generate; give --max-length "
+                        "(tokens per sequence)")  # fmt: skip
+    completion = (args.max_completion_length or 512) if generates else 0  # TRL's default max_completion_length
+    seq_len = fit_rules.PROMPT_TOKENS + completion if generates else (args.max_length or 1024)
     if args.vllm_colocate is not None:
-        if not trainers.spec(args.trainer).generates:
+        if not generates:
             raise OrchError(f"--vllm-colocate: {args.trainer} does not generate; vLLM serves grpo and rloo "
                             "(--trainer grpo)")  # fmt: skip
         if not 0 < args.vllm_colocate <= 1:
@@ -89,8 +103,8 @@ def main(args: argparse.Namespace) -> int:
         trainer=args.trainer,
         method=args.peft or "full",
         micro_batch=args.batch,
-        seq_len=args.max_length,
-        completion_len=args.max_length // 2 if trainers.spec(args.trainer).generates else 0,
+        seq_len=seq_len,
+        completion_len=completion,
         checkpointing=not args.no_checkpointing,
         lora_r=args.lora_r,
         lora_targets=("all-linear",) if args.all_linear else memory.PEFT_DEFAULT_TARGETS,
@@ -105,8 +119,9 @@ def main(args: argparse.Namespace) -> int:
         asleep = " while generating (sleep mode)" if args.vllm_sleep else ""
         vllm = f", colocated vLLM holding {args.vllm_colocate:g} of each GPU{asleep}"
     print(
-        f"{args.model}: {arch.params / 1e9:.1f}B parameters, {args.trainer} {what[base.method]}, {args.batch} x "
-        f"{args.max_length} tokens per GPU, activation checkpointing {'off' if args.no_checkpointing else 'on'}{vllm}"
+        f"{args.model}: {arch.params / 1e9:.1f}B parameters, {args.trainer} {what[base.method]}, "
+        f"{fit_rules.tokens_words(base).replace(' per device', ' per GPU')}, activation checkpointing "
+        f"{'off' if args.no_checkpointing else 'on'}{vllm}"
     )
     if args.strategy:
         one = memory.estimate(memory.with_(base, strategy=args.strategy, gpus=args.gpus, offload=args.offload))
