@@ -19,6 +19,25 @@ def test_ls_lists_every_recipe_with_its_shape():
     assert len(lines) - 1 == len(list((ROOT / "recipes").glob("*.yaml")))
 
 
+def test_ls_from_another_directory_reads_orchs_own_recipes_where_they_live(tmp_path):
+    """From a directory without recipes, `orch ls` listed orch's own with `?` for strategy and model: it read their
+    paired files relative to the working directory. It reads them under orch's root and says where to run them."""
+    result = orch("ls", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    row = next(x for x in lines if x.startswith("phi3_dpo_fsdp "))
+    assert row.split() == ["phi3_dpo_fsdp", "dpo", "fsdp2", "microsoft/Phi-3-mini-4k-instruct", "A100:8", "1"]
+    rows = lines[1 : lines.index("")]
+    assert len(rows) == len(list((ROOT / "recipes").glob("*.yaml"))) and not any(" ? " in x for x in rows), rows
+    assert lines[-1] == (f"{len(rows)} of these are orch's own, in {ROOT / 'recipes'}: run or copy them from {ROOT} "
+                         "(their files and scripts/node-setup.sh are relative to it)")  # fmt: skip
+    assert "orch's own" not in orch("ls").stdout  # from orch's root: nothing to say
+    for argv in (("show", "phi3_dpo_fsdp"), ("cp", "phi3_dpo_fsdp", "mine")):  # and the commands that use one say it
+        done = orch(*argv, cwd=tmp_path)
+        assert done.returncode == 2 and done.stderr.endswith(f"; run orch from {ROOT} or fix the path\n"), done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_show_applies_and_checks_overrides():
     result = orch("show", "phi3_dpo_fsdp", "beta=0.2", "learning_rate=1e-6")
     assert result.returncode == 0, result.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from orchestrator.commands import add
 
@@ -48,12 +49,20 @@ def main(args: argparse.Namespace) -> int:
     from orchestrator.launch.recipe_info import summarize
 
     rows = [("RECIPE", "TRAINER", "STRATEGY", "MODEL", "GPUS/NODE", "NODES")]
+    own = recipes.REPO_RECIPES.resolve()
+    elsewhere = Path("recipes").resolve() != own  # orch's own recipes name their files relative to orch's root
+    from_own = 0
     for path in recipes.all_recipe_paths():
+        root = own.parent if elsewhere and path.resolve().parent == own else None
+        from_own += root is not None
         try:
-            s = summarize(recipes.load(str(path)))
+            s = summarize(recipes.load(str(path)), root)
         except OrchError as exc:
             rows.append((path.stem, "?", "?", f"(broken: {exc})", "", ""))
             continue
         rows.append((s.name, s.trainer, s.strategy, s.model, s.gpus, str(s.nodes)))
     print_table(rows)
+    if from_own:
+        print(f"\n{from_own} of these are orch's own, in {own}: run or copy them from {own.parent} (their files and "
+              "scripts/node-setup.sh are relative to it)")
     return 0

@@ -123,9 +123,11 @@ def check_paired_files(recipe: Recipe) -> None:
         if key == "ACCELERATE_CONFIG" and value in configs.PROFILES:
             continue
         if not recipe.paired(key).is_file():
+            own = recipe.path.resolve().parent == REPO_RECIPES.resolve() and recipe.workdir == Path(".")
+            where = f"from {REPO_RECIPES.resolve().parent}" if own else "from the repository root"
             raise OrchError(
                 f"{key}={value} (from {recipe.path}) does not exist under workdir {recipe.workdir.resolve()}; "
-                "run orch from the repository root or fix the path"
+                f"run orch {where} or fix the path"
             )
 
 

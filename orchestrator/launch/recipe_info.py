@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
 
 from orchestrator.core import configs, strategy
@@ -19,17 +20,19 @@ class Summary(NamedTuple):
     nodes: int
 
 
-def summarize(recipe: Recipe) -> Summary:
-    """Read from the recipe's files; a paired file that cannot be read shows as `?`."""
+def summarize(recipe: Recipe, root: Path | None = None) -> Summary:
+    """Read from the recipe's files (relative to its workdir, under `root` when given: orch's own recipes listed from
+    another directory); a paired file that cannot be read shows as `?`."""
+    workdir = root / recipe.workdir if root is not None else recipe.workdir
     try:
-        accel, _ = configs.load_accelerate(recipe.envs["ACCELERATE_CONFIG"], recipe.workdir)
+        accel, _ = configs.load_accelerate(recipe.envs["ACCELERATE_CONFIG"], workdir)
         label = strategy.of(accel).label
     except OrchError:
         label = "?"
     if recipe.envs.get("VLLM_SERVER_NODES", "0") not in ("", "0"):
         label += "+vllm-server"
     try:
-        trl = configs.load_yaml(recipe.paired("TRL_CONFIG"), "TRL config")
+        trl = configs.load_yaml(workdir / recipe.envs["TRL_CONFIG"], "TRL config")
     except OrchError:
         trl = {}
     model = trl.get("model_name_or_path", "?")
