@@ -6,7 +6,7 @@
    resume from checkpoint-8 and train to step 12, and the final model loaded back by transformers. One line per
    strategy, read from the ranks' reports (orchestrator/train/entry.py), never from the configs, with rank 0's GPU
    peak from the model's load to the end of accelerate's prepare (its CUDA allocator) beside the memory model's
-   per-GPU figure at load (core/memory.at_load) for the same model and shape. QLoRA (4-bit, FSDP2) is one of them.
+   per-GPU figure at load (core/load_memory.at_load) for the same model and shape. QLoRA (4-bit, FSDP2) is one of them.
 2. Throughput of the SFT recipe's settings (bf16, Liger, padding-free, activation checkpointing) on a real-size
    architecture with random weights (Qwen2.5-0.5B's shapes from its config, sequence 2048) beside TRL's defaults
    on the same model and data: tokens/s, model FLOPs utilisation and the ratio.
@@ -170,7 +170,7 @@ def check_strategy(label: str, recipe_name: str, gpus: int, work: Path) -> str:
 
 def load_figures(recipe_name: str, trl: dict[str, str], gpus: int, report: dict) -> str:
     """Rank 0's GPU peak from the load to the end of accelerate's prepare (train/loading.py's `gpu_peak` per phase)
-    beside memory.at_load's per-GPU figure for the recipe with these overrides (the smoke model) on `gpus` GPUs."""
+    beside load_memory.at_load's per-GPU figure for the recipe with these overrides (the smoke model) on `gpus` GPUs."""
     from orchestrator.launch import preflight
     from orchestrator.launch import recipe as recipes
     from orchestrator.launch.resolved import resolve

@@ -1,5 +1,5 @@
 """Host memory while the model loads, measured from the training processes (orchestrator/train/loading.py), against
-the memory model (core/memory.at_load); and the final model written in the dtype it was loaded in.
+the memory model (core/load_memory.at_load); and the final model written in the dtype it was loaded in.
 
 One run of the 70B full-SFT recipe's configs (FSDP2, CPU-RAM-efficient loading, bf16 mixed precision) on 1 node x 2
 CPU processes with a 320 MiB bf16 Llama built here: rank 0 reads the checkpoint and upcasts it to fp32; rank 1, which
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, orch
 
-from orchestrator.core import memory
+from orchestrator.core import load_memory, memory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("load_memory")]  # one build of each wide model
 MIB = 2**20
@@ -113,7 +113,7 @@ def test_fsdp2_load_memory_per_rank_and_the_final_model_in_the_load_dtype(projec
 
     # rank 1: no copy of the model at load, then only its own fp32 shard (the broadcast fills it) and the transient
     # full tensor of one parameter at a time
-    predicted = memory.at_load(setup, 2, cpu_ram_efficient=True)
+    predicted = load_memory.at_load(setup, 2, cpu_ram_efficient=True)
     assert predicted.other == 0
     assert growth(other, "load", "before_load") < 0.25 * weights, other
     assert growth(other, "build", "load") < 0.25 * weights, other
@@ -134,7 +134,7 @@ def test_fsdp2_load_memory_per_rank_and_the_final_model_in_the_load_dtype(projec
 def test_fsdp2_without_cpu_ram_efficient_loading_every_rank_reads_and_upcasts_the_model(project, wide_phi3):
     # GLOBAL_BATCH_SIZE=2: one micro-batch per rank and step (the recipe's 64 would accumulate 32 on CPU)
     result, weights, setup = run_on(project, "phi3_dpo_fsdp", wide_phi3, "--env", "GLOBAL_BATCH_SIZE=2")
-    predicted = memory.at_load(setup, 2, cpu_ram_efficient=False)
+    predicted = load_memory.at_load(setup, 2, cpu_ram_efficient=False)
     assert predicted.rank0 == predicted.other == pytest.approx(3 * weights, rel=0.02)  # 2 + 4 bytes a param
     # the checkpoint is mapped at load (not yet resident) and read in prepare's upcast, with its fp32 copy, on every
     # rank; the build before it holds DPO's reference model, which TRL's prepare_fsdp shards (on a GPU node onto the
@@ -152,9 +152,9 @@ def test_zero3_rank0_alone_reads_the_checkpoint_and_every_rank_keeps_its_partiti
                                     dtype="float32", strategy="zero3")  # fmt: skip
     head, other = reports(result.stdout, project)
     assert head["distributed_type"] == "DEEPSPEED" and head["strategy"]["zero_stage"] == 3, head["strategy"]
-    on_gpu = memory.at_load(setup, 2, cpu_ram_efficient=False)  # the recipe's path: partitions on the GPUs
+    on_gpu = load_memory.at_load(setup, 2, cpu_ram_efficient=False)  # the recipe's path: partitions on the GPUs
     assert on_gpu.rank0 == pytest.approx(weights, rel=0.02) and on_gpu.other == 0
-    on_host = memory.at_load(setup, 2, cpu_ram_efficient=False, params_on_host=True)  # where they are on CPU
+    on_host = load_memory.at_load(setup, 2, cpu_ram_efficient=False, params_on_host=True)  # where they are on CPU
     for report, predicted in ((head, on_host.rank0), (other, on_host.other)):
         measured = growth(report["host_memory"], "load", "before_load")
         assert measured == pytest.approx(predicted, rel=0.2), (report["rank"], measured / MIB, predicted / MIB)
@@ -165,7 +165,7 @@ def test_4bit_every_rank_reads_the_checkpoint_and_quantises_the_whole_model(proj
     result, weights, setup = run_on(project, "llama3_70b_qlora_fsdp", wide_llama, "--env", "GLOBAL_BATCH_SIZE=2")
     assert re.search(r"base in 4-bit: \d+ Linear4bit layers \(QLoRA\)", result.stdout), result.stdout[-2000:]
     setup = dataclasses.replace(setup, method="qlora", nested_quant=True)  # the recipe's TRL config
-    predicted = memory.at_load(setup, 2, cpu_ram_efficient=True)
+    predicted = load_memory.at_load(setup, 2, cpu_ram_efficient=True)
     assert predicted.rank0 == predicted.other == pytest.approx(weights, rel=0.02) and predicted.path.startswith("4-bit")
     quantised = predicted.gpu - memory.trained_params(setup) * 4  # the GPU's share at load, before PEFT's adapters
     assert quantised < 0.35 * weights

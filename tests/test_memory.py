@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import cli
-from orchestrator.core import fit, memory, models
+from orchestrator.core import fit, load_memory, memory, models
 
 pytestmark = pytest.mark.unit
 
@@ -162,7 +162,7 @@ def test_memory_check_off_shows_the_figures_without_refusing(project):
 
 def test_4bit_loading_is_checked_per_gpu_where_more_nodes_do_not_help(project, plan):
     """The 70B QLoRA recipe at 1 x 4096 tokens per device fits 2 nodes of 8 x L4 in steady state (that check runs
-    first and passes), but every rank quantises the whole model onto its own GPU first (memory.at_load): refused
+    first and passes), but every rank quantises the whole model onto its own GPU first (load_memory.at_load): refused
     before launch, naming a GPU that holds it; its own L40S passes. `orch plan` lists no node count for L4 and says
     why."""
     from conftest import orch
@@ -207,11 +207,11 @@ def test_zero3_load_follows_zero_init_and_where_the_partitions_live():
     setup = memory.Setup(arch=models.arch_of("meta-llama/Llama-3.1-8B-Instruct"), strategy="zero3", gpus=8,
                          weights_dtype="bfloat16")  # fmt: skip
     read = setup.arch.params * 2
-    on_gpu = memory.at_load(setup, 8, cpu_ram_efficient=False)
+    on_gpu = load_memory.at_load(setup, 8, cpu_ram_efficient=False)
     assert (on_gpu.rank0, on_gpu.other, on_gpu.node) == (read, 0, read)
-    on_host = memory.at_load(setup, 8, cpu_ram_efficient=False, params_on_host=True)
+    on_host = load_memory.at_load(setup, 8, cpu_ram_efficient=False, params_on_host=True)
     assert (on_host.other, on_host.node) == (read / 8, 2 * read) and on_gpu.gpu > on_host.gpu
-    every = memory.at_load(setup, 8, cpu_ram_efficient=False, zero3_init=False)
+    every = load_memory.at_load(setup, 8, cpu_ram_efficient=False, zero3_init=False)
     assert every.other == read and "without zero3_init_flag" in every.path
 
 
@@ -319,3 +319,36 @@ def test_plan_refuses_a_vllm_share_that_cannot_be(plan, extra, message):
     done = plan("Qwen/Qwen2.5-0.5B-Instruct", *extra)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith(f"orch: error: {message}") and len(done.stderr.splitlines()) == 1, done.stderr
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("trainer, settings", [
+    ("sft", {}), ("dpo", {}), ("dpo", {"use_peft": True}), ("kto", {}), ("grpo", {}), ("grpo", {"beta": 0.04}),
+    ("rloo", {}), ("rloo", {"beta": 0.0}), ("reward", {}),
+])  # fmt: skip
+def test_a_host_memory_refusal_offers_cpu_ram_efficient_loading_only_where_the_node_accepts_it(trainer, settings):
+    """The FSDP load line and the host refusal offered `fsdp_cpu_ram_efficient_loading: true` to every FSDP recipe,
+    the DPO one included, for which the node refuses that setting (node/rules.check_reference_model_loading: TRL shards
+    the reference model without the broadcast). A fix offered must be one the node takes."""
+    from orchestrator.core import accelerate_config
+    from orchestrator.core.errors import OrchError
+    from orchestrator.node import rules
+
+    fsdp = {"distributed_type": "FSDP", "mixed_precision": "bf16",
+            "fsdp_config": {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": False}}  # fmt: skip
+    settings = {"model_name_or_path": "Qwen/Qwen2.5-1.5B-Instruct", "dtype": "bfloat16", **settings}
+    setup = fit.setup_of(trainer, settings, accelerate_config.parse(fsdp), 16)
+    loading = fit.at_load(setup, 8, accelerate_config.parse(fsdp))
+    with pytest.raises(OrchError) as refused:
+        fit.check_host(loading, 1, "the planned instance")
+    offered = "fsdp_cpu_ram_efficient_loading: true" in str(refused.value)
+    assert offered == ("fsdp_cpu_ram_efficient_loading: true loads it on rank 0 only" in loading.path)
+    on = {**fsdp, "fsdp_config": {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": True}}
+    try:
+        rules.check_reference_model_loading(trainer, on, settings, "fsdp.yaml")
+        accepted = True
+    except OrchError:
+        accepted = False
+    assert offered == accepted, (trainer, settings, str(refused.value))
+    if not offered:
+        assert f"not on rank 0 only: {trainer.upper()}'s reference model needs every rank to read it" in loading.path

@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from orchestrator.commands import print_table
-    from orchestrator.core import accelerators, memory, models
+    from orchestrator.core import accelerators, load_memory, memory, models
     from orchestrator.core import fit as fit_rules
     from orchestrator.core.errors import OrchError
     from orchestrator.launch import preflight
@@ -136,18 +136,18 @@ def main(args: argparse.Namespace) -> int:
     for name, capacity in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: (-kv[1], kv[0])):
         usable = capacity * preflight.USABLE_FRACTION
         need = functools.partial(fit_rules.with_vllm, capacity_gib=capacity)  # with vLLM's share of this GPU
-        fit = memory.smallest_fit(base, usable, per_node, args.max_nodes, need=need)
+        fit = fit_rules.smallest_fit(base, usable, per_node, args.max_nodes, need=need)
         price = prices.get(name)
         offload = ""
         if fit is None or fit.nodes > 1:  # ZeRO-3 offload trades host memory (and speed) for nodes
-            off = memory.smallest_fit(base, usable, per_node, (fit.nodes - 1) if fit else args.max_nodes, offload=True,
-                                      need=need)  # fmt: skip
+            fewer = (fit.nodes - 1) if fit else args.max_nodes
+            off = fit_rules.smallest_fit(base, usable, per_node, fewer, offload=True, need=need)
             if off is not None:
                 host = memory.offload_host_gib(off.estimate.setup, off.nodes)
                 offload = f"{off.nodes} x {per_node}: ~{need(off.estimate):.0f} GiB/GPU, ~{host:,.0f} GiB host RAM/node"
         if fit is None:
             one_node = memory.with_(base, gpus=per_node)
-            loading = memory.at_load(one_node, per_node, cpu_ram_efficient=True).gpu / memory.GIB
+            loading = load_memory.at_load(one_node, per_node, cpu_ram_efficient=True).gpu / memory.GIB
             why = f"none: ~{loading:.0f} GiB/GPU while loading" if loading > usable else \
                 f"none up to {args.max_nodes} nodes"  # fmt: skip
             rows.append((name, "-", why, "", str(capacity), "", "", offload))

@@ -7,9 +7,10 @@ other accelerators, or a Slurm job's memory limit, gets the same refusal. The fi
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
-from orchestrator.core import accelerators, memory, models, strategy, trainers
+from orchestrator.core import accelerators, load_memory, memory, models, strategy, trainers
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import truthy
@@ -148,13 +149,13 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
     )  # fmt: skip
 
 
-def at_load(setup: memory.Setup, per_node: int, accel: AccelerateConfig) -> memory.LoadMemory:
-    """memory.at_load for `setup` with the loading path its Accelerate config takes."""
-    return memory.at_load(setup, per_node, accel.fsdp_cpu_ram_efficient_loading, accel.fsdp_version,
+def at_load(setup: memory.Setup, per_node: int, accel: AccelerateConfig) -> load_memory.LoadMemory:
+    """load_memory.at_load for `setup` with the loading path its Accelerate config takes."""
+    return load_memory.at_load(setup, per_node, accel.fsdp_cpu_ram_efficient_loading, accel.fsdp_version,
                           accel.zero3_init_flag, accel.deepspeed_param_offload)  # fmt: skip
 
 
-def check_gpu_at_load(loading: memory.LoadMemory, capacity_gib: float, gpu: str) -> None:
+def check_gpu_at_load(loading: load_memory.LoadMemory, capacity_gib: float, gpu: str) -> None:
     """The per-GPU peak while loading fits one GPU of `capacity_gib` (4-bit: every rank quantises the whole model onto
     its own GPU, so more nodes do not help), else an error naming an accelerator that holds it."""
     need = loading.gpu / memory.GIB
@@ -181,7 +182,7 @@ def gib(value: float) -> str:
     return f"{value:.2f}".rstrip("0").rstrip(".")
 
 
-def check_host(loading: memory.LoadMemory, has_gib: float | None, has_from: str, offloaded: float = 0.0) -> str:
+def check_host(loading: load_memory.LoadMemory, has_gib: float | None, has_from: str, offloaded: float = 0.0) -> str:
     """Host memory on the busiest node, at load and, with CPU offload, while training (`offloaded`, its share of the
     offloaded states in GiB), against `has_gib` of host memory (`has_from` says whose; None: unknown, and why): a
     line saying what was checked, or unchecked and why; an OrchError naming the fix when it does not fit."""
@@ -200,7 +201,32 @@ def check_host(loading: memory.LoadMemory, has_gib: float | None, has_from: str,
     raise OrchError(
         f"{what}, more than {HOST_USABLE_FRACTION:.0%} of the {gib(has_gib)} GiB of {has_from}; set `memory: "
         f"{floor}+` under resources in the recipe (SkyPilot then plans a node with at least that much)"
-        + (", or fsdp_cpu_ram_efficient_loading: true in the Accelerate config (rank 0 alone reads the checkpoint)"
-           if load >= need and loading.path.startswith("FSDP:") else "")
+        + (f", or {loading.fix}" if load >= need and loading.fix else "")
         + (", or more nodes (--nodes: each holds a smaller share)" if load < need else "")
     )
+
+
+STRATEGIES = ("ddp", "fsdp", "zero3")  # fastest first: replicas, then FSDP2, then ZeRO-3 (same states, by this model)
+
+
+@dataclass(frozen=True)
+class Fit:
+    nodes: int
+    estimate: memory.Estimate
+
+
+def smallest_fit(base: memory.Setup, capacity_gib: float, gpus_per_node: int, max_nodes: int, offload: bool = False,
+                 need: Callable[[memory.Estimate], float] | None = None) -> Fit | None:  # fmt: skip
+    """The fewest nodes, and at that count the fastest strategy, whose estimate and peak while loading (at_load: 4-bit
+    puts the whole quantised model on every GPU) fit `capacity_gib`; None when nothing does up to max_nodes. With
+    offload, ZeRO-3 with CPU offload only. `need`: GiB one GPU needs at the step's peak for an estimate, where more
+    than the estimate shares the GPU (core/fit.with_vllm: a colocated vLLM engine)."""
+    strategies = ("zero3",) if offload else STRATEGIES
+    for nodes in range(1, max_nodes + 1):
+        for sharding in strategies:
+            step = memory.estimate(replace(base, strategy=sharding, offload=offload, gpus=nodes * gpus_per_node))
+            loading = load_memory.at_load(step.setup, gpus_per_node, cpu_ram_efficient=True, params_on_host=offload)
+            peak = need(step) if need else step.gib
+            if peak <= capacity_gib and loading.gpu / memory.GIB <= capacity_gib:
+                return Fit(nodes, step)
+    return None

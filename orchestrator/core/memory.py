@@ -20,7 +20,6 @@ against published measurements.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from orchestrator.core import trainers
@@ -198,8 +197,7 @@ def states(setup: Setup) -> dict[str, float]:
         if setup.method == "qlora" and sharded:  # the quantisation scales (bitsandbytes' quant_state) are not
             replicated = linear * (per_linear - 0.5)  # parameters: FSDP leaves a full copy on every rank
             frozen -= replicated
-    spec = trainers.spec(setup.trainer)
-    if spec.has_reference({} if setup.beta is None else {"beta": setup.beta}, peft):  # a frozen copy, sharded alike
+    if has_reference(setup):  # a frozen copy, sharded alike
         frozen += a.params * dtype
     out["frozen weights"] = 0.0 if setup.offload else frozen / (n if sharded else 1) + replicated
     return out
@@ -288,32 +286,6 @@ def with_(setup: Setup, **changes) -> Setup:
     return replace(setup, **changes)
 
 
-STRATEGIES = ("ddp", "fsdp", "zero3")  # fastest first: replicas, then FSDP2, then ZeRO-3 (same states, by this model)
-
-
-@dataclass(frozen=True)
-class Fit:
-    nodes: int
-    estimate: Estimate
-
-
-def smallest_fit(base: Setup, capacity_gib: float, gpus_per_node: int, max_nodes: int, offload: bool = False,
-                 need: Callable[[Estimate], float] | None = None):  # fmt: skip
-    """The fewest nodes, and at that count the fastest strategy, whose estimate and peak while loading (at_load: 4-bit
-    puts the whole quantised model on every GPU) fit `capacity_gib`; None when nothing does up to max_nodes. With
-    offload, ZeRO-3 with CPU offload only. `need`: GiB one GPU needs at the step's peak for an estimate, where more
-    than the estimate shares the GPU (core/fit.with_vllm: a colocated vLLM engine)."""
-    strategies = ("zero3",) if offload else STRATEGIES
-    for nodes in range(1, max_nodes + 1):
-        for strategy in strategies:
-            estimate_ = estimate(replace(base, strategy=strategy, offload=offload, gpus=nodes * gpus_per_node))
-            loading = at_load(estimate_.setup, gpus_per_node, cpu_ram_efficient=True, params_on_host=offload)
-            peak = need(estimate_) if need else estimate_.gib
-            if peak <= capacity_gib and loading.gpu / GIB <= capacity_gib:
-                return Fit(nodes, estimate_)
-    return None
-
-
 def offload_host_gib(setup: Setup, nodes: int) -> float:
     """Host memory a node needs for CPU offload while training: its GPUs' share of what they would hold without it
     (ZeRO-3: bf16 weights, fp32 master weights and Adam's moments, 14 bytes a trained parameter, the bf16 gradient
@@ -324,75 +296,7 @@ def offload_host_gib(setup: Setup, nodes: int) -> float:
     return (sum(held.values()) - on_gpu) * setup.gpus / nodes / GIB
 
 
-# ---------------------------------------------------------------- memory while loading, by loading path
-
-
-@dataclass(frozen=True)
-class LoadMemory:
-    """Peak memory while the model loads and is prepared (sharded, wrapped), before the first step, in bytes."""
-
-    path: str
-    """How the ranks load, in words."""
-    rank0: float
-    """Host memory rank 0 adds over its pre-load resident set: the checkpoint it reads (through mmap: page cache,
-    counted in its resident set once touched) plus any copy it makes (fp32 upcast)."""
-    other: float
-    """The same for every other rank."""
-    node: float
-    """Host memory of the busiest node (rank 0's): the checkpoint's pages once (a node's ranks share the page cache)
-    plus every rank's own copies."""
-    gpu: float
-    """Per-GPU peak during loading (4-bit: each rank quantises the whole model onto its own GPU)."""
-
-    def describe(self) -> str:
-        ranks = f"rank 0 +{self.rank0 / GIB:.1f} GiB, each other rank +{self.other / GIB:.1f} GiB"
-        node, gpu = self.node / GIB, self.gpu / GIB
-        return f"~{node:.1f} GiB host memory on the busiest node ({ranks}), ~{gpu:.1f} GiB per GPU: {self.path}"
-
-
-def at_load(setup: Setup, gpus_per_node: int, cpu_ram_efficient: bool, fsdp_version: int = 2, zero3_init: bool = True,
-            params_on_host: bool = False) -> LoadMemory:  # fmt: skip
-    """Host and GPU memory while loading, for the path the recipe's configs take (transformers 5.17, accelerate 1.15,
-    DeepSpeed 0.19, bitsandbytes 0.50, orch's train/loading.py): `zero3_init` is the Accelerate config's
-    zero3_init_flag (accelerate's default: on for ZeRO-3), `params_on_host` DeepSpeed's offload_param_device: cpu.
-    tests/test_load_memory.py checks the FSDP2 and ZeRO-3 host figures against the resident sets measured on CPU."""
-    a = setup.arch
-    dtype = DTYPE_BYTES[setup.weights_dtype]
-    read = a.params * dtype  # the checkpoint in the load dtype (and transformers' zero-filled copy of it)
-    trained = trained_params(setup)
-    if setup.method == "qlora":
-        quantised = a.layers * a.layer_linear_params * NF4_BYTES[setup.nested_quant] + a.other_params * 2
-        return LoadMemory("4-bit: every rank quantises the whole model onto its own GPU (bitsandbytes; accelerate's "
-                          "CPU-RAM-efficient loading skips 4-bit parameters)", read, read, read,
-                          quantised + trained * 4)  # fmt: skip
-    held = states(setup)
-    shard = held["weights"] + held["frozen weights"]
-    if setup.strategy == "fsdp":
-        upcast = trained * 4 if setup.mixed_precision and dtype < 4 else 0
-        fp32 = " and upcasts the trained weights to fp32" if upcast else ""
-        if cpu_ram_efficient and fsdp_version == 2:  # orch builds the others in never-written memory (loading.py)
-            return LoadMemory(f"FSDP2, CPU-RAM-efficient: rank 0 reads the checkpoint{fp32}; every other rank "
-                              "holds its parameters in never-written memory until rank 0's broadcast",
-                              read + upcast, 0, read + upcast, shard)  # fmt: skip
-        if cpu_ram_efficient:  # FSDP1: transformers 5 fills the others' parameters with zeros on CPU
-            return LoadMemory("FSDP1, CPU-RAM-efficient: rank 0 reads the checkpoint, every other rank holds "
-                              "transformers' zero-filled copy until FSDP's sync_module_states", read + upcast, read,
-                              read + upcast + (gpus_per_node - 1) * read, shard)  # fmt: skip
-        return LoadMemory(f"FSDP: every rank reads the whole checkpoint{fp32} before sharding "
-                          "(fsdp_cpu_ram_efficient_loading: true loads it on rank 0 only)",
-                          read + upcast, read + upcast, read + gpus_per_node * upcast, shard)  # fmt: skip
-    if setup.strategy == "zero3" and zero3_init:
-        # transformers' _load_state_dict_into_zero3_model: every rank maps the checkpoint, rank 0 alone copies from it
-        # into each module's parameters, gathered one module at a time (GatheredParameters(modifier_rank=0)), and
-        # zero.Init partitions them again: the other ranks never touch the mapped pages
-        part = a.params * dtype / setup.gpus
-        widest = max(a.vocab * a.hidden, *(i * o for i, o in a.linears().values())) * dtype
-        host = part if params_on_host else 0.0
-        where = "in host memory (offload_param_device: cpu)" if params_on_host else "on its GPU"
-        return LoadMemory(f"ZeRO-3 with deepspeed.zero.Init: rank 0 alone reads the checkpoint, one module gathered at "
-                          f"a time; every rank keeps its partition {where}", read + host, host,
-                          read + gpus_per_node * host, (0.0 if params_on_host else part) + widest)  # fmt: skip
-    if setup.strategy == "zero3":
-        return LoadMemory("ZeRO-3 without zero3_init_flag: every rank reads the whole checkpoint; DeepSpeed partitions "
-                          "it when it initializes", read, read, read, shard)  # fmt: skip
-    return LoadMemory("every rank reads the whole checkpoint and moves it to its GPU", read, read, read, read)
+def has_reference(setup: Setup) -> bool:
+    """Whether TRL builds a separate frozen reference model (never with PEFT: it disables the adapter instead)."""
+    return trainers.spec(setup.trainer).has_reference({} if setup.beta is None else {"beta": setup.beta},
+                                                      setup.method != "full")  # fmt: skip

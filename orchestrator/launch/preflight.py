@@ -10,6 +10,7 @@ from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
+from orchestrator.core.load_memory import LoadMemory
 from orchestrator.core.overrides import effective, truthy
 
 # the rules live in core/fit.py, shared with the head node's check (node/memory.py)
@@ -56,8 +57,8 @@ def offloaded_host_gib(launch, estimate: memory.Estimate | None) -> float:
     return fit.offloaded_gib(estimate.setup if estimate else None, launch.nodes)
 
 
-def load_memory(launch, estimate: memory.Estimate | None) -> memory.LoadMemory | None:
-    """memory.at_load for the launch's setup (None where orch has no shape for the model or no GPU named)."""
+def load_memory(launch, estimate: memory.Estimate | None) -> LoadMemory | None:
+    """load_memory.at_load for the launch's setup (None where orch has no shape for the model or no GPU named)."""
     if estimate is None or launch.gpus is None or not launch.gpus.name:
         return None
     return at_load(estimate.setup, launch.gpus.count, launch.paired.accelerate)
@@ -66,7 +67,7 @@ def load_memory(launch, estimate: memory.Estimate | None) -> memory.LoadMemory |
 at_load = fit.at_load
 
 
-def check_gpu_at_load(loading: memory.LoadMemory, gpu_name: str) -> None:
+def check_gpu_at_load(loading: LoadMemory, gpu_name: str) -> None:
     """core.fit.check_gpu_at_load against one `gpu_name` (the catalog's memory)."""
     fit.check_gpu_at_load(loading, accelerators.memory_gib(gpu_name), gpu_name)
 

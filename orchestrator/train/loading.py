@@ -4,7 +4,7 @@ their weights by broadcast built in memory that is never written.
 `HostMemory` reads the process's resident set and its peak (Linux's VmRSS/VmHWM; writing 5 to /proc/self/clear_refs
 resets the peak) around each phase; `trained_model()` brackets the trained model's `from_pretrained` with its marks.
 The figures go to the rank's report (`host_memory` in rank<R>.json) and are checked against the memory model's
-(core/memory.at_load) in tests/test_load_memory.py.
+(core/load_memory.at_load) in tests/test_load_memory.py.
 
 `install()`: under FSDP2 with CPU-RAM-efficient loading only global rank 0's weights matter (accelerate's
 `fsdp2_load_full_state_dict` broadcasts them), yet transformers 5 fills every parameter of the other local ranks with
