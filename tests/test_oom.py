@@ -50,6 +50,49 @@ def test_at_batch_one_the_fix_is_to_shard_more():
     assert fix.overrides is None and "shard more" in fix.describe()
 
 
+@pytest.mark.parametrize("trainer, settings, envs, words, said", [
+    # an odd batch: halving it (5 -> 2) shrank the global batch, or left GLOBAL_BATCH_SIZE no whole accumulation
+    ("sft", {"per_device_train_batch_size": 5}, {}, "per_device_train_batch_size=1 gradient_accumulation_steps=5",
+     "cut the per-device batch (5 -> 1) and multiply the accumulation by 5 (1 -> 5)"),
+    ("sft", {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2}, {},
+     "per_device_train_batch_size=3 gradient_accumulation_steps=4", "halve the per-device batch (6 -> 3)"),
+    ("sft", {"per_device_train_batch_size": 9}, {"GLOBAL_BATCH_SIZE": "144"}, "per_device_train_batch_size=3",
+     "multiply the accumulation by 3 (GLOBAL_BATCH_SIZE=144 is kept"),
+    # KTO takes no per-device batch below 2 (node/rules.check_trainer_batch): 3 -> 1 would be refused
+    ("kto", {"per_device_train_batch_size": 4}, {}, "per_device_train_batch_size=2 gradient_accumulation_steps=2",
+     "halve"),
+    ("kto", {"per_device_train_batch_size": 3}, {}, "", "the per-device batch is already 3, the least KTO takes"),
+    ("kto", {"per_device_train_batch_size": 2}, {}, "", "the per-device batch is already 2, the least KTO takes"),
+    # GRPO with steps_per_generation: the generation batch (batch x processes x steps) kept whole for num_generations
+    ("grpo", {"per_device_train_batch_size": 8, "steps_per_generation": 4}, {"GLOBAL_BATCH_SIZE": "64"},
+     "per_device_train_batch_size=4 steps_per_generation=8", "halve"),
+])  # fmt: skip
+def test_the_fix_is_one_the_trainer_and_the_batch_math_accept(trainer, settings, envs, words, said):
+    """The OOM fix halved the per-device batch whatever it was: an odd one changed the global batch, and KTO's batch of
+    2 or 3 became 1, which the node refuses. The fix must pass the node's own batch checks and keep the global batch."""
+    from orchestrator.core import batch
+    from orchestrator.core.errors import OrchError
+    from orchestrator.node import rules
+
+    fix = memory_fix.propose(settings, {"TRL_TRAINER": trainer, **envs})
+    assert fix.words() == words and said in fix.describe(), fix.describe()
+    if fix.overrides is None:
+        with pytest.raises(OrchError):  # what halving would have given
+            rules.check_trainer_batch(trainer, None, {**settings, "per_device_train_batch_size": 1})
+        return
+    fixed = {**settings, **fix.overrides}
+    rules.check_trainer_batch(trainer, int(envs.get("GLOBAL_BATCH_SIZE", 0)) or None, fixed)
+    processes = 8
+    before = batch.per_device_batch(settings) * processes * int(settings.get("gradient_accumulation_steps", 1))
+    if "GLOBAL_BATCH_SIZE" in envs:  # the node computes the accumulation: it must come out whole
+        assert int(envs["GLOBAL_BATCH_SIZE"]) % (int(fix.overrides["per_device_train_batch_size"]) * processes) == 0
+    else:
+        assert batch.per_device_batch(fixed) * processes * int(fixed["gradient_accumulation_steps"]) == before
+    if "steps_per_generation" in settings:
+        assert (int(fixed["per_device_train_batch_size"]) * int(fixed["steps_per_generation"])
+                == settings["per_device_train_batch_size"] * settings["steps_per_generation"])  # fmt: skip
+
+
 @pytest.fixture
 def oom_recipe(project):
     """qwen25_sft_ddp whose node 1 fails as a rank out of memory does, while the per-device batch is 2."""

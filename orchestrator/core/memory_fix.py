@@ -32,6 +32,10 @@ class Fix:
     batch: int
     accumulation: str
     overrides: dict[str, str] | None
+    smaller: int = 0
+    """The per-device batch proposed (a divisor of `batch`, so the accumulation grows by a whole factor)."""
+    least: str = ""
+    """Why no smaller batch is proposed above 1: the trainer's least per-device batch, in words."""
 
     def words(self) -> str:
         return " ".join(f"{k}={v}" for k, v in (self.overrides or {}).items())
@@ -39,29 +43,42 @@ class Fix:
     def describe(self) -> str:
         if self.overrides is None:
             return (
-                f"the per-device batch is already {self.batch}: shard more (FSDP2, ZeRO-3, CPU offload), enable "
-                "gradient_checkpointing=true, or shorten max_length"
+                f"the per-device batch is already {self.batch}{self.least}: shard more (FSDP2, ZeRO-3, CPU offload), "
+                "enable gradient_checkpointing=true, or shorten max_length"
             )
+        factor = self.batch // self.smaller
+        how = ("halve the per-device batch", "double the accumulation") if factor == 2 else \
+            ("cut the per-device batch", f"multiply the accumulation by {factor}")  # fmt: skip
         return (
-            f"halve the per-device batch ({self.batch} -> {self.batch // 2}) and double the accumulation "
-            f"({self.accumulation}): the same global batch, so the same math; or a strategy that shards more"
+            f"{how[0]} ({self.batch} -> {self.smaller}) and {how[1]} ({self.accumulation}): the same global batch, "
+            "so the same math; or a strategy that shards more"
         )
 
 
 def propose(settings: Mapping[str, object], envs: Mapping[str, str]) -> Fix:
+    """The largest per-device batch at most half the current one that divides it (so the accumulation grows by a whole
+    factor and the global batch stays exact) and that the trainer (envs' TRL_TRAINER) accepts."""
+    from orchestrator.core import trainers
+
     batch = int(str(settings.get("per_device_train_batch_size") or TRAINING_ARGUMENTS_DEFAULT_BATCH))
-    if batch < 2:
-        return Fix(batch, "", None)
-    overrides = {"per_device_train_batch_size": str(batch // 2)}
+    name = str(envs.get("TRL_TRAINER", ""))
+    spec = trainers.SPECS.get(name)
+    least = spec.min_micro_batch if spec else 1
+    smaller = max((d for d in range(least, batch // 2 + 1) if batch % d == 0), default=0)
+    if not smaller:
+        why = f", the least {name.upper()} takes ({spec.min_micro_batch_why})" if spec and least > 1 else ""
+        return Fix(batch, "", None, least=why)
+    factor = batch // smaller
+    overrides = {"per_device_train_batch_size": str(smaller)}
     if str(envs.get("GLOBAL_BATCH_SIZE", "")).strip():
-        accumulation = f"GLOBAL_BATCH_SIZE={envs['GLOBAL_BATCH_SIZE']} is kept: orch doubles it on the nodes"
+        accumulation = f"GLOBAL_BATCH_SIZE={envs['GLOBAL_BATCH_SIZE']} is kept: orch computes it on the nodes"
     else:
         steps = int(str(settings.get("gradient_accumulation_steps") or 1))
-        overrides["gradient_accumulation_steps"] = str(steps * 2)
-        accumulation = f"{steps} -> {steps * 2}" + (
-            f"; from an odd batch of {batch} the global batch shrinks" if batch % 2 else ""
-        )
-    return Fix(batch, accumulation, overrides)
+        overrides["gradient_accumulation_steps"] = str(steps * factor)
+        accumulation = f"{steps} -> {steps * factor}"
+    if settings.get("steps_per_generation") not in (None, ""):  # GRPO/RLOO: the generation batch kept whole too
+        overrides["steps_per_generation"] = str(int(str(settings["steps_per_generation"])) * factor)
+    return Fix(batch, accumulation, overrides, smaller)
 
 
 def advice(error: str, settings: Mapping[str, object], envs: Mapping[str, str]) -> str:
