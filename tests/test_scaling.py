@@ -10,6 +10,8 @@ import time
 
 import pytest
 from conftest import orch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_local_run import check_demo_run
 
 from orchestrator.core import batch, parallel
@@ -140,7 +142,8 @@ def test_cpu_runs_without_parallelism_and_says_so():
         (
             {"GLOBAL_BATCH_SIZE": "32", "TRL_TRAINER": "grpo"},
             {"num_generations": 3, "per_device_train_batch_size": 1},
-            r"^GRPO: GLOBAL_BATCH_SIZE=32 completions is not a multiple of num_generations=3; use .*=30 or 33$",
+            # multiples of 3 that 2 ranks x 1 also divide (33, offered before, then failed the accumulation's check)
+            r"^GRPO: GLOBAL_BATCH_SIZE=32 completions is not a multiple of num_generations=3; use .*=30 or 36$",
         ),
         (
             {"GLOBAL_BATCH_SIZE": "32", "TRL_TRAINER": "grpo"},
@@ -156,6 +159,38 @@ def test_cpu_runs_without_parallelism_and_says_so():
 def test_batch_errors(extra, trl, message):
     with pytest.raises(OrchError, match=message):
         node.plan(env(1, 2, **extra), {"distributed_type": "MULTI_GPU"}, trl)
+
+
+@settings(max_examples=400, deadline=None)
+@given(trainer=st.sampled_from(["sft", "dpo", "kto", "grpo", "rloo"]), global_batch=st.integers(1, 200),
+       per_device=st.integers(1, 12), nodes=st.integers(1, 3), per_node=st.integers(1, 8),
+       group=st.integers(1, 12))  # fmt: skip
+def test_every_batch_fix_a_refusal_offers_is_one_the_node_takes(trainer, global_batch, per_device, nodes, per_node,
+                                                                 group):  # fmt: skip
+    """The batch refusals offered choices another batch rule refused: a per-device batch of 1 to KTO, a
+    GLOBAL_BATCH_SIZE that is a multiple of num_generations but not of the per-device batch x ranks (or the other way
+    round). Each per_device_train_batch_size=N or GLOBAL_BATCH_SIZE=N a refusal offers, applied alone, must plan."""
+    extra = {"GLOBAL_BATCH_SIZE": str(global_batch), "TRL_TRAINER": trainer}
+    trl = {"per_device_train_batch_size": per_device, "num_generations": group}
+
+    def plans(extra, trl) -> str | None:
+        try:
+            node.plan(env(nodes, per_node, **extra), {"distributed_type": "MULTI_GPU"}, trl)
+        except OrchError as exc:
+            return str(exc)
+        return None
+
+    refused = plans(extra, trl)
+    if refused is None:
+        return
+    fixes = refused.split("; use ", 1)[-1]
+    offered = [("per_device_train_batch_size", n) for n in re.findall(r"per_device_train_batch_size=(\d+)", fixes)]
+    for pair in re.findall(r"GLOBAL_BATCH_SIZE=(\d+)(?: or (\d+))?", fixes):
+        offered += [("GLOBAL_BATCH_SIZE", g) for g in pair if g]
+    for key, value in offered:
+        fixed = (({**extra, key: value}, trl) if key == "GLOBAL_BATCH_SIZE" else
+                 (extra, {**trl, key: int(value)}))  # fmt: skip
+        assert plans(*fixed) is None, (refused, key, value, plans(*fixed))
 
 
 # ---------------------------------------------------------------- vLLM server node (GRPO)

@@ -6,6 +6,7 @@ A recipe fixes the left side (GLOBAL_BATCH_SIZE); orch solves for gradient_accum
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 
 from orchestrator.core.errors import OrchError
@@ -40,21 +41,24 @@ SEARCH = 4096
 
 
 def solve(global_batch: int, per_device: int, data_parallel_size: int, per_node: int = 0,
-          data_parallel_of: Callable[[int], int] = lambda total: total) -> int:  # fmt: skip
+          data_parallel_of: Callable[[int], int] = lambda total: total, least: int = 1, multiple: int = 1) -> int:
     """gradient_accumulation_steps that keeps `global_batch`, or an error naming the nearest valid choices; with
     `per_node` (processes per node), also the node counts that keep it, whose data-parallel ranks `data_parallel_of`
-    gives for a number of processes (a resume may change the shape)."""
+    gives for a number of processes (a resume may change the shape). The choices are ones the trainer takes: no
+    per-device batch below `least`, global batches that are multiples of `multiple` (num_generations)."""
     per_step = per_device * data_parallel_size
     if global_batch % per_step == 0:
         return global_batch // per_step
     fixes = []
     # the searches are bounded: a per-device batch or a rank count out of any real range (a typo, a fuzzer) must
     # not turn an error message into minutes of work
-    devices = [d for d in range(min(per_device - 1, SEARCH), 0, -1) if global_batch % (d * data_parallel_size) == 0]
+    devices = [d for d in range(min(per_device - 1, SEARCH), least - 1, -1)
+               if global_batch % (d * data_parallel_size) == 0]  # fmt: skip
     if devices:
         fixes.append(f"per_device_train_batch_size={devices[0]}")
-    lower, upper = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
-    fixes.append(" or ".join(f"GLOBAL_BATCH_SIZE={g}" for g in (lower, upper) if g >= per_step))
+    step = math.lcm(per_step, multiple)
+    lower, upper = global_batch // step * step, (global_batch // step + 1) * step
+    fixes.append(" or ".join(f"GLOBAL_BATCH_SIZE={g}" for g in (lower, upper) if g >= step))
     ranks = [r for r in range(min(data_parallel_size - 1, SEARCH), 0, -1) if global_batch % (per_device * r) == 0]
     if ranks:
         fixes.append(f"{ranks[0]} data-parallel ranks")
@@ -83,12 +87,12 @@ def say_nodes(nodes: list[int]) -> str:
 
 def accumulation_steps(
     global_batch: int | None, settings: Mapping, data_parallel_size: int, overridden: Iterable[str] = (),
-    per_node: int = 0, data_parallel_of: Callable[[int], int] = lambda total: total,
+    per_node: int = 0, data_parallel_of: Callable[[int], int] = lambda total: total, least: int = 1, multiple: int = 1,
 ) -> int | None:  # fmt: skip
     """None when the recipe declares no GLOBAL_BATCH_SIZE (then the TRL config's own value stands).
 
-    overridden: the keys given as key=value overrides (accumulation cannot be both derived and given); per_node and
-    data_parallel_of: see `solve`."""
+    overridden: the keys given as key=value overrides (accumulation cannot be both derived and given); per_node,
+    data_parallel_of, least and multiple: see `solve`."""
     if global_batch is None:
         return None
     if "gradient_accumulation_steps" in overridden:
@@ -96,19 +100,27 @@ def accumulation_steps(
             "gradient_accumulation_steps is derived from GLOBAL_BATCH_SIZE; "
             "override GLOBAL_BATCH_SIZE (--env GLOBAL_BATCH_SIZE=N) instead"
         )
-    return solve(global_batch, per_device_batch(settings), data_parallel_size, per_node, data_parallel_of)
+    return solve(global_batch, per_device_batch(settings), data_parallel_size, per_node, data_parallel_of, least,
+                 multiple)  # fmt: skip
 
 
-def check_generations(global_batch: int | None, settings: Mapping, trainer: str, default: int) -> None:
+def generations(settings: Mapping, default: int) -> int:
+    return positive_int(settings.get("num_generations", default), "num_generations")
+
+
+def check_generations(global_batch: int | None, settings: Mapping, trainer: str, default: int,
+                      per_step: int = 1) -> None:  # fmt: skip
     """A generating trainer (GRPO, RLOO): every optimizer step must hold whole groups of num_generations completions
-    of one prompt (default: TRL's num_generations for that trainer)."""
+    of one prompt (default: TRL's num_generations for that trainer). The choices offered are also multiples of
+    `per_step` (per-device batch x data-parallel ranks), so that the accumulation comes out whole."""
     if global_batch is None:
         return
-    generations = positive_int(settings.get("num_generations", default), "num_generations")
-    if global_batch % generations:
-        lower = global_batch // generations * generations
-        choices = " or ".join(str(g) for g in (lower, lower + generations) if g > 0)
+    group = generations(settings, default)
+    if global_batch % group:
+        step = math.lcm(group, per_step)
+        lower = global_batch // step * step
+        choices = " or ".join(str(g) for g in (lower, lower + step) if g > 0)
         raise OrchError(
             f"{trainer.upper()}: GLOBAL_BATCH_SIZE={global_batch} completions is not a multiple of num_generations="
-            f"{generations}; use GLOBAL_BATCH_SIZE={choices}"
+            f"{group}; use GLOBAL_BATCH_SIZE={choices}"
         )

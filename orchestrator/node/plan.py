@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from orchestrator.core import accelerate_schema, batch, configs, overrides, parallel, strategy
+from orchestrator.core import trainers as trainer_specs
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import check_knobs, env_port, knob
@@ -150,9 +151,14 @@ def plan(
         rules.check_packed_attention(accelerate_config, sizes, settings, recipe.device, recipe.accel_path)
         pad = parallel.pad_to_multiple_of(sizes, settings)
         decided += ["--pad_to_multiple_of", pad] if pad else []
+    # the trainer's own batch rules first, then the accumulation: the choices either refusal offers pass both
+    rules.check_trainer_batch(recipe.trainer, recipe.global_batch, settings,
+                              batch.per_device_batch(settings) * data_parallel)  # fmt: skip
+    spec = trainer_specs.spec(recipe.trainer)
+    multiple = batch.generations(settings, spec.generations_default) if spec.generates else 1
     ga = batch.accumulation_steps(recipe.global_batch, settings, data_parallel, recipe.overrides,
-                                  trainers.gpus_per_node, sizes.data_parallel if sizes is not None else lambda t: t)
-    rules.check_trainer_batch(recipe.trainer, recipe.global_batch, settings)
+                                  trainers.gpus_per_node, sizes.data_parallel if sizes is not None else lambda t: t,
+                                  spec.min_micro_batch, multiple)  # fmt: skip
     accumulation = (
         ga
         if ga is not None
