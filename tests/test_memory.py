@@ -301,6 +301,8 @@ def test_plan_takes_a_generating_trainers_lengths_as_the_launch_check_does(plan,
     defaults = plan(str(settings["model_name_or_path"]), "--trainer", trainer)  # TRL's 512 completion tokens
     words = "1 x 1024 tokens per GPU (prompts taken as 512 tokens: TRL keeps them whole; 512 completion)"
     assert words in defaults.stdout
+    kto = plan(str(settings["model_name_or_path"]), "--trainer", "kto")  # the least per-device batch KTO takes
+    assert "kto full fine-tune, 2 x 1024 tokens per GPU" in kto.stdout.splitlines()[0], kto.stdout + kto.stderr
 
 
 @pytest.mark.unit
@@ -314,6 +316,8 @@ def test_plan_takes_a_generating_trainers_lengths_as_the_launch_check_does(plan,
      "max_prompt_length); give --max-completion-length (prompts are taken as 512 tokens)"),
     (("--max-completion-length", "256"), "--max-completion-length: sft does not generate; give --max-length"),
     (("--trainer", "rloo", "--max-completion-length", "0"), "--max-completion-length 0: give a positive whole number"),
+    (("--trainer", "kto", "--batch", "1"), "--batch 1: KTO needs per_device_train_batch_size >= 2 (its KL baseline "
+     "pairs mismatched samples of one micro-batch)"),  # the node refuses it: no figure for a run that cannot start
 ])  # fmt: skip
 def test_plan_refuses_a_vllm_share_that_cannot_be(plan, extra, message):
     done = plan("Qwen/Qwen2.5-0.5B-Instruct", *extra)

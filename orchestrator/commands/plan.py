@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-completion-length", type=int,
                         help="grpo/rloo: tokens generated per prompt (TRL's max_completion_length: 512); prompts are "
                         "taken as 512 tokens, as the launch check takes them")
-    parser.add_argument("--batch", type=int, default=1, help="per-device micro-batch, in sequences (default 1)")
+    parser.add_argument("--batch", type=int,
+                        help="per-device micro-batch, in sequences (default: the least the trainer takes, 1; KTO 2)")
     parser.add_argument("--peft", choices=("lora", "qlora"), help="train a LoRA adapter (qlora: on 4-bit weights)")
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (TRL's default 16)")
     parser.add_argument("--all-linear", action="store_true", help="LoRA on every linear layer, not q_proj/v_proj")
@@ -72,7 +73,13 @@ def main(args: argparse.Namespace) -> int:
     for flag in ("max_length", "max_completion_length", "batch", "lora_r", "gpus_per_node", "max_nodes", "gpus"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise OrchError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a positive whole number")
-    generates = trainers.spec(args.trainer).generates
+    spec = trainers.spec(args.trainer)
+    generates = spec.generates
+    if args.batch is None:
+        args.batch = spec.min_micro_batch
+    elif args.batch < spec.min_micro_batch:  # the node refuses it (node/rules.check_trainer_batch)
+        raise OrchError(f"--batch {args.batch}: {args.trainer.upper()} needs per_device_train_batch_size >= "
+                        f"{spec.min_micro_batch} ({spec.min_micro_batch_why})")  # fmt: skip
     if generates and args.max_length is not None:
         raise OrchError(f"--max-length: {args.trainer} takes each prompt whole (TRL 1.16 has no max_prompt_length); "
                         f"give --max-completion-length (prompts are taken as {fit_rules.PROMPT_TOKENS} tokens)")
