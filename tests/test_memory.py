@@ -318,6 +318,12 @@ def test_plan_takes_a_generating_trainers_lengths_as_the_launch_check_does(plan,
     (("--trainer", "rloo", "--max-completion-length", "0"), "--max-completion-length 0: give a positive whole number"),
     (("--trainer", "kto", "--batch", "1"), "--batch 1: KTO needs per_device_train_batch_size >= 2 (its KL baseline "
      "pairs mismatched samples of one micro-batch)"),  # the node refuses it: no figure for a run that cannot start
+    (("--cp", "2", "--sp", "2"), "--cp and --sp: accelerate takes one of them"),
+    (("--sp", "2", "--strategy", "fsdp", "--gpus", "8"), "--sp 2 runs under ZeRO-3: use --strategy zero3"),
+    (("--cp", "2", "--strategy", "zero3", "--gpus", "8"), "--cp 2 runs under FSDP2: use --strategy fsdp"),
+    (("--sp", "3"), "--sp 3: --gpus-per-node 8 is not a multiple of 3"),
+    (("--cp", "4", "--strategy", "fsdp", "--gpus", "6"), "--cp 4: --gpus 6 is not a multiple of 4"),
+    (("--lora-dropout", "1"), "--lora-dropout 1: give a probability, at least 0 and below 1"),
 ])  # fmt: skip
 def test_plan_refuses_a_vllm_share_that_cannot_be(plan, extra, message):
     done = plan("Qwen/Qwen2.5-0.5B-Instruct", *extra)
@@ -356,3 +362,44 @@ def test_a_host_memory_refusal_offers_cpu_ram_efficient_loading_only_where_the_n
     assert offered == accepted, (trainer, settings, str(refused.value))
     if not offered:
         assert f"not on rank 0 only: {trainer.upper()}'s reference model needs every rank to read it" in loading.path
+
+
+RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", RECIPES)
+def test_orch_plan_gives_each_recipes_launch_figure_from_its_settings(name, monkeypatch, capsys):
+    """`orch plan` and the launch check are one model, but the plan had no words for some of what recipes set: the
+    long-context recipes' context and sequence parallelism (40.8 GiB planned where they run at 32.8) and the QLoRA
+    recipe's LoRA dropout of 0. Each recipe's settings, given as `orch plan --strategy` flags, give its dry-run
+    figure part by part."""
+    from orchestrator.launch import preflight
+    from orchestrator.launch import recipe as recipes
+    from orchestrator.launch.resolved import resolve
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    launch = resolve(recipes.load(name))
+    gpus = launch.gpus.count * launch.recipe.num_nodes
+    setup = preflight.setup_of(launch, gpus)
+    argv = ["plan", str(launch.settings["model_name_or_path"]), "--trainer", launch.trainer, "--strategy",
+            setup.strategy, "--gpus", str(gpus), "--batch", str(setup.micro_batch), "--dtype", setup.weights_dtype,
+            "--lora-r", str(setup.lora_r), "--lora-dropout", str(setup.lora_dropout)]  # fmt: skip
+    argv += ["--max-completion-length", str(setup.completion_len)] if setup.completion_len else \
+        ["--max-length", str(setup.seq_len)]  # fmt: skip
+    argv += ["--peft", setup.method] if setup.method != "full" else []
+    argv += ["--offload"] if setup.offload else []
+    argv += ["--nested-quant"] if setup.nested_quant else []
+    argv += ["--no-checkpointing"] if not setup.checkpointing else []
+    argv += ["--vllm-colocate", str(setup.vllm_share)] if setup.vllm_share else []
+    argv += ["--vllm-sleep"] if setup.vllm_sleeps else []
+    if setup.seq_split > 1:
+        argv += ["--cp" if setup.strategy == "fsdp" else "--sp", str(setup.seq_split)]
+    assert setup.lora_targets in (memory.PEFT_DEFAULT_TARGETS, ("all-linear",)) and setup.mixed_precision
+    argv += ["--all-linear"] if setup.lora_targets == ("all-linear",) else []
+    assert memory.has_reference(setup) == memory.has_reference(memory.with_(setup, beta=None))  # the plan's beta
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    figure = memory.estimate(setup)
+    assert f"{fit.label(setup)} on {gpus} GPU(s): {figure.describe()}" in out, (argv, figure.describe(), out)
+    assert fit.tokens_words(setup).replace(" per device", " per GPU") in out.splitlines()[0]

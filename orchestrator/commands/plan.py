@@ -14,6 +14,7 @@ examples:
   orch plan meta-llama/Llama-3.1-8B-Instruct --peft lora --batch 4 --max-length 2048
   orch plan meta-llama/Llama-3.1-70B-Instruct --peft qlora --nested-quant
   orch plan Qwen/Qwen3-8B --trainer grpo --batch 4 --vllm-colocate 0.3   # vLLM holds 0.3 of every GPU
+  orch plan Qwen/Qwen3-8B --max-length 32768 --cp 2      # each sequence split over 2 GPUs (FSDP2's context parallelism)
   orch plan ./my-model/config.json --trainer dpo        # any decoder model's config.json
 
 The estimate (orchestrator/core/memory.py, docs/design.md) counts weights, gradients, optimizer states,
@@ -44,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--peft", choices=("lora", "qlora"), help="train a LoRA adapter (qlora: on 4-bit weights)")
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (TRL's default 16)")
     parser.add_argument("--all-linear", action="store_true", help="LoRA on every linear layer, not q_proj/v_proj")
+    parser.add_argument("--lora-dropout", type=float, default=0.05,
+                        help="LoRA dropout (TRL's 0.05); 0 keeps no dropout masks for the backward")
     parser.add_argument("--no-checkpointing", action="store_true", help="without activation checkpointing")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="dtype the weights are loaded in (TRL's dtype)")
@@ -57,6 +60,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--strategy", choices=("ddp", "zero1", "zero2", "zero3", "fsdp"),
                         help="with --gpus: estimate this one configuration, part by part, instead of the table")
     parser.add_argument("--gpus", type=int, help="with --strategy: the total number of GPUs")
+    parser.add_argument("--cp", type=int, metavar="N",
+                        help="context parallelism over N GPUs (FSDP2; the Accelerate config's "
+                        "parallelism_config_cp_size)")
+    parser.add_argument("--sp", type=int, metavar="N", help="ALST/Ulysses sequence parallelism over N GPUs (ZeRO-3; "
+                        "the Accelerate config's parallelism_config_sp_size)")
     parser.add_argument("--offload", action="store_true", help="with --strategy: CPU offload")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--max-nodes", type=int, default=16)
@@ -70,7 +78,8 @@ def main(args: argparse.Namespace) -> int:
     from orchestrator.core.errors import OrchError
     from orchestrator.launch import preflight
 
-    for flag in ("max_length", "max_completion_length", "batch", "lora_r", "gpus_per_node", "max_nodes", "gpus"):
+    for flag in ("max_length", "max_completion_length", "batch", "lora_r", "gpus_per_node", "max_nodes", "gpus", "cp",
+                 "sp"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise OrchError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a positive whole number")
     spec = trainers.spec(args.trainer)
@@ -99,6 +108,22 @@ def main(args: argparse.Namespace) -> int:
         raise OrchError("--vllm-sleep goes with --vllm-colocate: e.g. --vllm-colocate 0.3 --vllm-sleep")
     if (args.strategy is None) != (args.gpus is None):
         raise OrchError("--strategy and --gpus go together: e.g. --strategy fsdp --gpus 16")
+    if not 0 <= args.lora_dropout < 1:
+        raise OrchError(f"--lora-dropout {args.lora_dropout:g}: give a probability, at least 0 and below 1")
+    split, only = 1, fit_rules.STRATEGIES  # the strategies a context- or sequence-parallel run can take
+    if args.cp and args.sp:
+        raise OrchError("--cp and --sp: accelerate takes one of them; ring attention (cp, FSDP2) or Ulysses (sp, "
+                        "ZeRO-3)")  # fmt: skip
+    for flag, n, strategy in (("cp", args.cp, "fsdp"), ("sp", args.sp, "zero3")):
+        if not n or n == 1:
+            continue
+        split, only = n, (strategy,)
+        if args.strategy not in (None, strategy):
+            raise OrchError(f"--{flag} {n} runs under {'FSDP2' if strategy == 'fsdp' else 'ZeRO-3'}: use --strategy "
+                            f"{strategy}")  # fmt: skip
+        if (args.gpus or args.gpus_per_node) % n:
+            given = f"--gpus {args.gpus}" if args.gpus else f"--gpus-per-node {args.gpus_per_node}"
+            raise OrchError(f"--{flag} {n}: {given} is not a multiple of {n} (each sequence is split over {n} GPUs)")
     arch = models.arch_of(args.model)
     if arch is None:
         raise OrchError(
@@ -115,6 +140,9 @@ def main(args: argparse.Namespace) -> int:
         checkpointing=not args.no_checkpointing,
         lora_r=args.lora_r,
         lora_targets=("all-linear",) if args.all_linear else memory.PEFT_DEFAULT_TARGETS,
+        lora_dropout=args.lora_dropout,
+        seq_split=split,
+        strategy=only[0] if split > 1 else "fsdp",  # the header's words; each row sets its own
         weights_dtype=args.dtype,
         nested_quant=args.nested_quant,
         vllm_share=args.vllm_colocate or 0.0,
@@ -143,10 +171,10 @@ def main(args: argparse.Namespace) -> int:
     for name, capacity in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: (-kv[1], kv[0])):
         usable = capacity * preflight.USABLE_FRACTION
         need = functools.partial(fit_rules.with_vllm, capacity_gib=capacity)  # with vLLM's share of this GPU
-        fit = fit_rules.smallest_fit(base, usable, per_node, args.max_nodes, need=need)
+        fit = fit_rules.smallest_fit(base, usable, per_node, args.max_nodes, need=need, strategies=only)
         price = prices.get(name)
         offload = ""
-        if fit is None or fit.nodes > 1:  # ZeRO-3 offload trades host memory (and speed) for nodes
+        if (fit is None or fit.nodes > 1) and "zero3" in only:  # ZeRO-3 offload trades host memory for nodes
             fewer = (fit.nodes - 1) if fit else args.max_nodes
             off = fit_rules.smallest_fit(base, usable, per_node, fewer, offload=True, need=need)
             if off is not None:

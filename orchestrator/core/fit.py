@@ -74,6 +74,10 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
 def tokens_words(setup: memory.Setup) -> str:
     """The micro-batch's shape as the memory lines give it; for a generating trainer, with its assumed prompt length."""
     words = f"{setup.micro_batch} x {setup.seq_len} tokens per device"
+    if setup.seq_split > 1:
+        how = "context parallelism" if setup.strategy == "fsdp" else "Ulysses sequence parallelism"
+        words += (f", each sequence split over {setup.seq_split} GPUs by {how} "
+                  f"({setup.seq_len // setup.seq_split} tokens each)")  # fmt: skip
     if setup.completion_len:
         words += (f" (prompts taken as {setup.seq_len - setup.completion_len} tokens: TRL keeps them whole; "
                   f"{setup.completion_len} completion)")  # fmt: skip
@@ -216,12 +220,14 @@ class Fit:
 
 
 def smallest_fit(base: memory.Setup, capacity_gib: float, gpus_per_node: int, max_nodes: int, offload: bool = False,
-                 need: Callable[[memory.Estimate], float] | None = None) -> Fit | None:  # fmt: skip
+                 need: Callable[[memory.Estimate], float] | None = None,
+                 strategies: tuple[str, ...] = STRATEGIES) -> Fit | None:  # fmt: skip
     """The fewest nodes, and at that count the fastest strategy, whose estimate and peak while loading (at_load: 4-bit
     puts the whole quantised model on every GPU) fit `capacity_gib`; None when nothing does up to max_nodes. With
     offload, ZeRO-3 with CPU offload only. `need`: GiB one GPU needs at the step's peak for an estimate, where more
-    than the estimate shares the GPU (core/fit.with_vllm: a colocated vLLM engine)."""
-    strategies = ("zero3",) if offload else STRATEGIES
+    than the estimate shares the GPU (core/fit.with_vllm: a colocated vLLM engine); `strategies`: the ones to try
+    (context parallelism runs under FSDP2 only, Ulysses under ZeRO-3 only)."""
+    strategies = ("zero3",) if offload else strategies
     for nodes in range(1, max_nodes + 1):
         for sharding in strategies:
             step = memory.estimate(replace(base, strategy=sharding, offload=offload, gpus=nodes * gpus_per_node))
