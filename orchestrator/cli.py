@@ -7,6 +7,7 @@ when it runs.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -137,6 +138,8 @@ def _main(argv: list[str]) -> int:
     except OSError as exc:  # the last net: a full disk, a path orch could not foresee; one line, no traceback
         import errno
 
+        if isinstance(exc, BrokenPipeError) and _stdout_closed():
+            return 128 + signal.SIGPIPE  # `orch ls | head -1`: the reader has what it wanted, as `yes | head` ends
         where = f" ({exc.filename})" if exc.filename else ""
         if exc.errno == errno.ENOSPC:
             print(f"orch: error: no space left on the device{where}: free some and rerun (a run resumes from "
@@ -151,6 +154,23 @@ def _main(argv: list[str]) -> int:
         except OSError:  # the terminal is gone
             pass
         return getattr(exc, "code", 130)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is the pipe whose reader went away (not a pipe orch writes to a process); if so, point it at
+    /dev/null so that the interpreter's last flush says nothing either."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        closed = any(events & select.POLLERR for _, events in poll.poll(0))  # a pipe's write end with no reader
+    except (OSError, ValueError):  # stdout is no file (a test's capture): not this
+        return False
+    if closed:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    return closed
 
 
 if __name__ == "__main__":
