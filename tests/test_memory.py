@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import cli
-from orchestrator.core import fit, load_memory, memory, models
+from orchestrator.core import fit, load_memory, memory, models, trainers
 
 pytestmark = pytest.mark.unit
 
@@ -302,7 +302,7 @@ def test_plan_takes_a_generating_trainers_lengths_as_the_launch_check_does(plan,
     words = "1 x 1024 tokens per GPU (prompts taken as 512 tokens: TRL keeps them whole; 512 completion)"
     assert words in defaults.stdout
     kto = plan(str(settings["model_name_or_path"]), "--trainer", "kto")  # the least per-device batch KTO takes
-    assert "kto full fine-tune, 2 x 1024 tokens per GPU" in kto.stdout.splitlines()[0], kto.stdout + kto.stderr
+    assert "kto full fine-tune beside a frozen reference model, 2 x 1024 tokens per GPU" in kto.stdout.splitlines()[0]
 
 
 @pytest.mark.unit
@@ -324,6 +324,8 @@ def test_plan_takes_a_generating_trainers_lengths_as_the_launch_check_does(plan,
     (("--sp", "3"), "--sp 3: --gpus-per-node 8 is not a multiple of 3"),
     (("--cp", "4", "--strategy", "fsdp", "--gpus", "6"), "--cp 4: --gpus 6 is not a multiple of 4"),
     (("--lora-dropout", "1"), "--lora-dropout 1: give a probability, at least 0 and below 1"),
+    (("--trainer", "dpo", "--beta", "0"), "--beta: dpo always keeps a reference model whatever its beta"),
+    (("--beta", "0.1"), "--beta: sft keeps no reference model whatever its beta"),
 ])  # fmt: skip
 def test_plan_refuses_a_vllm_share_that_cannot_be(plan, extra, message):
     done = plan("Qwen/Qwen2.5-0.5B-Instruct", *extra)
@@ -397,7 +399,8 @@ def test_orch_plan_gives_each_recipes_launch_figure_from_its_settings(name, monk
         argv += ["--cp" if setup.strategy == "fsdp" else "--sp", str(setup.seq_split)]
     assert setup.lora_targets in (memory.PEFT_DEFAULT_TARGETS, ("all-linear",)) and setup.mixed_precision
     argv += ["--all-linear"] if setup.lora_targets == ("all-linear",) else []
-    assert memory.has_reference(setup) == memory.has_reference(memory.with_(setup, beta=None))  # the plan's beta
+    argv += ["--beta", str(setup.beta)] if setup.beta is not None and trainers.spec(launch.trainer).reference == \
+        "beta" else []  # fmt: skip
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     figure = memory.estimate(setup)

@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "taken as 512 tokens, as the launch check takes them")
     parser.add_argument("--batch", type=int,
                         help="per-device micro-batch, in sequences (default: the least the trainer takes, 1; KTO 2)")
+    parser.add_argument("--beta", type=float,
+                        help="grpo/rloo: the KL coefficient; above 0 TRL keeps a frozen reference model (GRPO's "
+                        "default 0, RLOO's 0.05)")
     parser.add_argument("--peft", choices=("lora", "qlora"), help="train a LoRA adapter (qlora: on 4-bit weights)")
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (TRL's default 16)")
     parser.add_argument("--all-linear", action="store_true", help="LoRA on every linear layer, not q_proj/v_proj")
@@ -108,6 +111,9 @@ def main(args: argparse.Namespace) -> int:
         raise OrchError("--vllm-sleep goes with --vllm-colocate: e.g. --vllm-colocate 0.3 --vllm-sleep")
     if (args.strategy is None) != (args.gpus is None):
         raise OrchError("--strategy and --gpus go together: e.g. --strategy fsdp --gpus 16")
+    if args.beta is not None and spec.reference != "beta":
+        keeps = "always keeps a reference model" if spec.reference == "always" else "keeps no reference model"
+        raise OrchError(f"--beta: {args.trainer} {keeps} whatever its beta; --beta is for grpo and rloo")
     if not 0 <= args.lora_dropout < 1:
         raise OrchError(f"--lora-dropout {args.lora_dropout:g}: give a probability, at least 0 and below 1")
     split, only = 1, fit_rules.STRATEGIES  # the strategies a context- or sequence-parallel run can take
@@ -141,6 +147,7 @@ def main(args: argparse.Namespace) -> int:
         lora_r=args.lora_r,
         lora_targets=("all-linear",) if args.all_linear else memory.PEFT_DEFAULT_TARGETS,
         lora_dropout=args.lora_dropout,
+        beta=args.beta,
         seq_split=split,
         strategy=only[0] if split > 1 else "fsdp",  # the header's words; each row sets its own
         weights_dtype=args.dtype,
@@ -154,7 +161,8 @@ def main(args: argparse.Namespace) -> int:
         asleep = " while generating (sleep mode)" if args.vllm_sleep else ""
         vllm = f", colocated vLLM holding {args.vllm_colocate:g} of each GPU{asleep}"
     print(
-        f"{args.model}: {arch.params / 1e9:.1f}B parameters, {args.trainer} {what[base.method]}, "
+        f"{args.model}: {arch.params / 1e9:.1f}B parameters, {args.trainer} {what[base.method]}"
+        f"{' beside a frozen reference model' if memory.has_reference(base) else ''}, "
         f"{fit_rules.tokens_words(base).replace(' per device', ' per GPU')}, activation checkpointing "
         f"{'off' if args.no_checkpointing else 'on'}{vllm}"
     )
