@@ -321,7 +321,7 @@ def test_plan_takes_a_generating_trainers_lengths_as_the_launch_check_does(plan,
     (("--cp", "2", "--sp", "2"), "--cp and --sp: accelerate takes one of them"),
     (("--sp", "2", "--strategy", "fsdp", "--gpus", "8"), "--sp 2 runs under ZeRO-3: use --strategy zero3"),
     (("--cp", "2", "--strategy", "zero3", "--gpus", "8"), "--cp 2 runs under FSDP2: use --strategy fsdp"),
-    (("--sp", "3"), "--sp 3: --gpus-per-node 8 is not a multiple of 3"),
+    (("--sp", "3", "--strategy", "zero3", "--gpus", "8"), "--sp 3: --gpus 8 is not a multiple of 3"),
     (("--cp", "4", "--strategy", "fsdp", "--gpus", "6"), "--cp 4: --gpus 6 is not a multiple of 4"),
     (("--lora-dropout", "1"), "--lora-dropout 1: give a probability, at least 0 and below 1"),
     (("--trainer", "dpo", "--beta", "0"), "--beta: dpo always keeps a reference model whatever its beta"),
@@ -406,3 +406,17 @@ def test_orch_plan_gives_each_recipes_launch_figure_from_its_settings(name, monk
     figure = memory.estimate(setup)
     assert f"{fit.label(setup)} on {gpus} GPU(s): {figure.describe()}" in out, (argv, figure.describe(), out)
     assert fit.tokens_words(setup).replace(" per device", " per GPU") in out.splitlines()[0]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("flag, n, strategy", [("--cp", 16, "FSDP2"), ("--sp", 3, "ZeRO-3")])
+def test_plan_rows_split_each_sequence_over_a_whole_number_of_gpus(plan, flag, n, strategy):
+    """With context or sequence parallelism the table lists only node counts of 8 GPUs that the degree divides (16
+    over 2 nodes; 3 over 3 nodes), under the one strategy that runs it."""
+    done = plan("Qwen/Qwen3-8B", "--max-length", "65536", flag, str(n))
+    assert done.returncode == 0, done.stderr
+    rows = _plan_rows(done.stdout)
+    assert len(rows) > 10, done.stdout
+    for gpu, (nodes, label, _, _) in rows.items():
+        count = int(nodes.split(" x ")[0])
+        assert count * 8 % n == 0 and label == strategy, (gpu, nodes, label)

@@ -127,9 +127,9 @@ def main(args: argparse.Namespace) -> int:
         if args.strategy not in (None, strategy):
             raise OrchError(f"--{flag} {n} runs under {'FSDP2' if strategy == 'fsdp' else 'ZeRO-3'}: use --strategy "
                             f"{strategy}")  # fmt: skip
-        if (args.gpus or args.gpus_per_node) % n:
-            given = f"--gpus {args.gpus}" if args.gpus else f"--gpus-per-node {args.gpus_per_node}"
-            raise OrchError(f"--{flag} {n}: {given} is not a multiple of {n} (each sequence is split over {n} GPUs)")
+        if args.gpus and args.gpus % n:
+            raise OrchError(f"--{flag} {n}: --gpus {args.gpus} is not a multiple of {n} (each sequence is split over "
+                            f"{n} GPUs)")  # fmt: skip
     arch = models.arch_of(args.model)
     if arch is None:
         raise OrchError(

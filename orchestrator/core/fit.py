@@ -156,7 +156,7 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
 def at_load(setup: memory.Setup, per_node: int, accel: AccelerateConfig) -> load_memory.LoadMemory:
     """load_memory.at_load for `setup` with the loading path its Accelerate config takes."""
     return load_memory.at_load(setup, per_node, accel.fsdp_cpu_ram_efficient_loading, accel.fsdp_version,
-                          accel.zero3_init_flag, accel.deepspeed_param_offload)  # fmt: skip
+                               accel.zero3_init_flag, accel.deepspeed_param_offload)  # fmt: skip
 
 
 def check_gpu_at_load(loading: load_memory.LoadMemory, capacity_gib: float, gpu: str) -> None:
@@ -226,9 +226,12 @@ def smallest_fit(base: memory.Setup, capacity_gib: float, gpus_per_node: int, ma
     puts the whole quantised model on every GPU) fit `capacity_gib`; None when nothing does up to max_nodes. With
     offload, ZeRO-3 with CPU offload only. `need`: GiB one GPU needs at the step's peak for an estimate, where more
     than the estimate shares the GPU (core/fit.with_vllm: a colocated vLLM engine); `strategies`: the ones to try
-    (context parallelism runs under FSDP2 only, Ulysses under ZeRO-3 only)."""
+    (context parallelism runs under FSDP2 only, Ulysses under ZeRO-3 only); node counts whose GPUs the base's
+    context- or sequence-parallel degree does not divide are skipped."""
     strategies = ("zero3",) if offload else strategies
     for nodes in range(1, max_nodes + 1):
+        if nodes * gpus_per_node % base.seq_split:
+            continue
         for sharding in strategies:
             step = memory.estimate(replace(base, strategy=sharding, offload=offload, gpus=nodes * gpus_per_node))
             loading = load_memory.at_load(step.setup, gpus_per_node, cpu_ram_efficient=True, params_on_host=offload)
