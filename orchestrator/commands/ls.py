@@ -53,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
     elsewhere = Path("recipes").resolve() != own  # orch's own recipes name their files relative to orch's root
     from_own = 0
     for path in recipes.all_recipe_paths():
-        root = own.parent if elsewhere and path.resolve().parent == own else None
+        root = own.parent if elsewhere and recipes.is_own(path) else None
         from_own += root is not None
         try:
             s = summarize(recipes.load(str(path)), root)

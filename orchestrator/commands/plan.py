@@ -98,8 +98,7 @@ def main(args: argparse.Namespace) -> int:
     if not generates and args.max_completion_length is not None:
         raise OrchError(f"--max-completion-length: {args.trainer} does not generate; give --max-length "
                         "(tokens per sequence)")  # fmt: skip
-    completion = (args.max_completion_length or 512) if generates else 0  # TRL's default max_completion_length
-    seq_len = fit_rules.PROMPT_TOKENS + completion if generates else (args.max_length or 1024)
+    seq_len, completion = fit_rules.lengths(args.trainer, args.max_length, args.max_completion_length)
     if args.vllm_colocate is not None:
         if not generates:
             raise OrchError(f"--vllm-colocate: {args.trainer} does not generate; vLLM serves grpo and rloo "

@@ -56,9 +56,7 @@ def solve(global_batch: int, per_device: int, data_parallel_size: int, per_node:
                if global_batch % (d * data_parallel_size) == 0]  # fmt: skip
     if devices:
         fixes.append(f"per_device_train_batch_size={devices[0]}")
-    step = math.lcm(per_step, multiple)
-    lower, upper = global_batch // step * step, (global_batch // step + 1) * step
-    fixes.append(" or ".join(f"GLOBAL_BATCH_SIZE={g}" for g in (lower, upper) if g >= step))
+    fixes.append(" or ".join(f"GLOBAL_BATCH_SIZE={g}" for g in nearest(global_batch, math.lcm(per_step, multiple))))
     ranks = [r for r in range(min(data_parallel_size - 1, SEARCH), 0, -1) if global_batch % (per_device * r) == 0]
     if ranks:
         fixes.append(f"{ranks[0]} data-parallel ranks")
@@ -69,6 +67,12 @@ def solve(global_batch: int, per_device: int, data_parallel_size: int, per_node:
         f"GLOBAL_BATCH_SIZE={global_batch} is not a multiple of per_device_train_batch_size x data-parallel ranks "
         f"= {per_device} x {data_parallel_size} = {per_step}; use " + ", or ".join(fixes) + shapes
     )
+
+
+def nearest(global_batch: int, step: int) -> list[int]:
+    """The positive multiples of `step` just below and just above `global_batch`."""
+    lower = global_batch // step * step
+    return [g for g in (lower, lower + step) if g > 0]
 
 
 def nodes_that_keep(global_batch: int, per_device: int, per_node: int, data_parallel_of: Callable[[int], int],
@@ -117,9 +121,7 @@ def check_generations(global_batch: int | None, settings: Mapping, trainer: str,
         return
     group = generations(settings, default)
     if global_batch % group:
-        step = math.lcm(group, per_step)
-        lower = global_batch // step * step
-        choices = " or ".join(str(g) for g in (lower, lower + step) if g > 0)
+        choices = " or ".join(str(g) for g in nearest(global_batch, math.lcm(group, per_step)))
         raise OrchError(
             f"{trainer.upper()}: GLOBAL_BATCH_SIZE={global_batch} completions is not a multiple of num_generations="
             f"{group}; use GLOBAL_BATCH_SIZE={choices}"

@@ -27,6 +27,16 @@ VLLM_WEIGHTS_ROOM = 1.5  # a lower vLLM share is proposed only where it holds vL
 PROMPT_TOKENS = 512
 
 
+def lengths(trainer: str, max_length: int | str | None = None,
+            max_completion_length: int | str | None = None) -> tuple[int, int]:  # fmt: skip
+    """(tokens per sequence, of which completion) for a trainer with these TRL settings (None: TRL's default). A
+    generating trainer's sequence is a prompt of PROMPT_TOKENS plus its completion, the only part the head scores."""
+    if trainers.spec(trainer).generates:
+        completion = int(512 if max_completion_length is None else max_completion_length)  # GRPO/RLOOConfig's
+        return PROMPT_TOKENS + completion, completion
+    return int(1024 if max_length is None else max_length), 0  # TRL's max_length
+
+
 def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConfig, gpus: int) -> memory.Setup | None:
     """What the memory model needs, from the TRL settings the script will see and the Accelerate config (TRL's and
     PEFT's defaults where they are silent) for `gpus` training processes; None when orch has no shape for the model."""
@@ -41,10 +51,9 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
     asked = strategy.of(accel)
     peft = truthy(setting("use_peft", False))
     targets = setting("lora_target_modules") or memory.PEFT_DEFAULT_TARGETS
-    seq, completion, vllm_share = int(setting("max_length", 1024)), 0, 0.0
-    if trainers.spec(trainer).generates:  # prompt + completion; the head scores the completion only
-        completion = int(setting("max_completion_length", 512))
-        seq = PROMPT_TOKENS + completion
+    seq, completion = lengths(trainer, setting("max_length"), setting("max_completion_length"))
+    vllm_share = 0.0
+    if trainers.spec(trainer).generates:
         if truthy(setting("use_vllm", False)) and str(setting("vllm_mode", "colocate")) == "colocate":
             vllm_share = float(setting("vllm_gpu_memory_utilization", VLLM_DEFAULT_SHARE))
     return memory.Setup(

@@ -48,6 +48,11 @@ class Recipe:
         return self.workdir / self.envs[key]
 
 
+def is_own(path: Path) -> bool:
+    """Whether a recipe file is one of orch's own (their paired files are relative to orch's root)."""
+    return path.resolve().parent == REPO_RECIPES.resolve()
+
+
 def search_dirs() -> list[Path]:
     here = Path("recipes")
     dirs = [here] if here.is_dir() else []
@@ -123,7 +128,7 @@ def check_paired_files(recipe: Recipe) -> None:
         if key == "ACCELERATE_CONFIG" and value in configs.PROFILES:
             continue
         if not recipe.paired(key).is_file():
-            own = recipe.path.resolve().parent == REPO_RECIPES.resolve() and recipe.workdir == Path(".")
+            own = is_own(recipe.path) and recipe.workdir == Path(".")
             where = f"from {REPO_RECIPES.resolve().parent}" if own else "from the repository root"
             raise OrchError(
                 f"{key}={value} (from {recipe.path}) does not exist under workdir {recipe.workdir.resolve()}; "
