@@ -52,3 +52,28 @@ def test_a_changed_setting_is_refused_naming_it_unless_asked(ckpt):
 def test_a_checkpoint_of_an_earlier_orch_is_resumed_and_said(tmp_path):
     (line,) = run_config.compare(tmp_path, config(), anyway=False)
     assert "keeps no orch_config.json" in line
+
+
+def test_grpos_steps_per_generation_follow_the_shape_and_its_generation_batch_is_compared(tmp_path, monkeypatch):
+    """TRL's GRPO/RLOO set steps_per_generation to the accumulation, which orch derives from the shape (measured: a
+    GRPO run saved on 2 x 1, resumed on 1 x 1, was refused for `steps_per_generation 8 -> 16`); the generation batch
+    they keep is what is compared."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    @dataclass
+    class Args:
+        steps_per_generation: int
+        generation_batch_size: int
+        learning_rate: float = 1e-5
+
+    def parsed(steps: int, batch: int):
+        return SimpleNamespace(trainer="grpo", script_args=None, model_args=None, training_args=Args(steps, batch))
+
+    monkeypatch.setenv("GLOBAL_BATCH_SIZE", "16")
+    ckpt = tmp_path / "checkpoint-4"
+    ckpt.mkdir()
+    run_config.write(ckpt, run_config.of(parsed(8, 16), world=2, nodes=2))  # 1 per device x 2 ranks x 8
+    assert run_config.compare(ckpt, run_config.of(parsed(16, 16), world=1, nodes=1), anyway=False) == []
+    with pytest.raises(OrchError, match=r"other settings: generation_batch_size 16 -> 8;"):
+        run_config.compare(ckpt, run_config.of(parsed(8, 8), world=1, nodes=1), anyway=False)

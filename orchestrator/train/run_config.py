@@ -20,7 +20,9 @@ from orchestrator.core.errors import OrchError
 
 CONFIG = "orch_config.json"
 # Not training settings: where output goes, how often it is logged or saved, tracking, and what orch derives from the
-# shape (the per-device batch and accumulation keep GLOBAL_BATCH_SIZE, which is compared instead).
+# shape (the per-device batch and accumulation keep GLOBAL_BATCH_SIZE, which is compared instead; GRPO/RLOO's
+# steps_per_generation is the accumulation by TRL's default, or generation_batch_size over the ranks' micro-batches:
+# generation_batch_size, which TRL's config always sets, is compared instead).
 VOLATILE = {
     "output_dir", "logging_dir", "run_name", "resume_from_checkpoint", "overwrite_output_dir", "local_rank",
     "hub_token", "hub_model_id", "push_to_hub", "hub_strategy", "hub_private_repo", "report_to", "logging_steps",
@@ -28,6 +30,7 @@ VOLATILE = {
     "eval_steps", "eval_strategy", "per_device_train_batch_size", "per_device_eval_batch_size",
     "gradient_accumulation_steps", "dataloader_num_workers", "ddp_timeout", "disable_tqdm", "trackio_space_id",
     "project", "deepspeed", "fsdp", "fsdp_config", "accelerator_config", "log_level", "log_level_replica",
+    "steps_per_generation",
 }  # fmt: skip
 SCHEDULE = ("max_steps", "num_train_epochs")
 """Said when they change (a run trained longer), never refused."""
