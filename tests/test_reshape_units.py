@@ -69,3 +69,25 @@ def test_one_shared_step_tensor_becomes_one_per_group():
     optimizer.step()
     assert [float(optimizer.state[p]["step"]) for p in (weights, norms)] == [5.0, 5.0]
     assert reshape.untie_steps(optimizer) == 0
+
+
+def test_a_checkpoint_of_another_strategy_is_named_before_anything_loads(tmp_path):
+    """DeepSpeed, FSDP and DDP each load only their own checkpoints: on CPU the ALST recipe (ZeRO-3 + Ulysses sp 2)
+    runs as one process on 1 x 1 (measured: its resume was refused for `use_cpu False -> True, ddp_backend ...`,
+    settings that follow from the strategy), and a changed accelerate config does the same on GPUs."""
+    saved, now = {"nodes": 2, "per_node": 1, "world": 2}, {"nodes": 1, "per_node": 1, "world": 1}
+    ds = deepspeed_checkpoint(tmp_path / "ds" / "checkpoint-4", 2)
+    fsdp = tmp_path / "fsdp" / "checkpoint-4"
+    (fsdp / "pytorch_model_fsdp_0").mkdir(parents=True)
+    plain = tmp_path / "ddp" / "checkpoint-4"
+    plain.mkdir(parents=True)
+    (plain / "model.safetensors").write_bytes(b"x")
+    assert [reshape.saved_by(c) for c in (ds, fsdp, plain)] == ["DeepSpeed", "FSDP", "DDP or a single process"]
+    assert reshape.other_format(accelerator("NO", 1), ds, saved, now) == (
+        "checkpoint-4 was saved by DeepSpeed on 2 x 1, and this run is DDP or a single process (1 x 1), which cannot "
+        "load it: resume it with DeepSpeed (the shape it was saved on runs it), or start a new run in another "
+        "output_dir (orch run --fresh deletes this one's)")
+    assert reshape.other_format(accelerator("DEEPSPEED", 1), fsdp, {}, now).startswith(
+        "checkpoint-4 was saved by FSDP, and this run is DeepSpeed (1 x 1)")
+    for kind, ckpt in (("DEEPSPEED", ds), ("FSDP", fsdp), ("MULTI_CPU", plain), ("NO", plain), ("MULTI_GPU", plain)):
+        assert reshape.other_format(accelerator(kind, 1), ckpt, saved, now) == ""

@@ -15,7 +15,7 @@ from orchestrator.core import scaling, trainers
 from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home, run_id
 from orchestrator.core.knobs import knob
 from orchestrator.core.timeline import duration, time_to_first_step
-from orchestrator.train import run_config, spend, stragglers
+from orchestrator.train import fsdp_adapter, run_config, spend, stragglers
 from orchestrator.train.checkpoints import write_manifest
 from orchestrator.train.throughput import Meter, tokens_in
 
@@ -29,8 +29,6 @@ def _rows_in(inputs, trainer_name: str) -> int:
         if value is not None and hasattr(value, "shape"):
             return int(value.shape[0]) // trainers.spec(trainer_name).rows_per_sample  # a pair stacks 2 rows
     raise RuntimeError(f"orch cannot count samples in a {trainer_name} batch of {type(inputs).__name__}")
-
-
 
 
 def save_request_path(env=os.environ) -> Path:
@@ -189,6 +187,8 @@ class OrchCallback(TrainerCallback):
             self.tracker.copy_to(self.output_dir / f"checkpoint-{state.global_step}", self.output_dir)
         if dist():
             dist().barrier()  # every rank has written its part of the checkpoint
+        if self.trainer is not None and getattr(self.trainer, "is_fsdp_enabled", False):
+            self._check_saved(state)  # before any manifest: a checkpoint that lost a trained parameter never counts
         if state.is_local_process_zero:  # each node writes its manifest last (node-local disks included)
             ckpt = self.output_dir / f"checkpoint-{state.global_step}"
             if ckpt.is_dir():
@@ -202,6 +202,21 @@ class OrchCallback(TrainerCallback):
             done.write_text(f"{state.global_step} {self.output_dir / f'checkpoint-{state.global_step}'}\n")
         if self.progress:
             self.progress.idle()
+
+    def _check_saved(self, state) -> None:
+        """Every rank stops when the sharded model state rank 0 sees lacks a trained parameter (train/fsdp_adapter)."""
+        ckpt = self.output_dir / f"checkpoint-{state.global_step}"
+        names = fsdp_adapter.trained(self.trainer.model)
+        count = len(fsdp_adapter.unsaved(ckpt, names)) if state.is_world_process_zero else 0
+        if dist():
+            value = for_collective([count], torch.long)
+            dist().all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+            count = int(value.item())
+        if count:
+            raise RuntimeError(
+                f"{ckpt.name} was saved without {count} of the {len(names)} trained parameters in its "
+                f"model state ({fsdp_adapter.FSDP_MODEL_DIR}): a resume from it would start them over"
+            )
 
     def on_evaluate(self, args, state, control, **kwargs):
         if self.progress:

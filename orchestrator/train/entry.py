@@ -28,12 +28,20 @@ from typing import NamedTuple
 import torch
 
 from orchestrator.core import final_model, lines, trainers
-from orchestrator.core.errors import OrchError
 from orchestrator.core.home import run_id
-from orchestrator.core.knobs import knob
-from orchestrator.train import cpu_deepspeed, cpu_fsdp, hub, loading, netcheck, reshape, run_config, tracking
+from orchestrator.train import (
+    cpu_deepspeed,
+    cpu_fsdp,
+    fsdp_adapter,
+    hub,
+    loading,
+    netcheck,
+    resumption,
+    run_config,
+    tracking,
+)
 from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, for_collective, node_of_process
-from orchestrator.train.checkpoints import choose_resume, quarantine, save_final_model
+from orchestrator.train.checkpoints import save_final_model
 from orchestrator.train.progress import Progress
 
 # ---------------------------------------------------------------- parse and build, as TRL's scripts do
@@ -116,37 +124,6 @@ def build(parsed: Parsed, callbacks: list, *mixins: type, memory: loading.HostMe
 
 
 # ---------------------------------------------------------------- the training process
-
-
-def _min_over_ranks(step: int) -> int:
-    if not dist():
-        return step
-    value = for_collective([step], torch.long)
-    dist().all_reduce(value, op=torch.distributed.ReduceOp.MIN)
-    return int(value.item())
-
-
-def _max_over_ranks(value: int) -> int:
-    return -_min_over_ranks(-value)
-
-
-def _reshape(trainer, resume: Path, now: dict, output_dir: Path) -> str:
-    """A resume on another shape: said by the main process, and DeepSpeed's partitions converted (train/reshape.py)."""
-    acc = trainer.accelerator
-    was = run_config.saved_shape(resume)
-    how = reshape.method(acc, resume, was.get("world"))
-    line = run_config.shape_line(resume, was, now, how)
-    if line and acc.is_main_process:
-        print(line, flush=True)
-    if how and acc.distributed_type.value == "DEEPSPEED":  # method() says how only where the partitions differ
-        try:
-            reshape.install(trainer, resume, run_id(os.environ) or output_dir.resolve().name, node_of_process()[0],
-                            acc.is_local_main_process, _max_over_ranks)  # fmt: skip
-        except OrchError as exc:
-            if acc.is_main_process:
-                print(f"orch: error: {exc}", flush=True)
-            raise SystemExit(2) from None
-    return line
 
 
 def _reference_facts(trainer, sharded) -> dict:
@@ -320,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     if cpu_fsdp.wanted():
         cpu_fsdp.install()
     loading.install()  # ranks fed by FSDP2's broadcast hold no copy of the model meanwhile
+    fsdp_adapter.install()  # a PEFT adapter's FSDP2 checkpoints hold the adapter
     output_dir = Path(parsed.training_args.output_dir)
     _AT["output_dir"] = output_dir
     progress = Progress.from_env()
@@ -339,29 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         hub.prepare(hub.repo())
     node, nodes = node_of_process()
     callback.run_config = run_config.of(parsed, acc.num_processes, nodes)
-    resume = parsed.training_args.resume_from_checkpoint
-    if not resume:
-        mine = node if acc.is_local_main_process else None  # node-local mains re-hash their share
-        resume, skipped = choose_resume(output_dir, mine, _min_over_ranks)
-        if skipped and acc.is_main_process:
-            listed = quarantine(output_dir, skipped)
-            for ckpt, reason in skipped:
-                print(
-                    f"[orch] skipping {ckpt.name}: {reason}; quarantined in {listed}, resuming from "
-                    f"{resume.name if resume else 'step 0'}",
-                    flush=True,
-                )
-    if resume:  # what changed since that checkpoint: a changed setting stops every rank here, before step 1
-        try:
-            said = run_config.compare(Path(resume), callback.run_config,
-                                      knob(os.environ, "ORCH_RESUME_CHANGED", "off") == "on")  # fmt: skip
-        except OrchError as exc:
-            if acc.is_main_process:
-                print(f"orch: error: {exc}", flush=True)
-            raise SystemExit(2) from None
-        for line in said if acc.is_main_process else []:
-            print(line, flush=True)
-        callback.reshaped = _reshape(trainer, Path(resume), callback.run_config["shape"], output_dir)
+    resume = resumption.checkpoint(trainer, callback, parsed.training_args.resume_from_checkpoint, output_dir)
     if project := tracking.project_of():
         run = run_id(os.environ) or output_dir.resolve().name
         callback.tracker = tracking.NodeTracker(project, run, node, nodes, acc.is_local_main_process)

@@ -55,6 +55,31 @@ def data_parallel_world(acc) -> int:
     return max(1, acc.num_processes // sharing)
 
 
+FAMILIES = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP"}  # any other distributed type: DDP or one process
+PLAIN = "DDP or a single process"
+
+
+def saved_by(ckpt: Path) -> str:
+    """Whose checkpoint format `ckpt` is in, by its files (the tests transformers' Trainer makes before loading)."""
+    if deepspeed_tag(ckpt) is not None:
+        return FAMILIES["DEEPSPEED"]
+    if any(p.name.startswith("pytorch_model_fsdp") for p in ckpt.iterdir()):
+        return FAMILIES["FSDP"]
+    return PLAIN
+
+
+def other_format(acc, ckpt: Path, saved: dict, now: dict) -> str:
+    """Why this run cannot load `ckpt` ("" when it can): DeepSpeed, FSDP and DDP each load only their own checkpoints
+    (another accelerate config since the save, or on CPU a recipe that runs as DDP on this shape)."""
+    runs, was = FAMILIES.get(acc.distributed_type.value, PLAIN), saved_by(ckpt)
+    if runs == was:
+        return ""
+    where = f" on {saved['nodes']} x {saved['per_node']}" if saved else ""
+    return (f"{ckpt.name} was saved by {was}{where}, and this run is {runs} ({now['nodes']} x {now['per_node']}), "
+            f"which cannot load it: resume it with {was} (the shape it was saved on runs it), or start a new run in "
+            "another output_dir (orch run --fresh deletes this one's)")  # fmt: skip
+
+
 def method(acc, ckpt: Path, saved_world: int | None) -> str:
     """How the resume gets from the saved shape to this one ("" when the world size is the same)."""
     kind = acc.distributed_type.value
