@@ -217,3 +217,12 @@ def test_a_failed_pull_removes_only_the_directory_it_made(project, monkeypatch):
     (project / "models" / "empty").mkdir(parents=True)
     result = orch("pull", "r1", "models/empty", cwd=project)
     assert result.returncode == 2 and (project / "models" / "empty").is_dir()  # not made by the pull: kept
+
+
+@pytest.mark.unit
+def test_sizes_are_said_in_a_unit_that_keeps_their_digits():
+    """A LoRA adapter of the smoke runs (29,712 bytes) was 'adapter_model.safetensors, F32, 0.0 MB'."""
+    from orchestrator.core.final_model import size_words
+
+    assert [size_words(n) for n in (29_712, 999_999, 1_000_001, 335_400_000, 140_200_000_000)] == [
+        "29.7 kB", "1.0 MB", "1.0 MB", "335.4 MB", "140.2 GB"]  # fmt: skip

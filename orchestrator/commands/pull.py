@@ -10,6 +10,7 @@ from pathlib import Path
 
 from orchestrator.commands import add
 from orchestrator.core.errors import OrchError
+from orchestrator.core.final_model import size_words
 
 EPILOG = """\
 examples:
@@ -87,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
     owned.unmark(dest)  # the model is the user's now: orch never deletes it
     files = sorted(p.name for p in dest.iterdir() if p.is_file())
     size = sum((dest / f).stat().st_size for f in files)
-    print(f"[orch] {record.run}: final model from {where} -> {dest} ({len(files)} files, {size / 1e6:.1f} MB)")
+    print(f"[orch] {record.run}: final model from {where} -> {dest} ({len(files)} files, {size_words(size)})")
     adapter = "adapter_config.json" in files
     loader = "peft's AutoPeftModelForCausalLM" if adapter else "transformers' AutoModelForCausalLM"
     print(f"[orch] load it with {loader}.from_pretrained({str(dest)!r})")

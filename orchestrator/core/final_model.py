@@ -16,11 +16,19 @@ def is_final_file(name: str) -> bool:
     return "/" not in name and any(fnmatch.fnmatch(name, pattern) for pattern in FILES)
 
 
+def size_words(n: float) -> str:
+    """Bytes in the unit that keeps one decimal meaningful: "29.7 kB", "335.4 MB", "140.2 GB" (never "0.0 MB")."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if round(n / scale, 1) >= 1:  # 999,999 bytes is "1.0 MB", not "1000.0 kB"
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1e3:.1f} kB"
+
+
 def described(final: dict) -> tuple[str, str]:
     """A final model's report (train/checkpoints.final_model_files) in words: ("model.safetensors, BF16, 335.4 MB",
     who loads it). Reports written before the dtypes were read say none."""
     dtypes = " + ".join(final.get("dtypes") or [])
-    files = ", ".join([*final["weights"], *([dtypes] if dtypes else []), f"{final['bytes'] / 1e6:.1f} MB"])
+    files = ", ".join([*final["weights"], *([dtypes] if dtypes else []), size_words(final["bytes"])])
     adapter = "adapter_model.safetensors" in final["weights"]
     return files, ("PEFT's from_pretrained loads it on its base model" if adapter
                    else "transformers' from_pretrained loads it")  # fmt: skip

@@ -297,13 +297,14 @@ def forget(output_dir: Path, run_id: str, workdir: Path) -> None:
     """--fresh: delete the run's output directory (its checkpoints), so that it starts from step 0; only a directory
     orch made for this run (core/owned.py), else one line naming what to delete by hand."""
     from orchestrator.core import owned
+    from orchestrator.core.final_model import size_words
 
     if output_dir.is_dir() and not owned.why_not_removable(output_dir, run_id, also=(workdir,)):
         numbered = [p.name for p in output_dir.glob("checkpoint-*") if p.name[11:].isdigit()]
         found = sorted(numbered, key=lambda name: int(name[11:])) or ["no checkpoint"]
         size = sum(p.lstat().st_size for p in output_dir.rglob("*") if p.is_file() and not p.is_symlink())
         final = " and the final model" if (output_dir / "config.json").is_file() else ""
-        print(f"[orch] --fresh: deleting {output_dir}: {', '.join(found)} ({size / 1e6:.1f} MB){final}", flush=True)
+        print(f"[orch] --fresh: deleting {output_dir}: {', '.join(found)} ({size_words(size)}){final}", flush=True)
     owned.remove(output_dir, run_id, "--fresh", also=(workdir,))
 
 
