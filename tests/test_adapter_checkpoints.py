@@ -80,7 +80,10 @@ def test_a_save_without_a_trained_parameter_stops_the_run_before_its_manifest(tm
     from orchestrator.train.callbacks import OrchCallback
 
     callback = OrchCallback(tmp_path)
-    callback.trainer = SimpleNamespace(model=torch.nn.Linear(2, 2), is_fsdp_enabled=True)
+    callback.trainer = SimpleNamespace(model=torch.nn.Linear(2, 2), is_fsdp_enabled=True,
+                                       accelerator=SimpleNamespace(is_fsdp2=True))  # fmt: skip
+    assert fsdp_adapter.checked(callback.trainer)
+    assert not fsdp_adapter.checked(SimpleNamespace(is_fsdp_enabled=True, accelerator=SimpleNamespace(is_fsdp2=False)))
     model_state(tmp_path / "checkpoint-4", ["weight"])
     with pytest.raises(RuntimeError, match=r"^checkpoint-4 was saved without 1 of the 2 trained parameters"):
         callback._check_saved(SimpleNamespace(global_step=4, is_world_process_zero=True))

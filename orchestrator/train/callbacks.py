@@ -187,7 +187,7 @@ class OrchCallback(TrainerCallback):
             self.tracker.copy_to(self.output_dir / f"checkpoint-{state.global_step}", self.output_dir)
         if dist():
             dist().barrier()  # every rank has written its part of the checkpoint
-        if self.trainer is not None and getattr(self.trainer, "is_fsdp_enabled", False):
+        if self.trainer is not None and fsdp_adapter.checked(self.trainer):
             self._check_saved(state)  # before any manifest: a checkpoint that lost a trained parameter never counts
         if state.is_local_process_zero:  # each node writes its manifest last (node-local disks included)
             ckpt = self.output_dir / f"checkpoint-{state.global_step}"

@@ -43,6 +43,12 @@ def trained(model) -> list[str]:
     return [canonical(n) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def checked(trainer) -> bool:
+    """Whether `unsaved` applies: FSDP2, whose parameters keep their names (DTensors). FSDP1 without use_orig_params
+    trains flat parameters that no state-dict key names, and runs only on GPUs, so it is left out."""
+    return bool(getattr(trainer, "is_fsdp_enabled", False) and getattr(trainer.accelerator, "is_fsdp2", False))
+
+
 def unsaved(ckpt: Path, names: list[str]) -> list[str]:
     """The `names` that a checkpoint's sharded FSDP model state lacks ([] when it has no such state: DDP, DeepSpeed,
     a full state dict)."""

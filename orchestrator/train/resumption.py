@@ -46,7 +46,7 @@ def _lost_parameters(trainer, resume: Path) -> str:
     """Why the FSDP checkpoint cannot be resumed from when it lacks a trained parameter (one saved before
     train/fsdp_adapter: a LoRA adapter's FSDP checkpoints held none of it), "" otherwise. Loading it would train the
     adapter again from its initialisation, with the optimizer state of the trained one."""
-    if not getattr(trainer, "is_fsdp_enabled", False):
+    if not fsdp_adapter.checked(trainer):
         return ""
     names = fsdp_adapter.trained(trainer.model)
     lost = fsdp_adapter.unsaved(resume, names) if trainer.accelerator.is_main_process else []
