@@ -159,7 +159,7 @@ def final_model_files(output_dir: Path) -> dict:
     }
 
 
-def _is_peft(model) -> bool:
+def is_peft(model) -> bool:
     try:
         from peft import PeftModel
     except ImportError:
@@ -222,7 +222,7 @@ def save_final_model(trainer, output_dir: str) -> dict | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         model = trainer.model
-        peft = _is_peft(model)
+        peft = is_peft(model)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=peft)
         state_dict = get_model_state_dict(model, options=options)
         if trainer.args.should_save and peft:

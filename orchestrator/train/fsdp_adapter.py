@@ -24,7 +24,7 @@ import functools
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator.train.checkpoints import _is_peft
+from orchestrator.train.checkpoints import is_peft
 
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's save_fsdp_model: f"{FSDP_MODEL_NAME}_{model_index}"
 WRAPPERS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")  # not in state-dict keys
@@ -62,7 +62,7 @@ def unsaved(ckpt: Path, names: list[str]) -> list[str]:
 
 
 def _sharded_adapter(model, adapter_only: bool, sd_options) -> bool:
-    return bool(adapter_only and sd_options is not None and not sd_options.full_state_dict and _is_peft(model))
+    return bool(adapter_only and sd_options is not None and not sd_options.full_state_dict and is_peft(model))
 
 
 def install() -> None:
