@@ -89,3 +89,23 @@ def test_a_save_without_a_trained_parameter_stops_the_run_before_its_manifest(tm
         callback._check_saved(SimpleNamespace(global_step=4, is_world_process_zero=True))
     model_state(tmp_path / "checkpoint-8", ["weight", "bias"])
     callback._check_saved(SimpleNamespace(global_step=8, is_world_process_zero=True))
+
+
+@pytest.mark.e2e
+def test_a_resume_from_a_checkpoint_without_a_trained_parameter_is_refused(tmp_path):
+    """What a checkpoint written before train/fsdp_adapter holds (an empty model state): resuming from it would train
+    the adapter again from its initialisation, so every rank stops before step 1 with this line."""
+    from orchestrator.train import resumption
+
+    model = torch.nn.Linear(2, 2)
+    trainer = SimpleNamespace(model=model, is_fsdp_enabled=True,
+                              accelerator=SimpleNamespace(is_fsdp2=True, is_main_process=True))  # fmt: skip
+    old = model_state(tmp_path / "checkpoint-4", [])
+    assert resumption._lost_parameters(trainer, old) == (
+        "checkpoint-4 holds no weights for 2 of the 2 trained parameters (weight, ...), so a resume would train them "
+        "again from their initialisation (FSDP checkpoints of a PEFT adapter saved before orch wrote the adapter into "
+        "them itself); start a new run in another output_dir (orch run --fresh deletes this one's)")
+    assert resumption._lost_parameters(trainer, model_state(tmp_path / "checkpoint-8", ["weight", "bias"])) == ""
+    with pytest.raises(SystemExit) as stopped:
+        resumption._refuse(trainer.accelerator, "why")
+    assert stopped.value.code == 2
