@@ -109,3 +109,28 @@ def test_a_resume_from_a_checkpoint_without_a_trained_parameter_is_refused(tmp_p
     with pytest.raises(SystemExit) as stopped:
         resumption._refuse(trainer.accelerator, "why")
     assert stopped.value.code == 2
+
+
+@pytest.mark.e2e
+def test_the_final_models_dtype_is_the_one_it_was_loaded_in_whatever_save_pretrained_wrote():
+    """transformers' save_pretrained sets config.dtype to the name of the parameters' dtype; under mixed precision
+    accelerate has upcast them to fp32 by then, so the config no longer says how the model was loaded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from orchestrator.train import checkpoints
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    loaded = checkpoints.load_dtype(model)
+    model.float()  # accelerate's fp32 master weights
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        model.save_pretrained(out)  # a FULL_STATE_DICT checkpoint
+    assert model.config.dtype == "float32"  # the owners' behaviour this guards against
+    assert loaded == torch.bfloat16 and checkpoints.as_dtype(model.config.dtype) == torch.float32
+    state = checkpoints.in_dtype(model.state_dict(), loaded)
+    assert {v.dtype for v in state.values()} == {torch.bfloat16}
+    assert checkpoints.in_dtype(model.state_dict(), "float32")["lm_head.weight"].dtype == torch.float32  # no raise

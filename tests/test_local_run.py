@@ -128,3 +128,16 @@ def test_secret_reaches_nodes_only_through_their_environment(project):
     assert written and not any(SECRET in text for text in written)
     assert SECRET not in result.stdout + result.stderr
     assert "MY_TOKEN: null" in next((project / "sky_jobs").glob("*.yaml")).read_text()
+
+
+def test_trls_fsdp2_profile_with_full_state_dict_checkpoints_writes_its_final_model(project):
+    """TRL's own fsdp2 profile (ACCELERATE_CONFIG: fsdp2) keeps FULL_STATE_DICT checkpoints, which transformers saves
+    through save_pretrained, and that sets config.dtype to a string: the final save then failed on rank 0 with
+    `Invalid device string: 'float32'` after every step had trained (train/checkpoints.load_dtype)."""
+    result = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "--env", "ACCELERATE_CONFIG=fsdp2",
+                  cwd=project)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "[orch] ran: FSDP2 over gloo, world size 2" in result.stdout
+    output_dir = output_dir_of(result.stdout, project)
+    assert (output_dir / "checkpoint-4" / "pytorch_model_fsdp.bin").is_file()  # a full state dict checkpoint
+    assert re.search(r"^\[orch\] final model: \S+ \(model\.safetensors, F32, [\d.]+ kB\)", result.stdout, re.M)

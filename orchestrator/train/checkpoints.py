@@ -167,10 +167,29 @@ def is_peft(model) -> bool:
     return isinstance(model, PeftModel)
 
 
+def as_dtype(value):
+    """A torch dtype from a config's `dtype` (a torch.dtype, or its name as config.json and save_pretrained write
+    it); None for anything else."""
+    import torch
+
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def load_dtype(model):
+    """The dtype the model was loaded and computes in, read when it is built. Not at the end: transformers'
+    save_pretrained (every FULL_STATE_DICT checkpoint saves through it) sets `config.dtype` to the name of the
+    parameters' dtype, which accelerate has upcast to fp32 by then (measured: TRL's fsdp2 profile ended every run
+    with `Invalid device string: 'float32'`, and a bf16 model would have been written in fp32)."""
+    return as_dtype(getattr(getattr(model, "config", None), "dtype", None))
+
+
 def in_dtype(state_dict: dict, dtype) -> dict:
     """fp32 floating tensors cast to `dtype` (the dtype the model was loaded and computes in); others as they are."""
     import torch
 
+    dtype = as_dtype(dtype)
     if dtype is None or dtype == torch.float32:
         return state_dict
     return {k: v.to(dtype) if torch.is_tensor(v) and v.dtype == torch.float32 else v for k, v in state_dict.items()}
@@ -228,7 +247,8 @@ def save_final_model(trainer, output_dir: str) -> dict | None:
         if trainer.args.should_save and peft:
             save_adapter(trainer, output_dir, state_dict)
         elif trainer.args.should_save:
-            trainer._save(output_dir, state_dict=in_dtype(state_dict, getattr(model.config, "dtype", None)))
+            dtype = getattr(trainer, "orch_load_dtype", None) or load_dtype(model)  # set by train/entry.build
+            trainer._save(output_dir, state_dict=in_dtype(state_dict, dtype))
     if not trainer.args.should_save:
         return None
     return final_model_files(Path(output_dir))

@@ -41,7 +41,7 @@ from orchestrator.train import (
     tracking,
 )
 from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, for_collective, node_of_process
-from orchestrator.train.checkpoints import save_final_model
+from orchestrator.train.checkpoints import load_dtype, save_final_model
 from orchestrator.train.progress import Progress
 
 # ---------------------------------------------------------------- parse and build, as TRL's scripts do
@@ -119,6 +119,7 @@ def build(parsed: Parsed, callbacks: list, *mixins: type, memory: loading.HostMe
         )
     from transformers.trainer_callback import PrinterCallback
 
+    trainer.orch_load_dtype = load_dtype(trainer.model)  # the final model's dtype (train/checkpoints.load_dtype)
     trainer.remove_callback(PrinterCallback)  # OrchCallback prints the step lines; full metrics in orch/log.jsonl
     return trainer
 
