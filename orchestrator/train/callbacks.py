@@ -58,6 +58,19 @@ def for_collective(values: list, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
 
 
+def min_over_ranks(value: int) -> int:
+    """The smallest `value` over all ranks (a collective: every rank calls it); `value` itself without a group."""
+    if not dist():
+        return value
+    tensor = for_collective([value], torch.long)
+    dist().all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+def max_over_ranks(value: int) -> int:
+    return -min_over_ranks(-value)
+
+
 class OrchCallback(TrainerCallback):
     """Marks complete checkpoints, counts optimizer steps run here, logs one line per logging step, and prints
     the time to the first step."""
@@ -138,10 +151,7 @@ class OrchCallback(TrainerCallback):
         if self.cap is not None and self.meter.price is not None and not control.should_training_stop:
             self._within_budget(state, control)
         if self.request is not None and not control.should_save:
-            asked = for_collective([int(self.request.exists())], torch.long)
-            if dist():
-                dist().all_reduce(asked, op=torch.distributed.ReduceOp.MAX)
-            if asked.item():
+            if max_over_ranks(int(self.request.exists())):
                 control.should_save = True
                 if state.is_world_process_zero:
                     print(f"[orch] checkpoint asked for (preemption notice): saving at step {state.global_step}",
@@ -164,10 +174,7 @@ class OrchCallback(TrainerCallback):
         step = (times[-1] - times[-2]) if len(times) >= 2 else now - meter.train_started
         save = max(self.saves) if self.saves else DEFAULT_SAVE_SECONDS
         spent = meter.spent(now - meter.run_started)  # every attempt of the run (train/spend.py)
-        over = for_collective([int(spent + meter.price * (step + save) / 3600 > self.cap)], torch.long)
-        if dist():
-            dist().all_reduce(over, op=torch.distributed.ReduceOp.MAX)
-        if not over.item():
+        if not max_over_ranks(int(spent + meter.price * (step + save) / 3600 > self.cap)):
             return
         control.should_save = True
         control.should_training_stop = True
@@ -207,11 +214,7 @@ class OrchCallback(TrainerCallback):
         """Every rank stops when the sharded model state rank 0 sees lacks a trained parameter (train/fsdp_adapter)."""
         ckpt = self.output_dir / f"checkpoint-{state.global_step}"
         names = fsdp_adapter.trained(self.trainer.model)
-        count = len(fsdp_adapter.unsaved(ckpt, names)) if state.is_world_process_zero else 0
-        if dist():
-            value = for_collective([count], torch.long)
-            dist().all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-            count = int(value.item())
+        count = max_over_ranks(len(fsdp_adapter.unsaved(ckpt, names)) if state.is_world_process_zero else 0)
         if count:
             raise RuntimeError(
                 f"{ckpt.name} was saved without {count} of the {len(names)} trained parameters in its "
@@ -300,6 +303,7 @@ class OrchTrainerMixin:
 
     orch_trainer_name = ""
     orch_samples = 0
+    orch_load_dtype = None  # the dtype the model was loaded in, set by train/entry.build (checkpoints.load_dtype)
     orch_tokens = 0
     orch_padding_excluded = True
 

@@ -247,8 +247,7 @@ def save_final_model(trainer, output_dir: str) -> dict | None:
         if trainer.args.should_save and peft:
             save_adapter(trainer, output_dir, state_dict)
         elif trainer.args.should_save:
-            dtype = getattr(trainer, "orch_load_dtype", None) or load_dtype(model)  # set by train/entry.build
-            trainer._save(output_dir, state_dict=in_dtype(state_dict, dtype))
+            trainer._save(output_dir, state_dict=in_dtype(state_dict, trainer.orch_load_dtype))
     if not trainer.args.should_save:
         return None
     return final_model_files(Path(output_dir))

@@ -14,26 +14,12 @@ import os
 from pathlib import Path
 from typing import NoReturn
 
-import torch
-
 from orchestrator.core.errors import OrchError
 from orchestrator.core.home import run_id
 from orchestrator.core.knobs import knob
 from orchestrator.train import fsdp_adapter, reshape, run_config
-from orchestrator.train.callbacks import dist, for_collective, node_of_process
+from orchestrator.train.callbacks import max_over_ranks, min_over_ranks, node_of_process
 from orchestrator.train.checkpoints import choose_resume, quarantine
-
-
-def min_over_ranks(step: int) -> int:
-    if not dist():
-        return step
-    value = for_collective([step], torch.long)
-    dist().all_reduce(value, op=torch.distributed.ReduceOp.MIN)
-    return int(value.item())
-
-
-def max_over_ranks(value: int) -> int:
-    return -min_over_ranks(-value)
 
 
 def _refuse(acc, why: str) -> NoReturn:
