@@ -89,5 +89,6 @@ def test_a_checkpoint_of_another_strategy_is_named_before_anything_loads(tmp_pat
         "output_dir (orch run --fresh deletes this one's)")
     assert reshape.other_format(accelerator("DEEPSPEED", 1), fsdp, {}, now).startswith(
         "checkpoint-4 was saved by FSDP, and this run is DeepSpeed (1 x 1)")
+    assert reshape.other_format(accelerator("FSDP", 1), tmp_path / "absent", saved, now) == ""  # not a traceback
     for kind, ckpt in (("DEEPSPEED", ds), ("FSDP", fsdp), ("MULTI_CPU", plain), ("NO", plain), ("MULTI_GPU", plain)):
         assert reshape.other_format(accelerator(kind, 1), ckpt, saved, now) == ""

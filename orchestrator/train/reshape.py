@@ -71,6 +71,8 @@ def saved_by(ckpt: Path) -> str:
 def other_format(acc, ckpt: Path, saved: dict, now: dict) -> str:
     """Why this run cannot load `ckpt` ("" when it can): DeepSpeed, FSDP and DDP each load only their own checkpoints
     (another accelerate config since the save, or on CPU a recipe that runs as DDP on this shape)."""
+    if not ckpt.is_dir():  # a resume_from_checkpoint that is not there: the Trainer's own error names it
+        return ""
     runs, was = FAMILIES.get(acc.distributed_type.value, PLAIN), saved_by(ckpt)
     if runs == was:
         return ""
