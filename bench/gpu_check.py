@@ -26,6 +26,7 @@ hand, with the versions and the date it printed.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -84,13 +85,9 @@ def _gpu_overrides(launch, artifacts) -> tuple[dict[str, str], list[str]]:
     out = smoke.trl_overrides(artifacts)
     said = []
     out.update(dtype="bfloat16", bf16="true", save_total_limit="3")
-    attn = str(launch.setting("attn_implementation", "sdpa"))
-    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        said.append("flash_attention_2 asked, flash_attn not installed: sdpa")
-        attn = "sdpa"
-    elif "/" in attn and importlib.util.find_spec("kernels") is None:
-        said.append(f"{attn} asked, kernels not installed: sdpa")
-        attn = "sdpa"
+    attn, why = _attention(str(launch.setting("attn_implementation", "sdpa")))
+    if why:
+        said.append(why)
     out["attn_implementation"] = attn
     liger = str(launch.setting("use_liger_kernel", False)).lower() == "true"
     if liger and importlib.util.find_spec("liger_kernel") is None:
@@ -99,6 +96,23 @@ def _gpu_overrides(launch, artifacts) -> tuple[dict[str, str], list[str]]:
     out["use_liger_kernel"] = str(liger).lower()
     out["gradient_checkpointing"] = str(launch.setting("gradient_checkpointing", False)).lower()
     return out, said
+
+
+def _attention(asked: str) -> tuple[str, str]:
+    """The recipe's attention where this machine can load it as a rank would (the flash-attn package, or a Kernels Hub
+    kernel already in the Hugging Face cache: gpu-check runs offline, HF_HUB_OFFLINE=1), else sdpa and why."""
+    from orchestrator.core.errors import OrchError
+    from orchestrator.train import attention_kernel
+
+    try:
+        kernel = attention_kernel.repo(asked)
+        if kernel is not None:
+            attention_kernel.fetch(kernel, asked, allow_all=False)
+    except attention_kernel.NotCached:
+        return "sdpa", f"{asked} asked, its kernel is not in this machine's Hugging Face cache: sdpa"
+    except OrchError as exc:
+        return "sdpa", f"{asked} asked, not loadable here ({str(exc).split(':')[0]}): sdpa"
+    return asked, ""
 
 
 def _node(envs: dict[str, str], gpus: int, task_id: str, work: Path) -> subprocess.CompletedProcess:
@@ -112,7 +126,7 @@ def _node(envs: dict[str, str], gpus: int, task_id: str, work: Path) -> subproce
         "SKYPILOT_TASK_ID": task_id,
         "ORCH_DEVICE": "gpu",
         "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     cmd = [sys.executable, "-m", "orchestrator", "node"]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
@@ -120,6 +134,9 @@ def _node(envs: dict[str, str], gpus: int, task_id: str, work: Path) -> subproce
 
 def _first_error(result: subprocess.CompletedProcess) -> str:
     text = result.stdout + result.stderr
+    for line in text.splitlines():  # orch's own one line (node/run.py) quotes the rank's first real error
+        if line.startswith("[orch] failed"):
+            return line.strip()[:400]
     for line in text.splitlines():
         if re.search(r"(Error|error:|Exception)\b", line) and "Warning" not in line:
             return line.strip()[:300]
@@ -142,11 +159,13 @@ def check_strategy(label: str, recipe_name: str, gpus: int, work: Path) -> str:
     envs.pop("CHECKPOINT_ROOT", None)  # no bucket here: output_dir above
     started = time.monotonic()
     first = _node({**envs, "TRL_OVERRIDES": overrides.dumps(trl)}, gpus, f"gpu-check-{recipe_name}", work)
+    (work / f"{recipe_name}.log").write_text(first.stdout + first.stderr)  # the whole of it, for a failure's cause
     if first.returncode != 0:
         return f"{label:7} ({recipe_name}): FAILED: {_first_error(first)}"
     second = _node(
         {**envs, "TRL_OVERRIDES": overrides.dumps({**trl, "max_steps": "12"})}, gpus, f"gpu-check-{recipe_name}", work
     )
+    (work / f"{recipe_name}-resume.log").write_text(second.stdout + second.stderr)
     if second.returncode != 0:
         return f"{label:7} ({recipe_name}): trained, then the resume FAILED: {_first_error(second)}"
     report = json.loads((out_dir / "orch" / "rank0.json").read_text())
@@ -159,11 +178,13 @@ def check_strategy(label: str, recipe_name: str, gpus: int, work: Path) -> str:
     sharded = f", {facts['sharded_params']}/{facts['params']} params sharded" if "params" in facts else ""
     log = [json.loads(x) for x in (out_dir / "orch" / "log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in log if "loss" in r]
+    dtypes = "/".join((report.get("final_model") or {}).get("dtypes") or ["?"])
     return (
-        f"{label:7} ({recipe_name}): {report['distributed_type']} over {report['backend']}, {report['world_size']} "
-        f"GPU(s), bf16, {trl['attn_implementation']}, liger {trl['use_liger_kernel']}{sharded}; resumed from "
+        f"{label:7} ({recipe_name}): {report['distributed_type']} over {report['backend']} on {report['device']}, "
+        f"{report['world_size']} GPU(s), attention {report.get('attention')}, liger asked "
+        f"{trl['use_liger_kernel']}{sharded}; resumed from "
         f"{Path(resumed).name} to step {report['optimizer_steps']}, last loss {losses[-1]:.4f}; final model "
-        f"loads ({model.num_parameters():,} params); {load_figures(recipe_name, trl, gpus, report)}; "
+        f"{dtypes}, loads ({model.num_parameters():,} params); {load_figures(recipe_name, trl, gpus, report)}; "
         f"{time.monotonic() - started:.0f} s" + (f" [{'; '.join(said)}]" if said else "")
     )
 
@@ -199,6 +220,7 @@ def throughput(settings: str, steps: int = 12, warmup: int = 3) -> dict:
 
     from orchestrator.core import smoke
 
+    torch.cuda.reset_peak_memory_stats()  # this configuration's peak, not the process's (the other ran before it)
     torch.manual_seed(0)
     config = Qwen2Config(**QWEN25_05B)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -251,7 +273,7 @@ def throughput(settings: str, steps: int = 12, warmup: int = 3) -> dict:
     tps = counted["tokens"] / elapsed
     peak = peak_for(torch.cuda.get_device_name(0))
     per_token = flops_per_token(n_params, config.num_hidden_layers, config.hidden_size, SEQ)
-    return {
+    result = {
         "settings": settings,
         "tokens_per_s": tps,
         "mfu": mfu(tps, per_token, 1, peak) if peak else None,
@@ -260,9 +282,20 @@ def throughput(settings: str, steps: int = 12, warmup: int = 3) -> dict:
         "liger": bool(getattr(args, "use_liger_kernel", False)),
         "attention": model.config._attn_implementation,
     }
+    trainer = model = None  # the next configuration's peak starts from nothing of this one (gc: the cycle)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
 
 
 def main(argv: list[str]) -> int:
+    os.environ["HF_HUB_OFFLINE"] = "1"  # as the ranks run it (_node): nothing is downloaded here
+    parts = argv[1:] or ["memory", *STRATEGIES, "throughput", "packed", "head"]
+    unknown = [p for p in parts if p not in {"memory", *STRATEGIES, "throughput", "packed", "head"}]
+    if unknown:
+        print(f"gpu-check: error: unknown part(s) {', '.join(unknown)}; the parts: memory, {', '.join(STRATEGIES)}, "
+              "throughput, packed, head", file=sys.stderr)  # fmt: skip
+        return 2
     try:
         import torch
     except ImportError:
@@ -287,29 +320,45 @@ def main(argv: list[str]) -> int:
         f"{accelerate.__version__}",
         flush=True,
     )
-    print(node_gpu_memory(torch), flush=True)
-    only = argv[1:] or list(STRATEGIES)
     work = Path(tempfile.mkdtemp(prefix="orch-gpu-check-"))
-    for label in only:
-        if label in STRATEGIES:
-            print(check_strategy(label, STRATEGIES[label], gpus, work), flush=True)
-    if "throughput" in only or not argv[1:]:
-        base = throughput("trl-defaults")
-        ours = throughput("recipe")
-        for r in (base, ours):
-            mfu_text = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else "MFU n/a (GPU not in the peak table)"
-            print(
-                f"throughput {r['settings']:12}: {r['tokens_per_s']:,.0f} tokens/s (padding excluded), {mfu_text}, "
-                f"peak memory {r['memory_gb']:.1f} GB, attention {r['attention']}, liger {r['liger']} "
-                f"(Qwen2.5-0.5B shapes, {r['params'] / 1e6:.0f}M params, random weights, seq {SEQ})",
-                flush=True,
-            )
-        print(f"throughput ratio recipe / trl-defaults: {ours['tokens_per_s'] / base['tokens_per_s']:.2f}x")
-    if "packed" in only or not argv[1:]:
-        print(packed_attention(work), flush=True)
-    if "head" in only or not argv[1:]:
-        print(lm_head_memory(torch), flush=True)
+    print(f"gpu-check: runs and their logs in {work}", flush=True)
+    failed = []
+    for part in parts:  # one part's failure is said and the others still run: GPU time is scarce
+        started = time.monotonic()
+        try:
+            if part == "memory":
+                lines = [node_gpu_memory(torch)]
+            elif part in STRATEGIES:
+                lines = [check_strategy(part, STRATEGIES[part], gpus, work)]
+            elif part == "throughput":
+                lines = throughput_lines()
+            elif part == "packed":
+                lines = [packed_attention(work)]
+            else:
+                lines = [lm_head_memory(torch)]
+        except Exception as exc:  # noqa: BLE001 - said with its part, then the next part
+            lines = [f"{part}: FAILED after {time.monotonic() - started:.0f} s: {type(exc).__name__}: {str(exc)[:300]}"]
+        failed += [part for line in lines if "FAILED" in line or "DIFFERS" in line or "MIXED" in line]
+        print("\n".join(lines), flush=True)
+    if failed:
+        print(f"gpu-check: {len(set(failed))} part(s) failed: {', '.join(dict.fromkeys(failed))}", flush=True)
+        return 1
     return 0
+
+
+def throughput_lines() -> list[str]:
+    base = throughput("trl-defaults")
+    ours = throughput("recipe")
+    lines = []
+    for r in (base, ours):
+        mfu_text = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else "MFU n/a (GPU not in the peak table)"
+        lines.append(
+            f"throughput {r['settings']:12}: {r['tokens_per_s']:,.0f} tokens/s (padding excluded), {mfu_text}, "
+            f"peak memory {r['memory_gb']:.1f} GB, attention {r['attention']}, liger {r['liger']} "
+            f"(Qwen2.5-0.5B shapes, {r['params'] / 1e6:.0f}M params, random weights, seq {SEQ})"
+        )
+    lines.append(f"throughput ratio recipe / trl-defaults: {ours['tokens_per_s'] / base['tokens_per_s']:.2f}x")
+    return lines
 
 
 def lm_head_memory(torch, vocab: int = 128256, hidden: int = 4096, tokens: int = 8192, device: str = "cuda") -> str:
@@ -379,8 +428,10 @@ def packed_attention(work: Path, attention: str = "flash_attention_2") -> str:
     losses = json.loads(found.group(1))
     gap, mixed = (abs(losses[k] - losses["unpacked"]) for k in ("packed_no_sp", "packed_mixed"))
     verdict = "documents kept apart" if gap < mixed / 4 else "documents MIXED"
-    return (f"packed attention {attention}: packed {losses['packed_no_sp']:.4f} vs unpacked {losses['unpacked']:.4f} "
-            f"(|diff| {gap:.1e}; {mixed:.1e} when every document attends to the ones before it, bf16): {verdict}")
+    return (
+        f"packed attention {attention}: packed {losses['packed_no_sp']:.4f} vs unpacked {losses['unpacked']:.4f} "
+        f"(|diff| {gap:.1e}; {mixed:.1e} when every document attends to the ones before it, bf16): {verdict}"
+    )
 
 
 if __name__ == "__main__":

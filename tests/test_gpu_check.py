@@ -36,10 +36,27 @@ def test_every_strategy_label_names_a_shipped_recipe_of_that_strategy():
                         "QLoRA": "fsdp2"}[label]  # fmt: skip
 
 
+def test_a_hub_kernel_not_in_the_cache_falls_back_to_sdpa_and_says_so(monkeypatch, tmp_path):
+    """gpu-check runs offline: a recipe's Kernels Hub attention is kept only where a rank could load it from the cache.
+    Its first GPU run asked the ranks for kernels-community/flash-attn2 because the kernels package was installed,
+    and every rank failed on the download."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    attn, why = gpu_check._attention("kernels-community/flash-attn2")
+    assert attn == "sdpa" and why.startswith("kernels-community/flash-attn2 asked, "), why
+    assert gpu_check._attention("sdpa") == ("sdpa", "")
+
+
 @pytest.mark.e2e  # builds two tiny smoke models with transformers (~6.5 s)
-def test_load_figures_read_the_gpu_peak_and_the_model_for_the_smoke_model():
+def test_load_figures_read_the_gpu_peak_and_the_model_for_the_smoke_model(monkeypatch):
     """The GPU-at-load part of each strategy line, from a report shaped like a GPU rank's (train/loading.py writes
     `gpu_peak` per phase where CUDA is in use) and the memory model for the recipe on the smoke model's shape."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # as gpu-check runs (its main): no kernel download
     from orchestrator.core import smoke
     from orchestrator.launch import recipe, resolved
 
