@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.core.memory import DTYPE_BYTES, GIB, NF4_BYTES, Setup, has_reference, states, trained_params
+from orchestrator.core.memory import (
+    DTYPE_BYTES,
+    GIB,
+    NF4_BYTES,
+    Setup,
+    ds_bucket,
+    has_reference,
+    states,
+    trained_params,
+)
 
 
 @dataclass(frozen=True)
@@ -80,8 +89,9 @@ def at_load(setup: Setup, gpus_per_node: int, cpu_ram_efficient: bool, fsdp_vers
         where = "in host memory (offload_param_device: cpu)" if params_on_host else "on its GPU"
         return LoadMemory(f"ZeRO-3 with deepspeed.zero.Init: rank 0 alone reads the checkpoint, one module gathered at "
                           f"a time; every rank keeps its partition {where}", read + host, host,
-                          read + gpus_per_node * host, (0.0 if params_on_host else part) + widest)  # fmt: skip
-    if setup.strategy == "zero3":
+                          read + gpus_per_node * host,
+                          (0.0 if params_on_host else part) + widest + ds_bucket(setup))  # fmt: skip
+    if setup.strategy == "zero3":  # the optimizer DeepSpeed builds in prepare allocates its gradient bucket there
         return LoadMemory("ZeRO-3 without zero3_init_flag: every rank reads the whole checkpoint; DeepSpeed partitions "
-                          "it when it initializes", read, read, read, shard)  # fmt: skip
+                          "it when it initializes", read, read, read, shard + ds_bucket(setup))  # fmt: skip
     return LoadMemory("every rank reads the whole checkpoint and moves it to its GPU", read, read, read, read)

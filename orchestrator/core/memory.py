@@ -4,7 +4,8 @@
   + frozen weights                          (LoRA's base model, 16-bit or 4-bit; a trainer's reference model)
   + activations                             (tokens per micro-batch, per layer, checkpointed or not, split by CP/SP)
   + LM head                                 (TRL's fused head: one token x vocabulary tile, never the whole logits)
-  + gathered units / buckets                (FSDP and ZeRO-3 all-gather one decoder layer ahead; DDP's buckets)
+  + gathered units / buckets                (FSDP and ZeRO-3 all-gather one decoder layer ahead; DDP's buckets;
+                                             DeepSpeed's gradient bucket, a fixed 5e8 elements)
   + overhead                                (CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation)
 
 The byte counts follow what the libraries really do, read from their code (accelerate 1.15, DeepSpeed 0.19,
@@ -275,8 +276,25 @@ def transient(setup: Setup) -> float:
     return 2 * a.layer_linear_params * per + grads + tail
 
 
+# DeepSpeed 0.19's reduce_bucket_size (ZeroConfig's default, in elements): accelerate's DeepSpeed plugin never sets it
+# from an Accelerate config, so every shipped ZeRO recipe runs with it
+DS_REDUCE_BUCKET = 500_000_000
+
+
+def ds_bucket(setup: Setup) -> float:
+    """DeepSpeed's contiguous gradient bucket (contiguous_gradients, on by default): reduce_bucket_size elements in the
+    gradients' dtype on every GPU, whatever the model's size (~0.93 GiB in bf16). ZeRO-3 allocates it as its
+    optimizer is built, in accelerate's prepare, and keeps it; ZeRO-1 and 2 allocate one at each backward (two with
+    overlap_comm, off by default for them) and free it after the reduction. Measured: 955.8 MiB at the end of prepare
+    on an H100 for the ZeRO-3 smoke run (docs/gpu.md); tests/test_ds_bucket.py reads it from DeepSpeed's optimizer.
+    A deepspeed_config_file's own reduce_bucket_size is not read: the default is assumed."""
+    if not setup.strategy.startswith("zero"):
+        return 0.0
+    return DS_REDUCE_BUCKET * (2 if setup.mixed_precision or DTYPE_BYTES[setup.weights_dtype] == 2 else 4)
+
+
 def estimate(setup: Setup) -> Estimate:
-    parts = {**states(setup), **activations(setup), "gathered": transient(setup)}
+    parts = {**states(setup), **activations(setup), "gathered": transient(setup), "gradient bucket": ds_bucket(setup)}
     live = sum(parts.values())
     parts["overhead"] = live * FRAGMENTATION + CONTEXT_GIB * GIB
     return Estimate(setup, {k: v / GIB for k, v in parts.items()})

@@ -1,0 +1,47 @@
+"""DeepSpeed's gradient bucket in the memory model (core/memory.ds_bucket), read back from DeepSpeed's own optimizer.
+
+The first GPU run of `make gpu-check` (docs/gpu.md) measured 955.8 MiB of GPU memory at the end of accelerate's
+prepare for the ZeRO-3 smoke run, whose model is 0.2 MiB: DeepSpeed's reduce bucket, reduce_bucket_size (5e8 elements
+by default, never set by accelerate's DeepSpeed plugin) in bf16, which the memory model lacked for every ZeRO stage.
+Here DeepSpeed builds each stage's engine on CPU from the config accelerate makes of an Accelerate config's
+deepspeed_config (tests/ds_bucket.py), and the bucket's bytes are read from its optimizer: ZeRO-3 holds it from
+initialize on, ZeRO-1 and 2 during each backward."""
+
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from orchestrator.core import load_memory, memory, models
+
+pytestmark = pytest.mark.e2e  # imports DeepSpeed and builds three engines (~6 s)
+
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def test_the_memory_model_counts_deepspeeds_gradient_bucket_as_deepspeed_allocates_it():
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "ds_bucket.py"), _port()], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    found = {int(s): (int(init), int(during)) for s, init, during in re.findall(r"^BUCKET (\d) (\d+) (\d+)$",
+                                                                                 run.stdout, re.M)}  # fmt: skip
+    assert sorted(found) == [1, 2, 3], run.stdout[-2000:]
+    arch = models.arch_of("meta-llama/Llama-3.1-8B-Instruct")
+    for stage, (at_init, during) in found.items():
+        setup = memory.Setup(arch=arch, strategy=f"zero{stage}", gpus=8)
+        assert memory.ds_bucket(setup) == during > 0, (stage, during)  # the step's peak holds it
+        assert memory.estimate(setup).parts["gradient bucket"] * memory.GIB == during
+        assert at_init == (during if stage == 3 else 0), (stage, at_init)
+    # ZeRO-3 allocates it in prepare: the per-GPU figure at load holds it, on either loading path
+    zero3 = memory.Setup(arch=arch, strategy="zero3", gpus=8)
+    without = memory.Setup(arch=arch, strategy="fsdp", gpus=8)
+    for init in (True, False):
+        assert load_memory.at_load(zero3, 8, cpu_ram_efficient=False, zero3_init=init).gpu >= found[3][0]
+    assert memory.ds_bucket(without) == 0 and memory.ds_bucket(memory.Setup(arch=arch, strategy="ddp")) == 0
