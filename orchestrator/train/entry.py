@@ -209,6 +209,8 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "adapter": adapter_facts(trainer.model),
         "backend": dist().get_backend() if dist() else None,
         "device": str(acc.device),
+        # the attention the model's layers call, as transformers resolved it (a recipe's kernel can fall back)
+        "attention": getattr(getattr(acc.unwrap_model(trainer.model), "config", None), "_attn_implementation", None),
         "local_samples": int(local.item()),
         "total_samples": int(total.item()) // sharing,
         "data_parallel_ranks": acc.num_processes // sharing,
