@@ -364,35 +364,47 @@ def throughput_lines() -> list[str]:
 def lm_head_memory(torch, vocab: int = 128256, hidden: int = 4096, tokens: int = 8192, device: str = "cuda") -> str:
     """TRL's fused LM head, one forward and backward under bf16 autocast, its allocator peak (over what was allocated
     before) beside core/memory.lm_head's figure less the scored hidden states' copy, which its caller makes."""
-    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
-
     from orchestrator.core import memory
 
     said = []
     for trained in (True, False):
-        torch.manual_seed(0)
-        hidden_states = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
-        weight = (torch.randn(vocab, hidden, device=device, dtype=torch.bfloat16) * 0.02).requires_grad_(trained)
-        labels = torch.randint(0, vocab, (tokens,), device=device)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        with torch.autocast(device, dtype=torch.bfloat16):
-            log_probs, *_ = ChunkedLogProbFunction.apply(hidden_states, weight, None, labels, 1.0,
-                                                         _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
-                                                         ("log_probs", "entropy", "is_top1"))  # fmt: skip
-        log_probs.sum().backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
+        peak = head_peak(torch, trained, vocab, hidden, tokens, device)
         parts = memory.lm_head(tokens, vocab, hidden, trained=trained)
         counted = sum(parts.values()) - parts["scored hidden states"]  # the caller's copy, not the function's
         verdict = "within 10%" if abs(peak - counted) <= 0.1 * counted else "DIFFERS by more than 10%"
         said.append(f"{'trained' if trained else 'frozen'} head: CUDA peak {peak / 2**30:.2f} GiB, the model "
                     f"{counted / 2**30:.2f} GiB ({peak / counted:.2f}x, {verdict})")  # fmt: skip
-        del hidden_states, weight, labels, log_probs
-        torch.cuda.empty_cache()
     return f"fused LM head (TRL's Triton fold; {vocab} x {hidden}, {tokens} tokens, bf16): " + "; ".join(said)
+
+
+def head_peak(torch, trained: bool, vocab: int, hidden: int, tokens: int, device: str) -> int:
+    """One case's peak over what was allocated before it, in a scope of its own: everything it made is gone when it
+    returns. (Its first GPU run kept the function's other outputs, `log_probs, *_ = ...`, past the case: the trained
+    head's entropy held its autograd graph, and with it the 1 GiB weight and its gradient, until the frozen case's
+    forward rebound `_`; the frozen case's backward then ran in the memory just freed, and its peak read 0.25 GiB.)"""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    cuda = device == "cuda"
+    torch.manual_seed(0)
+    hidden_states = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(vocab, hidden, device=device, dtype=torch.bfloat16) * 0.02).requires_grad_(trained)
+    labels = torch.randint(0, vocab, (tokens,), device=device)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    with torch.autocast(device, dtype=torch.bfloat16):
+        outputs = ChunkedLogProbFunction.apply(hidden_states, weight, None, labels, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE,
+                                               None, 1.0, ("log_probs", "entropy", "is_top1"))  # fmt: skip
+    outputs[0].sum().backward()
+    if cuda:
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before if cuda else 0
+    del outputs, hidden_states, weight, labels
+    if cuda:
+        torch.cuda.empty_cache()
+    return peak
 
 
 def node_gpu_memory(torch) -> str:

@@ -103,3 +103,29 @@ def test_gpu_check_runs_every_strategy():
     for label in gpu_check.STRATEGIES:
         line = next(x for x in lines if x.startswith(label))
         assert "FAILED" not in line and "final model loads" in line and "resumed from checkpoint-8" in line, line
+
+
+def test_a_fused_head_case_leaves_nothing_behind_for_the_next(monkeypatch):
+    """The frozen head's figure is measured after the trained one's: anything the trained case keeps alive (its first
+    GPU run kept the autograd graph of an unused output, and through it the weight and its gradient) is freed during
+    the next case and hides that case's peak. Each case, run here on CPU, must free every tensor it made."""
+    import gc
+    import weakref
+
+    import torch
+    from trl.kernels import chunked_logprob
+
+    made = []
+    apply = chunked_logprob.ChunkedLogProbFunction.apply
+
+    def watched(*args):
+        outputs = apply(*args)
+        made.extend(weakref.ref(t) for t in (*args[:2], *(o for o in outputs if o is not None)))
+        return outputs
+
+    monkeypatch.setattr(chunked_logprob.ChunkedLogProbFunction, "apply", watched)
+    for trained in (True, False):
+        assert gpu_check.head_peak(torch, trained, vocab=512, hidden=32, tokens=64, device="cpu") == 0
+        gc.collect()
+        assert made and all(ref() is None for ref in made), [ref() is None for ref in made]
+        made.clear()
