@@ -45,3 +45,23 @@ def test_the_memory_model_counts_deepspeeds_gradient_bucket_as_deepspeed_allocat
     for init in (True, False):
         assert load_memory.at_load(zero3, 8, cpu_ram_efficient=False, zero3_init=init).gpu >= found[3][0]
     assert memory.ds_bucket(without) == 0 and memory.ds_bucket(memory.Setup(arch=arch, strategy="ddp")) == 0
+
+
+def test_zero3s_load_figure_holds_what_its_initialize_adds_on_each_rank():
+    """ZeRO-3's per-GPU figure at load (load_memory.zero3_prepared) against the bytes DeepSpeed's initialize adds on
+    each of 2 ranks (tests/ds_prepared.py): its bf16 partition, fp32 master and gradient partitions, 8 bytes a
+    parameter over the ranks, plus the gradient bucket (the figure used to hold the bf16 partition alone)."""
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          _port(), str(ROOT / "tests" / "ds_prepared.py")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    found = re.findall(r"^PREPARED (\d) (\d+) (\d+)$", run.stdout, re.M)
+    assert len(found) == 2, run.stdout[-2000:]
+    setup = memory.Setup(arch=models.arch_of("meta-llama/Llama-3.1-8B-Instruct"), strategy="zero3", gpus=2)
+    held = memory.states(setup)
+    partition = setup.arch.params * 2 / 2
+    modelled = load_memory.zero3_prepared(setup, partition, held) - memory.ds_bucket(setup)
+    per_param = modelled * 2 / setup.arch.params  # bytes a parameter, over the ranks
+    for _rank, params, added in found:
+        measured = (int(added) - memory.ds_bucket(setup)) * 2 / int(params)
+        assert measured == pytest.approx(per_param, rel=0.02), (measured, per_param)

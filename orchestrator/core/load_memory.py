@@ -87,11 +87,24 @@ def at_load(setup: Setup, gpus_per_node: int, cpu_ram_efficient: bool, fsdp_vers
         widest = max(a.vocab * a.hidden, *(i * o for i, o in a.linears().values())) * dtype
         host = part if params_on_host else 0.0
         where = "in host memory (offload_param_device: cpu)" if params_on_host else "on its GPU"
+        on_gpu = 0.0 if params_on_host else part
         return LoadMemory(f"ZeRO-3 with deepspeed.zero.Init: rank 0 alone reads the checkpoint, one module gathered at "
                           f"a time; every rank keeps its partition {where}", read + host, host,
                           read + gpus_per_node * host,
-                          (0.0 if params_on_host else part) + widest + ds_bucket(setup))  # fmt: skip
-    if setup.strategy == "zero3":  # the optimizer DeepSpeed builds in prepare allocates its gradient bucket there
+                          max(on_gpu + widest, zero3_prepared(setup, on_gpu, held)))  # fmt: skip
+    if setup.strategy == "zero3":
         return LoadMemory("ZeRO-3 without zero3_init_flag: every rank reads the whole checkpoint; DeepSpeed partitions "
-                          "it when it initializes", read, read, read, shard + ds_bucket(setup))  # fmt: skip
+                          "it when it initializes", read, read, read,
+                          zero3_prepared(setup, a.params * dtype / setup.gpus, held))  # fmt: skip
     return LoadMemory("every rank reads the whole checkpoint and moves it to its GPU", read, read, read, read)
+
+
+def zero3_prepared(setup: Setup, partition: float, held: dict[str, float]) -> float:
+    """Per-GPU bytes at the end of ZeRO-3's initialize, in accelerate's prepare: the bf16 partition (`partition`, 0 with
+    offload_param_device: cpu), the fp32 master partition and the gradient partition of the trained parameters (4 + 2
+    bytes each over the ranks; in host memory with CPU offload), a full fine-tune's reference model's partition, and the
+    gradient bucket. Adam's moments come at the first step. tests/test_ds_bucket.py reads it from DeepSpeed on CPU:
+    8 bytes a parameter over 2 ranks, plus the bucket, for a full fine-tune."""
+    optimizer = 0.0 if setup.offload else trained_params(setup) * 6 / setup.gpus
+    reference = held["frozen weights"] if setup.method == "full" else 0.0  # LoRA's frozen base is in `partition`
+    return partition + optimizer + reference + ds_bucket(setup)
