@@ -13,7 +13,8 @@
 3. Packed attention: one packed row of four documents against the same documents unpacked, on the tiny Qwen3 in
    bf16 with flash_attention_2 (the varlen kernel that keeps documents apart from position_ids, which Ulysses relies
    on once it drops the mask; tests/ulysses_packing.py, whose CPU run in tests/test_packed_attention.py shows SDPA
-   mixing them under Ulysses). Said, not failed, where the flash-attn package is not installed.
+   mixing them under Ulysses). Where the flash-attn package is not installed, SDPA on the block mask transformers
+   builds from position_ids instead, said as such.
 
 4. The head node's memory check reads the GPUs' memory from nvidia-smi: printed beside CUDA's figure.
 5. TRL's fused LM head on CUDA (its Triton fold, TRL's own tile) at Llama-3-8B's head shape: the CUDA allocator's
@@ -423,9 +424,12 @@ def node_gpu_memory(torch) -> str:
 
 def packed_attention(work: Path, attention: str = "flash_attention_2") -> str:
     """The packed row's loss against the unpacked documents' on `attention` (one GPU, bf16): equal within bf16's
-    rounding when the kernel keeps the documents apart."""
-    if importlib.util.find_spec("flash_attn") is None:
-        return f"packed attention: not run: {attention} needs the flash-attn package, not installed here"
+    rounding when the kernel keeps the documents apart. Without the flash-attn package, SDPA on the block mask
+    transformers builds from position_ids (its GPU kernels, not flash's varlen one), said as such."""
+    said = ""
+    if attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        said = " [flash-attn not installed here: flash_attention_2's varlen kernel not run]"
+        attention = "sdpa"
     from orchestrator.core import smoke
 
     artifacts = smoke.plan("Qwen/Qwen3-8B", "sft")  # the tiny Qwen3, built here
@@ -442,7 +446,7 @@ def packed_attention(work: Path, attention: str = "flash_attention_2") -> str:
     verdict = "documents kept apart" if gap < mixed / 4 else "documents MIXED"
     return (
         f"packed attention {attention}: packed {losses['packed_no_sp']:.4f} vs unpacked {losses['unpacked']:.4f} "
-        f"(|diff| {gap:.1e}; {mixed:.1e} when every document attends to the ones before it, bf16): {verdict}"
+        f"(|diff| {gap:.1e}; {mixed:.1e} when every document attends to the ones before it, bf16): {verdict}{said}"
     )
 
 
