@@ -49,6 +49,7 @@ STRATEGIES = {  # label -> a shipped recipe that asks for it
     "DDP": "qwen25_sft_ddp",
     "QLoRA": "llama3_70b_qlora_fsdp",  # 4-bit NF4 on FSDP2: every rank quantises the whole model onto its GPU
 }
+PARTS = ("memory", *STRATEGIES, "throughput", "packed", "head")  # what `gpu_check.py PART...` runs, in this order
 SEQ = 2048
 # bf16 dense peak (TFLOP/s, without sparsity) from the vendors' datasheets; orch's accelerator table comes later.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
@@ -185,7 +186,7 @@ def check_strategy(label: str, recipe_name: str, gpus: int, work: Path) -> str:
         f"{report['world_size']} GPU(s), attention {report.get('attention')}, liger asked "
         f"{trl['use_liger_kernel']}{sharded}; resumed from "
         f"{Path(resumed).name} to step {report['optimizer_steps']}, last loss {losses[-1]:.4f}; final model "
-        f"{dtypes}, loads ({model.num_parameters():,} params); {load_figures(recipe_name, trl, gpus, report)}; "
+        f"loads ({model.num_parameters():,} params, {dtypes}); {load_figures(recipe_name, trl, gpus, report)}; "
         f"{time.monotonic() - started:.0f} s" + (f" [{'; '.join(said)}]" if said else "")
     )
 
@@ -291,11 +292,10 @@ def throughput(settings: str, steps: int = 12, warmup: int = 3) -> dict:
 
 def main(argv: list[str]) -> int:
     os.environ["HF_HUB_OFFLINE"] = "1"  # as the ranks run it (_node): nothing is downloaded here
-    parts = argv[1:] or ["memory", *STRATEGIES, "throughput", "packed", "head"]
-    unknown = [p for p in parts if p not in {"memory", *STRATEGIES, "throughput", "packed", "head"}]
+    parts = argv[1:] or list(PARTS)
+    unknown = [p for p in parts if p not in PARTS]
     if unknown:
-        print(f"gpu-check: error: unknown part(s) {', '.join(unknown)}; the parts: memory, {', '.join(STRATEGIES)}, "
-              "throughput, packed, head", file=sys.stderr)  # fmt: skip
+        print(f"gpu-check: error: unknown part(s) {', '.join(unknown)}; the parts: {', '.join(PARTS)}", file=sys.stderr)
         return 2
     try:
         import torch
