@@ -29,6 +29,15 @@ if "ORCH_CACHE_DIR" not in os.environ:
 os.environ.setdefault("SKY_RUNTIME_DIR", tempfile.mkdtemp(prefix="orch-test-sky-"))
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a rendezvous (taken by the OS, then released)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def orch(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (exit codes, stdout/stderr, no shared state)."""
     full_env = {**os.environ, **(env or {})}

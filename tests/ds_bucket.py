@@ -1,16 +1,35 @@
-"""Run by tests/test_ds_bucket.py in its own process: DeepSpeed's gradient bucket, read from its optimizer, for the
-config accelerate builds from an Accelerate config's deepspeed_config (its DeepSpeedPlugin, as accelerate launch's
-ranks do). Prints `BUCKET <stage> <bytes at the end of initialize> <bytes during backward>` for stages 1 to 3."""
+"""Run by tests/test_ds_bucket.py: DeepSpeed's engines on CPU, for the config accelerate builds from an Accelerate
+config's deepspeed_config (its DeepSpeedPlugin, as accelerate launch's ranks do), with what the Trainer fills in for
+its "auto" values.
 
+- `python tests/ds_bucket.py bucket PORT` (one process): the gradient bucket read from the optimizer, for stages 1
+  to 3; prints `BUCKET <stage> <bytes at the end of initialize> <bytes during backward>`.
+- `python -m torch.distributed.run --nproc_per_node 2 tests/ds_bucket.py prepared`: the bytes ZeRO-3's initialize
+  adds on each rank (every tensor storage alive after it and not before, the bucket included) for a full fine-tune
+  of a bf16 model; prints `PREPARED <rank> <params> <bytes>`."""
+
+import gc
 import os
 import sys
 
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                  DS_ACCELERATOR="cpu")  # fmt: skip
+os.environ["DS_ACCELERATOR"] = "cpu"
+if sys.argv[1] == "bucket":
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin  # noqa: E402
+
+
+def engine(stage: int, model: torch.nn.Module):
+    config = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=1).deepspeed_config
+    # what the Trainer fills in for accelerate's "auto" values (batch sizes, max_grad_norm) with bf16
+    world = int(os.environ["WORLD_SIZE"])
+    config.update(train_micro_batch_size_per_gpu=1, train_batch_size=world, gradient_clipping=1.0,
+                  bf16={"enabled": True})  # fmt: skip
+    assert "reduce_bucket_size" not in config.get("zero_optimization", {}), config  # DeepSpeed's default applies
+    built, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
+    return built
 
 
 def held(optimizer) -> int:
@@ -21,18 +40,32 @@ def held(optimizer) -> int:
     return total
 
 
-for stage in (1, 2, 3):
-    config = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=1).deepspeed_config
-    # what the Trainer fills in for accelerate's "auto" values (batch sizes, max_grad_norm) with bf16
-    config.update(train_micro_batch_size_per_gpu=1, train_batch_size=1, gradient_clipping=1.0, bf16={"enabled": True})
-    assert "reduce_bucket_size" not in config.get("zero_optimization", {}), config  # DeepSpeed's default applies
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
-    at_init = held(engine.optimizer)
-    during: list[int] = []
-    for param in engine.module.parameters():
-        param.register_hook(lambda grad, during=during, optimizer=engine.optimizer: during.append(held(optimizer)))
-    engine.backward(engine(torch.randn(1, 64, dtype=torch.bfloat16)).float().sum())
-    engine.step()
-    print(f"BUCKET {stage} {at_init} {max(during)}", flush=True)
-    engine.destroy()
+def storages() -> dict[int, int]:
+    out = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            out[storage.data_ptr()] = storage.nbytes()
+    return out
+
+
+if sys.argv[1] == "bucket":
+    for stage in (1, 2, 3):
+        ds = engine(stage, torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)))
+        at_init = held(ds.optimizer)
+        during: list[int] = []
+        for param in ds.module.parameters():
+            param.register_hook(lambda grad, during=during, optimizer=ds.optimizer: during.append(held(optimizer)))
+        ds.backward(ds(torch.randn(1, 64, dtype=torch.bfloat16)).float().sum())
+        ds.step()
+        print(f"BUCKET {stage} {at_init} {max(during)}", flush=True)
+        ds.destroy()
+else:
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024)).to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    gc.collect()
+    before = storages()
+    ds = engine(3, model)
+    gc.collect()
+    added = sum(size for ptr, size in storages().items() if ptr not in before)
+    print(f"PREPARED {os.environ['RANK']} {params} {added}", flush=True)

@@ -4,12 +4,11 @@ say what to do, instead of smoke runs quietly training something else."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, free_port
 
 from orchestrator.core import strategy
 from orchestrator.node import env as node_envs
@@ -18,12 +17,6 @@ from orchestrator.node import launcher
 pytestmark = pytest.mark.unit
 
 PROBE = ROOT / "tests" / "accelerate_probe.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def probe(mode: str, world: int) -> list[dict]:

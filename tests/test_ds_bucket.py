@@ -4,31 +4,24 @@ The first GPU run of `make gpu-check` (docs/gpu.md) measured 955.8 MiB of GPU me
 prepare for the ZeRO-3 smoke run, whose model is 0.2 MiB: DeepSpeed's reduce bucket, reduce_bucket_size (5e8 elements
 by default, never set by accelerate's DeepSpeed plugin) in bf16, which the memory model lacked for every ZeRO stage.
 Here DeepSpeed builds each stage's engine on CPU from the config accelerate makes of an Accelerate config's
-deepspeed_config (tests/ds_bucket.py), and the bucket's bytes are read from its optimizer: ZeRO-3 holds it from
+deepspeed_config (tests/ds_bucket.py bucket), and the bucket's bytes are read from its optimizer: ZeRO-3 holds it from
 initialize on, ZeRO-1 and 2 during each backward."""
 
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, free_port
 
 from orchestrator.core import load_memory, memory, models
 
 pytestmark = pytest.mark.e2e  # imports DeepSpeed and builds three engines (~6 s)
 
 
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def test_the_memory_model_counts_deepspeeds_gradient_bucket_as_deepspeed_allocates_it():
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "ds_bucket.py"), _port()], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "ds_bucket.py"), "bucket", str(free_port())],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     found = {int(s): (int(init), int(during)) for s, init, during in re.findall(r"^BUCKET (\d) (\d+) (\d+)$",
                                                                                  run.stdout, re.M)}  # fmt: skip
@@ -49,11 +42,11 @@ def test_the_memory_model_counts_deepspeeds_gradient_bucket_as_deepspeed_allocat
 
 def test_zero3s_load_figure_holds_what_its_initialize_adds_on_each_rank():
     """ZeRO-3's per-GPU figure at load (load_memory.zero3_prepared) against the bytes DeepSpeed's initialize adds on
-    each of 2 ranks (tests/ds_prepared.py): its bf16 partition, fp32 master and gradient partitions, 8 bytes a
+    each of 2 ranks (tests/ds_bucket.py prepared): its bf16 partition, fp32 master and gradient partitions, 8 bytes a
     parameter over the ranks, plus the gradient bucket (the figure used to hold the bf16 partition alone)."""
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          _port(), str(ROOT / "tests" / "ds_prepared.py")], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+                          str(free_port()), str(ROOT / "tests" / "ds_bucket.py"), "prepared"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     found = re.findall(r"^PREPARED (\d) (\d+) (\d+)$", run.stdout, re.M)
     assert len(found) == 2, run.stdout[-2000:]

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, orch
+from conftest import ROOT, free_port, orch
 
 from orchestrator.train.checkpoints import (
     MANIFEST,
@@ -241,7 +241,7 @@ def test_a_rank_that_exits_early_is_named_as_the_cause(project):
 
 
 def test_head_names_the_node_that_never_joined(node_env):
-    env = node_env(2, 8, 0, ORCH_RENDEZVOUS_TIMEOUT="1.5", ORCH_BARRIER_PORT=str(_free_port()))
+    env = node_env(2, 8, 0, ORCH_RENDEZVOUS_TIMEOUT="1.5", ORCH_BARRIER_PORT=str(free_port()))
     started = time.monotonic()
     result = orch("node", env=env, timeout=60)
     assert result.returncode == 75 and time.monotonic() - started < 30
@@ -250,7 +250,7 @@ def test_head_names_the_node_that_never_joined(node_env):
 
 
 def test_worker_says_the_head_is_unreachable(node_env):
-    port = _free_port()
+    port = free_port()
     env = node_env(2, 8, 1, ORCH_RENDEZVOUS_TIMEOUT="1", ORCH_BARRIER_PORT=str(port))
     env["SKYPILOT_NODE_IPS"] = "127.0.0.1\n127.0.0.2\n"
     result = orch("node", env=env, timeout=60)
@@ -281,14 +281,6 @@ def test_local_run_with_a_node_that_never_joins_fails_fast(project):
     )
     assert result.returncode == 75 and time.monotonic() - started < 60
     assert "(node0) orch: error: node(s) 1 never joined the head within 3 s" in result.stdout
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---------------------------------------------------------------- bad input, through the real CLI
@@ -395,7 +387,7 @@ def test_barrier_listens_on_ipv4_and_ipv6(head_ip):
                 probe.bind(("::1", 0))
         except OSError:
             pytest.skip("this machine has no IPv6 loopback")
-    port = _free_port()
+    port = free_port()
     done = []
     head = threading.Thread(target=lambda: done.append(barrier.head_wait(2, port, 20)))
     head.start()
