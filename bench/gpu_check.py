@@ -51,6 +51,8 @@ STRATEGIES = {  # label -> a shipped recipe that asks for it
 }
 PARTS = ("memory", *STRATEGIES, "throughput", "packed", "head")  # what `gpu_check.py PART...` runs, in this order
 SEQ = 2048
+FLASH_HUB = "kernels-community/flash-attn2"  # what the recipes ask for (transformers' fallback for flash_attention_2)
+STANDIN = ROOT / "bench" / "torch_flash"  # PyTorch's FlashAttention kernels behind flash-attn's API (its docstring)
 # bf16 dense peak (TFLOP/s, without sparsity) from the vendors' datasheets; orch's accelerator table comes later.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
 # Qwen2.5-0.5B's published config (shapes only; weights are random).
@@ -91,6 +93,8 @@ def _gpu_overrides(launch, artifacts) -> tuple[dict[str, str], list[str]]:
     if why:
         said.append(why)
     out["attn_implementation"] = attn
+    if attn == FLASH_HUB and standing_in():
+        said.append(f"{FLASH_HUB}: PyTorch's FlashAttention stand-in")
     liger = str(launch.setting("use_liger_kernel", False)).lower() == "true"
     if liger and importlib.util.find_spec("liger_kernel") is None:
         said.append("Liger asked, liger_kernel not installed: off")
@@ -115,6 +119,65 @@ def _attention(asked: str) -> tuple[str, str]:
     except OrchError as exc:
         return "sdpa", f"{asked} asked, not loadable here ({str(exc).split(':')[0]}): sdpa"
     return asked, ""
+
+
+def standing_in() -> bool:
+    """Whether flash_standin pointed the kernels package at bench/torch_flash for this run."""
+    return os.environ.get("LOCAL_KERNELS") == f"{FLASH_HUB}={STANDIN}"
+
+
+def flash_standin(torch) -> str:
+    """Where the recipes' `kernels-community/flash-attn2` cannot load here (no flash-attn package, no route to the Hub:
+    the lent machine), serve it from PyTorch's own FlashAttention kernels (bench/torch_flash) through the kernels
+    package's LOCAL_KERNELS override, so the strategies, the throughput and the packed-attention check take
+    transformers' whole flash path on a flash kernel, not sdpa. Only after its self-test on this GPU passes: a packed
+    pair of documents, forward and backward, against SDPA's math on each document alone. One line says which."""
+    if os.environ.get("LOCAL_KERNELS"):
+        return f"attention: LOCAL_KERNELS is set here ({os.environ['LOCAL_KERNELS'][:200]}): used as given"
+    attn, why = _attention(FLASH_HUB)
+    if not why:
+        return f"attention: {FLASH_HUB} loads here: the recipes' own kernel, no stand-in"
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return f"attention: {why}; torch {torch.__version__} has no torch.nn.attention.varlen to stand in for it"
+    sys.path.insert(0, str(STANDIN.parent))
+    import torch_flash
+
+    worst = _standin_selftest(torch, torch_flash)
+    if not worst < 2e-2:
+        return f"attention: stand-in FAILED its self-test here (max |diff| {worst:.1e} against SDPA's math): sdpa"
+    os.environ["LOCAL_KERNELS"] = f"{FLASH_HUB}={STANDIN}"
+    return (
+        f"attention: {FLASH_HUB} (not loadable here) stood in by {torch_flash.KERNEL}, bench/torch_flash through "
+        f"kernels' LOCAL_KERNELS; self-test on this GPU: max |diff| {worst:.1e} (outputs and gradients, bf16) against "
+        "SDPA's math document by document"
+    )
+
+
+def _standin_selftest(torch, kernel, device: str = "cuda") -> float:
+    """The largest |difference| of the stand-in's varlen and dense outputs and input gradients (causal, grouped-query,
+    two packed documents of 96 and 32 tokens) from SDPA's math kernel on each document alone, in bf16 on `device`."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(128, h, 64, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for h in (8, 2, 2))  # fmt: skip
+    cu = torch.tensor([0, 96, 128], device=device, dtype=torch.int32)
+    out = kernel.flash_attn_varlen_func(q, k, v, cu, cu, 96, 96, causal=True)
+    dense = kernel.flash_attn_func(q[None, :96], k[None, :96], v[None, :96], causal=True)[0]
+    grads = torch.autograd.grad(out.float().square().sum() + dense.float().sum(), (q, k, v))
+    refs = []
+    for a, b in ((0, 96), (96, 128)):
+        qq, kk, vv = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+        kk, vv = kk.repeat_interleave(4, dim=1), vv.repeat_interleave(4, dim=1)
+        with sdpa_kernel(SDPBackend.MATH):
+            refs.append(F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)[0].transpose(0, 1))
+    ref = torch.cat(refs)
+    ref_grads = torch.autograd.grad(ref.float().square().sum() + refs[0].float().sum(), (q, k, v))
+    diffs = [(out.float() - ref.float()).abs().max(), (dense.float() - refs[0].float()).abs().max()]
+    for g, r in zip(grads, ref_grads, strict=True):  # relative to the gradient's scale
+        diffs.append((g.float() - r.float()).abs().max() / max(1.0, r.float().abs().max().item()))
+    return max(d.item() for d in diffs)
 
 
 def _node(envs: dict[str, str], gpus: int, task_id: str, work: Path) -> subprocess.CompletedProcess:
@@ -239,12 +302,13 @@ def throughput(settings: str, steps: int = 12, warmup: int = 3) -> dict:
         logging_steps=1, report_to="none", save_strategy="no", max_length=SEQ, disable_tqdm=True,
     )  # fmt: skip
     if settings == "recipe":  # recipes/trl/qwen25_sft.yaml's speed settings: bf16, packing (padding-free), Liger,
-        # activation checkpointing; its Kernels Hub flash attention needs a download, so flash_attn if installed
+        # activation checkpointing, its flash attention (the flash-attn package, the Hub kernel, or the stand-in)
         args = SFTConfig(
             **common, bf16=True, packing=True, gradient_checkpointing=True,
             use_liger_kernel=importlib.util.find_spec("liger_kernel") is not None,
         )  # fmt: skip
-        model.config._attn_implementation = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+        flash = "flash_attention_2" if importlib.util.find_spec("flash_attn") else FLASH_HUB
+        model.set_attn_implementation(flash if flash != FLASH_HUB or _attention(FLASH_HUB)[1] == "" else "sdpa")
     else:  # TRL's defaults (weights in bf16 for both, as loaded)
         args = SFTConfig(**common)
 
@@ -272,6 +336,9 @@ def throughput(settings: str, steps: int = 12, warmup: int = 3) -> dict:
     trainer.train()
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - clock.start
+    attention = model.config._attn_implementation
+    if attention == FLASH_HUB and standing_in():
+        attention += " (PyTorch's FlashAttention stand-in)"
     tps = counted["tokens"] / elapsed
     peak = peak_for(torch.cuda.get_device_name(0))
     per_token = flops_per_token(n_params, config.num_hidden_layers, config.hidden_size, SEQ)
@@ -282,7 +349,7 @@ def throughput(settings: str, steps: int = 12, warmup: int = 3) -> dict:
         "params": n_params,
         "memory_gb": torch.cuda.max_memory_allocated() / 1e9,
         "liger": bool(getattr(args, "use_liger_kernel", False)),
-        "attention": model.config._attn_implementation,
+        "attention": attention,
     }
     trainer = model = None  # the next configuration's peak starts from nothing of this one (gc: the cycle)
     gc.collect()
@@ -324,6 +391,10 @@ def main(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="orch-gpu-check-"))
     print(f"gpu-check: runs and their logs in {work}", flush=True)
     failed = []
+    if any(p in STRATEGIES or p in ("throughput", "packed") for p in parts):
+        line = flash_standin(torch)
+        print(line, flush=True)
+        failed += ["attention"] if "FAILED" in line else []
     for part in parts:  # one part's failure is said and the others still run: GPU time is scarce
         started = time.monotonic()
         try:
@@ -422,14 +493,20 @@ def node_gpu_memory(torch) -> str:
     return f"node memory check: nvidia-smi {gib:.2f} GiB ({name}), CUDA {cuda:.2f} GiB: {agree}"
 
 
-def packed_attention(work: Path, attention: str = "flash_attention_2") -> str:
-    """The packed row's loss against the unpacked documents' on `attention` (one GPU, bf16): equal within bf16's
-    rounding when the kernel keeps the documents apart. Without the flash-attn package, SDPA on the block mask
-    transformers builds from position_ids (its GPU kernels, not flash's varlen one), said as such."""
+def packed_attention(work: Path) -> str:
+    """The packed row's loss against the unpacked documents' on a flash kernel (one GPU, bf16): equal within bf16's
+    rounding when the kernel keeps the documents apart. The flash-attn package's flash_attention_2 where installed,
+    else the recipes' kernels-community/flash-attn2 where it loads (flash_standin's PyTorch stand-in included), else
+    SDPA on the block mask transformers builds from position_ids (not a flash kernel), said as such."""
     said = ""
-    if attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        said = " [flash-attn not installed here: flash_attention_2's varlen kernel not run]"
+    if importlib.util.find_spec("flash_attn") is not None:
+        attention = "flash_attention_2"
+    elif _attention(FLASH_HUB)[1] == "":
+        attention = FLASH_HUB
+        said = " [PyTorch's FlashAttention stand-in: its varlen kernel]" if standing_in() else ""
+    else:
         attention = "sdpa"
+        said = " [no flash kernel here: neither the flash-attn package nor the recipes' Hub kernel]"
     from orchestrator.core import smoke
 
     artifacts = smoke.plan("Qwen/Qwen3-8B", "sft")  # the tiny Qwen3, built here

@@ -8,7 +8,7 @@ set -u
 cd "$(dirname "$0")/.." || exit 2
 MISSING="trl peft datasets deepspeed bitsandbytes liger-kernel math-verify latex2sympy2-extended antlr4-python3-runtime
 pydantic pydantic-core annotated-types typing-inspection hjson dill multiprocess fsspec jsonschema referencing rpds-py
-jsonschema-specifications py-spy"
+jsonschema-specifications py-spy kernels kernels-data"
 case "${1:-}" in
 fetch)
     mkdir -p .whl

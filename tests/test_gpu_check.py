@@ -129,3 +129,35 @@ def test_a_fused_head_case_leaves_nothing_behind_for_the_next(monkeypatch):
         gc.collect()
         assert made and all(ref() is None for ref in made), [ref() is None for ref in made]
         made.clear()
+
+
+def test_the_flash_stand_in_self_test_passes_the_stand_in_and_catches_a_kernel_that_mixes_documents():
+    """flash_standin serves the recipes' flash-attn2 only after this self-test: here on CPU, where the stand-in
+    computes with SDPA's math (its CUDA path, PyTorch's FlashAttention, runs under make gpu-check)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import torch_flash
+
+    assert gpu_check._standin_selftest(torch, torch_flash, device="cpu") < 2e-2
+
+    class Mixing:  # causal over the whole packed row: the second document attends to the first
+        flash_attn_func = staticmethod(torch_flash.flash_attn_func)
+
+        @staticmethod
+        def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=False):
+            return torch_flash.flash_attn_func(q[None], k[None], v[None], causal=causal)[0]
+
+    assert gpu_check._standin_selftest(torch, Mixing, device="cpu") > 0.1
+
+
+def test_the_stand_in_is_used_only_where_the_recipes_kernel_does_not_load(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("LOCAL_KERNELS", raising=False)
+    monkeypatch.setattr(gpu_check, "_attention", lambda asked: (asked, ""))
+    assert "no stand-in" in gpu_check.flash_standin(torch)
+    assert "LOCAL_KERNELS" not in __import__("os").environ
+    monkeypatch.setenv("LOCAL_KERNELS", "kernels-community/flash-attn2=/somewhere")
+    assert "used as given" in gpu_check.flash_standin(torch)
+    assert not gpu_check.standing_in()

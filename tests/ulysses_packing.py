@@ -5,8 +5,9 @@ the SP group as TRL does) on one packed row of two documents, against the same d
 Prints one JSON line on rank 0: the token-mean loss of
 - `unpacked`: each document alone, plain SDPA, no SP (the reference);
 - `packed_no_sp`: the packed row, plain SDPA, no SP (transformers builds a block mask from position_ids);
-- `packed_mixed`: the packed row, plain SDPA, no SP, with an all-ones attention mask (transformers then looks for no
-  documents: causal over the whole row, what every document attending to the ones before it costs);
+- `packed_mixed`: the packed row, plain SDPA (whatever ATTENTION is), no SP, with an all-ones attention mask
+  (transformers then looks for no documents: causal over the whole row, what every document attending to the ones
+  before it costs; a flash path would still find them in position_ids);
 - `ulysses_sdpa`: the packed row through Ulysses SP2 on SDPA, the ALST recipe's chain on CPU;
 - `ulysses_varlen`: the same on an attention that keeps the documents apart from position_ids, as flash attention's
   varlen path does on GPUs (SDPA with a block-diagonal causal mask, registered through transformers'
@@ -105,7 +106,11 @@ def main(model_dir: str, attention: str = "sdpa") -> None:
     shift = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
     loss, count = token_losses(plain, batch["input_ids"], batch["position_ids"], shift)
     result = {"attention": attention, "unpacked": unpacked(plain, documents), "packed_no_sp": (loss / count).item()}
-    loss, count = token_losses(plain, batch["input_ids"], batch["position_ids"], shift, mixed=True)
+    # what mixing costs: SDPA on an all-ones mask (a flash path would still find the documents in position_ids)
+    sdpa = plain
+    if attention != "sdpa":
+        sdpa = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPE, attn_implementation="sdpa").to(DEVICE)
+    loss, count = token_losses(sdpa, batch["input_ids"], batch["position_ids"], shift, mixed=True)
     result["packed_mixed"] = (loss / count).item()
     if dist.get_world_size() == SP:
         result["ulysses_sdpa"] = ulysses(model_dir, "sdpa", batch)  # replaces transformers' "sdpa" by its wrapper
