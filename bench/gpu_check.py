@@ -7,6 +7,9 @@
    strategy, read from the ranks' reports (orchestrator/train/entry.py), never from the configs, with rank 0's GPU
    peak from the model's load to the end of accelerate's prepare (its CUDA allocator) beside the memory model's
    per-GPU figure at load (core/load_memory.at_load) for the same model and shape. QLoRA (4-bit, FSDP2) is one of them.
+   The `load` part runs QLoRA, ZeRO-3 and DDP (one of each loading path) again on the smoke model's config scaled to
+   ~243M parameters (SCALED, random weights, 464 MiB in bf16), where the GPU peak at load can tell the model's terms
+   apart, which the tiny models' (under 3 MiB) cannot.
 2. Throughput of the SFT recipe's settings (bf16, Liger, padding-free, activation checkpointing) on a real-size
    architecture with random weights (Qwen2.5-0.5B's shapes from its config, sequence 2048) beside TRL's defaults
    on the same model and data: tokens/s, model FLOPs utilisation and the ratio.
@@ -49,7 +52,12 @@ STRATEGIES = {  # label -> a shipped recipe that asks for it
     "DDP": "qwen25_sft_ddp",
     "QLoRA": "llama3_70b_qlora_fsdp",  # 4-bit NF4 on FSDP2: every rank quantises the whole model onto its GPU
 }
-PARTS = ("memory", *STRATEGIES, "throughput", "packed", "head")  # what `gpu_check.py PART...` runs, in this order
+LOADING = ("QLoRA", "ZeRO-3", "DDP")  # the `load` part: one of each loading path, on a model of ~243M parameters
+PARTS = ("memory", *STRATEGIES, "load", "throughput", "packed", "head")  # `gpu_check.py PART...`: this order
+# The `load` part's model: the smoke model's own config (family, tokenizer, vocabulary) at these sizes, random weights:
+# large enough (464 MiB in bf16) that the GPU peak at load tells the memory model's terms apart.
+SCALED = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=16,
+              num_key_value_heads=4, head_dim=64)  # fmt: skip
 SEQ = 2048
 FLASH_HUB = "kernels-community/flash-attn2"  # what the recipes ask for (transformers' fallback for flash_attention_2)
 STANDIN = ROOT / "bench" / "torch_flash"  # PyTorch's FlashAttention kernels behind flash-attn's API (its docstring)
@@ -208,7 +216,28 @@ def _first_error(result: subprocess.CompletedProcess) -> str:
     return (text.strip().splitlines() or ["(no output)"])[-1][:300]
 
 
-def check_strategy(label: str, recipe_name: str, gpus: int, work: Path) -> str:
+def scaled_model(smoke_model: Path, work: Path) -> Path:
+    """The smoke model's config at SCALED's sizes, random weights in bf16, beside its tokenizer files: built once."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = work / f"scaled-{smoke_model.parent.name}"
+    if (out / "config.json").is_file():
+        return out
+    config = json.loads((smoke_model / "config.json").read_text())
+    config = {k: v for k, v in config.items() if k not in ("layer_types", "max_window_layers")}  # per-layer lists
+    model_type = config.pop("model_type")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**config, **SCALED}),
+                                             dtype=torch.bfloat16)  # fmt: skip
+    model.save_pretrained(out)
+    for f in smoke_model.iterdir():
+        if f.is_file() and not (out / f.name).exists():
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def check_strategy(label: str, recipe_name: str, gpus: int, work: Path, scaled: bool = False) -> str:
     from orchestrator.core import overrides, smoke
     from orchestrator.launch import recipe as recipes
     from orchestrator.launch.resolved import resolve
@@ -217,20 +246,25 @@ def check_strategy(label: str, recipe_name: str, gpus: int, work: Path) -> str:
     artifacts = smoke.plan(str(launch.setting("model_name_or_path", "")), launch.trainer)
     smoke.ensure(artifacts)
     trl, said = _gpu_overrides(launch, artifacts)
-    out_dir = work / recipe_name
+    if scaled:
+        trl["model_name_or_path"] = str(scaled_model(artifacts.dir / "model", work))
+    tag = recipe_name + ("-scaled" if scaled else "")  # its output, logs and task id apart from the smoke model's
+    out_dir = work / tag
     trl["output_dir"] = str(out_dir)
     envs = {k: str(v) for k, v in launch.envs.items()}
     envs["GLOBAL_BATCH_SIZE"] = "16"  # smoke's global batch
     envs.pop("CHECKPOINT_ROOT", None)  # no bucket here: output_dir above
     started = time.monotonic()
-    first = _node({**envs, "TRL_OVERRIDES": overrides.dumps(trl)}, gpus, f"gpu-check-{recipe_name}", work)
-    (work / f"{recipe_name}.log").write_text(first.stdout + first.stderr)  # the whole of it, for a failure's cause
+    first = _node({**envs, "TRL_OVERRIDES": overrides.dumps(trl)}, gpus, f"gpu-check-{tag}", work)
+    (work / f"{tag}.log").write_text(first.stdout + first.stderr)  # the whole of it, for a failure's cause
     if first.returncode != 0:
         return f"{label:7} ({recipe_name}): FAILED: {_first_error(first)}"
+    # the fresh start's report: the resume rewrites rank0.json, and its prepare also loads the checkpoint's states
+    fresh = json.loads((out_dir / "orch" / "rank0.json").read_text())
     second = _node(
-        {**envs, "TRL_OVERRIDES": overrides.dumps({**trl, "max_steps": "12"})}, gpus, f"gpu-check-{recipe_name}", work
+        {**envs, "TRL_OVERRIDES": overrides.dumps({**trl, "max_steps": "12"})}, gpus, f"gpu-check-{tag}", work
     )
-    (work / f"{recipe_name}-resume.log").write_text(second.stdout + second.stderr)
+    (work / f"{tag}-resume.log").write_text(second.stdout + second.stderr)
     if second.returncode != 0:
         return f"{label:7} ({recipe_name}): trained, then the resume FAILED: {_first_error(second)}"
     report = json.loads((out_dir / "orch" / "rank0.json").read_text())
@@ -249,21 +283,36 @@ def check_strategy(label: str, recipe_name: str, gpus: int, work: Path) -> str:
         f"{report['world_size']} GPU(s), attention {report.get('attention')}, liger asked "
         f"{trl['use_liger_kernel']}{sharded}; resumed from "
         f"{Path(resumed).name} to step {report['optimizer_steps']}, last loss {losses[-1]:.4f}; final model "
-        f"loads ({model.num_parameters():,} params, {dtypes}); {load_figures(recipe_name, trl, gpus, report)}; "
+        f"loads ({model.num_parameters():,} params, {dtypes}); {load_figures(recipe_name, trl, gpus, fresh)}; "
+        f"{resume_peak(report)}; "
         f"{time.monotonic() - started:.0f} s" + (f" [{'; '.join(said)}]" if said else "")
     )
 
 
+def _gpu_peaks(report: dict) -> dict[str, float]:
+    """Rank 0's GPU peak (MiB) in each phase train/loading.py marks: the model's load, its build (PEFT) and the
+    prepare (accelerate's, and on a resume the checkpoint's states), each from the end of the one before."""
+    phases = {p: report.get("host_memory", {}).get(p) or {} for p in ("load", "build", "prepare")}
+    return {p: phase["gpu_peak"] / 2**20 for p, phase in phases.items() if "gpu_peak" in phase}
+
+
+def resume_peak(report: dict) -> str:
+    """The resumed start's GPU peak to its first step: its prepare also loads the checkpoint (optimizer states
+    included), which load_memory.at_load, a fresh start's figure, does not count."""
+    peaks = _gpu_peaks(report)
+    return f"resumed start's GPU peak {max(peaks.values()):,.1f} MiB" if peaks else "resumed start's peak not measured"
+
+
 def load_figures(recipe_name: str, trl: dict[str, str], gpus: int, report: dict) -> str:
-    """Rank 0's GPU peak from the load to the end of accelerate's prepare (train/loading.py's `gpu_peak` per phase)
-    beside load_memory.at_load's per-GPU figure for the recipe with these overrides (the smoke model) on `gpus` GPUs."""
+    """A fresh start's rank 0 GPU peak from the load to the end of accelerate's prepare, per phase, beside
+    load_memory.at_load's per-GPU figure for the recipe with these overrides on `gpus` GPUs."""
     from orchestrator.launch import preflight
     from orchestrator.launch import recipe as recipes
     from orchestrator.launch.resolved import resolve
 
-    phases = report.get("host_memory") or {}
-    peaks = [phases[p]["gpu_peak"] for p in ("load", "build", "prepare") if "gpu_peak" in (phases.get(p) or {})]
-    measured = f"GPU at load {max(peaks) / 2**20:,.1f} MiB" if peaks else "GPU at load not measured"
+    peaks = _gpu_peaks(report)
+    each = ", ".join(f"{p} {v:,.1f}" for p, v in peaks.items())
+    measured = f"GPU at load {max(peaks.values()):,.1f} MiB ({each})" if peaks else "GPU at load not measured"
     launch = resolve(recipes.load(recipe_name), trl_overrides=trl)
     setup = preflight.setup_of(launch, gpus)
     if setup is None:
@@ -391,7 +440,7 @@ def main(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="orch-gpu-check-"))
     print(f"gpu-check: runs and their logs in {work}", flush=True)
     failed = []
-    if any(p in STRATEGIES or p in ("throughput", "packed") for p in parts):
+    if any(p in STRATEGIES or p in ("load", "throughput", "packed") for p in parts):
         line = flash_standin(torch)
         print(line, flush=True)
         failed += ["attention"] if "FAILED" in line else []
@@ -402,6 +451,13 @@ def main(argv: list[str]) -> int:
                 lines = [node_gpu_memory(torch)]
             elif part in STRATEGIES:
                 lines = [check_strategy(part, STRATEGIES[part], gpus, work)]
+            elif part == "load":  # each line as it comes: three runs of a larger model can outlast a lease
+                lines = []
+                for label in LOADING:
+                    lines.append(check_strategy(label, STRATEGIES[label], gpus, work, scaled=True))
+                    print(lines[-1], flush=True)
+                failed += [part for line in lines if "FAILED" in line]
+                continue
             elif part == "throughput":
                 lines = throughput_lines()
             elif part == "packed":
