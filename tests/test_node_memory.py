@@ -118,7 +118,8 @@ def test_head_node_refuses_a_step_over_its_own_gpus_memory(tmp_path):
 
 @pytest.mark.cli
 def test_head_node_refuses_a_4bit_load_that_more_nodes_do_not_help(tmp_path):
-    """4-bit: every rank quantises the whole 70B onto its own GPU (~38 GiB at 1 x 4096 tokens), whatever the count."""
+    """4-bit: every rank quantises the whole 70B onto its own GPU (~40 GiB at 1 x 4096 tokens on 16), whatever the
+    count."""
     env = {**SETUP_ENV, "TRL_CONFIG": "recipes/trl/llama3_70b_qlora.yaml",
            "ACCELERATE_CONFIG": "recipes/accelerate/fsdp2_llama.yaml", "TRL_OVERRIDES": "per_device_train_batch_size=1",
            "SKYPILOT_SETUP_NODE_IPS": "\n".join(f"10.0.0.{i}" for i in range(1, 9))}  # fmt: skip

@@ -56,9 +56,13 @@ def at_load(setup: Setup, gpus_per_node: int, cpu_ram_efficient: bool, fsdp_vers
     trained = trained_params(setup)
     if setup.method == "qlora":
         quantised = a.layers * a.layer_linear_params * NF4_BYTES[setup.nested_quant] + a.other_params * 2
+        # FSDP2's prepare makes each rank's shard while accelerate still holds the whole model's state dict: measured
+        # on one H100 (+117.5 MiB for 121.0 MiB of 4-bit weights, docs/gpu.md) and on 2 CPU ranks (+41-50 MiB per
+        # rank for 83.5, tests/test_load_memory.py)
+        shard = quantised / setup.gpus if setup.strategy == "fsdp" else 0.0
         return LoadMemory("4-bit: every rank quantises the whole model onto its own GPU (bitsandbytes; accelerate's "
-                          "CPU-RAM-efficient loading skips 4-bit parameters)", read, read, read,
-                          quantised + trained * 4)  # fmt: skip
+                          "CPU-RAM-efficient loading skips 4-bit parameters)" + (", then FSDP2 shards it beside the "
+                          "whole" if shard else ""), read, read, read, quantised + shard + trained * 4)  # fmt: skip
     held = states(setup)
     shard = held["weights"] + held["frozen weights"]
     if setup.strategy == "fsdp":
