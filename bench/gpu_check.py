@@ -252,7 +252,8 @@ def check_strategy(label: str, recipe_name: str, gpus: int, work: Path, scaled: 
     out_dir = work / tag
     trl["output_dir"] = str(out_dir)
     envs = {k: str(v) for k, v in launch.envs.items()}
-    envs["GLOBAL_BATCH_SIZE"] = "16"  # smoke's global batch
+    # smoke's global batch; the scaled model's runs one micro-batch per GPU and step (16 took 5 s a step on an H100)
+    envs["GLOBAL_BATCH_SIZE"] = str(gpus) if scaled else "16"
     envs.pop("CHECKPOINT_ROOT", None)  # no bucket here: output_dir above
     started = time.monotonic()
     first = _node({**envs, "TRL_OVERRIDES": overrides.dumps(trl)}, gpus, f"gpu-check-{tag}", work)
