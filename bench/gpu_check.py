@@ -163,7 +163,8 @@ def flash_standin(torch) -> str:
 
 def _standin_selftest(torch, kernel, device: str = "cuda") -> float:
     """The largest |difference| of the stand-in's varlen and dense outputs and input gradients (causal, grouped-query,
-    two packed documents of 96 and 32 tokens) from SDPA's math kernel on each document alone, in bf16 on `device`."""
+    two packed documents of 96 and 32 tokens, bf16 on `device`) from SDPA's math kernel on each document alone in
+    fp32 from the same values: the stand-in's rounding only, gradients relative to their scale."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -174,14 +175,15 @@ def _standin_selftest(torch, kernel, device: str = "cuda") -> float:
     out = kernel.flash_attn_varlen_func(q, k, v, cu, cu, 96, 96, causal=True)
     dense = kernel.flash_attn_func(q[None, :96], k[None, :96], v[None, :96], causal=True)[0]
     grads = torch.autograd.grad(out.float().square().sum() + dense.float().sum(), (q, k, v))
+    exact = [t.detach().float().requires_grad_() for t in (q, k, v)]
     refs = []
     for a, b in ((0, 96), (96, 128)):
-        qq, kk, vv = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+        qq, kk, vv = (t[a:b].transpose(0, 1)[None] for t in exact)
         kk, vv = kk.repeat_interleave(4, dim=1), vv.repeat_interleave(4, dim=1)
         with sdpa_kernel(SDPBackend.MATH):
             refs.append(F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)[0].transpose(0, 1))
     ref = torch.cat(refs)
-    ref_grads = torch.autograd.grad(ref.float().square().sum() + refs[0].float().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum() + refs[0].sum(), exact)
     diffs = [(out.float() - ref.float()).abs().max(), (dense.float() - refs[0].float()).abs().max()]
     for g, r in zip(grads, ref_grads, strict=True):  # relative to the gradient's scale
         diffs.append((g.float() - r.float()).abs().max() / max(1.0, r.float().abs().max().item()))
