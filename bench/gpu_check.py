@@ -139,7 +139,7 @@ def flash_standin(torch) -> str:
     the lent machine), serve it from PyTorch's own FlashAttention kernels (bench/torch_flash) through the kernels
     package's LOCAL_KERNELS override, so the strategies, the throughput and the packed-attention check take
     transformers' whole flash path on a flash kernel, not sdpa. Only after its self-test on this GPU passes: a packed
-    pair of documents, forward and backward, against SDPA's math on each document alone. One line says which."""
+    pair of documents, forward and backward, against SDPA's math in fp32 on each document alone. One line says which."""
     if os.environ.get("LOCAL_KERNELS"):
         return f"attention: LOCAL_KERNELS is set here ({os.environ['LOCAL_KERNELS'][:200]}): used as given"
     attn, why = _attention(FLASH_HUB)
@@ -152,12 +152,12 @@ def flash_standin(torch) -> str:
 
     worst = _standin_selftest(torch, torch_flash)
     if not worst < 2e-2:
-        return f"attention: stand-in FAILED its self-test here (max |diff| {worst:.1e} against SDPA's math): sdpa"
+        return f"attention: stand-in FAILED its self-test here (max |diff| {worst:.1e} against fp32 math): sdpa"
     os.environ["LOCAL_KERNELS"] = f"{FLASH_HUB}={STANDIN}"
     return (
         f"attention: {FLASH_HUB} (not loadable here) stood in by {torch_flash.KERNEL}, bench/torch_flash through "
         f"kernels' LOCAL_KERNELS; self-test on this GPU: max |diff| {worst:.1e} (outputs and gradients, bf16) against "
-        "SDPA's math document by document"
+        "SDPA's math in fp32, document by document"
     )
 
 
