@@ -34,7 +34,8 @@ class LoadMemory:
     """Host memory of the busiest node (rank 0's): the checkpoint's pages once (a node's ranks share the page cache)
     plus every rank's own copies."""
     gpu: float
-    """Per-GPU peak during loading (4-bit: each rank quantises the whole model onto its own GPU)."""
+    """Per-GPU peak during loading (4-bit: each rank quantises the whole model onto its own GPU, and under FSDP2 makes
+    its shard beside it in prepare)."""
     fix: str = ""
     """The Accelerate setting that would load with less host memory, where orch accepts it for this run."""
 
