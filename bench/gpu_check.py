@@ -16,8 +16,9 @@
 3. Packed attention: one packed row of four documents against the same documents unpacked, on the tiny Qwen3 in
    bf16 with flash_attention_2 (the varlen kernel that keeps documents apart from position_ids, which Ulysses relies
    on once it drops the mask; tests/ulysses_packing.py, whose CPU run in tests/test_packed_attention.py shows SDPA
-   mixing them under Ulysses). Where the flash-attn package is not installed, SDPA on the block mask transformers
-   builds from position_ids instead, said as such.
+   mixing them under Ulysses). Without the flash-attn package, the recipes' kernels-community/flash-attn2 where it
+   loads (PyTorch's FlashAttention stand-in included, below), else SDPA on the block mask transformers builds from
+   position_ids, said as such (flash_kernel).
 
 4. The head node's memory check reads the GPUs' memory from nvidia-smi: printed beside CUDA's figure.
 5. TRL's fused LM head on CUDA (its Triton fold, TRL's own tile) at Llama-3-8B's head shape: the CUDA allocator's
@@ -61,6 +62,7 @@ SCALED = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16, nu
 SEQ = 2048
 FLASH_HUB = "kernels-community/flash-attn2"  # what the recipes ask for (transformers' fallback for flash_attention_2)
 STANDIN = ROOT / "bench" / "torch_flash"  # PyTorch's FlashAttention kernels behind flash-attn's API (its docstring)
+STANDIN_NOTE = "PyTorch's FlashAttention stand-in"  # on every line that ran on it
 # bf16 dense peak (TFLOP/s, without sparsity) from the vendors' datasheets; orch's accelerator table comes later.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
 # Qwen2.5-0.5B's published config (shapes only; weights are random).
@@ -102,7 +104,7 @@ def _gpu_overrides(launch, artifacts) -> tuple[dict[str, str], list[str]]:
         said.append(why)
     out["attn_implementation"] = attn
     if attn == FLASH_HUB and standing_in():
-        said.append(f"{FLASH_HUB}: PyTorch's FlashAttention stand-in")
+        said.append(f"{FLASH_HUB}: {STANDIN_NOTE}")
     liger = str(launch.setting("use_liger_kernel", False)).lower() == "true"
     if liger and importlib.util.find_spec("liger_kernel") is None:
         said.append("Liger asked, liger_kernel not installed: off")
@@ -132,6 +134,17 @@ def _attention(asked: str) -> tuple[str, str]:
 def standing_in() -> bool:
     """Whether flash_standin pointed the kernels package at bench/torch_flash for this run."""
     return os.environ.get("LOCAL_KERNELS") == f"{FLASH_HUB}={STANDIN}"
+
+
+def flash_kernel() -> tuple[str, str]:
+    """The flash attention this machine runs and what its lines say of it: the flash-attn package's
+    flash_attention_2, else the recipes' FLASH_HUB where it loads (STANDIN_NOTE when flash_standin serves it), else
+    sdpa and why."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2", ""
+    if _attention(FLASH_HUB)[1] == "":
+        return FLASH_HUB, STANDIN_NOTE if standing_in() else ""
+    return "sdpa", "no flash kernel here: neither the flash-attn package nor the recipes' Hub kernel"
 
 
 def flash_standin(torch) -> str:
@@ -184,9 +197,9 @@ def _standin_selftest(torch, kernel, device: str = "cuda") -> float:
             refs.append(F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)[0].transpose(0, 1))
     ref = torch.cat(refs)
     ref_grads = torch.autograd.grad(ref.square().sum() + refs[0].sum(), exact)
-    diffs = [(out.float() - ref.float()).abs().max(), (dense.float() - refs[0].float()).abs().max()]
+    diffs = [(out.float() - ref).abs().max(), (dense.float() - refs[0]).abs().max()]
     for g, r in zip(grads, ref_grads, strict=True):  # relative to the gradient's scale
-        diffs.append((g.float() - r.float()).abs().max() / max(1.0, r.float().abs().max().item()))
+        diffs.append((g.float() - r).abs().max() / max(1.0, r.abs().max().item()))
     return max(d.item() for d in diffs)
 
 
@@ -359,10 +372,11 @@ def throughput(settings: str, steps: int = 12, warmup: int = 3) -> dict:
             **common, bf16=True, packing=True, gradient_checkpointing=True,
             use_liger_kernel=importlib.util.find_spec("liger_kernel") is not None,
         )  # fmt: skip
-        flash = "flash_attention_2" if importlib.util.find_spec("flash_attn") else FLASH_HUB
-        model.set_attn_implementation(flash if flash != FLASH_HUB or _attention(FLASH_HUB)[1] == "" else "sdpa")
+        asked, note = flash_kernel()
+        model.set_attn_implementation(asked)
     else:  # TRL's defaults (weights in bf16 for both, as loaded)
         args = SFTConfig(**common)
+        note = ""
 
     class Clock(TrainerCallback):
         tokens = 0
@@ -388,9 +402,7 @@ def throughput(settings: str, steps: int = 12, warmup: int = 3) -> dict:
     trainer.train()
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - clock.start
-    attention = model.config._attn_implementation
-    if attention == FLASH_HUB and standing_in():
-        attention += " (PyTorch's FlashAttention stand-in)"
+    attention = model.config._attn_implementation  # what the model runs, read back
     tps = counted["tokens"] / elapsed
     peak = peak_for(torch.cuda.get_device_name(0))
     per_token = flops_per_token(n_params, config.num_hidden_layers, config.hidden_size, SEQ)
@@ -401,7 +413,7 @@ def throughput(settings: str, steps: int = 12, warmup: int = 3) -> dict:
         "params": n_params,
         "memory_gb": torch.cuda.max_memory_allocated() / 1e9,
         "liger": bool(getattr(args, "use_liger_kernel", False)),
-        "attention": attention,
+        "attention": attention + (f" ({note})" if note and attention == FLASH_HUB else ""),
     }
     trainer = model = None  # the next configuration's peak starts from nothing of this one (gc: the cycle)
     gc.collect()
@@ -450,31 +462,34 @@ def main(argv: list[str]) -> int:
     for part in parts:  # one part's failure is said and the others still run: GPU time is scarce
         started = time.monotonic()
         try:
-            if part == "memory":
-                lines = [node_gpu_memory(torch)]
-            elif part in STRATEGIES:
-                lines = [check_strategy(part, STRATEGIES[part], gpus, work)]
-            elif part == "load":  # each line as it comes: three runs of a larger model can outlast a lease
-                lines = []
-                for label in LOADING:
-                    lines.append(check_strategy(label, STRATEGIES[label], gpus, work, scaled=True))
-                    print(lines[-1], flush=True)
-                failed += [part for line in lines if "FAILED" in line]
-                continue
-            elif part == "throughput":
-                lines = throughput_lines()
-            elif part == "packed":
-                lines = [packed_attention(work)]
-            else:
-                lines = [lm_head_memory(torch)]
+            for line in part_lines(part, torch, gpus, work):  # each as it comes: a lease can end mid-part
+                failed += [part] if "FAILED" in line or "DIFFERS" in line or "MIXED" in line else []
+                print(line, flush=True)
         except Exception as exc:  # noqa: BLE001 - said with its part, then the next part
-            lines = [f"{part}: FAILED after {time.monotonic() - started:.0f} s: {type(exc).__name__}: {str(exc)[:300]}"]
-        failed += [part for line in lines if "FAILED" in line or "DIFFERS" in line or "MIXED" in line]
-        print("\n".join(lines), flush=True)
+            print(f"{part}: FAILED after {time.monotonic() - started:.0f} s: {type(exc).__name__}: {str(exc)[:300]}",
+                  flush=True)  # fmt: skip
+            failed.append(part)
     if failed:
         print(f"gpu-check: {len(set(failed))} part(s) failed: {', '.join(dict.fromkeys(failed))}", flush=True)
         return 1
     return 0
+
+
+def part_lines(part: str, torch, gpus: int, work: Path):
+    """The lines of one part, as each is made."""
+    if part == "memory":
+        yield node_gpu_memory(torch)
+    elif part in STRATEGIES:
+        yield check_strategy(part, STRATEGIES[part], gpus, work)
+    elif part == "load":
+        for label in LOADING:
+            yield check_strategy(label, STRATEGIES[label], gpus, work, scaled=True)
+    elif part == "throughput":
+        yield from throughput_lines()
+    elif part == "packed":
+        yield packed_attention(work)
+    else:
+        yield lm_head_memory(torch)
 
 
 def throughput_lines() -> list[str]:
@@ -557,15 +572,8 @@ def packed_attention(work: Path) -> str:
     rounding when the kernel keeps the documents apart. The flash-attn package's flash_attention_2 where installed,
     else the recipes' kernels-community/flash-attn2 where it loads (flash_standin's PyTorch stand-in included), else
     SDPA on the block mask transformers builds from position_ids (not a flash kernel), said as such."""
-    said = ""
-    if importlib.util.find_spec("flash_attn") is not None:
-        attention = "flash_attention_2"
-    elif _attention(FLASH_HUB)[1] == "":
-        attention = FLASH_HUB
-        said = " [PyTorch's FlashAttention stand-in: its varlen kernel]" if standing_in() else ""
-    else:
-        attention = "sdpa"
-        said = " [no flash kernel here: neither the flash-attn package nor the recipes' Hub kernel]"
+    attention, note = flash_kernel()
+    said = f" [{note}]" if note else ""
     from orchestrator.core import smoke
 
     artifacts = smoke.plan("Qwen/Qwen3-8B", "sft")  # the tiny Qwen3, built here

@@ -86,6 +86,17 @@ def project(tmp_path):
     return tmp_path
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3():
+    """The smoke runs' tiny Qwen3, the ALST recipe's family (4 heads, 2 KV heads, so 2 ranks split the heads;
+    core/smoke.py), built once."""
+    from orchestrator.core import smoke
+
+    artifacts = smoke.plan("Qwen/Qwen3-8B", "sft")
+    smoke.ensure(artifacts)
+    return artifacts.dir / "model"
+
+
 @pytest.fixture
 def node_env():
     def make(nodes: int, gpus: int, rank: int, **extra: str) -> dict[str, str]:

@@ -15,17 +15,6 @@ from conftest import ROOT
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3():
-    """The ALST recipe's family (Qwen3), tiny: 4 heads, 2 KV heads, so 2 ranks split the heads; the smoke runs'
-    cached artifacts (core/smoke.py), built here once."""
-    from orchestrator.core import smoke
-
-    artifacts = smoke.plan("Qwen/Qwen3-8B", "sft")
-    smoke.ensure(artifacts)
-    return artifacts.dir / "model"
-
-
 def test_ulysses_on_sdpa_mixes_packed_documents_and_a_boundary_aware_attention_does_not(tiny_qwen3):
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                           str(ROOT / "tests" / "ulysses_packing.py"), str(tiny_qwen3)],

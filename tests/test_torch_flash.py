@@ -22,7 +22,6 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, sys.argv[2])
 import ulysses_packing as up
 
-kernel = sys.modules.get("orch_torch_flash")
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation="kernels-community/flash-attn2")
 kernel = sys.modules["orch_torch_flash"]  # imported by kernels' get_local_kernel under its metadata id
 calls = []
@@ -43,15 +42,6 @@ loss, count = up.token_losses(model, batch["input_ids"], batch["position_ids"], 
 print("RESULT " + json.dumps({"packed": (loss / count).item(), "unpacked": up.unpacked(model, documents),
                               "varlen_calls": calls[:1], "implementation": model.config._attn_implementation}))
 """
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3():
-    from orchestrator.core import smoke
-
-    artifacts = smoke.plan("Qwen/Qwen3-8B", "sft")
-    smoke.ensure(artifacts)
-    return artifacts.dir / "model"
 
 
 def test_a_model_asking_for_flash_attn2_reaches_the_stand_in_and_keeps_packed_documents_apart(tiny_qwen3):
