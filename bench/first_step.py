@@ -4,9 +4,10 @@ In one bed, interleaved, each on a new SkyPilot cluster (torn down after):
   reference: a bare SkyPilot 2-node task, `run: echo`, through `sky launch`: command start -> the first node's line;
   subject:   `orch run phi3_dpo_fsdp --infra slurm/<bed> --nodes 2 --gpus none --smoke` (the client's checks and
              rehearsal included, as a user runs it): command start -> rank 0's `step 1` line.
-  shaped:    the same echo with the subject's workdir, a `setup:` and its autostop (`-i 10 --down`, what orch run asks
-             for on Slurm: one more request to the cluster before the job is submitted, sky/execution.py PRE_EXEC):
-             SkyPilot's own cost of what the subject asks of it.
+  shaped:    the same echo with the subject's workdir and its autostop (`-i 10 --down`, what orch run asks for on
+             Slurm: one more request to the cluster before the job is submitted, sky/execution.py PRE_EXEC): SkyPilot's
+             own cost of what the subject asks of it (orch run sends the recipe's setup inside its run: no setup
+             stage, launch/backends/sky.fold_setup).
 target: subject <= 1.5x reference. Then `orch run` again on the last subject's cluster, still up (a relaunch on a reused
 cluster): node-setup.sh's own part (install) <= 2 s, the rehearsal and the download reported apart.
 
@@ -32,10 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 ROUNDS = int(os.environ.get("BENCH_BED_ROUNDS", "2"))
 ECHO = "num_nodes: 2\nrun: echo \"first line from node $SKYPILOT_NODE_RANK\"\n"
-# The same echo in the recipe's shape (its workdir uploaded to every node, a `setup:` stage): not the target's
-# reference, but what SkyPilot itself spends on that shape, which the bare echo does not pay (on Slurm a setup is one
-# more srun and executor start per node)
-SHAPED = "num_nodes: 2\nworkdir: {workdir}\nsetup: \"true\"\nrun: echo \"first line from node $SKYPILOT_NODE_RANK\"\n"
+# The same echo in the shape orch run sends (its workdir uploaded to every node, no setup stage: the setup starts the
+# run): not the target's reference, but what SkyPilot itself spends on that shape, which the bare echo does not pay
+SHAPED = "num_nodes: 2\nworkdir: {workdir}\nrun: echo \"first line from node $SKYPILOT_NODE_RANK\"\n"
 MARKS = {  # SkyPilot's launch lines (sky/backends/cloud_vm_ray_backend.py, sky/execution.py)
     "instances up": "Instances are up.",
     "cluster launched": "Cluster launched",
@@ -139,7 +139,7 @@ def rows() -> list[tuple[str, float, int, str, str]]:
                 out_rows.append((f"sky launch, bare 2-node echo, new cluster (reference, round {i + 1})", ref_s, 0,
                                  breakdown(ref_seen, ""), ""))  # fmt: skip
                 out_rows.append((
-                    f"sky launch, the same echo with orch's workdir, a setup and autostop, new cluster (round {i + 1})",
+                    f"sky launch, the same echo with orch's workdir and autostop, new cluster (round {i + 1})",
                     shape_s, 0,
                     f"{shape_s / ref_s:.2f}x the bare echo: SkyPilot's own cost of the recipe's shape; orch run is "
                     f"{sub_s / shape_s:.2f}x this; {breakdown(shape_seen, '')}", "",

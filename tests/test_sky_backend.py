@@ -782,3 +782,52 @@ def test_skypilot_uploads_what_git_would_and_leaves_out_git_itself(tmp_path):
     listed = subprocess.run(rsync, shell=True, capture_output=True, text=True, check=True).stdout.split()
     synced = {n for n in listed if not n.endswith("/")}
     assert synced == expected, (sorted(synced - expected)[:10], sorted(expected - synced)[:10])
+
+
+def _folded_script(setup: str, run: str) -> str:
+    from orchestrator.launch.resolved import fold_setup
+
+    task = fold_setup({"num_nodes": 2, "setup": setup, "run": run})
+    assert "setup" not in task
+    return task["run"]
+
+
+@pytest.mark.parametrize(
+    ("setup", "code", "says"),
+    [
+        ("echo set up on $SKYPILOT_SETUP_NODE_RANK of $SKYPILOT_SETUP_NUM_GPUS_PER_NODE; X=1", 0,
+         "set up on 1 of 4\nrun: X= setup-rank=\n"),  # the setup's names as SkyPilot's setup stage has them; its
+        # variables and SkyPilot's setup-stage names do not reach the run
+        ("echo early; exit 0\necho never", 0, "early\nrun: X= setup-rank=\n"),  # an `exit 0` ends the setup only
+        ("echo broken; exit 3", 3, "broken\n"),  # a failed setup: the run never starts, its code is the job's
+        ("false\necho after a failure the setup goes on, as its own stage would", 0,
+         "after a failure the setup goes on, as its own stage would\nrun: X= setup-rank=\n"),
+        ("cat <<'END'\n(a heredoc at the end)\nEND", 0, "(a heredoc at the end)\nrun: X= setup-rank=\n"),
+    ],
+)  # fmt: skip
+def test_orch_run_starts_its_run_with_the_setup_as_its_own_stage_would_run(setup, code, says):
+    """`orch run` sends the recipe's setup at the start of its run (one SkyPilot stage fewer): under bash, with the
+    run's SkyPilot variables, it behaves as SkyPilot's setup stage would."""
+    script = _folded_script(setup, 'echo "run: X=${X:-} setup-rank=${SKYPILOT_SETUP_NODE_RANK:-}"')
+    env = {"PATH": os.environ["PATH"], "SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2",
+           "SKYPILOT_NUM_GPUS_PER_NODE": "4"}  # fmt: skip
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout) == (code, says), done.stderr
+
+
+def test_orch_run_sends_and_records_the_setup_inside_the_run(in_project, fake, capsys):
+    from orchestrator.launch.recipe import load
+    from orchestrator.launch.resolved import FOLD_HEAD
+
+    assert cli.main(["run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "-y"]) == 0
+    _, task, _ = fake.calls[0]
+    recipe = load("phi3_dpo_fsdp").task
+    assert task.setup is None and task.run.startswith(FOLD_HEAD)
+    assert recipe["setup"].strip() in task.run and task.run.endswith(recipe["run"])
+    (record,) = run_files(in_project)
+    recorded = sky.Task.from_yaml(str(record))  # the record is what was sent: `sky launch` of it does the same
+    assert recorded.setup is None and recorded.run == task.run
+    capsys.readouterr()
+    assert cli.main(["run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "--dry-run", "--skip-optimizer"]) == 0
+    shown = capsys.readouterr().out
+    assert FOLD_HEAD.strip() in shown and "\nsetup:" not in shown  # the dry run shows what is sent

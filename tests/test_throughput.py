@@ -42,7 +42,7 @@ def test_time_to_first_step_from_the_submission_on_a_cloud_and_without_a_skewed_
             "first_step": 151.0}  # fmt: skip
     line = time_to_first_step({"launched": 100.0, **node})
     assert line.startswith("51.0 s = SkyPilot's provisioning, runtime and job start 30.0 + setup 11.0 (install 1.0, "
-                           "rehearsal 9.0 alongside download 6.0) + SkyPilot from setup to run 1.0 + ")  # fmt: skip
+                           "rehearsal 9.0 alongside download 6.0) + from setup to orch node 1.0 + ")  # fmt: skip
     # the laptop's clock 5 s ahead of the node's: the figure is left out, the total starts at the setup
     assert time_to_first_step({"launched": 135.0, **node}) == time_to_first_step(node)
     assert time_to_first_step(node).startswith("21.0 s = setup 11.0")

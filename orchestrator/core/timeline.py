@@ -38,7 +38,7 @@ def time_to_first_step(timeline: dict[str, float]) -> str:
         parts.append(f"setup {t['setup_done'] - t['setup_started']:.1f}" + (f" ({', '.join(steps)})" if steps else ""))
     before_node = t.get("setup_done", t.get("launched"))
     if before_node is not None and "node_started" in t:
-        what = "SkyPilot from setup to run" if "setup_done" in t else "starting the node"
+        what = "from setup to orch node" if "setup_done" in t else "starting the node"
         parts.append(f"{what} {t['node_started'] - before_node:.1f}")
     if "node_started" in t and "barrier_passed" in t:
         parts.append(f"waiting for the other nodes {t['barrier_passed'] - t['node_started']:.1f}")

@@ -9,7 +9,7 @@ from orchestrator.core.yamlio import dump_task
 from orchestrator.launch import preflight, storage
 from orchestrator.launch.checks import Checked
 from orchestrator.launch.placement import check_cap
-from orchestrator.launch.resolved import Launch
+from orchestrator.launch.resolved import Launch, fold_setup
 from orchestrator.node.plan import render
 
 
@@ -18,10 +18,10 @@ def _section(title: str) -> None:
 
 
 def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str) -> int:
-    task = launch.task()
-    if not skip_optimizer:  # SkyPilot's own parser and schema first: one line naming what it rejects, exit 2
-        from orchestrator.launch.backends import sky as sky_backend
+    from orchestrator.launch.backends import sky as sky_backend
 
+    task = fold_setup(launch.task())  # as `orch run` sends it
+    if not skip_optimizer:  # SkyPilot's own parser and schema first: one line naming what it rejects, exit 2
         sky_backend.to_task(task)
     print(f"[orch] dry run of {launch.recipe.name}: nothing is launched, nothing is written")
     print(f"[orch] {rehearsal}")
@@ -66,8 +66,6 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
     if skip_optimizer:
         print("not computed: --skip-optimizer")
         return 0
-    from orchestrator.launch.backends import sky as sky_backend
-
     print("SkyPilot's task parser and schema: accepted")
     try:
         plan = sky_backend.optimize(task)

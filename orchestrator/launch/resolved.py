@@ -115,6 +115,30 @@ class Launch:
         return task
 
 
+# `orch run` sends the recipe's `setup:` as the start of its `run:`: SkyPilot runs a setup stage as one more srun and
+# executor start per node on Slurm (one more Ray task round on a cloud), measured 4.5-5 s of a 2-node launch on the
+# bed, and it synchronises nothing orch needs (`orch node` passes its own barrier). In a subshell, so that the setup's
+# `exit` and variables stay its own as in a stage of its own; with SkyPilot's setup-stage names set from the run's.
+FOLD_HEAD = "# orch run: the recipe's setup, then its run, in one SkyPilot stage (docs/design.md, Time to first step)\n"
+FOLD_ENV = (
+    'export SKYPILOT_SETUP_NODE_RANK="$SKYPILOT_NODE_RANK" SKYPILOT_SETUP_NODE_IPS="$SKYPILOT_NODE_IPS" '
+    'SKYPILOT_SETUP_NUM_GPUS_PER_NODE="$SKYPILOT_NUM_GPUS_PER_NODE"\n'
+)
+
+
+def fold_setup(task: dict) -> dict:
+    """The task `orch run` sends: the recipe's `setup:` run on every node at the start of `run:`, which goes on only
+    when it succeeds (its exit code otherwise; SkyPilot then fails the job and stops the other nodes: srun
+    --kill-on-bad-exit on Slurm, the Ray driver's cancel on a cloud). A task without a setup is returned as it is."""
+    setup = task.get("setup")
+    if not setup or not str(setup).strip():
+        return task
+    folded = {k: v for k, v in task.items() if k != "setup"}
+    run = str(task.get("run") or "")
+    folded["run"] = f"{FOLD_HEAD}(\n{FOLD_ENV}{str(setup).rstrip()}\n) || exit $?\n{run}"
+    return folded
+
+
 def parse_env_assignments(words: Iterable[str], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """`--env K=V` values (`--env K` takes K from the caller's environment, as `sky launch --env` does)."""
     out: dict[str, str] = {}

@@ -48,8 +48,9 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
         print(render(node_plan.argv, node_plan.env))
         return 0
     topo = node_plan.topology
-    _barrier(env, node_plan.cluster)
-    timeline = {**setup_times(env), "node_started": started, "barrier_passed": time.time()}
+    times = setup_times(env)
+    _barrier(env, node_plan.cluster, max(0.0, times.get("setup_done", 0.0) - times.get("setup_started", 0.0)))
+    timeline = {**times, "node_started": started, "barrier_passed": time.time()}
     if node_plan.role == "vllm-server":
         print(f"[orch] node {topo.node_rank}: vLLM server for the trainers on {topo.nodes - 1} node(s)", flush=True)
         print("[orch] run: " + render(node_plan.argv), flush=True)
@@ -266,8 +267,11 @@ def usable_cpus() -> int:
     return len(affinity(0)) if affinity else os.cpu_count() or 1
 
 
-def _barrier(env: Mapping[str, str], cluster: Topology) -> None:
-    """Every node of a multi-node run passes orch's barrier before starting accelerate (node/barrier.py)."""
+def _barrier(env: Mapping[str, str], cluster: Topology, setup_seconds: float = 0.0) -> None:
+    """Every node of a multi-node run passes orch's barrier before starting accelerate (node/barrier.py). `orch run`
+    starts each node's run with its setup (launch/backends/sky.fold_setup), so the nodes come to the barrier as
+    their setups end: a node waits ORCH_RENDEZVOUS_TIMEOUT beyond as long as its own setup took (the others do the
+    same work at once: a slower download on one is not taken for a node that never comes)."""
     if cluster.nodes < 2:
         return
     from orchestrator.node import barrier
@@ -275,11 +279,13 @@ def _barrier(env: Mapping[str, str], cluster: Topology) -> None:
     main_port = cluster.port or int(env_port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT))
     port = int(env_port(env, "ORCH_BARRIER_PORT", main_port + 1))
     timeout = knob(env, "ORCH_RENDEZVOUS_TIMEOUT", barrier.DEFAULT_TIMEOUT)
+    extra = round(setup_seconds) if setup_seconds >= 1 else 0
     print(
         f"[orch] node {cluster.node_rank}: waiting for all {cluster.nodes} nodes at {cluster.head_ip}:{port} "
-        f"(timeout {timeout:g} s)",
+        f"(timeout {timeout:g} s" + (f" + {extra} s, as long as this node's setup took)" if extra else ")"),
         flush=True,
     )
+    timeout += extra
     if cluster.node_rank == 0:
         took = barrier.head_wait(cluster.nodes, port, timeout)
     else:

@@ -22,7 +22,8 @@ Variables read (all set by SkyPilot or by the recipe's `envs:`):
   DDP_TIMEOUT        optional: seconds a collective may wait before the process group fails (TRL's ddp_timeout)
   OMP_NUM_THREADS    optional: CPU threads per process; orch sets cores / processes per node when the recipe
                      offloads to CPU (DeepSpeed's CPU Adam, FSDP offload), where torchrun would set 1
-  ORCH_RENDEZVOUS_TIMEOUT, ORCH_BARRIER_PORT  optional: orch's pre-launch barrier (default 600 s, port + 1)
+  ORCH_RENDEZVOUS_TIMEOUT, ORCH_BARRIER_PORT  optional: orch's pre-launch barrier (default 600 s beyond as long as
+                     this node's setup took; port + 1)
   ORCH_DEVICE        optional: `cpu` makes every process a CPU process (the local backend sets it)
   ORCH_WATCHDOG, ORCH_STALL_FLOOR, ORCH_STALL_FIRST, ORCH_STALL_BUSY  optional: the progress watchdog
                      (node/watchdog.py); ORCH_NETCHECK, ORCH_MIN_BUS_GBPS: the network check (train/netcheck.py)

@@ -192,6 +192,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
     from orchestrator.launch import placement, records, secrets, storage
     from orchestrator.launch.backends import sky
     from orchestrator.launch.checks import check, rehearse
+    from orchestrator.launch.resolved import fold_setup
 
     flags = options.sky
     launch = launch.replace(resources=placement.resources(flags, launch))
@@ -262,7 +263,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         launch = placement.priced(launch, plan)
     if launch.envs.get("ORCH_MAX_COST") and not launch.envs.get("ORCH_PRICE_PER_HOUR"):
         launch = placement.price(launch, checked.plans[0].topology.total_gpus)
-    task = launch.task()  # last: nothing edits it from here
+    task = fold_setup(launch.task())  # last: nothing edits it from here; the setup starts its run
     record = records.new(
         run,
         task,
