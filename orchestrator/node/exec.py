@@ -279,10 +279,10 @@ def _barrier(env: Mapping[str, str], cluster: Topology, setup_seconds: float = 0
     main_port = cluster.port or int(env_port(env, "MAIN_PROCESS_PORT", DEFAULT_PORT))
     port = int(env_port(env, "ORCH_BARRIER_PORT", main_port + 1))
     timeout = knob(env, "ORCH_RENDEZVOUS_TIMEOUT", barrier.DEFAULT_TIMEOUT)
-    extra = round(setup_seconds) if setup_seconds >= 1 else 0
+    extra = round(setup_seconds)
     print(
         f"[orch] node {cluster.node_rank}: waiting for all {cluster.nodes} nodes at {cluster.head_ip}:{port} "
-        f"(timeout {timeout:g} s" + (f" + {extra} s, as long as this node's setup took)" if extra else ")"),
+        f"(timeout {timeout:g} s" + (f" + {extra} s, as long as this node's setup took)" if extra >= 10 else ")"),
         flush=True,
     )
     timeout += extra
