@@ -7,7 +7,7 @@ In one bed, interleaved, each on a new SkyPilot cluster (torn down after):
   shaped:    the same echo with the subject's workdir and its autostop (`-i 10 --down`, what orch run asks for on
              Slurm: one more request to the cluster before the job is submitted, sky/execution.py PRE_EXEC): SkyPilot's
              own cost of what the subject asks of it (orch run sends the recipe's setup inside its run: no setup
-             stage, launch/backends/sky.fold_setup).
+             stage, launch/resolved.fold_setup).
 target: subject <= 1.5x reference. Then `orch run` again on the last subject's cluster, still up (a relaunch on a reused
 cluster): node-setup.sh's own part (install) <= 2 s, the rehearsal and the download reported apart.
 

@@ -49,7 +49,9 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
         return 0
     topo = node_plan.topology
     times = setup_times(env)
-    _barrier(env, node_plan.cluster, max(0.0, times.get("setup_done", 0.0) - times.get("setup_started", 0.0)))
+    fresh = started - times.get("setup_done", 0.0) < 600  # this launch's setup, not one a `sky exec` found
+    took = times["setup_done"] - times.get("setup_started", times["setup_done"]) if fresh else 0.0
+    _barrier(env, node_plan.cluster, max(0.0, took))
     timeline = {**times, "node_started": started, "barrier_passed": time.time()}
     if node_plan.role == "vllm-server":
         print(f"[orch] node {topo.node_rank}: vLLM server for the trainers on {topo.nodes - 1} node(s)", flush=True)
@@ -269,7 +271,7 @@ def usable_cpus() -> int:
 
 def _barrier(env: Mapping[str, str], cluster: Topology, setup_seconds: float = 0.0) -> None:
     """Every node of a multi-node run passes orch's barrier before starting accelerate (node/barrier.py). `orch run`
-    starts each node's run with its setup (launch/backends/sky.fold_setup), so the nodes come to the barrier as
+    starts each node's run with its setup (launch/resolved.fold_setup), so the nodes come to the barrier as
     their setups end: a node waits ORCH_RENDEZVOUS_TIMEOUT beyond as long as its own setup took (the others do the
     same work at once: a slower download on one is not taken for a node that never comes)."""
     if cluster.nodes < 2:
