@@ -298,10 +298,12 @@ def test_packed_rows_under_ulysses_need_flash_attention(node_env):
 
 
 @pytest.mark.parametrize(
-    ("rank", "setup_seconds", "waits"), [(0, 0.2, 600.0), (0, 3.4, 603.0), (0, 95.4, 695.0), (1, 95.4, 695.0)]
-)
+    ("rank", "setup_seconds", "waits", "said"),
+    [(0, 0.2, 600.0, ""), (0, 3.4, 603.0, ""), (0, 95.4, 695.0, " + 95 s, as long as this node's setup took"),
+     (1, 95.4, 695.0, " + 95 s, as long as this node's setup took")],
+)  # fmt: skip
 def test_a_node_waits_at_the_barrier_beyond_as_long_as_its_own_setup_took(monkeypatch, capsys, rank, setup_seconds,
-                                                                          waits):  # fmt: skip
+                                                                          waits, said):  # fmt: skip
     """`orch run` starts each node's run with its setup, so the nodes reach the barrier as their setups end: a slower
     download elsewhere is not a node that never comes."""
     from orchestrator.core.topology import Topology
@@ -309,6 +311,7 @@ def test_a_node_waits_at_the_barrier_beyond_as_long_as_its_own_setup_took(monkey
     from orchestrator.node import exec as node_exec
 
     seen = {}
+
     def wait(*args):
         seen["timeout"] = args[-1]
         return 1.0
@@ -318,5 +321,15 @@ def test_a_node_waits_at_the_barrier_beyond_as_long_as_its_own_setup_took(monkey
     cluster = Topology(nodes=2, gpus_per_node=1, node_rank=rank, node_ips=("10.0.0.1", "10.0.0.2"))
     node_exec._barrier({}, cluster, setup_seconds)
     assert seen["timeout"] == waits
-    assert f"(timeout 600 s{' + 95 s, as long as this node' + chr(39) + 's setup took' if waits >= 610 else ''})" in \
-        capsys.readouterr().out  # fmt: skip
+    assert f"(timeout 600 s{said})" in capsys.readouterr().out
+
+
+def test_only_this_launchs_setup_lengthens_the_barrier():
+    from orchestrator.node.exec import own_setup_seconds
+
+    now = 1_000_000.0
+    assert own_setup_seconds({"setup_started": now - 95.4, "setup_done": now - 0.1}, now) == pytest.approx(95.3)
+    assert own_setup_seconds({"setup_started": now - 4000, "setup_done": now - 3600}, now) == 0.0  # an earlier launch's
+    assert own_setup_seconds({"setup_started": now - 5}, now) == 0.0  # a setup that never ended
+    assert own_setup_seconds({"setup_done": now - 1}, now) == 0.0  # no start recorded: no length, never negative
+    assert own_setup_seconds({}, now) == 0.0  # the local backend: no setup

@@ -49,9 +49,7 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
         return 0
     topo = node_plan.topology
     times = setup_times(env)
-    fresh = started - times.get("setup_done", 0.0) < 600  # this launch's setup, not one a `sky exec` found
-    took = times["setup_done"] - times.get("setup_started", times["setup_done"]) if fresh else 0.0
-    _barrier(env, node_plan.cluster, max(0.0, took))
+    _barrier(env, node_plan.cluster, own_setup_seconds(times, started))
     timeline = {**times, "node_started": started, "barrier_passed": time.time()}
     if node_plan.role == "vllm-server":
         print(f"[orch] node {topo.node_rank}: vLLM server for the trainers on {topo.nodes - 1} node(s)", flush=True)
@@ -261,6 +259,15 @@ def setup_times(env: Mapping[str, str]) -> dict[str, float]:
         except ValueError:
             continue
     return times
+
+
+def own_setup_seconds(times: Mapping[str, float], started: float) -> float:
+    """How long this node's setup took in this launch (setup_times), 0 for timings of an earlier one: a setup that
+    ended 10 minutes or more before `orch node` started (as a `sky exec`, which runs no setup, finds them)."""
+    done = times.get("setup_done")
+    if done is None or started - done >= 600:
+        return 0.0
+    return max(0.0, done - times.get("setup_started", done))
 
 
 def usable_cpus() -> int:
