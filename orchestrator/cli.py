@@ -105,7 +105,10 @@ def _stop(signum, _frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is None:
+        argv = sys.argv[1:]
+        if argv[:1] == ["node"]:
+            _workdir_orch(argv)
     handled = (signal.SIGTERM, signal.SIGHUP)
     previous = {}
     if threading.current_thread() is threading.main_thread():
@@ -115,6 +118,23 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _workdir_orch(argv: list[str]) -> None:
+    """`orch node` runs the orch of the directory it starts in when that is an orch checkout (the task's workdir,
+    which SkyPilot synced), not the copy the node's environment was installed from: an environment shared by
+    clusters (ORCH_VENV on a Slurm home) was installed from another cluster's workdir, maybe of another version,
+    maybe deleted with its cluster. The process is replaced by `python -m orchestrator node ...`, whose sys.path
+    starts with the workdir; the processes it starts (`-m` from the same directory) import from there too."""
+    here = os.getcwd()
+    package = os.path.dirname(os.path.abspath(__file__))
+    ours = os.path.join(here, "orchestrator")
+    if os.environ.get("ORCH_NODE_WORKDIR") == here or not os.path.isfile(os.path.join(ours, "cli.py")):
+        return
+    if os.path.realpath(ours) == os.path.realpath(package):
+        return
+    os.environ["ORCH_NODE_WORKDIR"] = here  # once: a Python that never puts the cwd first (-P) runs what it has
+    os.execv(sys.executable, [sys.executable, "-m", "orchestrator", *argv])
 
 
 def _main(argv: list[str]) -> int:

@@ -6,7 +6,10 @@
 # 2. A virtual environment, ORCH_VENV (default ~/.orch/venv), which every `run:` uses. Created from the image's
 #    python when it is >= 3.11 and already holds uv.lock's torch (kept: system site-packages, no download of
 #    several GB), else from a uv-managed Python 3.12 (TRL 1.16 needs 3.11; SkyPilot's default images have 3.10).
-#    An existing ORCH_VENV is installed into as it is.
+#    An existing ORCH_VENV is installed into as it is. On SkyPilot's Slurm nodes, whose $HOME is per cluster, the
+#    default is one environment per uv.lock and image python on the account's home
+#    (~/.cache/orch/venvs/<key>, ~/.orch/venv links to it): a new cluster of the account finds it installed.
+#    `bash scripts/node-setup.sh --print-venv` prints the environment a setup here would use.
 # 3. Exactly uv.lock's versions of orch[EXTRAS] (uv export --frozen, hashes required); torch is kept when the
 #    environment holds the locked version (any build: +cu128, +cpu), else the locked torch is installed: the
 #    rest of the lock was resolved against it. A reused cluster whose environment already holds this lock and
@@ -20,15 +23,27 @@
 # Timings go to $ORCH_HOME/setup-<cluster>-node<rank>.times for the time-to-first-step breakdown.
 set -euo pipefail
 
+print_venv=
+if [ "${1:-}" = --print-venv ]; then print_venv=1; shift; fi
 extras="${1:-train}"
 # --track (ORCH_TRACK=<project>): the nodes log to Trackio; only then is its extra installed
 if [ -n "${ORCH_TRACK:-}" ] && [ "${ORCH_TRACK,,}" != off ] && [[ ",$extras," != *,track,* ]]; then
   extras="$extras,track"
 fi
 ORCH_HOME="${ORCH_HOME:-$HOME/.orch}"
-ORCH_VENV="${ORCH_VENV:-$ORCH_HOME/venv}"
-mkdir -p "$ORCH_HOME"
+link=
+if [ -z "${ORCH_VENV:-}" ]; then
+  ORCH_VENV="$ORCH_HOME/venv"
+  account=$(getent passwd "$(id -u)" | cut -d: -f6 || true)
+  account=${account%/}
+  # SkyPilot's Slurm nodes: $HOME is <account home>/.sky_clusters/<cluster>, deleted with the cluster
+  if [ -n "$account" ] && [[ "$HOME" == "$account/.sky_clusters/"* ]] && { [ -L "$ORCH_VENV" ] || [ ! -e "$ORCH_VENV" ]; }
+  then
+    link=$ORCH_VENV
+  fi
+fi
 now() { date +%s.%N; }
+started=$(now)
 say() { echo "[orch] setup: $*"; }
 # One timings file per node of each cluster: on Slurm every node of every cluster of the account shares the home, and
 # one setup.times was truncated and appended by all of them at once (a node read another's records, or lost its own
@@ -38,8 +53,33 @@ rank_from=$([ -n "${SKYPILOT_SETUP_NODE_RANK:-}" ] && echo SKYPILOT_SETUP_NODE_R
 [[ "$node_rank" =~ ^[0-9]+$ ]] || { echo "orch: error: node rank '$node_rank' is not a number ($rank_from)" >&2; exit 2; }
 cluster=$(printf '%s' "${SKYPILOT_CLUSTER_INFO:-}" | sha256sum | cut -c1-12)
 times="$ORCH_HOME/setup-$cluster-node$node_rank.times"
-echo "started=$(now)" > "$times"
 [ -f uv.lock ] || { echo "orch: error: no uv.lock here ($(pwd)); run the setup from the repository root" >&2; exit 2; }
+
+locked_torch=$(awk '/^name = "torch"$/ { getline; gsub(/"/, "", $3); print $3; exit }' uv.lock)
+key=$(cat uv.lock pyproject.toml | sha256sum | cut -c1-16)
+has_locked_torch() {  # python: does it hold torch at the locked version (any local build: +cu128, +cpu)?
+  "$1" -c "import sys; from importlib.metadata import version
+sys.exit(version('torch').split('+')[0] != '$locked_torch')" 2>/dev/null
+}
+image_python= image_has_torch= image_read=
+read_image() {  # the image's python3, and whether it is >= 3.11 with the locked torch (an environment is made from it)
+  [ -z "$image_read" ] || return 0
+  image_read=1
+  image_python=$(command -v python3 || true)
+  if [ -n "$image_python" ] && "$image_python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+      && has_locked_torch "$image_python"; then
+    image_has_torch=1
+  fi
+}
+if [ -n "$link" ]; then
+  read_image
+  # one per lock and image python (what the environment is made from): clusters of one lock share it, and nothing is
+  # ever installed into it but that lock's packages (orch's own code comes from each cluster's workdir: `orch node`)
+  made_from=$(printf '%s|%s|%s|%s' "$image_python" "$([ -z "$image_python" ] || "$image_python" --version 2>&1)" \
+    "$image_has_torch" "$(uname -m)" | sha256sum | cut -c1-8)
+  ORCH_VENV="$account/.cache/orch/venvs/$key-$made_from"
+fi
+if [ -n "$print_venv" ]; then echo "$ORCH_VENV"; exit 0; fi
 
 # 1. uv
 if command -v uv >/dev/null 2>&1; then
@@ -56,13 +96,9 @@ else
   fi
 fi
 
-locked_torch=$(awk '/^name = "torch"$/ { getline; gsub(/"/, "", $3); print $3; exit }' uv.lock)
-key=$(cat uv.lock pyproject.toml | sha256sum | cut -c1-16)
+mkdir -p "$ORCH_HOME"
+echo "started=$started" > "$times"
 stamp="$ORCH_VENV/.orch-setup-$key-${extras//,/-}"
-has_locked_torch() {  # python: does it hold torch at the locked version (any local build: +cu128, +cpu)?
-  "$1" -c "import sys; from importlib.metadata import version
-sys.exit(version('torch').split('+')[0] != '$locked_torch')" 2>/dev/null
-}
 
 # One node installs at a time: on Slurm every node shares the home (and so ORCH_VENV); the others then find the stamp.
 mkdir -p "$(dirname "$ORCH_VENV")"
@@ -78,14 +114,13 @@ else
 fi
 installed_here=
 if [ -f "$stamp" ]; then
-  say "$ORCH_VENV already holds uv.lock's orch[$extras] (a reused cluster): nothing to install"
+  say "$ORCH_VENV already holds uv.lock's orch[$extras] (installed by an earlier setup): nothing to install"
 else
   installed_here=1
   # 2. the environment
   if [ ! -x "$ORCH_VENV/bin/python" ]; then
-    image_python=$(command -v python3 || true)
-    if [ -n "$image_python" ] && "$image_python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
-        && has_locked_torch "$image_python"; then
+    read_image
+    if [ -n "$image_has_torch" ]; then
       say "the image's $("$image_python" --version) holds torch $locked_torch: keeping it ($ORCH_VENV)"
       "${UV[@]}" venv -q --python "$image_python" --system-site-packages "$ORCH_VENV"
     else
@@ -111,16 +146,19 @@ else
   # DeepSpeed is an sdist whose build imports torch: build it against the environment's torch.
   "${UV[@]}" pip install -q --python "$py" --no-deps --require-hashes --no-build-isolation-package deepspeed \
     -r "$requirements"
-  "${UV[@]}" pip install -q --python "$py" --no-deps -e .
+  # a copy, not editable: the environment may outlive this checkout (shared by clusters, each with its own workdir)
+  "${UV[@]}" pip install -q --python "$py" --no-deps --reinstall-package orch .
   touch "$stamp"
 fi
-# orch itself is installed from this checkout (editable): an environment kept from another cluster (ORCH_VENV on a
-# shared file system) points at that cluster's copy, which may be gone
-here=$(pwd -P)
-if ! (cd / && "$ORCH_VENV/bin/python" -c "import orchestrator, os, sys
-sys.exit(not os.path.realpath(orchestrator.__file__).startswith('$here/'))") 2>/dev/null; then  # not from the cwd
-  say "orch from this checkout ($here)"
-  "${UV[@]}" pip install -q --python "$ORCH_VENV/bin/python" --no-deps -e .
+# `orch node` runs the workdir's orch (orchestrator/cli.py starts it again from there); the environment's own `orch`
+# only has to start. One installed editable by an earlier setup cannot once its checkout is gone (the cluster that
+# made a shared environment was taken down): then a copy from this checkout replaces it.
+if ! (cd / && "$ORCH_VENV/bin/python" -c "import orchestrator.cli") 2>/dev/null; then
+  say "orch's own command from this checkout ($(pwd -P)): the one installed before is gone"
+  "${UV[@]}" pip install -q --python "$ORCH_VENV/bin/python" --no-deps --reinstall-package orch .
+fi
+if [ -n "$link" ] && [ "$(readlink "$link" 2>/dev/null)" != "$ORCH_VENV" ]; then
+  ln -sfn "$ORCH_VENV" "$link.$$" && mv -Tf "$link.$$" "$link"  # the `run:`'s ~/.orch/venv; a rename: atomic
 fi
 [ -z "$locked" ] || flock -u 9
 echo "installed=$(now)" >> "$times"

@@ -187,7 +187,7 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
         ["bash", "scripts/node-setup.sh", "train"], cwd=project, env=env, capture_output=True, text=True
     )
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "already holds uv.lock's orch[train,track] (a reused cluster): nothing to install" in again.stdout
+    assert "orch[train,track] (installed by an earlier setup): nothing to install" in again.stdout
     assert "installing" not in again.stdout
     assert re.search(r"^\[orch\] rehearsed 2 role\(s\) .*\(cached\)$", again.stdout, re.M)
 
@@ -225,6 +225,131 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
     assert len(errors) == 1 and errors[0] == refused.stderr.strip().splitlines()[-1], refused.stderr[-2000:]
     assert errors[0].startswith("orch: error: model org/gated-phi3 is gated on the Hugging Face Hub"), errors[0]
     assert not leftover()
+    # The environment's orch is a copy: it starts with the checkout that installed it gone (the first cluster of a
+    # shared environment was taken down), and a setup from another checkout installs nothing.
+    moved = project.rename(tmp_path / "next-cluster")
+    hub_recipe(moved, "org/tiny-phi3")  # the gated case above rewrote hub.yaml
+
+    def starts() -> subprocess.CompletedProcess:
+        return subprocess.run([str(venv / "bin/orch"), "--version"], cwd="/", capture_output=True, text=True)
+
+    def setup_from(checkout: Path) -> str:
+        done = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=checkout, env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return done.stdout
+
+    assert starts().returncode == 0, starts().stderr
+    out = setup_from(moved)
+    assert "installing" not in out and "orch's own command" not in out, out
+    # One installed editable by an earlier setup (before this one made copies), its checkout gone: replaced by a copy.
+    old = tmp_path / "old-checkout"
+    shutil.copytree(moved, old)
+    uv = str(Path(sys.executable).parent / "uv")
+    subprocess.run([uv, "pip", "install", "-q", "--python", str(venv / "bin/python"), "--no-deps", "-e", str(old)],
+                   check=True, capture_output=True)  # fmt: skip
+    shutil.rmtree(old)
+    assert starts().returncode != 0
+    out = setup_from(moved)
+    assert f"orch's own command from this checkout ({moved}): the one installed before is gone" in out, out
+    assert "installing" not in out
+    assert starts().returncode == 0, starts().stderr
+
+
+def slurm_account(tmp_path: Path, cluster: str = "c1", image_python: Path | None = None) -> dict[str, str]:
+    """A node's environment as SkyPilot's Slurm provisioner gives it: $HOME is <account home>/.sky_clusters/<cluster>
+    (getent, on PATH first, names the account's home); python3 is the image's."""
+    account = tmp_path / "account"
+    home = account / ".sky_clusters" / cluster
+    home.mkdir(parents=True, exist_ok=True)
+    tools = tmp_path / "tools"
+    tools.mkdir(exist_ok=True)
+    (tools / "getent").write_text(f'#!/bin/sh\necho "u:x:0:0::{account}/:/bin/bash"\n')
+    (tools / "getent").chmod(0o755)
+    if image_python:
+        (tools / "python3").unlink(missing_ok=True)
+        (tools / "python3").symlink_to(image_python)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ORCH_", "SKYPILOT_"))}
+    return env | {"HOME": str(home), "PATH": f"{tools}{os.pathsep}{env['PATH']}"}
+
+
+def venv_of(env: dict[str, str]) -> str:
+    done = subprocess.run(["bash", "scripts/node-setup.sh", "--print-venv", "train"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    return done.stdout.strip()
+
+
+def test_on_a_slurm_home_the_environment_is_the_accounts_one_per_lock_and_image_python(tmp_path):
+    # SkyPilot gives each Slurm cluster its own $HOME: a per-cluster ~/.orch/venv installed uv.lock again at every
+    # new cluster (torch too, where the image has none). The default is one environment per lock and image python on
+    # the account's home, which every cluster of that lock finds installed.
+    with_torch = Path(sys.executable)  # holds the locked torch (test_this_machines_torch_is_the_locked_one)
+    one = slurm_account(tmp_path, "c1", with_torch)
+    venv = venv_of(one)
+    assert re.fullmatch(rf"{tmp_path}/account/\.cache/orch/venvs/[0-9a-f]{{16}}-[0-9a-f]{{8}}", venv), venv
+    assert venv_of(slurm_account(tmp_path, "c2", with_torch)) == venv  # another cluster of the account: the same
+    bare = venv_of(slurm_account(tmp_path, "c3", Path("/usr/bin/python3")))  # an image python without torch
+    assert bare != venv and bare.startswith(f"{tmp_path}/account/.cache/orch/venvs/")
+    # anywhere else, a set ORCH_VENV, or a cluster whose ~/.orch/venv is an environment of its own: as before
+    elsewhere = {**one, "HOME": str(tmp_path / "vm")}
+    assert venv_of(elsewhere) == f"{tmp_path}/vm/.orch/venv"
+    assert venv_of({**one, "ORCH_VENV": "/opt/env"}) == "/opt/env"
+    (Path(one["HOME"]) / ".orch" / "venv" / "bin").mkdir(parents=True)
+    assert venv_of(one) == f"{one['HOME']}/.orch/venv"
+
+
+def test_a_new_cluster_links_the_accounts_installed_environment_and_installs_nothing(tmp_path):
+    # An environment of this lock made by an earlier cluster of the account (its stamp, a python that runs orch):
+    # a new cluster's setup installs nothing and links ~/.orch/venv, which its `run:` puts on PATH, to it.
+    one = slurm_account(tmp_path, "c1", Path(sys.executable))
+    venv = Path(venv_of(one))
+    (venv / "bin").mkdir(parents=True)
+    for name in ("python", "orch"):
+        (venv / "bin" / name).write_text(f'#!/bin/sh\nexec {Path(sys.executable).parent / name} "$@"\n')
+        (venv / "bin" / name).chmod(0o755)
+    key = venv.name.split("-")[0]
+    (venv / f".orch-setup-{key}-train").touch()
+    node = {"SKYPILOT_SETUP_NODE_RANK": "1", "SKYPILOT_SETUP_NODE_IPS": "10.0.0.1\n10.0.0.2",
+            "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": "0", "ORCH_DEVICE": "cpu", "ORCH_SKIP_PREFETCH": "1"}  # fmt: skip
+    for cluster in ("c1", "c2"):
+        env = slurm_account(tmp_path, cluster) | node
+        tools, rest = env["PATH"].split(os.pathsep, 1)
+        env["PATH"] = os.pathsep.join([tools, str(Path(sys.executable).parent), rest])  # uv, after the image's python3
+        done = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"{venv} already holds uv.lock's orch[train] (installed by an earlier setup): nothing to install" in (
+            done.stdout
+        )
+        assert "installing" not in done.stdout and "orch's own command" not in done.stdout, done.stdout
+        link = Path(env["HOME"]) / ".orch" / "venv"
+        assert link.is_symlink() and os.readlink(link) == str(venv)
+    assert sorted(p.name for p in venv.parent.iterdir()) == [venv.name, f"{venv.name}.lock"]  # nothing made beside it
+
+
+def test_orch_node_runs_the_workdirs_orch_not_the_one_its_environment_was_installed_from(tmp_path):
+    # An environment shared by clusters was installed (editable) from another cluster's workdir: `orch node` started
+    # in this task's workdir runs this workdir's orch, and so do the processes it starts (`python -m` from there).
+    checkout = tmp_path / "workdir"
+    shutil.copytree(ROOT / "orchestrator", checkout / "orchestrator", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(checkout / "orchestrator" / "commands" / "node.py", "a") as f:
+        f.write("\nimport sys as _sys\nprint('this workdir:', __file__, _sys.path[0], flush=True)\n")
+    orch_command = Path(sys.executable).parent / "orch"  # installed from ROOT
+    env = {k: v for k, v in os.environ.items() if k != "ORCH_NODE_WORKDIR"}
+    here = subprocess.run([str(orch_command), "node", "--help"], cwd=checkout, env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert here.returncode == 0, here.stderr
+    assert here.stdout.startswith(f"this workdir: {checkout}/orchestrator/commands/node.py {checkout}\n"), here.stdout
+    # started anywhere else (no orch checkout there), or in the checkout it was installed from: its own
+    for cwd in (tmp_path, ROOT):
+        other = subprocess.run([str(orch_command), "node", "--help"], cwd=cwd, env=env, capture_output=True,
+                               text=True, timeout=60)  # fmt: skip
+        assert other.returncode == 0 and other.stdout.startswith("usage: orch node"), other.stdout + other.stderr
+    # a Python that never puts the directory first (PYTHONSAFEPATH) starts again once, then runs what it has
+    safe = subprocess.run([str(orch_command), "node", "--help"], cwd=checkout, env={**env, "PYTHONSAFEPATH": "1"},
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert safe.returncode == 0 and safe.stdout.startswith("usage: orch node"), safe.stdout + safe.stderr
 
 
 @pytest.mark.e2e
@@ -598,7 +723,7 @@ def test_setup_refuses_a_node_rank_that_is_not_a_number_naming_where_it_came_fro
                           timeout=60)  # fmt: skip
     assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
     assert done.stderr == f"orch: error: node rank '../../etc/x' is not a number ({var})\n"
-    assert list((tmp_path / "home").iterdir()) == []
+    assert not (tmp_path / "home").exists()  # nothing written
 
 
 def test_setup_stops_with_one_line_when_it_cannot_take_the_install_lock():

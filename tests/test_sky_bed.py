@@ -198,7 +198,7 @@ def test_orch_run_through_skypilots_sdk_and_its_commands_act_on_real_state(bed, 
     out = again.stdout + again.stderr
     assert again.returncode == 0, out[-6000:]
     assert f"[orch] run {name}: relaunch 1, resuming from its last checkpoint (~/orch-checkpoints/{name})" in out
-    assert "already holds uv.lock's orch[train] (a reused cluster): nothing to install" in out
+    assert "already holds uv.lock's orch[train] (installed by an earlier setup): nothing to install" in out
     start = int(re.search(r"resuming from \S+/checkpoint-(\d+)", out).group(1))
     assert 10 <= start <= done, out[-3000:]
     assert f"[orch] step {steps}/{steps} loss=" in out and "running FSDP2 over gloo" in out
