@@ -30,18 +30,19 @@ extras="${1:-train}"
 if [ -n "${ORCH_TRACK:-}" ] && [ "${ORCH_TRACK,,}" != off ] && [[ ",$extras," != *,track,* ]]; then
   extras="$extras,track"
 fi
-ORCH_HOME="${ORCH_HOME:-$HOME/.orch}"
 link=
 if [ -z "${ORCH_VENV:-}" ]; then
-  ORCH_VENV="$ORCH_HOME/venv"
+  ORCH_VENV="${ORCH_HOME:-$HOME/.orch}/venv"
   account=$(getent passwd "$(id -u)" | cut -d: -f6 || true)
   account=${account%/}
-  # SkyPilot's Slurm nodes: $HOME is <account home>/.sky_clusters/<cluster>, deleted with the cluster
-  if [ -n "$account" ] && [[ "$HOME" == "$account/.sky_clusters/"* ]] && { [ -L "$ORCH_VENV" ] || [ ! -e "$ORCH_VENV" ]; }
-  then
+  # SkyPilot's Slurm nodes: $HOME is <account home>/.sky_clusters/<cluster>, deleted with the cluster (and the
+  # `run:`'s ~/.orch/venv is the link: not where a set ORCH_HOME puts it)
+  if [ -z "${ORCH_HOME:-}" ] && [ -n "$account" ] && [[ "$HOME" == "$account/.sky_clusters/"* ]] \
+      && { [ -L "$ORCH_VENV" ] || [ ! -e "$ORCH_VENV" ]; }; then
     link=$ORCH_VENV
   fi
 fi
+ORCH_HOME="${ORCH_HOME:-$HOME/.orch}"
 now() { date +%s.%N; }
 started=$(now)
 say() { echo "[orch] setup: $*"; }
@@ -157,8 +158,31 @@ if ! (cd / && "$ORCH_VENV/bin/python" -c "import orchestrator.cli") 2>/dev/null;
   say "orch's own command from this checkout ($(pwd -P)): the one installed before is gone"
   "${UV[@]}" pip install -q --python "$ORCH_VENV/bin/python" --no-deps --reinstall-package orch .
 fi
-if [ -n "$link" ] && [ "$(readlink "$link" 2>/dev/null)" != "$ORCH_VENV" ]; then
-  ln -sfn "$ORCH_VENV" "$link.$$" && mv -Tf "$link.$$" "$link"  # the `run:`'s ~/.orch/venv; a rename: atomic
+if [ -n "$link" ]; then
+  if [ "$(readlink "$link" 2>/dev/null)" != "$ORCH_VENV" ]; then
+    ln -sfn "$ORCH_VENV" "$link.$$" && mv -Tf "$link.$$" "$link"  # the `run:`'s ~/.orch/venv; a rename: atomic
+  fi
+  touch "$ORCH_VENV/.orch-used"
+  # The account's environments of other locks (each 1 GB or more, on a home that often has a quota): one that no
+  # cluster links to and no setup has used for 7 days is removed, under its own lock (a setup installing into it
+  # holds it). Only directories a setup made and finished: named <key>-<image>, with a setup's stamp in them.
+  for old in "$(dirname "$ORCH_VENV")"/*; do
+    [[ "${old##*/}" =~ ^[0-9a-f]{16}-[0-9a-f]{8}$ ]] && [ "$old" != "$ORCH_VENV" ] && [ -d "$old" ] && [ ! -L "$old" ] \
+      && compgen -G "$old/.orch-setup-*" >/dev/null || continue
+    used=$([ -e "$old/.orch-used" ] && echo "$old/.orch-used" || compgen -G "$old/.orch-setup-*" | head -n 1)
+    [ -z "$(find "$used" -maxdepth 0 -mtime -7 2>/dev/null)" ] || continue
+    linked=
+    for other in "$account"/.sky_clusters/*/.orch/venv; do
+      [ "$(readlink "$other" 2>/dev/null)" != "$old" ] || { linked=1; break; }
+    done
+    [ -z "$linked" ] || continue
+    if { exec 8>"$old.lock"; } 2>/dev/null && flock -n 8; then
+      # renamed first (atomic): a removal that fails half-way leaves no half environment under a name a setup uses
+      mv -T "$old" "$old.removing-$$" && rm -rf "$old.removing-$$" \
+        && say "removed $old: an environment of another lock that no cluster links to, unused for 7 days"
+    fi
+    exec 8>&-
+  done
 fi
 [ -z "$locked" ] || flock -u 9
 echo "installed=$(now)" >> "$times"

@@ -1,5 +1,6 @@
 """The nodes' setup: one lock (uv.lock) installed by uv, the model and data prefetched."""
 
+import fcntl
 import json
 import os
 import re
@@ -7,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -295,6 +297,7 @@ def test_on_a_slurm_home_the_environment_is_the_accounts_one_per_lock_and_image_
     elsewhere = {**one, "HOME": str(tmp_path / "vm")}
     assert venv_of(elsewhere) == f"{tmp_path}/vm/.orch/venv"
     assert venv_of({**one, "ORCH_VENV": "/opt/env"}) == "/opt/env"
+    assert venv_of({**one, "ORCH_HOME": "/scratch/orch"}) == "/scratch/orch/venv"  # not the `run:`'s ~/.orch/venv
     (Path(one["HOME"]) / ".orch" / "venv" / "bin").mkdir(parents=True)
     assert venv_of(one) == f"{one['HOME']}/.orch/venv"
 
@@ -326,6 +329,38 @@ def test_a_new_cluster_links_the_accounts_installed_environment_and_installs_not
         link = Path(env["HOME"]) / ".orch" / "venv"
         assert link.is_symlink() and os.readlink(link) == str(venv)
     assert sorted(p.name for p in venv.parent.iterdir()) == [venv.name, f"{venv.name}.lock"]  # nothing made beside it
+
+    # The account's environments of other locks: removed only when finished by a setup (its stamp), named as a setup
+    # names them, linked from no cluster, unused for 7 days and not locked by a setup installing into it.
+    def made(name: str, days: float, stamp: bool = True) -> Path:
+        env_dir = venv.parent / name
+        (env_dir / "bin").mkdir(parents=True)
+        if stamp:
+            (env_dir / f".orch-setup-{name[:16]}-train").touch()
+            (env_dir / ".orch-used").touch()
+        for path in [env_dir, *env_dir.iterdir()]:
+            os.utime(path, (time.time() - days * 86400,) * 2)
+        return env_dir
+
+    stale = made("a" * 16 + "-" + "1" * 8, 8)
+    recent = made("b" * 16 + "-" + "2" * 8, 1)
+    unfinished = made("c" * 16 + "-" + "3" * 8, 30, stamp=False)
+    other_name = made("not-a-setups-name", 30)
+    linked = made("d" * 16 + "-" + "4" * 8, 30)
+    (Path(slurm_account(tmp_path, "c3")["HOME"]) / ".orch").mkdir()
+    (Path(slurm_account(tmp_path, "c3")["HOME"]) / ".orch" / "venv").symlink_to(linked)  # a stopped cluster's
+    busy = made("e" * 16 + "-" + "5" * 8, 30)
+    with open(f"{busy}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a setup installing into it
+        done = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not stale.exists() and not list(venv.parent.glob("*.removing-*"))
+    assert all(d.exists() for d in (recent, unfinished, other_name, linked, busy, venv))
+    removed = [line for line in done.stdout.splitlines() if "removed" in line]
+    assert removed == [f"[orch] setup: removed {stale}: an environment of another lock that no cluster links to, "
+                       "unused for 7 days"], done.stdout  # fmt: skip
+    assert (venv / ".orch-used").stat().st_mtime > time.time() - 60  # this setup used its own
 
 
 def test_orch_node_runs_the_workdirs_orch_not_the_one_its_environment_was_installed_from(tmp_path):
