@@ -139,6 +139,13 @@ def test_plain_sky_launch_runs_the_recipe_on_two_slurm_nodes(bed, tmp_path):
     assert queue.returncode == 0 and "SUCCEEDED" in queue.stdout, queue.stdout + queue.stderr
     logs = bed.sky("logs", "phi3", "1", "--no-follow")
     assert logs.returncode == 0 and "[orch] step 8/8" in logs.stdout, logs.stdout[-2000:] + logs.stderr[-2000:]
+    # without ORCH_VENV, a setup on these nodes takes the account's environment for this lock: SkyPilot's $HOME on a
+    # Slurm node is the cluster's own, under the account's home (scripts/node-setup.sh --print-venv, on the node)
+    where = bed.sky("exec", "phi3", "bash scripts/node-setup.sh --print-venv; echo HOME=$HOME")
+    assert where.returncode == 0, where.stdout[-2000:] + where.stderr[-2000:]
+    home = re.escape(str(bed.home))
+    assert re.search(rf"\s{home}/\.cache/orch/venvs/[0-9a-f]{{16}}-[0-9a-f]{{8}}$", where.stdout, re.M), where.stdout
+    assert re.search(rf"\sHOME={home}/\.sky_clusters/\S+$", where.stdout, re.M), where.stdout[-2000:]
     down = bed.sky("down", "phi3", "-y")
     assert down.returncode == 0, down.stdout + down.stderr
     assert "phi3" not in bed.sky("status").stdout
