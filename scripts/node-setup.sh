@@ -165,24 +165,27 @@ if [ -n "$link" ]; then
   touch "$ORCH_VENV/.orch-used"
   # The account's environments of other locks (each 1 GB or more, on a home that often has a quota): one that no
   # cluster links to and no setup has used for 7 days is removed, under its own lock (a setup installing into it
-  # holds it). Only directories a setup made and finished: named <key>-<image>, with a setup's stamp in them.
-  for old in "$(dirname "$ORCH_VENV")"/*; do
-    [[ "${old##*/}" =~ ^[0-9a-f]{16}-[0-9a-f]{8}$ ]] && [ "$old" != "$ORCH_VENV" ] && [ -d "$old" ] && [ ! -L "$old" ] \
-      && compgen -G "$old/.orch-setup-*" >/dev/null || continue
-    used=$([ -e "$old/.orch-used" ] && echo "$old/.orch-used" || compgen -G "$old/.orch-setup-*" | head -n 1)
-    [ -z "$(find "$used" -maxdepth 0 -mtime -7 2>/dev/null)" ] || continue
-    linked=
-    for other in "$account"/.sky_clusters/*/.orch/venv; do
-      [ "$(readlink "$other" 2>/dev/null)" != "$old" ] || { linked=1; break; }
+  # holds it). Only directories a setup made and finished: named <key>-<image>, with a setup's stamp in them. Without
+  # flock, nothing is removed.
+  if [ -n "$locked" ]; then
+    for old in "$(dirname "$ORCH_VENV")"/*; do
+      [[ "${old##*/}" =~ ^[0-9a-f]{16}-[0-9a-f]{8}$ ]] && [ "$old" != "$ORCH_VENV" ] && [ -d "$old" ] \
+        && [ ! -L "$old" ] && compgen -G "$old/.orch-setup-*" >/dev/null || continue
+      used=$([ -e "$old/.orch-used" ] && echo "$old/.orch-used" || compgen -G "$old/.orch-setup-*" | head -n 1)
+      [ -z "$(find "$used" -maxdepth 0 -mtime -7 2>/dev/null)" ] || continue
+      linked=
+      for other in "$account"/.sky_clusters/*/.orch/venv; do
+        [ "$(readlink "$other" 2>/dev/null)" != "$old" ] || { linked=1; break; }
+      done
+      [ -z "$linked" ] || continue
+      if { exec 8>"$old.lock"; } 2>/dev/null && flock -n 8; then
+        # renamed first (atomic): a removal that fails half-way leaves no half environment under a name a setup uses
+        mv -T "$old" "$old.removing-$$" && rm -rf "$old.removing-$$" \
+          && say "removed $old: an environment of another lock that no cluster links to, unused for 7 days"
+      fi
+      exec 8>&-
     done
-    [ -z "$linked" ] || continue
-    if { exec 8>"$old.lock"; } 2>/dev/null && flock -n 8; then
-      # renamed first (atomic): a removal that fails half-way leaves no half environment under a name a setup uses
-      mv -T "$old" "$old.removing-$$" && rm -rf "$old.removing-$$" \
-        && say "removed $old: an environment of another lock that no cluster links to, unused for 7 days"
-    fi
-    exec 8>&-
-  done
+  fi
 fi
 [ -z "$locked" ] || flock -u 9
 echo "installed=$(now)" >> "$times"
