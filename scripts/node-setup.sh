@@ -35,8 +35,8 @@ if [ -z "${ORCH_VENV:-}" ]; then
   ORCH_VENV="${ORCH_HOME:-$HOME/.orch}/venv"
   account=$(getent passwd "$(id -u)" | cut -d: -f6 || true)
   account=${account%/}
-  # SkyPilot's Slurm nodes: $HOME is <account home>/.sky_clusters/<cluster>, deleted with the cluster (and the
-  # `run:`'s ~/.orch/venv is the link: not where a set ORCH_HOME puts it)
+  # SkyPilot's Slurm nodes: $HOME is <account home>/.sky_clusters/<cluster>, deleted with the cluster (not with a
+  # set ORCH_HOME: the removal of unused environments below looks for the clusters' links at ~/.orch/venv)
   if [ -z "${ORCH_HOME:-}" ] && [ -n "$account" ] && [[ "$HOME" == "$account/.sky_clusters/"* ]] \
       && { [ -L "$ORCH_VENV" ] || [ ! -e "$ORCH_VENV" ]; }; then
     link=$ORCH_VENV

@@ -72,7 +72,8 @@ def test_recipe_setup_installs_from_the_lock(path):
     if attention_names.may_need_hub(attention):  # transformers loads it with the kernels package (trl[kernels])
         assert "gpu" in extras, f"{path.stem}'s attention {attention} is a Kernels Hub kernel: its setup needs gpu"
     assert "pip install" not in task["setup"]
-    assert 'export PATH="${ORCH_VENV:-$HOME/.orch/venv}/bin:$PATH"' in task["run"] and "orch node" in task["run"]
+    assert 'export PATH="${ORCH_VENV:-${ORCH_HOME:-$HOME/.orch}/venv}/bin:$PATH"' in task["run"]
+    assert "orch node" in task["run"]
 
 
 # ---------------------------------------------------------------- the setup script, for real, offline
@@ -297,9 +298,26 @@ def test_on_a_slurm_home_the_environment_is_the_accounts_one_per_lock_and_image_
     elsewhere = {**one, "HOME": str(tmp_path / "vm")}
     assert venv_of(elsewhere) == f"{tmp_path}/vm/.orch/venv"
     assert venv_of({**one, "ORCH_VENV": "/opt/env"}) == "/opt/env"
-    assert venv_of({**one, "ORCH_HOME": "/scratch/orch"}) == "/scratch/orch/venv"  # not the `run:`'s ~/.orch/venv
+    assert venv_of({**one, "ORCH_HOME": "/scratch/orch"}) == "/scratch/orch/venv"  # where the `run:` looks
     (Path(one["HOME"]) / ".orch" / "venv" / "bin").mkdir(parents=True)
     assert venv_of(one) == f"{one['HOME']}/.orch/venv"
+
+
+def test_the_run_puts_first_on_path_the_environment_the_setup_installed(tmp_path):
+    # The setup installs where ORCH_VENV, else ORCH_HOME, else ~/.orch says; every recipe's `run:` must look in the
+    # same place (it read ~/.orch/venv whatever ORCH_HOME said). On a Slurm home the setup links ~/.orch/venv (below).
+    exports = {
+        next(line.strip() for line in yaml.safe_load(path.read_text())["run"].splitlines() if "export PATH=" in line)
+        for path in TASKS
+    }
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("ORCH_", "SKYPILOT_"))} | {"HOME": str(tmp_path)}
+    for export in exports:
+        for extra in ({}, {"ORCH_HOME": f"{tmp_path}/orch-home"}, {"ORCH_VENV": f"{tmp_path}/env"},
+                      {"ORCH_HOME": f"{tmp_path}/orch-home", "ORCH_VENV": f"{tmp_path}/env"}):  # fmt: skip
+            env = base | extra
+            first = subprocess.run(["bash", "-c", export + '\nprintf %s "${PATH%%:*}"'], env=env, capture_output=True,
+                                   text=True, check=True).stdout  # fmt: skip
+            assert first == venv_of(env) + "/bin", (export, extra)
 
 
 def test_a_new_cluster_links_the_accounts_installed_environment_and_installs_nothing(tmp_path):

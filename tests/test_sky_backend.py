@@ -108,7 +108,7 @@ def test_managed_job_and_its_commands(in_project, fake, capsys, monkeypatch):
     assert {k: v for k, v in resources.job_recovery.items() if v is not None} == {
         "max_restarts_on_errors": 3, "recover_on_exit_codes": [75]}  # as SkyPilot parsed it
     saved = yaml.safe_load(record.read_text())
-    assert saved["config"]["hooks"] == [{"run": '"${ORCH_VENV:-$HOME/.orch/venv}/bin/orch" node --checkpoint-now '
+    assert saved["config"]["hooks"] == [{"run": '"${ORCH_VENV:-${ORCH_HOME:-$HOME/.orch}/venv}/bin/orch" node --checkpoint-now '
                                          "--wait 150", "events": ["preemption"], "timeout": 180}]  # fmt: skip
     assert task.envs["ORCH_SAVE_ON_REQUEST"] == "on"
 

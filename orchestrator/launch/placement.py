@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
 DEFAULT_RESTARTS = 3  # a managed job's job_recovery.max_restarts_on_errors (`orch run --max-restarts`)
 DEFAULT_IDLE_MINUTES = 10  # a cluster `orch run` launched stops by itself: no idle GPUs on the bill
-PREEMPTION_HOOK = (
-    '"${ORCH_VENV:-$HOME/.orch/venv}/bin/orch" node --checkpoint-now --wait 150'  # SkyPilot's hook: save first
+PREEMPTION_HOOK = (  # SkyPilot's hook: save first
+    '"${ORCH_VENV:-${ORCH_HOME:-$HOME/.orch}/venv}/bin/orch" node --checkpoint-now --wait 150'
 )
 
 
