@@ -126,7 +126,10 @@ def _workdir_orch(argv: list[str]) -> None:
     clusters (ORCH_VENV on a Slurm home) was installed from another cluster's workdir, maybe of another version,
     maybe deleted with its cluster. The process is replaced by `python -m orchestrator node ...`, whose sys.path
     starts with the workdir; the processes it starts (`-m` from the same directory) import from there too."""
-    here = os.getcwd()
+    try:
+        here = os.getcwd()
+    except OSError:  # a directory removed under it: nothing to run from there
+        return
     package = os.path.dirname(os.path.abspath(__file__))
     ours = os.path.join(here, "orchestrator")
     if os.environ.get("ORCH_NODE_WORKDIR") == here or not os.path.isfile(os.path.join(ours, "cli.py")):

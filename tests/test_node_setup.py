@@ -399,6 +399,10 @@ def test_orch_node_runs_the_workdirs_orch_not_the_one_its_environment_was_instal
         other = subprocess.run([str(orch_command), "node", "--help"], cwd=cwd, env=env, capture_output=True,
                                text=True, timeout=60)  # fmt: skip
         assert other.returncode == 0 and other.stdout.startswith("usage: orch node"), other.stdout + other.stderr
+    # a directory removed under it: its own
+    gone = subprocess.run(["bash", "-c", f"mkdir gone && cd gone && rmdir ../gone && {orch_command} node --help"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert gone.returncode == 0 and gone.stdout.startswith("usage: orch node"), gone.stdout + gone.stderr
     # a Python that never puts the directory first (PYTHONSAFEPATH) starts again once, then runs what it has
     safe = subprocess.run([str(orch_command), "node", "--help"], cwd=checkout, env={**env, "PYTHONSAFEPATH": "1"},
                           capture_output=True, text=True, timeout=60)  # fmt: skip
