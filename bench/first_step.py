@@ -14,7 +14,8 @@ cluster): node-setup.sh's own part (install) <= 2 s, the rehearsal and the downl
 Every figure comes from the lines as they arrive (timestamped here) and from the node's own time-to-first-step line;
 the breakdown of SkyPilot's part uses its launch lines ("Instances are up", "Cluster launched", "Job submitted"). The
 first subject finds the bed's image with torch only and installs uv.lock into it (from the local uv cache, offline);
-later ones find it installed on the shared home, as a reused Slurm account does.
+later ones find it installed on the shared home, as every later cluster of a Slurm account does by default
+(node-setup.sh's environment per lock on the account's home; the bed sets ORCH_VENV to its image instead).
 """
 
 from __future__ import annotations
