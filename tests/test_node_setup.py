@@ -365,8 +365,9 @@ def test_a_new_cluster_links_the_accounts_installed_environment_and_installs_not
     unfinished = made("c" * 16 + "-" + "3" * 8, 30, stamp=False)
     other_name = made("not-a-setups-name", 30)
     linked = made("d" * 16 + "-" + "4" * 8, 30)
-    (Path(slurm_account(tmp_path, "c3")["HOME"]) / ".orch").mkdir()
-    (Path(slurm_account(tmp_path, "c3")["HOME"]) / ".orch" / "venv").symlink_to(linked)  # a stopped cluster's
+    stopped = Path(slurm_account(tmp_path, "c3")["HOME"]) / ".orch"  # a stopped cluster's home keeps its link
+    stopped.mkdir()
+    (stopped / "venv").symlink_to(linked)
     busy = made("e" * 16 + "-" + "5" * 8, 30)
     with open(f"{busy}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a setup installing into it
