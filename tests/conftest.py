@@ -160,9 +160,9 @@ def pytest_collection_modifyitems(config, items):
         keep = [item for item in items if tier_of(item) in wanted]
         config.hook.pytest_deselected(items=[item for item in items if tier_of(item) not in wanted])
         items[:] = keep
-    # the heavy tiers first (a stable sort: each module's order kept): `--dist loadgroup` hands tests to whichever worker
-    # is free in this order, so the last ones are milliseconds long and no worker idles while the other ends a minute
-    # long smoke run
+    # the heavy tiers first (a stable sort: each module's order kept): `--dist loadgroup` hands tests to whichever
+    # worker is free in this order, so the last ones are milliseconds long and no worker idles while the other ends a
+    # minute-long smoke run
     items.sort(key=lambda item: HEAVY_FIRST[tier_of(item)])
 
 
