@@ -118,6 +118,8 @@ def node_env():
 
 TIERS = ("unit", "cli", "e2e", "root")
 """Every test has one (its own marker, else its module's): pyproject.toml's markers say what each means."""
+HEAVY_FIRST = {"root": 0, "e2e": 0, "cli": 1, "unit": 2}
+"""The order the suite hands tests out in (pytest_collection_modifyitems)."""
 
 
 def pytest_addoption(parser):
@@ -164,9 +166,6 @@ def pytest_collection_modifyitems(config, items):
     # worker is free in this order, so the last ones are milliseconds long and no worker idles while the other ends a
     # minute-long smoke run
     items.sort(key=lambda item: HEAVY_FIRST[tier_of(item)])
-
-
-HEAVY_FIRST = {"root": 0, "e2e": 0, "cli": 1, "unit": 2}
 
 
 def pytest_collection_finish(session):

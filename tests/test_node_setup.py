@@ -259,6 +259,11 @@ def test_setup_installs_the_lock_into_an_image_with_torch_prefetches_and_skips_o
     assert starts().returncode == 0, starts().stderr
 
 
+def clean_env() -> dict[str, str]:
+    """This process's environment without orch's and SkyPilot's variables: a node's before its task sets any."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("ORCH_", "SKYPILOT_"))}
+
+
 def slurm_account(tmp_path: Path, cluster: str = "c1", image_python: Path | None = None) -> dict[str, str]:
     """A node's environment as SkyPilot's Slurm provisioner gives it: $HOME is <account home>/.sky_clusters/<cluster>
     (getent, on PATH first, names the account's home); python3 is the image's."""
@@ -272,7 +277,7 @@ def slurm_account(tmp_path: Path, cluster: str = "c1", image_python: Path | None
     if image_python:
         (tools / "python3").unlink(missing_ok=True)
         (tools / "python3").symlink_to(image_python)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ORCH_", "SKYPILOT_"))}
+    env = clean_env()
     return env | {"HOME": str(home), "PATH": f"{tools}{os.pathsep}{env['PATH']}"}
 
 
@@ -310,7 +315,7 @@ def test_the_run_puts_first_on_path_the_environment_the_setup_installed(tmp_path
         next(line.strip() for line in yaml.safe_load(path.read_text())["run"].splitlines() if "export PATH=" in line)
         for path in TASKS
     }
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("ORCH_", "SKYPILOT_"))} | {"HOME": str(tmp_path)}
+    base = clean_env() | {"HOME": str(tmp_path)}
     for export in exports:
         for extra in ({}, {"ORCH_HOME": f"{tmp_path}/orch-home"}, {"ORCH_VENV": f"{tmp_path}/env"},
                       {"ORCH_HOME": f"{tmp_path}/orch-home", "ORCH_VENV": f"{tmp_path}/env"}):  # fmt: skip

@@ -266,14 +266,16 @@ def test_a_managed_job_recovers_from_a_node_failure_and_resumes_from_its_checkpo
     # At most every 20 s: each ask is 7-19 s of CPU-bound work for the CLI and the API server, which, asked back to
     # back, took about one of this machine's two cores from the training it watched
     pool = ThreadPoolExecutor(1)
-    asked: list = [None, 0.0]  # the ask in flight, when the next may start
+    over = r"SUCCEEDED|FAILED|CANCELLED"
+    asking, next_ask = None, 0.0  # the ask in flight, when the next may start
 
     def ended() -> bool:  # a job that failed or ended shows it within ~20 s
-        if asked[0] is None and time.monotonic() >= asked[1]:
-            asked[0] = pool.submit(queue)
-        elif asked[0] is not None and asked[0].done():
-            row, asked[:] = asked[0].result(), [None, time.monotonic() + 20]
-            return bool(re.search(r"SUCCEEDED|FAILED|CANCELLED", row))
+        nonlocal asking, next_ask
+        if asking is None and time.monotonic() >= next_ask:
+            asking = pool.submit(queue)
+        elif asking is not None and asking.done():
+            row, asking, next_ask = asking.result(), None, time.monotonic() + 20
+            return bool(re.search(over, row))
         return False
 
     deadline = time.monotonic() + 360  # ~90 s here
@@ -292,7 +294,7 @@ def test_a_managed_job_recovers_from_a_node_failure_and_resumes_from_its_checkpo
         assert time.monotonic() - failed < 420, why()  # ~100 s here
         time.sleep(0.5)
     pool.shutdown(wait=True)
-    while not re.search(r"SUCCEEDED|FAILED|CANCELLED", row := queue()):
+    while not re.search(over, row := queue()):
         assert time.monotonic() - failed < 480, why()
         time.sleep(2)
     words = row.split()
