@@ -227,14 +227,23 @@ def test_killed_node_stops_the_gang_and_the_rerun_resumes_exactly(project):
 @pytest.mark.e2e
 def test_a_rank_that_exits_early_is_named_as_the_cause(project):
     """Rank 1 calls sys.exit(0) at step 3 (tests/fixtures/early_exit/sitecustomize.py): rank 0 then fails in its next
-    collective with a network error. The run names rank 1 and is not reported as a retryable network failure."""
+    collective with a network error. The run names rank 1 and is not reported as a retryable network failure. Its
+    Trackio curves (--track) up to the failure reach the dashboard, though no checkpoint was saved (the first is at
+    step 4): each node copies its database when training ends, failed or not (before, none was there to show)."""
+    from test_resume import trackio_runs
+
     fault = ROOT / "tests" / "fixtures" / "early_exit"
-    done = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "--env", f"PYTHONPATH={fault}",
-                cwd=project, timeout=300)  # fmt: skip
+    done = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "--track", "--env",
+                f"PYTHONPATH={fault}", cwd=project, timeout=300)  # fmt: skip
     assert done.returncode != 0
     final = done.stdout.strip().splitlines()[-1]
     assert "rank 1 (node 1) exited with code 0 at step 3, before training ended" in final, done.stdout[-3000:]
     assert "retryable" not in final and "orch exits 75" not in done.stdout
+    run = re.search(r"^\[orch\] output: \S+/(\S+)$", done.stdout, re.M).group(1)
+    shown = orch("dashboard", run, "--no-open", cwd=project, env={"ORCH_CACHE_DIR": str(project / "cache")})
+    assert shown.returncode == 0, shown.stderr
+    rows = trackio_runs(project / "cache" / "dashboards" / run / "trackio", "qwen25_sft_ddp")[run]
+    assert sorted(r["step"] for r in rows if "loss" in r) == [1, 2], rows  # step 3's logging gathers from rank 1
 
 
 # ---------------------------------------------------------------- a node that never joins

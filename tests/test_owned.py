@@ -226,3 +226,41 @@ def test_sizes_are_said_in_a_unit_that_keeps_their_digits():
 
     assert [size_words(n) for n in (29_712, 999_999, 1_000_001, 335_400_000, 140_200_000_000)] == [
         "29.7 kB", "1.0 MB", "1.0 MB", "335.4 MB", "140.2 GB"]  # fmt: skip
+
+
+def test_a_local_runs_node_directory_goes_with_the_run_and_never_takes_anothers(tmp_path, monkeypatch):
+    """Each emulated node's home and TMPDIR live in one directory of the run's (launch/backends/local_nodes.py), made
+    before the nodes start and removed when they end, failed or not: what a node leaves in temporary files (torch's
+    elastic agent's torchelastic_* directory at every launch) goes with it. A killed attempt's directory is replaced
+    (a stale checkpoint request there would make the next attempt save at once); one orch did not make is left."""
+    import tempfile
+
+    from orchestrator.launch.backends.local_nodes import node_envs, node_scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with node_scratch("run-1", 2) as scratch:
+        assert scratch == tmp_path / "orch-local-run-1" and owned.marker_run(scratch) == "run-1"
+        envs = node_envs({}, 2, 1, task_id="run-1", port=1, barrier_port=2, scratch=scratch)
+        assert [(e["ORCH_HOME"], e["TMPDIR"]) for e in envs] == [
+            (str(scratch / f"node{r}"), str(scratch / f"node{r}" / "tmp")) for r in (0, 1)
+        ]
+        assert all(Path(e["TMPDIR"]).is_dir() for e in envs)
+        assert envs[0]["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "torchinductor_"))  # shared, as outside
+        (scratch / "node1" / "tmp" / "torchelastic_x").mkdir()
+    assert not scratch.exists()
+    with pytest.raises(RuntimeError), node_scratch("run-1", 1) as scratch:
+        (scratch / "node0" / "checkpoint-request").write_text("x")
+        raise RuntimeError("a node failed")
+    assert not scratch.exists()
+    owned.claim(scratch, "run-1")  # an attempt killed before it removed its directory
+    (scratch / "node0").mkdir()
+    (scratch / "node0" / "checkpoint-request").write_text("stale")
+    with node_scratch("run-1", 1) as again:
+        assert not (again / "node0" / "checkpoint-request").exists() and (again / "node0" / "tmp").is_dir()
+    mine = tmp_path / "orch-local-run-2"
+    mine.mkdir()
+    (mine / "notes").write_text("mine")
+    with pytest.raises(OrchError, match="run run-2's node directory: .*no orch marker"):
+        with node_scratch("run-2", 1):
+            pass
+    assert (mine / "notes").read_text() == "mine"

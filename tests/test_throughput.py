@@ -89,15 +89,20 @@ def test_throughput_matches_an_independent_count(project):
     for line in proc.stdout:
         lines.append(line)
         if match := re.match(r"^\[orch\] run (\S+):", line):
-            home = Path(tempfile.gettempdir()) / f"orch-local-{match.group(1)}-node0"  # node 0's ORCH_HOME
+            home = Path(tempfile.gettempdir()) / f"orch-local-{match.group(1)}" / "node0"  # node 0's ORCH_HOME
         if "[orch] step 1/8" in line:  # as checkpoint_now does (tested below), without its start-up time
             home.mkdir(parents=True, exist_ok=True)
             (home / "checkpoint-request").write_text("preemption notice\n")
+            seen["elastic"] = [p.name[:13] for p in (home / "tmp").glob("torchelastic_*")]  # in the node's TMPDIR
+        if "elastic" in seen and "done" not in seen and (home / "checkpoint-done").is_file():  # the node's answer
+            if (text := (home / "checkpoint-done").read_text()).endswith("\n"):  # (the home goes with the run)
+                seen["done"], seen["asked"] = text.split()[0], (home / "checkpoint-request").exists()
         if "[orch] training: up to step 8" in line:
             seen.setdefault("start", time.monotonic())
         if "[orch] step 8/8" in line:
             seen["end"] = time.monotonic()
     assert proc.wait() == 0, "".join(lines[-30:])
+    assert seen["elastic"] == ["torchelastic_"] and not home.parent.exists()  # the run's node directory went with it
     out = "".join(lines)
     assert "tok/s" in out and "ETA" in out and "[orch] time to first step:" in out
     assert "MFU not shown on CPU" in out
@@ -119,8 +124,8 @@ def test_throughput_matches_an_independent_count(project):
     assert figures["tokens_per_s_run"] == pytest.approx(outside, rel=0.25), (figures, outside)
     assert f"[orch] throughput: {figures['tokens_per_s_run']:,.0f} tok/s over the run" in out
     step = int(re.search(r"checkpoint asked for \(preemption notice\): saving at step (\d+)", out).group(1))
-    assert 2 <= step <= 8 and (home / "checkpoint-done").read_text().split()[0] == str(step)
-    assert not (home / "checkpoint-request").exists() and "[orch] step 8/8" in out
+    assert 2 <= step <= 8 and seen["done"] == str(step)
+    assert not seen["asked"] and "[orch] step 8/8" in out
     # (checkpoint-<step> itself may have been rotated away by save_total_limit=2 by the end)
     # `orch status` lists it with its last step, loss and rate, read from what the run wrote
     from conftest import orch

@@ -331,9 +331,11 @@ def main(argv: list[str] | None = None) -> None:
         + (f" resuming from {resume}" if resume else ""),
         flush=True,
     )
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    if callback.tracker:
-        callback.tracker.copy_to(output_dir)
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    finally:  # a failed run's curves too, up to where it failed, for `orch dashboard` (the live one is the node's)
+        if callback.tracker:
+            callback.tracker.copy_to(output_dir)
     if progress:
         progress.busy("final")
     strategy = strategy_facts(trainer)  # before the final save gathers

@@ -8,7 +8,8 @@ after the orch run (ORCH_RUN_ID, else SKYPILOT_TASK_ID: stable across relaunches
   - every node: `node<N>/tokens_per_s` and, on GPUs, `node<N>/gpu_mem_gb` (the most any of its ranks allocated)
     and `node<N>/gpu_util` (when NVML answers).
 At each checkpoint the node copies its database into the checkpoint (`checkpoint-S/trackio/node<N>/`) and next to
-the checkpoints (`<output_dir>/trackio/node<N>/`, refreshed at every save and at the end); both are written before
+the checkpoints (`<output_dir>/trackio/node<N>/`, refreshed at every save and when training ends, failed or not: a
+failed run's curves up to its failure, as a local run's node home goes with it); both are written before
 the save's barrier, so the manifests (written after it) list them whole. A resumed run starts from the copy in the
 checkpoint it resumes from, so its curves continue where that checkpoint left them, without the steps it redoes.
 `orch dashboard RUN` merges the nodes' copies (core/trackio_files.merge) and opens Trackio's dashboard on the result.

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from orchestrator.core import credentials
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
 from orchestrator.launch.backends import netns
+from orchestrator.launch.backends.local_nodes import free_port, node_envs, node_scratch, threads_per_process
 from orchestrator.launch.backends.summary import stop_reason, summary
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, printable
 from orchestrator.node.procs import DEFAULT_GRACE, stopped_group
@@ -41,62 +40,6 @@ class LocalResult:
     """Why a successful run stopped before its last step (the cost cap), from rank 0's report."""
     error: str = ""
     """The first real error line of the failing node (a Python exception, an orch error), not a launcher's summary."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def threads_per_process(total_processes: int, cores: int | None = None) -> int:
-    cores = cores or os.cpu_count() or 1
-    return max(1, cores // max(1, total_processes))
-
-
-def node_envs(
-    task_envs: Mapping[str, str],
-    nodes: int,
-    procs_per_node: int,
-    task_id: str,
-    port: int,
-    barrier_port: int,
-    launched_at: float = 0.0,
-    ips: list[str] | None = None,
-    iface: str = "",
-) -> list[dict[str, str]]:
-    """The environment of each emulated node (pure: the caller adds os.environ). ips: each node's own address
-    (--netns, gloo bound to `iface`), else every node is 127.0.0.1."""
-    threads = threads_per_process(nodes * procs_per_node)
-    node_ips = "".join(f"{ip}\n" for ip in ips) if ips else "127.0.0.1\n" * nodes
-    envs = []
-    for rank in range(nodes):
-        env = dict(task_envs)
-        env.update(
-            SKYPILOT_NODE_RANK=str(rank),
-            SKYPILOT_NODE_IPS=node_ips,
-            SKYPILOT_NUM_NODES=str(nodes),
-            SKYPILOT_NUM_GPUS_PER_NODE=str(procs_per_node),
-            SKYPILOT_TASK_ID=task_id,
-            ORCH_RUN_ID=task_id,
-            MAIN_PROCESS_PORT=str(port),
-            ORCH_BARRIER_PORT=str(barrier_port),
-            ORCH_DEVICE="cpu",
-            OMP_NUM_THREADS=str(threads),
-            ORCH_LAUNCHED_AT=f"{launched_at:.3f}",
-            ORCH_VENV=sys.prefix,  # the recipe's `run:` puts ORCH_VENV/bin first on PATH, as on a node
-            ORCH_HOME=str(Path(tempfile.gettempdir()) / f"orch-local-{task_id}-node{rank}"),  # no setup ran here
-            MKL_NUM_THREADS=str(threads),
-            TOKENIZERS_PARALLELISM="false",
-            HF_HUB_DISABLE_PROGRESS_BARS="1",
-            HF_DATASETS_DISABLE_PROGRESS_BARS="1",
-            PYTHONWARNINGS="ignore::FutureWarning",
-            PYTHONUNBUFFERED="1",
-        )
-        if iface:
-            env["GLOO_SOCKET_IFNAME"] = iface
-        envs.append(env)
-    return envs
 
 
 TAIL_LINES = 15
@@ -354,23 +297,24 @@ def launch(
     if recipe.task.get("setup"):
         print("[orch] local: skipping the recipe's `setup:` (this environment is already installed)", flush=True)
     started = time.monotonic()
-    # Secrets travel in the node processes' environment only (as SkyPilot secrets do), never in files or argv.
-    node_env = node_envs(
-        {**envs, **(secrets or {}), **({"ORCH_RUN_TOKEN": token} if token else {})},
-        nodes,
-        procs_per_node,
-        task_id=run_id,
-        port=free_port(),
-        barrier_port=free_port(),
-        launched_at=time.time(),
-        ips=network.ips if network else None,
-        iface=netns.IFACE if network else "",
-    )
     if network:
         print(f"[orch] network: node i in namespace {network.namespaces[0][:-1]}<i>, at {', '.join(network.ips)}",
               flush=True)  # fmt: skip
     (output_dir / "orch").mkdir(parents=True, exist_ok=True)
-    with open(output_dir / "orch" / "run.log", "w") as log:
+    with node_scratch(run_id, nodes) as scratch, open(output_dir / "orch" / "run.log", "w") as log:
+        # Secrets travel in the node processes' environment only (as SkyPilot secrets do), never in files or argv.
+        node_env = node_envs(
+            {**envs, **(secrets or {}), **({"ORCH_RUN_TOKEN": token} if token else {})},
+            nodes,
+            procs_per_node,
+            task_id=run_id,
+            port=free_port(),
+            barrier_port=free_port(),
+            launched_at=time.time(),
+            ips=network.ips if network else None,
+            iface=netns.IFACE if network else "",
+            scratch=scratch,
+        )
         prefixes = [network.prefix(i) for i in range(nodes)] if network else None
         result = run_nodes(str(recipe.task["run"]), node_env, workdir, _Tee(sys.stdout, log), hold_fds, prefixes,
                            secrets=(secrets or {}).values())  # fmt: skip

@@ -1,0 +1,119 @@
+"""The emulated nodes of a local run: each one's environment, as SkyPilot gives a cluster's node, and the run's
+directory that holds their homes and temporary files while they run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from orchestrator.core import owned
+from orchestrator.core.errors import OrchError
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def threads_per_process(total_processes: int, cores: int | None = None) -> int:
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores // max(1, total_processes))
+
+
+def node_envs(
+    task_envs: Mapping[str, str],
+    nodes: int,
+    procs_per_node: int,
+    task_id: str,
+    port: int,
+    barrier_port: int,
+    launched_at: float = 0.0,
+    ips: list[str] | None = None,
+    iface: str = "",
+    scratch: Path | None = None,
+) -> list[dict[str, str]]:
+    """The environment of each emulated node (the caller adds os.environ). ips: each node's own address (--netns, gloo
+    bound to `iface`), else every node is 127.0.0.1. scratch: the run's directory (`node_scratch`), where each node has
+    its ORCH_HOME and, as a cluster's node has its own /tmp, its TMPDIR."""
+    scratch = scratch or scratch_dir(task_id)
+    threads = threads_per_process(nodes * procs_per_node)
+    node_ips = "".join(f"{ip}\n" for ip in ips) if ips else "127.0.0.1\n" * nodes
+    envs = []
+    for rank in range(nodes):
+        env = dict(task_envs)
+        env.update(
+            SKYPILOT_NODE_RANK=str(rank),
+            SKYPILOT_NODE_IPS=node_ips,
+            SKYPILOT_NUM_NODES=str(nodes),
+            SKYPILOT_NUM_GPUS_PER_NODE=str(procs_per_node),
+            SKYPILOT_TASK_ID=task_id,
+            ORCH_RUN_ID=task_id,
+            MAIN_PROCESS_PORT=str(port),
+            ORCH_BARRIER_PORT=str(barrier_port),
+            ORCH_DEVICE="cpu",
+            OMP_NUM_THREADS=str(threads),
+            ORCH_LAUNCHED_AT=f"{launched_at:.3f}",
+            ORCH_VENV=sys.prefix,  # the recipe's `run:` puts ORCH_VENV/bin first on PATH, as on a node
+            ORCH_HOME=str(scratch / f"node{rank}"),  # no setup ran here
+            # what the node's processes leave in temporary files goes with the run (torch's elastic agent makes a
+            # torchelastic_* directory at every launch and never removes it); torch.compile's cache stays shared
+            TMPDIR=str(scratch / f"node{rank}" / "tmp"),
+            TORCHINDUCTOR_CACHE_DIR=inductor_cache(),
+            MKL_NUM_THREADS=str(threads),
+            TOKENIZERS_PARALLELISM="false",
+            HF_HUB_DISABLE_PROGRESS_BARS="1",
+            HF_DATASETS_DISABLE_PROGRESS_BARS="1",
+            PYTHONWARNINGS="ignore::FutureWarning",
+            PYTHONUNBUFFERED="1",
+        )
+        if iface:
+            env["GLOO_SOCKET_IFNAME"] = iface
+        envs.append(env)
+    return envs
+
+
+def scratch_dir(run_id: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"orch-local-{owned.check_name(run_id, 'run id')}"
+
+
+@contextlib.contextmanager
+def node_scratch(run_id: str, nodes: int) -> Iterator[Path]:
+    """The run's directory in this machine's temporary directory, with each node's home and TMPDIR (node<r>/tmp): made
+    and marked as the run's (core/owned.py) before the nodes start, removed when they have all ended. One left by an
+    attempt of the same run that was killed is replaced (a stale checkpoint request in a node's home would make the new
+    attempt save at once); one that another run or a person made is refused, and left."""
+    scratch = scratch_dir(run_id)
+    what = f"run {run_id}'s node directory"
+    owned.remove(scratch, run_id, what)
+    if not owned.claim(scratch, run_id):
+        raise OrchError(f"{what}: {scratch} appeared while orch made it; nothing deleted")
+    for rank in range(nodes):
+        (scratch / f"node{rank}" / "tmp").mkdir(parents=True, exist_ok=True)
+    try:
+        yield scratch
+    finally:
+        try:
+            owned.remove(scratch, run_id, what)
+        except (OrchError, OSError) as exc:  # never in place of the run's own outcome
+            print(f"[orch] note: {what} {scratch} is left: {exc}", flush=True)
+
+
+def inductor_cache() -> str:
+    """torch.compile's cache directory as torch chooses it without the node's TMPDIR (torch/_inductor/runtime/
+    cache_dir_utils.py default_cache_dir), or the one set here: shared by every run, as outside orch."""
+    import getpass
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return str(Path(tempfile.gettempdir()) / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)))
