@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,18 +17,26 @@ os.environ["SKYPILOT_DISABLE_LOCAL_API_SERVER"] = "1"
 os.environ.setdefault("ORCH_REHEARSAL", "off")
 os.environ.setdefault("ORCH_DATA_CHECK", "off")  # the one-row dataset check: on in test_recipes.py only
 os.environ.setdefault("ORCH_KERNEL_CHECK", "off")  # the attention kernel asked of the Hub: on in test_kernel_check.py
-# A cache of tiny smoke models and rehearsals private to this test session (CI builds them from scratch), shared by
-# its pytest-xdist workers: a model one worker built, the other finds (builds and cache writes are atomic).
+
+
+def _scratch(prefix: str) -> str:
+    """A directory of this test process's own in the temporary directory, removed when the process exits (not when a
+    child forked from it does)."""
+    path, owner = tempfile.mkdtemp(prefix=prefix), os.getpid()
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
+    return path
+
+
+# A cache of tiny smoke models and rehearsals private to this test session (CI builds them from scratch): made by the
+# first pytest process, whose pytest-xdist workers inherit it with its environment: a model one worker built, the other
+# finds (builds and cache writes are atomic).
 if "ORCH_CACHE_DIR" not in os.environ:
-    if run_id := os.environ.get("PYTEST_XDIST_TESTRUNUID"):
-        shared = Path(tempfile.gettempdir()) / f"orch-test-cache-{run_id}"
-        shared.mkdir(exist_ok=True)
-        os.environ["ORCH_CACHE_DIR"] = str(shared)
-    else:
-        os.environ["ORCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="orch-test-cache-")
-# Never the developer's own SkyPilot state (state.db, catalogs): SKY_RUNTIME_DIR, one per worker, since the state is one
-# SQLite file. Tests that need a catalog set their own; the SkyPilot bed's client keeps its state in its own home.
-os.environ.setdefault("SKY_RUNTIME_DIR", tempfile.mkdtemp(prefix="orch-test-sky-"))
+    os.environ["ORCH_CACHE_DIR"] = _scratch("orch-test-cache-")
+# Never the developer's own SkyPilot state (state.db, catalogs): SKY_RUNTIME_DIR, one per process, since the state is
+# one SQLite file (a worker inherits the first process's and makes its own). Tests that need a catalog set their own;
+# the SkyPilot bed's client keeps its state in its own home.
+if os.environ.get("SKY_RUNTIME_DIR", "") in ("", os.environ.get("ORCH_TEST_SKY_RUNTIME_DIR")):
+    os.environ["SKY_RUNTIME_DIR"] = os.environ["ORCH_TEST_SKY_RUNTIME_DIR"] = _scratch("orch-test-sky-")
 
 
 def free_port() -> int:
