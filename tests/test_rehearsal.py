@@ -451,3 +451,18 @@ def test_the_rehearsal_calls_each_reward_function_in_the_nodes_environment(tmp_p
     found = orch(*argv, env=ON)
     assert found.returncode == 0, found.stderr[-2000:]
     assert "reward functions called: accuracy_reward, final model" in found.stdout
+
+
+def test_a_rehearsal_leaves_nothing_in_the_temporary_directory(tmp_path, monkeypatch):
+    """torch's launcher makes a torchelastic_* log directory in the temporary directory whenever it is given none, and
+    never removes it: every rehearsed role left one (on the laptop at every uncached `orch run`, on the head node at
+    every setup). Rehearsed here for real (a cache of its own), the rehearsal's process in a TMPDIR of its own."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    monkeypatch.setattr(driver, "_cache_dir", lambda: tmp_path / "rehearsals")
+    batch, _ = batch_for(ROOT / "recipes" / "qwen25_sft_ddp.yaml", 2, 2)
+    (outcomes,) = driver.rehearse_batches([batch], ROOT)
+    assert [o.ok for o in outcomes] == [True] * len(outcomes) and not outcomes[0].facts["cached"]
+    left = sorted(p.name for p in temporary.iterdir())
+    assert [name for name in left if not name.startswith("torchinductor_")] == [], left  # torch.compile's, shared

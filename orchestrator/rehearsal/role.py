@@ -82,7 +82,10 @@ def accelerate_stage(argv: list[str]) -> tuple[dict[str, str], list[str], dict]:
         distrib_run.get_args_parser(),
         ["--training_script", args.training_script, "--training_script_args", args.training_script_args],
     )
-    with patch_environment(**env):
+    # torch's logs spec makes a torchelastic_* directory in the temporary directory when no log dir is given, and never
+    # removes it: every rehearsed role left one (on the laptop at every uncached `orch run`)
+    with tempfile.TemporaryDirectory(prefix="orch-rehearsal-logs-") as logs, patch_environment(**env):
+        targs.log_dir = targs.log_dir or logs
         _config, _cmd, _cmd_args = distrib_run.config_from_args(targs)
         child = dict(os.environ)
     nproc, nnodes, node_rank = int(targs.nproc_per_node), int(targs.nnodes.split(":")[-1]), int(targs.node_rank)
