@@ -6,6 +6,8 @@ every call that would reach the API server or a cloud is recorded and answered w
 
 from __future__ import annotations
 
+import itertools
+import threading
 import types
 
 
@@ -16,6 +18,7 @@ class FakeSky(types.ModuleType):
         self.Dag = real_sky.Dag
         self.calls: list[tuple] = []
         self._results: dict[str, object] = {}
+        self._lock, self._ids = threading.Lock(), itertools.count(1)
         fake = self
 
         class Jobs:
@@ -39,9 +42,10 @@ class FakeSky(types.ModuleType):
         self.jobs = Jobs()
 
     def _request(self, call: tuple, result) -> str:
-        self.calls.append(call)
-        request_id = f"req-{len(self.calls)}"
-        self._results[request_id] = result
+        with self._lock:  # orch asks from several threads at once (`orch status`), as the real SDK allows
+            self.calls.append(call)
+            request_id = f"req-{next(self._ids)}"
+            self._results[request_id] = result
         return request_id
 
     def stream_and_get(self, request_id):

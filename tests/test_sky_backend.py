@@ -530,6 +530,33 @@ def test_status_refreshes_one_run_from_skypilots_logs_and_lists_from_records(in_
     assert " SUCCEEDED " in row and " 41/400 " in row and " rewards/accuracies=0.625 " in row and fake.calls == []
 
 
+
+def test_status_asks_skypilot_about_every_live_run_at_once(in_project, fake, capsys):
+    """A live cluster run's state and its logs are each a request to the cluster (~2 s each on the SkyPilot bed):
+    `orch status` asks about all its live runs at once, and `orch status RUN` asks for the logs beside the state.
+    Here each answer waits until the other has been asked: asked one after the other, neither would come in 10 s."""
+    import threading
+
+    for name in ("c-one", "c-two"):
+        assert cli.main(["run", "phi3_dpo_fsdp", "--cluster", name, "--detach", "-y"]) == 0
+    capsys.readouterr()
+
+    def meeting(*answers):  # the answers, each held until two calls of them have come
+        meet = threading.Barrier(2, timeout=10)
+        return [lambda *args, _answer=answer, **kw: (meet.wait(), _answer(*args, **kw))[1] for answer in answers]
+
+    real_status, real_queue, real_logs = fake.status, fake.queue, fake.tail_logs
+    (fake.status,) = meeting(real_status)  # the two runs' states
+    assert cli.main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" cluster UP ") == 2 and "unavailable" not in out, out
+    fake.status = real_status
+    fake.queue, fake.tail_logs = meeting(real_queue, real_logs)  # one run's job queue and its logs
+    first = run_files(in_project)[0].stem
+    assert cli.main(["status", first]) == 0
+    out = capsys.readouterr().out
+    assert " cluster UP " in out and "unavailable" not in out, out
+
 @pytest.mark.e2e
 def test_dry_run_places_and_recovers_in_skypilots_spellings(tmp_path):
     """The task SkyPilot's own parser accepts, with infra, network_tier and job_recovery; and

@@ -56,13 +56,19 @@ def status(args: argparse.Namespace) -> int:
     if not rows:
         print("no runs recorded in sky_jobs/ yet; start one with `orch run`")
         return 0
+    from concurrent.futures import ThreadPoolExecutor
+
     from orchestrator.launch.progress import KEYS
 
     table = [("RUN", "BACKEND", "STATE", "STEP", "LOSS", "METRIC", "TOK/S", "ETA", "SPENT", "STARTED", "RECIPE")]
-    for record in rows:
-        backend = backends.for_record(record)
-        state = backend.state(record, refresh=bool(args.run))
-        shown = backend.progress(record)
+
+    def live(record) -> str:  # a live cloud run's is a request or two to SkyPilot: the runs are asked at once
+        return backends.for_record(record).state(record, refresh=bool(args.run))
+
+    with ThreadPoolExecutor(min(8, len(rows))) as pool:
+        states = list(pool.map(live, rows))
+    for record, state in zip(rows, states, strict=True):
+        shown = backends.for_record(record).progress(record)
         cells = [shown.get(key) or "-" for key in KEYS]
         table.append((record.run, record.get("backend"), state, *cells, record.get("time"), record.get("recipe")))
     print_table(table)

@@ -72,9 +72,15 @@ class SkyBackend:
         if not record.get("job_id", "").isdigit() or (record.state.final and not refresh):
             return text
         try:
-            text = sky.state(record)
-            if refresh:
-                record.meta.update(progress.from_lines(sky.recent_output(record)))
+            if refresh:  # its logs asked beside its state: each is a request to the cluster (~2 s on the bed)
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(1) as pool:
+                    lines = pool.submit(sky.recent_output, record)
+                    text = sky.state(record)
+                    record.meta.update(progress.from_lines(lines.result()))
+            else:
+                text = sky.state(record)
         except OrchError as exc:  # SkyPilot API unreachable, no credentials, ...: the recorded state
             return f"{text} (live state unavailable: {str(exc).split(': ')[1] if ': ' in str(exc) else exc})"
         record.set_state(text)
