@@ -484,10 +484,12 @@ def link_installed(name: str, version: str, image: Path) -> bool:
             wanted += [r.name for r in needs if r.marker is None or r.marker.evaluate({"extra": ""})]
     except metadata.PackageNotFoundError:
         return False
+    if any(not dist.files for dist in dists):
+        return False  # a distribution without its RECORD: what it holds is unknown
     files = []  # (the environment's site-packages, a path in it)
     for dist in dists:
         root = Path(dist.locate_file(""))
-        for file in dist.files or []:
+        for file in dist.files:
             if file.parts[0] == "..":  # scripts in bin/: their first line names this environment's python
                 continue
             files.append((root, Path(file)))
