@@ -248,9 +248,8 @@ def test_a_local_runs_node_directory_goes_with_the_run_and_never_takes_anothers(
         assert all(Path(e["TMPDIR"]).is_dir() for e in envs)
         assert envs[0]["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "torchinductor_"))  # shared, as outside
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/cache/inductor")
-        assert node_envs({}, 1, 1, task_id="run-1", port=1, barrier_port=2)[0]["TORCHINDUCTOR_CACHE_DIR"] == (
-            "/cache/inductor"
-        )  # a cache set here is kept
+        (kept,) = node_envs({}, 1, 1, task_id="run-1", port=1, barrier_port=2, scratch=scratch)
+        assert kept["TORCHINDUCTOR_CACHE_DIR"] == "/cache/inductor"  # a cache set here is kept
         (scratch / "node1" / "tmp" / "torchelastic_x").mkdir()
     assert not scratch.exists()
     with pytest.raises(RuntimeError), node_scratch("run-1", 1) as scratch:

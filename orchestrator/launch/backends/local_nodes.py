@@ -34,15 +34,14 @@ def node_envs(
     task_id: str,
     port: int,
     barrier_port: int,
+    scratch: Path,
     launched_at: float = 0.0,
     ips: list[str] | None = None,
     iface: str = "",
-    scratch: Path | None = None,
 ) -> list[dict[str, str]]:
     """The environment of each emulated node (the caller adds os.environ). ips: each node's own address (--netns, gloo
     bound to `iface`), else every node is 127.0.0.1. scratch: the run's directory (`node_scratch`), where each node has
     its ORCH_HOME and, as a cluster's node has its own /tmp, its TMPDIR."""
-    scratch = scratch or scratch_dir(task_id)
     threads = threads_per_process(nodes * procs_per_node)
     node_ips = "".join(f"{ip}\n" for ip in ips) if ips else "127.0.0.1\n" * nodes
     envs = []
