@@ -198,6 +198,51 @@ def test_smoke_on_a_node_keeps_the_runs_own_schedule_and_the_tiny_artifacts(monk
     assert (plain["max_steps"], plain["save_steps"]) == (str(smoke.STEPS), "4")
 
 
+def test_nodes_sharing_a_home_build_the_smoke_model_once(monkeypatch, tmp_path, capsys):
+    """Every node of a Slurm account shares its home and so the smoke cache: a node whose model another node (the head's
+    rehearsal) is building waits for that build and uses it, in `orch node` (smoke.ensure) and in the builder itself,
+    instead of building the same model into the same place at once. Without locks on the filesystem it builds."""
+    import errno
+    import threading
+
+    from orchestrator.core import smoke
+    from orchestrator.train import smoke_build
+
+    plan = smoke.SmokePlan("phi3", "dpo", tmp_path / "smoke" / "phi3-dpo-0123456789ab")
+    for ours in ("ensure", "build"):
+        holding, finish = threading.Event(), threading.Event()
+
+        def other_node(holding=holding, finish=finish) -> None:  # its own open file: its flock conflicts with ours
+            with smoke.builder_lock(plan.dir):  # as another node's would
+                holding.set()
+                finish.wait(10)
+                plan.dir.mkdir(parents=True)
+                (plan.dir / "READY").write_text("{}")
+
+        builder = threading.Thread(target=other_node)
+        builder.start()
+        assert holding.wait(10)
+        threading.Timer(0.3, finish.set).start()
+        with monkeypatch.context() as m:
+            m.setattr(smoke.subprocess, "run", lambda *a, **k: pytest.fail("built a second time"))
+            m.setattr(smoke_build, "_build", lambda *a, **k: pytest.fail("built a second time"))
+            if ours == "ensure":
+                smoke.ensure(plan)
+                out = capsys.readouterr().out
+                assert f"waiting for another process building {plan.dir}" in out and "cached at" in out, out
+            else:
+                assert smoke_build.build("phi3", "dpo", plan.dir) is False
+        builder.join()
+        assert finish.is_set()  # we returned only after the other build ended
+        (plan.dir / "READY").unlink()
+        plan.dir.rmdir()
+
+    built = []
+    monkeypatch.setattr(smoke.fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOLCK, "no locks")))
+    monkeypatch.setattr(smoke_build, "_build", lambda *args: built.append(args))
+    assert smoke_build.build("phi3", "dpo", plan.dir) is True and len(built) == 1
+
+
 def test_caches_go_to_the_accounts_home_where_skypilot_gives_each_cluster_its_own(monkeypatch):
     """SkyPilot on Slurm points $HOME at <account home>/.sky_clusters/<cluster>, deleted with the cluster: the Hugging
     Face and orch caches default to the account's home there (a new cluster finds the model, the smoke artifacts and

@@ -10,11 +10,14 @@ rebuilds.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,8 +101,39 @@ def trl_overrides(smoke: SmokePlan, settings: Mapping[str, object] | None = None
     return out
 
 
+@contextlib.contextmanager
+def builder_lock(directory: Path, waiting: str = "") -> Iterator[None]:
+    """One builder at a time for a cache directory: an flock on `.<name>.lock` beside it. Every node of a Slurm
+    account shares its home, and with it this cache: without it each node built the same model into the same place
+    at once (one more import of the training stack beside the head node's rehearsal). Where the filesystem has no
+    locks (some Lustre and NFS mounts), none: the build's atomic rename keeps the directory whole, only the work is
+    repeated. `waiting`, when the lock is held elsewhere, is printed before waiting for it."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(directory.parent / f".{directory.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                if waiting:
+                    print(waiting, flush=True)
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def ensure(smoke: SmokePlan) -> None:
-    """Build the artifacts in a subprocess unless cached. Prints one progress line either way."""
+    """Build the artifacts in a subprocess unless cached (or built meanwhile by another process sharing the cache).
+    Prints one progress line either way."""
+    if not smoke.ready:  # another node of a shared home may be building it: wait for it rather than build it again
+        with builder_lock(smoke.dir, f"[orch] smoke: waiting for another process building {smoke.dir}"):
+            pass
     if smoke.ready:
         print(f"[orch] smoke: tiny {smoke.model_type} model and {smoke.trainer} data cached at {smoke.dir}", flush=True)
         return

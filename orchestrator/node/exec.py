@@ -212,8 +212,9 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     building = run_smoke is not None and not run_smoke.ready
     (outcomes,) = driver.rehearse_batches([batch])
     if building and artifacts.ready:
-        print(f"[orch] smoke: built tiny {artifacts.model_type} model and {artifacts.trainer} data at {artifacts.dir} "
-              "(in the rehearsal's process)", flush=True)  # fmt: skip
+        # by the rehearsal's process, or by another node sharing this cache while the rehearsal waited for it
+        print(f"[orch] smoke: tiny {artifacts.model_type} model and {artifacts.trainer} data ready at {artifacts.dir} "
+              "(built during the rehearsal)", flush=True)  # fmt: skip
     for outcome in outcomes:
         if not outcome.ok:
             fix = outcome.fix()

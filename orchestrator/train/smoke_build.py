@@ -105,7 +105,18 @@ def shape(mib: int = 0) -> dict:
     return dict(WIDE, num_hidden_layers=-(-mib * 2**20 // per_layer))
 
 
-def build(model_type: str, trainer: str, out: Path, mib: int = 0) -> None:
+def build(model_type: str, trainer: str, out: Path, mib: int = 0) -> bool:
+    """Build into `out` unless it is complete; False when another process sharing the cache built it meanwhile."""
+    from orchestrator.core.smoke import builder_lock
+
+    with builder_lock(out):
+        if (out / "READY").is_file():
+            return False
+        _build(model_type, trainer, out, mib)
+        return True
+
+
+def _build(model_type: str, trainer: str, out: Path, mib: int) -> None:
     import shutil
     import tempfile
 
