@@ -116,11 +116,9 @@ def shapes(sky, cluster: str) -> dict:
         get = item.get if isinstance(item, dict) else lambda name: getattr(item, name, None)
         return {name: kind(get(name)) for name in READ[what]}
 
-    out = {
-        "status": fields(sky.get(sky.status(cluster_names=[cluster])), "status"),
-        "queue": fields(sky.get(sky.queue(cluster, skip_finished=False)), "queue"),
-    }
-    job = sky.get(sky.queue(cluster, skip_finished=False))[0]
+    jobs = sky.get(sky.queue(cluster, skip_finished=False))  # asked once: each ask is a process on the cluster's head
+    out = {"status": fields(sky.get(sky.status(cluster_names=[cluster])), "status"), "queue": fields(jobs, "queue")}
+    job = jobs[0]
     job_id = job.get("job_id") if isinstance(job, dict) else job.job_id
     out["logs"] = kind(sky.tail_logs(cluster, job_id, follow=False, tail=5, output_stream=io.StringIO()))
     return out
