@@ -108,10 +108,10 @@ def builder_lock(directory: Path, waiting: str = "") -> Iterator[None]:
     at once (one more import of the training stack beside the head node's rehearsal). Where the filesystem has no
     locks (some Lustre and NFS mounts), none: the build's atomic rename keeps the directory whole, only the work is
     repeated. `waiting`, when the lock is held elsewhere, is printed before waiting for it."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
     try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(directory.parent / f".{directory.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
+    except OSError:  # a cache it cannot write: the build says so in its own words
         yield
         return
     try:
