@@ -262,8 +262,9 @@ def test_a_managed_job_recovers_from_a_node_failure_and_resumes_from_its_checkpo
     name = record.stem
     checkpoints = bed.home / "orch-checkpoints" / name
 
-    def why() -> str:  # SkyPilot's jobs controller's own log of this job
-        log = bed.client / "sky_logs" / "jobs_controller" / "1.log"
+    log = bed.client / "sky_logs" / "jobs_controller" / "1.log"  # SkyPilot's jobs controller's own log of this job
+
+    def why() -> str:
         return f"{queue()}\n{log.read_text()[-4000:] if log.is_file() else 'no controller log'}"
 
     # SkyPilot's queue is asked in a thread: `sky jobs queue` takes seconds (tens under CI's load), and a loop that
@@ -284,9 +285,8 @@ def test_a_managed_job_recovers_from_a_node_failure_and_resumes_from_its_checkpo
             return bool(re.search(over, row))
         return False
 
-    def succeeded() -> bool:  # the controller's line once it has set SUCCEEDED (sky/jobs/controller.py); asking
-        log = bed.client / "sky_logs" / "jobs_controller" / "1.log"  # SkyPilot's queue stays the fallback
-        return log.is_file() and "Managed job 1 (task: 0) SUCCEEDED." in log.read_text()
+    def succeeded() -> bool:  # the controller's line once it has set SUCCEEDED (sky/jobs/controller.py); SkyPilot's
+        return log.is_file() and "Managed job 1 (task: 0) SUCCEEDED." in log.read_text()  # queue stays the fallback
 
     deadline = time.monotonic() + 360  # ~90 s here
     while not any(checkpoints.glob("checkpoint-*/orch_manifest.node1.json")):
