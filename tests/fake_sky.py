@@ -106,9 +106,10 @@ def kind(value) -> str:
     return type(value).__name__
 
 
-def shapes(sky, cluster: str) -> dict:
+def shapes(sky, cluster: str, states: dict | None = None) -> dict:
     """The shapes of SkyPilot's answers about a cluster with a finished job: `sky status`, `sky queue` and the exit
-    code of `sky logs`. Run against the real SDK (tests/test_sky_bed.py) and against FakeSky: they must agree."""
+    code of `sky logs`. Run against the real SDK (tests/test_sky_bed.py) and against FakeSky: they must agree.
+    `states`, when given, gets each job's status by name from the same queue answer."""
     import io
 
     def fields(items, what):
@@ -117,6 +118,11 @@ def shapes(sky, cluster: str) -> dict:
         return {name: kind(get(name)) for name in READ[what]}
 
     jobs = sky.get(sky.queue(cluster, skip_finished=False))  # asked once: each ask is a process on the cluster's head
+    if states is not None:
+        for job in jobs:
+            get = job.get if isinstance(job, dict) else lambda name, job=job: getattr(job, name, None)
+            status = get("status")
+            states[str(get("job_id"))] = getattr(status, "name", str(status))
     out = {"status": fields(sky.get(sky.status(cluster_names=[cluster])), "status"), "queue": fields(jobs, "queue")}
     job = jobs[0]
     job_id = job.get("job_id") if isinstance(job, dict) else job.job_id
