@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -399,6 +400,61 @@ def test_without_a_local_plan_the_api_servers_optimizer_is_asked(in_project, fak
     assert cli.main(["run", "phi3_dpo_fsdp", "--detach"]) == 0
     assert fake.names() == ["optimize", "launch"]
     assert "SkyPilot's plan and price: above (its optimizer, run by your API server)" in capsys.readouterr().out
+
+
+def test_skypilots_optimizer_runs_while_the_launch_rehearses(in_project, fake, monkeypatch, capsys):
+    """The plan is asked for before the rehearsal starts and taken after it, so the optimizer's seconds (catalogs, a
+    Slurm cluster's inventory) pass while the rehearsal's process runs; its lines still come after the rehearsal's."""
+    from orchestrator.launch import checks
+    from orchestrator.launch.backends import sky as sky_backend
+
+    planning = threading.Event()
+
+    def optimize(task):
+        planning.set()
+        raise sky_backend.OrchError("no cloud here")
+
+    def rehearse(launch, checked):  # returns only once the optimizer has started in its thread
+        assert planning.wait(60), "the optimizer had not started while the launch rehearsed"
+        return "rehearsal: stand-in"
+
+    monkeypatch.setattr(sky_backend, "optimize", optimize)
+    monkeypatch.setattr(checks, "rehearse", rehearse)
+    monkeypatch.setenv("ORCH_REHEARSAL", "on")
+    assert cli.main(["run", "phi3_dpo_fsdp", "--detach", "-y"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("[orch] rehearsal: stand-in") < out.index("[orch] SkyPilot's plan: not computed here (no cloud here)")
+    assert fake.names() == ["launch"]
+
+
+def test_a_refused_rehearsal_does_not_wait_for_the_optimizer(in_project, fake, monkeypatch, capsys):
+    """The rehearsal refuses while SkyPilot's optimizer is still working: orch stops at once with the rehearsal's
+    line, sends nothing and writes no record; the optimizer's thread is a daemon, left to end on its own."""
+    from orchestrator.launch import checks
+    from orchestrator.launch.backends import sky as sky_backend
+
+    started, release = threading.Event(), threading.Event()
+
+    def optimize(task):
+        started.set()
+        release.wait(60)
+        raise sky_backend.OrchError("no cloud here")
+
+    def rehearse(launch, checked):
+        assert started.wait(60)
+        raise sky_backend.OrchError("rehearsal: trainer refused the launch: stand-in")
+
+    monkeypatch.setattr(sky_backend, "optimize", optimize)
+    monkeypatch.setattr(checks, "rehearse", rehearse)
+    monkeypatch.setenv("ORCH_REHEARSAL", "on")
+    try:
+        assert cli.main(["run", "phi3_dpo_fsdp", "--detach", "-y"]) == 2
+        assert not release.is_set()  # returned while the optimizer still worked
+        assert [t.name for t in threading.enumerate() if t.name == "orch-skypilot-plan"] == ["orch-skypilot-plan"]
+    finally:
+        release.set()
+    assert "rehearsal: trainer refused the launch: stand-in" in capsys.readouterr().err
+    assert fake.names() == [] and not (in_project / "sky_jobs").exists()
 
 
 def test_ctrl_c_while_following_stops_following_only(in_project, fake, capsys, monkeypatch):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 from orchestrator.core import accelerators, fit
 from orchestrator.core.errors import OrchError
 from orchestrator.core.memory import GIB
@@ -105,16 +108,49 @@ def estimate(task: dict, plan, total_gpus: int) -> str:
     )
 
 
-def planned(launch: Launch, checked: Checked) -> tuple[object, OrchError | None]:
-    """SkyPilot's plan for the launch, computed here, with the checks it allows printed: its choice, the cost
-    estimate against --max-cost, host memory at load against the planned node's. (plan, None), or (None, the reason
-    the optimizer gave) where this machine has no catalog or cloud for it."""
+Planner = Callable[[], object]  # waits for SkyPilot's plan and returns it, or raises why there is none
+
+
+def plan_ahead(launch: Launch) -> Planner:
+    """SkyPilot's optimizer on the launch's task, started now in a thread: it runs while the rehearsal does (a process
+    of its own, seconds where it is not cached; the optimizer reads SkyPilot's catalogs, or asks a Slurm cluster for
+    its nodes, seconds too), and `planned` takes its answer: the plan, or the OrchError it raised. A daemon thread: a
+    launch that stops before (a refused rehearsal, Ctrl-C) does not wait for it."""
+    from orchestrator.launch.backends import sky as sky_backend
+
+    task = launch.task()
+    plans: list[object] = []
+    errors: list[BaseException] = []  # OrchError (no plan here) or a bug: raised where the plan is taken
+
+    def work() -> None:
+        try:
+            plans.append(sky_backend.optimize(task))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=work, name="orch-skypilot-plan", daemon=True)
+    thread.start()
+
+    def take() -> object:
+        thread.join()
+        if errors:
+            raise errors[0]
+        return plans[0]
+
+    return take
+
+
+def planned(launch: Launch, checked: Checked, ahead: Planner | None = None) -> tuple[object, OrchError | None]:
+    """SkyPilot's plan for the launch (`ahead`'s, started before the rehearsal, else computed now), with the checks it
+    allows printed: its choice, the cost estimate against --max-cost, host memory at load against the planned
+    node's. (plan, None), or (None, the reason the optimizer gave) where this machine has no catalog or cloud for
+    it."""
     from orchestrator.launch.backends import sky as sky_backend
 
     task = launch.task()
     total = checked.plans[0].topology.total_gpus
     try:
-        plan = sky_backend.optimize(task)
+        plan = ahead() if ahead is not None else sky_backend.optimize(task)
     except OrchError as reason:
         return None, reason
     print(f"[orch] SkyPilot's plan: {describe(plan)}")
@@ -125,7 +161,7 @@ def planned(launch: Launch, checked: Checked) -> tuple[object, OrchError | None]
     return plan, None
 
 
-def confirm(launch: Launch, checked: Checked, managed: bool) -> tuple[bool, object]:
+def confirm(launch: Launch, checked: Checked, managed: bool, ahead: Planner | None = None) -> tuple[bool, object]:
     """Show what SkyPilot would launch and its price, then ask: (the answer, SkyPilot's plan or None). SkyPilot's
     optimizer runs in this process when the catalogs and credentials are here, else on the API server (which prints
     its own table of choices)."""
@@ -135,7 +171,7 @@ def confirm(launch: Launch, checked: Checked, managed: bool) -> tuple[bool, obje
     what = "managed job" if managed else "cluster"
     print(f"[orch] {launch.recipe.name}: {launch.nodes} node(s) x {launch.gpus} as a {what}")
     print(f"[orch] checkpoints and final model: {storage.durable_checkpoints(task) or 'on the nodes (not durable)'}")
-    plan, reason = planned(launch, checked)
+    plan, reason = planned(launch, checked, ahead)
     if plan is None:
         try:
             sky_backend.show_server_plan(task)

@@ -237,6 +237,9 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         storage.require_durable(task, [why for why, applies in reasons.items() if applies])
     if not flags.dry_run and not flags.yes and not sys.stdin.isatty():
         raise OrchError("a cloud launch asks before it spends money, but stdin is not a terminal: pass -y to launch")
+    from orchestrator.launch import dryrun
+
+    ahead = None if flags.dry_run else dryrun.plan_ahead(launch)  # SkyPilot's optimizer, beside the rehearsal
     if flags.no_rehearsal or knob(os.environ, "ORCH_REHEARSAL", "on") == "off":
         rehearsal = "rehearsal: skipped here (--no-rehearsal); the head node rehearses in its setup"
     else:
@@ -245,8 +248,6 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
     # after the checks and the rehearsal, which see checks.PLACEHOLDER_TASK_ID (their cache outlives one run's name)
     launch = launch.replace(envs={**launch.envs, "ORCH_RUN_ID": run})
     if flags.dry_run:
-        from orchestrator.launch import dryrun
-
         if note:
             print(note, flush=True)
         return dryrun.show(launch, checked, flags.skip_optimizer, rehearsal)
@@ -254,15 +255,13 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         print(note, flush=True)
     print(f"[orch] {rehearsal}", flush=True)
     sky.to_task(task, secret_values)  # SkyPilot's own validation, before anything is asked or written
-    from orchestrator.launch import dryrun
-
     if not flags.yes:
-        answer, plan = dryrun.confirm(launch, checked, flags.managed)
+        answer, plan = dryrun.confirm(launch, checked, flags.managed, ahead)
         if not answer:
             print("[orch] not launched", flush=True)
             return 1
     else:  # no question, the same checks: the cost cap, host memory at load against the planned node
-        plan, reason = dryrun.planned(launch, checked)
+        plan, reason = dryrun.planned(launch, checked, ahead)
         if reason is not None:
             print(f"[orch] {dryrun.unplanned(launch, checked, reason)}", flush=True)
     if plan is not None:  # spend on every step at the plan's price
