@@ -198,6 +198,26 @@ def test_smoke_on_a_node_keeps_the_runs_own_schedule_and_the_tiny_artifacts(monk
     assert (plain["max_steps"], plain["save_steps"]) == (str(smoke.STEPS), "4")
 
 
+@pytest.mark.parametrize("last, hint", [
+    ("ModuleNotFoundError: No module named 'transformers'", True),
+    ("PermissionError: [Errno 13] Permission denied: '/shared/.cache/orch/smoke'", False),
+])
+def test_a_failed_smoke_build_quotes_its_error_and_blames_the_stack_only_when_it_is_missing(monkeypatch, tmp_path,
+                                                                                            last, hint):
+    import subprocess
+
+    from orchestrator.core import smoke
+
+    plan = smoke.SmokePlan("phi3", "dpo", tmp_path / "smoke" / "phi3-dpo-0123456789ab")
+    failed = subprocess.CompletedProcess([], 1, "", f"Traceback (most recent call last):\n  ...\n{last}\n")
+    monkeypatch.setattr(smoke.subprocess, "run", lambda *a, **k: failed)
+    with pytest.raises(OrchError) as raised:
+        smoke.ensure(plan)
+    said = str(raised.value)
+    assert said.startswith(f"building the smoke model failed: {last}")
+    assert ("is the training stack installed?" in said) is hint, said
+
+
 def test_nodes_sharing_a_home_build_the_smoke_model_once(monkeypatch, tmp_path, capsys):
     """Every node of a Slurm account shares its home and so the smoke cache: a node whose model another node (the head's
     rehearsal) is building waits for that build and uses it, in `orch node` (smoke.ensure) and in the builder itself,

@@ -146,5 +146,7 @@ def ensure(smoke: SmokePlan) -> None:
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise OrchError(f"building the smoke model failed: {tail[0]}; is the training stack installed? (make install)")
+        missing = tail[0].startswith(("ModuleNotFoundError", "ImportError"))  # only then is the stack to blame
+        raise OrchError(f"building the smoke model failed: {tail[0]}" +
+                        ("; is the training stack installed? (make install)" if missing else ""))
     print(f"[orch] smoke: built at {smoke.dir}", flush=True)
