@@ -6,10 +6,8 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile uv.lock | cksum
 PYTEST_ARGS ?=
 # pytest-xdist workers: the suite is CPU-bound (every smoke run imports the training stack in 2 ranks) and one pytest
 # process kept ~1.4 of this machine's 2 cores busy. Tests go to whichever worker is free, but a module with a
-# module-scoped fixture (rehearsals, the Slurm cluster) is one xdist_group, run by one worker. --no-loadscope-reorder:
-# in tests/conftest.py's order (the longest groups first, then the heavy tiers), not by the groups' test counts.
+# module-scoped fixture (rehearsals, the Slurm cluster) is one xdist_group, run by one worker.
 PYTEST_WORKERS ?= 2
-XDIST := -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder  # make test
 
 .PHONY: install demo test test-fast lint bench gpu-check snapshots lock clean sky-bed
 
@@ -35,7 +33,7 @@ demo: install
 	$(VENV)/bin/orch run phi3_dpo_fsdp --local --nodes 2 --smoke --fresh
 
 test: install
-	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The inner loop (< 60 s here): the unit and cli tiers (tests/conftest.py; what each tier means: pyproject.toml), the
 # fuzz harness at 300 examples (make test runs its 2000).

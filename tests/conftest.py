@@ -130,12 +130,6 @@ TIERS = ("unit", "cli", "e2e", "root")
 """Every test has one (its own marker, else its module's): pyproject.toml's markers say what each means."""
 HEAVY_FIRST = {"root": 0, "e2e": 0, "cli": 1, "unit": 2}
 """The order the suite hands tests out in (pytest_collection_modifyitems)."""
-LONGEST_FIRST = ("slurm", "test_rehearsal")
-"""xdist groups handed out before everything else, the longest first: "slurm" (the Slurm cluster and the SkyPilot bed,
-12-15 minutes of one worker, much of it waiting on SkyPilot's controller and Slurm) and the rehearsal matrix. Handed
-out by size (xdist's default, which the Makefile turns off), the bed started after two other groups and ended near
-the suite's end, so its waits (a managed job's recovery varies by minutes) lengthened the suite one for one; started
-first, the other worker's tests fill them."""
 
 
 def pytest_addoption(parser):
@@ -149,10 +143,6 @@ def tier_of(item) -> str:
     return next((mark.name for mark in item.iter_markers() if mark.name in TIERS), "")
 
 
-def _groups(item) -> set[str]:
-    return {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
-
-
 def _xdist_groups(config, items):
     """`--dist loadgroup` keeps tests marked `xdist_group(name)` on one worker by suffixing their node ids with
     `@name`; pytest-xdist 3.8 writes the suffix to `item._nodeid`, which pytest 9 no longer reads (the id lives in
@@ -163,7 +153,8 @@ def _xdist_groups(config, items):
     from _pytest.nodeid import coerce_node_id
 
     for item in items:
-        names = _groups(item)
+        marks = item.iter_markers("xdist_group")
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks}
         if names and "@" not in item.nodeid:
             item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(sorted(names))}")
 
@@ -185,8 +176,6 @@ def pytest_collection_modifyitems(config, items):
     # worker is free in this order, so the last ones are milliseconds long and no worker idles while the other ends a
     # minute-long smoke run
     items.sort(key=lambda item: HEAVY_FIRST[tier_of(item)])
-    first = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: min((first[g] for g in _groups(item) if g in first), default=len(first)))
 
 
 def pytest_collection_finish(session):
