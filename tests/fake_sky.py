@@ -112,19 +112,20 @@ def shapes(sky, cluster: str, states: dict | None = None) -> dict:
     `states`, when given, gets each job's status by name from the same queue answer."""
     import io
 
+    def read(item, name):  # a dict (the SDK's queue) or an object with attributes (a status record)
+        return item.get(name) if isinstance(item, dict) else getattr(item, name, None)
+
     def fields(items, what):
         item = list(items)[0]
-        get = item.get if isinstance(item, dict) else lambda name: getattr(item, name, None)
-        return {name: kind(get(name)) for name in READ[what]}
+        return {name: kind(read(item, name)) for name in READ[what]}
 
     jobs = sky.get(sky.queue(cluster, skip_finished=False))  # asked once: each ask is a process on the cluster's head
     if states is not None:
         for job in jobs:
-            get = job.get if isinstance(job, dict) else lambda name, job=job: getattr(job, name, None)
-            status = get("status")
-            states[str(get("job_id"))] = getattr(status, "name", str(status))
+            status = read(job, "status")
+            states[str(read(job, "job_id"))] = getattr(status, "name", str(status))
     out = {"status": fields(sky.get(sky.status(cluster_names=[cluster])), "status"), "queue": fields(jobs, "queue")}
     job = jobs[0]
-    job_id = job.get("job_id") if isinstance(job, dict) else job.job_id
+    job_id = job.get("job_id") if isinstance(job, dict) else job.job_id  # no default: a job has its id
     out["logs"] = kind(sky.tail_logs(cluster, job_id, follow=False, tail=5, output_stream=io.StringIO()))
     return out
