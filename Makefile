@@ -8,6 +8,11 @@ PYTEST_ARGS ?=
 # process kept ~1.4 of this machine's 2 cores busy. Tests go to whichever worker is free, but a module with a
 # module-scoped fixture (rehearsals, the Slurm cluster) is one xdist_group, run by one worker.
 PYTEST_WORKERS ?= 2
+# The tests' environment: no local SkyPilot API server unless a test starts its own (the bed), and Python's bytecode
+# kept for this checkout's own code (orchestrator/, tests/), as a user's shell keeps it: this machine sets
+# PYTHONDONTWRITEBYTECODE=1, so every orch, accelerate and rank process the suite starts compiled orch's modules from
+# source and each xdist worker rewrote every test module's asserts again (measured: test-fast 61.4 s -> 57.2 s).
+TEST_ENV := PYTHONDONTWRITEBYTECODE= SKYPILOT_DISABLE_LOCAL_API_SERVER=1
 
 .PHONY: install demo test test-fast lint bench gpu-check snapshots lock clean sky-bed
 
@@ -33,12 +38,12 @@ demo: install
 	$(VENV)/bin/orch run phi3_dpo_fsdp --local --nodes 2 --smoke --fresh
 
 test: install
-	SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The inner loop (< 60 s here): the unit and cli tiers (tests/conftest.py; what each tier means: pyproject.toml), the
 # fuzz harness at 300 examples (make test runs its 2000).
 test-fast: install
-	ORCH_FUZZ_EXAMPLES=300 SKYPILOT_DISABLE_LOCAL_API_SERVER=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --tier unit,cli -q -p no:cacheprovider $(PYTEST_ARGS)
+	ORCH_FUZZ_EXAMPLES=300 $(TEST_ENV) $(PY) -m pytest -n $(PYTEST_WORKERS) --tier unit,cli -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # Real SkyPilot without a cloud (root): a 2-node Slurm cluster in network namespaces with a login node and SkyPilot's
 # API server (tests/sky_bed.py); prints the commands to try and takes it all down when you press Enter.
