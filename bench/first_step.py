@@ -69,6 +69,10 @@ def timed(argv: list[str], env: dict, first: str, cwd: Path = ROOT,
             for key, text in {**MARKS, "first": first}.items():
                 if key not in seen and text in line:
                     seen[key] = now
+    except BaseException:  # the bench itself was stopped (Ctrl-C, SIGTERM): its launch goes too
+        proc.kill()
+        proc.wait()
+        raise
     finally:
         timer.cancel()
     code = proc.wait()
@@ -105,8 +109,9 @@ OUTLIER = 1.25
 
 def rows() -> list[tuple[str, float, int, str, str]]:
     """The bench's rows for time to first step on the bed (raises SystemExit when a launch fails)."""
-    from sky_bed import BED_HOMES, REPO_COPY_IGNORE, SkyBed
+    from sky_bed import BED_HOMES, REPO_COPY_IGNORE, SkyBed, exit_on_signals
 
+    exit_on_signals()  # a stopped bench still takes its bed down and removes its directory
     root = Path(tempfile.mkdtemp(prefix=Path(BED_HOMES).name + "-", dir=Path(BED_HOMES).parent))
     echo = root / "echo.yaml"
     out_rows = []

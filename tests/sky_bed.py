@@ -102,6 +102,18 @@ def missing() -> str:
     return slurm_missing()
 
 
+def exit_on_signals() -> None:
+    """SIGTERM and SIGHUP end this process as Ctrl-C does, through its `with` blocks and `finally`s: a bed that a
+    terminal's close or a `kill` stops still takes its processes, namespaces, users, mounts and directory down (Python's
+    default for both ends the process at once, leaving all of them)."""
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, leave)
+
+
 def installed_or_why() -> str:
     """Outside pytest (`make sky-bed`, `make bench`): Slurm's packages installed now, waited for, then `missing()`."""
     from slurm_cluster import INSTALLING
@@ -524,6 +536,7 @@ def main() -> int:
     if why:
         print(f"sky-bed: {why}", file=sys.stderr)
         return 2
+    exit_on_signals()
     root = Path(tempfile.mkdtemp(prefix=Path(BED_HOMES).name + "-", dir=Path(BED_HOMES).parent))
     print(f"[bed] bringing up 2 Slurm nodes, a login node and SkyPilot's API server under {root} ...", flush=True)
     with SkyBed(root, managed=True) as bed:

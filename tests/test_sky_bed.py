@@ -35,6 +35,32 @@ def test_each_shim_answers_a_line_skypilot_still_has(shim):
     assert text in source, f"shim {shim!r}: {module} no longer has {text!r}; check tests/sky_bed.py against it"
 
 
+STOPPED = """
+import os, signal, sys, time
+sys.path.insert(0, "tests")
+from sky_bed import exit_on_signals
+exit_on_signals()
+try:
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    time.sleep(30)
+finally:
+    print("taken down", flush=True)
+"""
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_stopped_bed_or_bench_still_runs_its_teardown(sig):
+    """`make sky-bed` and the bench's bed (bench/first_step.py) stopped by a `kill` or a closed terminal leave as Ctrl-C
+    does, through their `with` and `finally` blocks, which take the bed's processes, namespaces and directory down."""
+    import signal
+
+    stopped = subprocess.run([sys.executable, "-c", STOPPED, sig], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+    assert stopped.stdout == "taken down\n", stopped.stdout + stopped.stderr
+    assert stopped.returncode == 128 + getattr(signal, sig), stopped.stderr
+
+
 @pytest.fixture(scope="module")
 def bed():
     from sky_bed import BED_HOMES, SkyBed, missing
