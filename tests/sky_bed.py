@@ -19,6 +19,7 @@ What the bed adds to the Slurm cluster (../shared/skypilot-on-slurm.md has the m
 
 from __future__ import annotations
 
+import atexit
 import os
 import pwd
 import shutil
@@ -538,6 +539,7 @@ def main() -> int:
         return 2
     exit_on_signals()
     root = Path(tempfile.mkdtemp(prefix=Path(BED_HOMES).name + "-", dir=Path(BED_HOMES).parent))
+    atexit.register(shutil.rmtree, root, True)  # also when stopped while it comes up or waits (after the bed's exit)
     print(f"[bed] bringing up 2 Slurm nodes, a login node and SkyPilot's API server under {root} ...", flush=True)
     with SkyBed(root, managed=True) as bed:
         image = bed.orch_image()
