@@ -32,6 +32,20 @@ def _scratch(prefix: str) -> str:
 # finds (builds and cache writes are atomic).
 if "ORCH_CACHE_DIR" not in os.environ:
     os.environ["ORCH_CACHE_DIR"] = _scratch("orch-test-cache-")
+# Nor the developer's Hugging Face cache: datasets caches every smoke dataset it loads under HF_HOME (a new one each
+# session, whose smoke data is new); tests about HF_HOME set their own.
+if "ORCH_TEST_HF_HOME" not in os.environ:
+    os.environ["HF_HOME"] = os.environ["ORCH_TEST_HF_HOME"] = _scratch("orch-test-hf-")
+# The processes the tests start (orch, accelerate's launchers, uv's builds, SkyPilot's) keep their temporary files in
+# one directory of this session's, removed at its end: torch's elastic agent, uv's editable builds and SkyPilot's
+# killed workers otherwise leave torchelastic_*, uv-setuptools-*.lock and sky-tmp* behind in the machine's /tmp (dozens
+# a suite run). Made by the first pytest process, like the cache above, and sticky and world-writable like /tmp (the
+# Slurm and SkyPilot tests run processes as other users); that process keeps its own temporary directory for its own
+# files (pytest's basetemp: its last three runs stay for a look).
+if "ORCH_TEST_TMPDIR" not in os.environ:
+    tempfile.gettempdir()  # this process's, chosen before TMPDIR moves for its children
+    os.environ["TMPDIR"] = os.environ["ORCH_TEST_TMPDIR"] = _scratch("orch-test-tmp-")
+    os.chmod(os.environ["TMPDIR"], 0o1777)
 # Never the developer's own SkyPilot state (state.db, catalogs): SKY_RUNTIME_DIR, one per process, since the state is
 # one SQLite file (a worker inherits the first process's and makes its own). Tests that need a catalog set their own;
 # the SkyPilot bed's client keeps its state in its own home.

@@ -138,6 +138,7 @@ class SkyBed:
         self.client = root / "client"  # SkyPilot's home on the laptop side
         self.home = root / "home" / USER
         self.shims = root / "shims"
+        self.temporary = root / "client-tmp"  # the client's TMPDIR: the API server's and the CLI's temporary files
         self.cluster = SlurmCluster(nodes=nodes, root=root / "slurm", node_prefix=self._node_prefix, cpus=2)
         self.sshd: subprocess.Popen | None = None
         self.helpers: list[subprocess.Popen] = []  # the managed bed's network-check responder and API server relay
@@ -165,6 +166,7 @@ class SkyBed:
     def _start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)
+        self.temporary.mkdir(exist_ok=True)
         self._user()
         self.uv_cache.mkdir(parents=True, exist_ok=True)
         shutil.chown(self.uv_cache, USER, USER)
@@ -256,7 +258,9 @@ class SkyBed:
     def env(self) -> dict[str, str]:
         """The environment the SkyPilot client (sky CLI, the SDK, orch) runs with."""
         env = {k: v for k, v in os.environ.items() if k not in BED_DROPS}
-        return {**env, "HOME": str(self.client), "SKYPILOT_DEBUG": env.get("SKYPILOT_DEBUG", "0")}
+        # TMPDIR in the bed: the API server's workers, killed when it stops, leave their sky-tmp* directories there
+        return {**env, "HOME": str(self.client), "TMPDIR": str(self.temporary),
+                "SKYPILOT_DEBUG": env.get("SKYPILOT_DEBUG", "0")}  # fmt: skip
 
     def _warm_uv_cache(self) -> None:
         """SkyPilot installs its runtime on the nodes with uv from PyPI (sky/skylet/constants.py); the nodes have no

@@ -9,6 +9,8 @@ under a fake process group of the launch's world size, transformers' DeepSpeed c
 import importlib.metadata
 import re
 import shlex
+import tempfile
+from pathlib import Path
 
 import pytest
 import sky
@@ -27,6 +29,8 @@ from orchestrator.rehearsal import driver as rehearsal
 # each rehearsal imports the training stack in a subprocess (~5-10 s); one pytest-xdist worker runs the module, so
 # that the module-scoped `rehearsed` fixture runs once
 pytestmark = [pytest.mark.unit, pytest.mark.xdist_group("test_gpu_path")]  # the rehearsed ones: e2e
+# the rehearsed roles' output_dir, in the session's temporary directory (tests/conftest.py)
+REHEARSAL_OUT = str(Path(tempfile.gettempdir()) / "orch-test-rehearsal")
 TASKS = sorted(p for p in (ROOT / "recipes").glob("*.yaml"))
 
 
@@ -56,7 +60,7 @@ def rehearsal_batch(name: str, nodes: int, gpus: int, cpus: int | None = None, e
     )
     plans = [node.plan({**base, "SKYPILOT_NODE_RANK": str(r)}, *launch.paired, cpus=cpus) for r in range(nodes)]
     roles = [rehearsal.Role(name, _strip(p.argv, strip), p.env, p.role) for name, p in rehearsal.roles(plans)]
-    subs = substitutions(launch, "/tmp/orch-test-rehearsal")
+    subs = substitutions(launch, REHEARSAL_OUT)
     return plans, rehearsal.roles_batch(launch.trainer, roles, subs, gpus)
 
 
@@ -93,7 +97,7 @@ def dry_run_batch(recipe: str, flags: list[str]):
     """The dry run's argv of ranks 0 and 1, as a rehearsal batch (with the dry run's output)."""
     argvs, out = dry_run_argvs(recipe, *flags)
     launch = launch_of(recipe)
-    subs = substitutions(launch, "/tmp/orch-test-rehearsal")
+    subs = substitutions(launch, REHEARSAL_OUT)
     gpus = int(flags[1].split(":")[1]) if flags else launch.gpus.count
     roles = [rehearsal.Role(f"rank {rank}", argv) for rank, argv in enumerate(argvs[:2])]
     return argvs, out, rehearsal.roles_batch(launch.trainer, roles, subs, gpus)
@@ -102,7 +106,7 @@ def dry_run_batch(recipe: str, flags: list[str]):
 def packing_cp_batch():
     """Rank 0 of the context-parallel recipe's dry run, with packing turned back on."""
     argvs, _ = dry_run_argvs("qwen3_sft_fsdp_cp")
-    subs = substitutions(launch_of("qwen3_sft_fsdp_cp"), "/tmp/orch-test-rehearsal") + ["--packing", "true"]
+    subs = substitutions(launch_of("qwen3_sft_fsdp_cp"), REHEARSAL_OUT) + ["--packing", "true"]
     return rehearsal.roles_batch("sft", [rehearsal.Role("rank 0", argvs[0])], subs, 8)
 
 
@@ -178,7 +182,7 @@ def test_deepspeed_config_pinning_another_accumulation_gets_orchs(project, monke
     accel.write_text(yaml.safe_dump(config))
     argvs, out = dry_run_argvs_in(project, "my_zero2", "--gpus", "A100:1", "--nodes", "2")
     assert "x 8 accumulation steps" in out
-    subs = substitutions(launch_of("my_zero2", root=project), "/tmp/orch-test-rehearsal")
+    subs = substitutions(launch_of("my_zero2", root=project), REHEARSAL_OUT)
     (outcome,) = rehearsal.rehearse_roles("dpo", [rehearsal.Role("rank 1", argvs[1])], subs, 1, project)
     assert outcome.ok, outcome.error
     assert outcome.facts["gradient_accumulation_steps"] == 8 and outcome.facts["zero_stage"] == 2
