@@ -24,8 +24,10 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "--nodes", "20000"], "at most 16384 nodes"),
     (["run", "phi3_dpo_fsdp", "--nodes", "1.5"], "invalid int value"),
     (["run", "phi3_dpo_fsdp", "--nodes"], "expected one argument"),
-    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "--max-cost", "lots"], "ORCH_MAX_COST takes a number of dollars"),
-    (["run", "phi3_dpo_fsdp", "--local", "--max-cost", "-5"], "ORCH_MAX_COST='-5'"),
+    # a flag that sets a knob is named as typed; the knob set with --env, as that
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "--max-cost", "lots"], "--max-cost 'lots': --max-cost takes"),
+    (["run", "phi3_dpo_fsdp", "--local", "--max-cost", "-5"], "--max-cost '-5'"),
+    (["run", "phi3_dpo_fsdp", "--local", "--env", "ORCH_MAX_COST=-5"], "ORCH_MAX_COST='-5': ORCH_MAX_COST takes"),
     (["run", "phi3_dpo_fsdp", "--local", "--env", "ORCH_PRICE_PER_HOUR=free"], "ORCH_PRICE_PER_HOUR takes a price"),
     (["run", "phi3_dpo_fsdp", "--local", "--env", "ORCH_STALL_FLOOR=0"], "ORCH_STALL_FLOOR takes a number of seconds"),
     (["run", "phi3_dpo_fsdp", "--env", "ORCH_PREFETCH_PROGRESS_S=soon"], "ORCH_PREFETCH_PROGRESS_S takes a number of"),
@@ -63,7 +65,10 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "--secret", "HF-TOKEN"], "not an environment variable name"),
     # the model out: --push-to-hub, orch pull
     (["run", "phi3_dpo_fsdp", "--local", "--smoke", "--push-to-hub", "me/model"], "pass --secret HF_TOKEN"),
-    (["run", "phi3_dpo_fsdp", "--push-to-hub", "no slash", "--secret", "HF_TOKEN=hf_v4lue"], "ORCH_PUSH_TO_HUB"),
+    (["run", "phi3_dpo_fsdp", "--push-to-hub", "no slash", "--secret", "HF_TOKEN=hf_v4lue"],
+     "--push-to-hub 'no slash': --push-to-hub takes a Hub repo id"),
+    (["run", "phi3_dpo_fsdp", "--env", "ORCH_PUSH_TO_HUB=no slash", "--secret", "HF_TOKEN=hf_v4lue"],
+     "ORCH_PUSH_TO_HUB='no slash'"),
     (["run", "phi3_dpo_fsdp", "--push-to-hub", "me/a..b", "--secret", "HF_TOKEN=hf_v4lue"], "a Hub repo id"),
     (["pull", "no-such-run"], "no run 'no-such-run' in sky_jobs/"),
     (["pull", "never-submitted"], "run never-submitted has no cluster to fetch from"),  # and models/ is not left

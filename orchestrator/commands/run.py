@@ -6,7 +6,7 @@ import argparse
 import re
 
 from orchestrator.commands import add
-from orchestrator.core import slots
+from orchestrator.core import knobs, slots
 from orchestrator.core.errors import OrchError
 from orchestrator.launch.placement import DEFAULT_IDLE_MINUTES, DEFAULT_RESTARTS
 
@@ -233,13 +233,15 @@ def main(args: argparse.Namespace) -> int:
         raise OrchError("--env ORCH_RUN_ID: orch sets it to the run's name, which keys its checkpoints; "
                         "`orch run --resume RUN` relaunches a run under its own")  # fmt: skip
     if args.max_cost is not None:
-        user_envs["ORCH_MAX_COST"] = args.max_cost  # parsed with the other knobs by plan()
+        knobs.flag("--max-cost", "ORCH_MAX_COST", args.max_cost)
+        user_envs["ORCH_MAX_COST"] = args.max_cost
     if args.track:
         user_envs["ORCH_TRACK"] = re.sub(r"[^A-Za-z0-9_-]", "-", recipe.name)[:100]
     user_overrides = overrides.parse(args.overrides)
     secret_values = secrets.values_for(recipe, secrets.parse_secrets(args.secret), smoke=args.smoke)
     if args.push_to_hub:
-        user_envs["ORCH_PUSH_TO_HUB"] = args.push_to_hub  # checked with the other knobs by plan()
+        knobs.flag("--push-to-hub", "ORCH_PUSH_TO_HUB", args.push_to_hub)
+        user_envs["ORCH_PUSH_TO_HUB"] = args.push_to_hub
         if "HF_TOKEN" not in secret_values:
             raise OrchError("--push-to-hub needs a Hub token with write access on the nodes: pass --secret HF_TOKEN")
     from orchestrator.core.overrides import loads

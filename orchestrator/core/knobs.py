@@ -135,6 +135,16 @@ def knob(env: Mapping[str, str], name: str, default=None):
         raise OrchError(f"{name}={raw!r}: {name} takes {takes}") from None
 
 
+def flag(option: str, name: str, raw: str):
+    """A command-line flag's value parsed as the knob it sets (--max-cost: ORCH_MAX_COST), its error naming the flag the
+    user typed."""
+    parse, takes = KNOBS[name]
+    try:
+        return parse(raw.strip())
+    except (ValueError, KeyError):
+        raise OrchError(f"{option} {raw!r}: {option} takes {takes}") from None
+
+
 def check_knobs(env: Mapping[str, str]) -> None:
     for name in KNOBS:
         knob(env, name)
