@@ -75,6 +75,7 @@ BAD = [
     (["pull", "never-submitted", "recipes"], "recipes is not an empty directory"),
     (["plan", "nobody/knows-this-model"], "orch has no shape for"),
     (["plan", "meta-llama/Llama-3.1-8B", "--peft", "dora"], "invalid choice: 'dora'"),
+    (["plan", "meta-llama/Llama-3.1-8B", "--strategy", "fsdp", "--gpus", "A100:8"], "TYPE:N per node; here, the total"),
     # orch's env knobs, parsed as the nodes parse them
     (["run", "phi3_dpo_fsdp", "--env", "ORCH_RENDEZVOUS_TIMEOUT=-5"], "takes a number of seconds > 0"),
     (["run", "phi3_dpo_fsdp", "--env", "ORCH_RENDEZVOUS_TIMEOUT=nan"], "takes a number of seconds > 0"),

@@ -62,16 +62,28 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "steps)")  # fmt: skip
     parser.add_argument("--strategy", choices=("ddp", "zero1", "zero2", "zero3", "fsdp"),
                         help="with --gpus: estimate this one configuration, part by part, instead of the table")
-    parser.add_argument("--gpus", type=int, help="with --strategy: the total number of GPUs")
+    parser.add_argument("--gpus", type=_total_gpus, help="with --strategy: the total number of GPUs (a number: the "
+                        "accelerator's memory is not used by this estimate)")  # fmt: skip
     parser.add_argument("--cp", type=int, metavar="N",
                         help="context parallelism over N GPUs (FSDP2; the Accelerate config's "
                         "parallelism_config_cp_size)")
     parser.add_argument("--sp", type=int, metavar="N", help="ALST/Ulysses sequence parallelism over N GPUs (ZeRO-3; "
                         "the Accelerate config's parallelism_config_sp_size)")
     parser.add_argument("--offload", action="store_true", help="with --strategy: CPU offload")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--max-nodes", type=int, default=16)
+    parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
+                        help="the table's nodes: N GPUs each (default 8)")  # fmt: skip
+    parser.add_argument("--max-nodes", type=int, default=16, metavar="N",
+                        help="the table looks for a fit up to N nodes (default 16)")  # fmt: skip
     parser.set_defaults(func=main)
+
+
+def _total_gpus(text: str) -> int:
+    """--gpus N: `orch run`'s TYPE:N form is refused by name (argparse's "invalid int value" said nothing)."""
+    try:
+        return int(text)
+    except ValueError:
+        hint = f" (`orch run --gpus {text}` is TYPE:N per node; here, the total: e.g. --gpus 16)" if ":" in text else ""
+        raise argparse.ArgumentTypeError(f"{text!r}: give the total number of GPUs{hint}") from None
 
 
 def main(args: argparse.Namespace) -> int:
