@@ -46,6 +46,9 @@ if "ORCH_TEST_TMPDIR" not in os.environ:
     tempfile.gettempdir()  # this process's, chosen before TMPDIR moves for its children
     os.environ["TMPDIR"] = os.environ["ORCH_TEST_TMPDIR"] = _scratch("orch-test-tmp-")
     os.chmod(os.environ["TMPDIR"], 0o1777)
+    # torch's JIT-built C++ ops too (~/.cache/torch_extensions otherwise): none is built on CPU today (DeepSpeed's
+    # shared-memory op is skipped, orchestrator/train/cpu_deepspeed.py), and one that is goes with the session
+    os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(os.environ["TMPDIR"], "torch_extensions")
 # Never the developer's own SkyPilot state (state.db, catalogs): SKY_RUNTIME_DIR, one per process, since the state is
 # one SQLite file (a worker inherits the first process's and makes its own). Tests that need a catalog set their own;
 # the SkyPilot bed's client keeps its state in its own home.

@@ -20,6 +20,10 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 
+from orchestrator.train import cpu_deepspeed  # noqa: E402
+
+cpu_deepspeed.skip_shm_comm()  # as the training entry does: no C++ build of DeepSpeed's shared-memory op (~1 min)
+
 
 def engine(stage: int, model: torch.nn.Module):
     config = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=1).deepspeed_config

@@ -7,6 +7,7 @@ Here DeepSpeed builds each stage's engine on CPU from the config accelerate make
 deepspeed_config (tests/ds_bucket.py bucket), and the bucket's bytes are read from its optimizer: ZeRO-3 holds it from
 initialize on, ZeRO-1 and 2 during each backward."""
 
+import os
 import re
 import subprocess
 import sys
@@ -19,10 +20,17 @@ from orchestrator.core import load_memory, memory, models
 pytestmark = pytest.mark.e2e  # imports DeepSpeed and builds three engines (~6 s)
 
 
-def test_the_memory_model_counts_deepspeeds_gradient_bucket_as_deepspeed_allocates_it():
+def unbuilt(tmp_path) -> dict[str, str]:
+    """The environment, with torch's extension builds in tmp_path/ops: DeepSpeed's comm on CPU JIT-builds its
+    shared-memory op unless skipped (orchestrator/train/cpu_deepspeed.py), ~1 min of C++ a fresh environment."""
+    return {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ops")}
+
+
+def test_the_memory_model_counts_deepspeeds_gradient_bucket_as_deepspeed_allocates_it(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "ds_bucket.py"), "bucket", str(free_port())],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=unbuilt(tmp_path))  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert not (tmp_path / "ops").exists(), "DeepSpeed built an op on CPU: ds_bucket.py lost its skip_shm_comm()"
     found = {int(s): (int(init), int(during)) for s, init, during in re.findall(r"^BUCKET (\d) (\d+) (\d+)$",
                                                                                  run.stdout, re.M)}  # fmt: skip
     assert sorted(found) == [1, 2, 3], run.stdout[-2000:]
@@ -40,14 +48,15 @@ def test_the_memory_model_counts_deepspeeds_gradient_bucket_as_deepspeed_allocat
     assert memory.ds_bucket(without) == 0 and memory.ds_bucket(memory.Setup(arch=arch, strategy="ddp")) == 0
 
 
-def test_zero3s_load_figure_holds_what_its_initialize_adds_on_each_rank():
+def test_zero3s_load_figure_holds_what_its_initialize_adds_on_each_rank(tmp_path):
     """ZeRO-3's per-GPU figure at load (load_memory.zero3_prepared) against the bytes DeepSpeed's initialize adds on
     each of 2 ranks (tests/ds_bucket.py prepared): its bf16 partition, fp32 master and gradient partitions, 8 bytes a
     parameter over the ranks, plus the gradient bucket (the figure used to hold the bf16 partition alone)."""
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           str(free_port()), str(ROOT / "tests" / "ds_bucket.py"), "prepared"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+                         capture_output=True, text=True, timeout=300, env=unbuilt(tmp_path))  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert not (tmp_path / "ops").exists(), "DeepSpeed built an op on CPU: ds_bucket.py lost its skip_shm_comm()"
     found = re.findall(r"^PREPARED (\d) (\d+) (\d+)$", run.stdout, re.M)
     assert len(found) == 2, run.stdout[-2000:]
     setup = memory.Setup(arch=models.arch_of("meta-llama/Llama-3.1-8B-Instruct"), strategy="zero3", gpus=2)

@@ -5,6 +5,7 @@ attention that keeps the documents apart from position_ids, as flash attention's
 (`make gpu-check` runs that kernel), gives the unpacked documents' loss through the same Ulysses chain."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,11 +16,13 @@ from conftest import ROOT
 pytestmark = pytest.mark.e2e
 
 
-def test_ulysses_on_sdpa_mixes_packed_documents_and_a_boundary_aware_attention_does_not(tiny_qwen3):
+def test_ulysses_on_sdpa_mixes_packed_documents_and_a_boundary_aware_attention_does_not(tiny_qwen3, tmp_path):
+    ops = tmp_path / "ops"  # torch's extension builds: DeepSpeed's comm on CPU builds none (skip_shm_comm)
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          str(ROOT / "tests" / "ulysses_packing.py"), str(tiny_qwen3)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+                          str(ROOT / "tests" / "ulysses_packing.py"), str(tiny_qwen3)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(ops)})  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert not ops.exists(), "DeepSpeed built an op on CPU: ulysses_packing.py lost its skip_shm_comm()"
     losses = json.loads(re.search(r"^LOSSES (.*)$", run.stdout, re.M).group(1))
     reference = losses["unpacked"]
     # without SP, transformers' SDPA mask keeps the documents apart (from position_ids; TRL passes use_cache=False)

@@ -95,6 +95,10 @@ def ulysses(model_dir: str, attention: str, batch: dict) -> float:
 
 
 def main(model_dir: str, attention: str = "sdpa") -> None:
+    if not torch.cuda.is_available():  # as the training entry does on CPU: no C++ build of the shared-memory op
+        from orchestrator.train import cpu_deepspeed
+
+        cpu_deepspeed.skip_shm_comm()
     deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm, which its SP groups are made with
     torch.manual_seed(0)
     AttentionInterface.register(VARLEN, varlen_sdpa)
