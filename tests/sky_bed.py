@@ -371,8 +371,12 @@ class SkyBed:
         return importlib.metadata.version("skypilot")
 
     def _api_server(self) -> None:
+        # in a /dev/shm of its own: its multiprocessing semaphores (/dev/shm/sem.mp-*, ~10 a start) outlived it when
+        # it was stopped; this tmpfs goes with the last of its processes
+        shm = ["unshare", "-m", "--propagation", "private", "bash", "-c",
+               'mount -t tmpfs -o size=64m,mode=1777 orch-bed-shm /dev/shm && exec "$@"', "shm"]  # fmt: skip
         if not self.managed:
-            done = self.sky("api", "start", timeout=180)
+            done = self.sky("api", "start", timeout=180, prefix=shm)
         else:  # in the login node's namespace, where SkyPilot's network check is answered (tests/bed_network.py)
             import bed_network
 
@@ -388,7 +392,7 @@ class SkyBed:
             # machine's 24 GiB would get, each a process importing SkyPilot (2 GiB in all, and a burst of CPU at the
             # first submission that slowed the suite's other worker)
             small = {"SKYPILOT_POD_MEMORY_GB_LIMIT": "4"}
-            done = self.sky("api", "start", "--host", "0.0.0.0", timeout=180, prefix=login.prefix(0),
+            done = self.sky("api", "start", "--host", "0.0.0.0", timeout=180, prefix=login.prefix(0) + shm,
                             env={**trust, **small})  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"sky api start failed: {done.stdout[-1500:]}{done.stderr[-1500:]}")

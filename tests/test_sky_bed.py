@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import inspect
 import json
+import os
 import re
 import shutil
 import sqlite3
@@ -73,6 +74,12 @@ def bed():
         with SkyBed(root, managed=True) as made:  # SkyPilot's jobs controller in its API server, for --managed
             made.orch_image()
             yield made
+            # the API server and its workers keep their semaphores in a /dev/shm of their own, gone with them
+            ours, theirs = os.stat("/dev/shm").st_dev, set()
+            for pid in made._client_pids():
+                with contextlib.suppress(OSError):  # a process that ended meanwhile
+                    theirs.add(os.stat(f"/proc/{pid}/root/dev/shm").st_dev)
+            assert theirs and ours not in theirs, "SkyPilot's API server shares this machine's /dev/shm"
     finally:
         shutil.rmtree(root, ignore_errors=True)  # its homes, image and checkpoints (GBs): the uv cache is shared
     # teardown left nothing: no process of the bed's user, no namespace, no user
