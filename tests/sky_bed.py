@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import subprocess
@@ -130,7 +131,8 @@ REPO_COPY_IGNORE = (".venv", ".git", "outputs", "sky_jobs", "__pycache__", ".myp
 
 
 class SkyBed:
-    def __init__(self, root: Path, nodes: int = 2, name: str = NAME, managed: bool = False):
+    def __init__(self, root: Path, nodes: int = 2, name: str = NAME, managed: bool = False,
+                 visible: tuple[Path, ...] | None = ()):  # fmt: skip
         self.root = root
         self.managed = managed  # SkyPilot's jobs controller inside its API server (consolidation mode): `--managed`
         self.name = name
@@ -139,6 +141,12 @@ class SkyBed:
         self.home = root / "home" / USER
         self.shims = root / "shims"
         self.temporary = root / "client-tmp"  # the client's TMPDIR: the API server's and the CLI's temporary files
+        # the API server's /tmp (`_own_mounts`) and what of the machine's /tmp it sees there: this environment, the
+        # repository and the directories whose paths the client hands it (a task's workdir and file mounts); None: the
+        # machine's /tmp (`make sky-bed`: a person's --data file may lie anywhere, as with SkyPilot on a laptop)
+        self.server_tmp = root / "server-tmp"
+        here = (Path(sys.prefix), Path(__file__).resolve().parent.parent, Path.cwd())
+        self.visible = None if visible is None else (*here, *visible)
         self.cluster = SlurmCluster(nodes=nodes, root=root / "slurm", node_prefix=self._node_prefix, cpus=2)
         self.sshd: subprocess.Popen | None = None
         self.helpers: list[subprocess.Popen] = []  # the managed bed's network-check responder and API server relay
@@ -370,13 +378,33 @@ class SkyBed:
 
         return importlib.metadata.version("skypilot")
 
+    def _own_mounts(self) -> list[str]:
+        """The prefix that starts the API server in a mount namespace of its own (gone with its last process), with
+        - a /dev/shm of its own: its multiprocessing semaphores (/dev/shm/sem.mp-*, ~10 a start) outlived it;
+        - a /tmp of its own, the bed's `server-tmp`: SkyPilot writes to literal /tmp paths, which outlived the bed in
+          the machine's /tmp: /tmp/jobs_ha_recovery.log and /tmp/pool_ha_recovery.log, appended at every start
+          (sky/skylet/constants.py HA_PERSISTENT_RECOVERY_LOG_PATH), /tmp/sky_ssh_<hash>/ for ssh's control sockets
+          (sky/utils/command_runner.py), uvicorn's /tmp/skypilot_graceful_shutdown.lock (sky/server/uvicorn.py).
+          The machine's directories in `visible` that lie under /tmp are bind-mounted at their own paths in it: the
+          local API server reads the client's paths as they are (a workdir is not uploaded)."""
+        script = ["mount -t tmpfs -o size=64m,mode=1777 orch-bed-shm /dev/shm"]
+        if self.visible is None:
+            return ["unshare", "-m", "--propagation", "private", "bash", "-c", script[0] + ' && exec "$@"', "bed"]
+        self.server_tmp.mkdir(exist_ok=True)
+        self.server_tmp.chmod(0o1777)
+        tmp = Path("/tmp").resolve()
+        under = sorted({p.resolve() for p in self.visible if p.resolve().is_relative_to(tmp) and p.resolve() != tmp})
+        kept = [p for p in under if not any(p != q and p.is_relative_to(q) for q in under)]
+        for path in kept:
+            inside = shlex.quote(str(self.server_tmp / path.relative_to(tmp)))
+            script.append(f"mkdir -p {inside} && mount --bind {shlex.quote(str(path))} {inside}")
+        script.append(f'mount --rbind {shlex.quote(str(self.server_tmp))} /tmp && exec "$@"')
+        return ["unshare", "-m", "--propagation", "private", "bash", "-c", " && ".join(script), "bed"]
+
     def _api_server(self) -> None:
-        # in a /dev/shm of its own: its multiprocessing semaphores (/dev/shm/sem.mp-*, ~10 a start) outlived it when
-        # it was stopped; this tmpfs goes with the last of its processes
-        shm = ["unshare", "-m", "--propagation", "private", "bash", "-c",
-               'mount -t tmpfs -o size=64m,mode=1777 orch-bed-shm /dev/shm && exec "$@"', "shm"]  # fmt: skip
+        own = self._own_mounts()  # its own /dev/shm and /tmp
         if not self.managed:
-            done = self.sky("api", "start", timeout=180, prefix=shm)
+            done = self.sky("api", "start", timeout=180, prefix=own)
         else:  # in the login node's namespace, where SkyPilot's network check is answered (tests/bed_network.py)
             import bed_network
 
@@ -392,7 +420,7 @@ class SkyBed:
             # machine's 24 GiB would get, each a process importing SkyPilot (2 GiB in all, and a burst of CPU at the
             # first submission that slowed the suite's other worker)
             small = {"SKYPILOT_POD_MEMORY_GB_LIMIT": "4"}
-            done = self.sky("api", "start", "--host", "0.0.0.0", timeout=180, prefix=login.prefix(0) + shm,
+            done = self.sky("api", "start", "--host", "0.0.0.0", timeout=180, prefix=login.prefix(0) + own,
                             env={**trust, **small})  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"sky api start failed: {done.stdout[-1500:]}{done.stderr[-1500:]}")
@@ -549,7 +577,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix=Path(BED_HOMES).name + "-", dir=Path(BED_HOMES).parent))
     atexit.register(shutil.rmtree, root, True)  # also when stopped while it comes up or waits (after the bed's exit)
     print(f"[bed] bringing up 2 Slurm nodes, a login node and SkyPilot's API server under {root} ...", flush=True)
-    with SkyBed(root, managed=True) as bed:
+    with SkyBed(root, managed=True, visible=None) as bed:
         image = bed.orch_image()
         repo = Path(__file__).resolve().parent.parent
         env = f"HOME={bed.client} PATH={os.path.normpath(Path(sys.executable).parent)}:$PATH"

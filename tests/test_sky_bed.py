@@ -63,7 +63,7 @@ def test_a_stopped_bed_or_bench_still_runs_its_teardown(sig):
 
 
 @pytest.fixture(scope="module")
-def bed():
+def bed(tmp_path_factory):
     from sky_bed import BED_HOMES, SkyBed, missing
 
     why = missing()
@@ -71,15 +71,20 @@ def bed():
         pytest.skip(f"the SkyPilot bed {why}")
     root = Path(tempfile.mkdtemp(prefix=Path(BED_HOMES).name + "-", dir=Path(BED_HOMES).parent))
     try:
-        with SkyBed(root, managed=True) as made:  # SkyPilot's jobs controller in its API server, for --managed
+        # SkyPilot's jobs controller in its API server, for --managed; the tests' directories (their projects, a
+        # task's workdir) visible in its /tmp
+        with SkyBed(root, managed=True, visible=(tmp_path_factory.getbasetemp(),)) as made:
             made.orch_image()
             yield made
-            # the API server and its workers keep their semaphores in a /dev/shm of their own, gone with them
-            ours, theirs = os.stat("/dev/shm").st_dev, set()
+            # the API server and its workers keep their semaphores in a /dev/shm of their own and SkyPilot's literal
+            # /tmp files in a /tmp of their own (the bed's), gone with them
+            shm, seen = os.stat("/dev/shm").st_dev, set()
             for pid in made._client_pids():
                 with contextlib.suppress(OSError):  # a process that ended meanwhile
-                    theirs.add(os.stat(f"/proc/{pid}/root/dev/shm").st_dev)
-            assert theirs and ours not in theirs, "SkyPilot's API server shares this machine's /dev/shm"
+                    seen.add((os.stat(f"/proc/{pid}/root/dev/shm").st_dev, os.stat(f"/proc/{pid}/root/tmp").st_ino))
+            assert seen and shm not in {dev for dev, _ in seen}, "SkyPilot's API server shares this machine's /dev/shm"
+            assert {ino for _, ino in seen} == {os.stat(made.server_tmp).st_ino}, "its /tmp is not the bed's"
+            assert (made.server_tmp / "jobs_ha_recovery.log").is_file()  # written by its jobs controller at its start
     finally:
         shutil.rmtree(root, ignore_errors=True)  # its homes, image and checkpoints (GBs): the uv cache is shared
     # teardown left nothing: no process of the bed's user, no namespace, no user
