@@ -235,12 +235,14 @@ def test_a_local_runs_node_directory_goes_with_the_run_and_never_takes_anothers(
     (a stale checkpoint request there would make the next attempt save at once); one orch did not make is left."""
     import tempfile
 
-    from orchestrator.launch.backends.local_nodes import node_envs, node_scratch
+    from orchestrator.launch.backends.local_nodes import node_envs, node_scratch, scratch_dir
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # torch's inductor sets it once it has chosen one
-    with node_scratch("run-1", 2) as scratch:
-        assert scratch == tmp_path / "orch-local-run-1" and owned.marker_run(scratch) == "run-1"
+    out, elsewhere = tmp_path / "a" / "outputs" / "r", tmp_path / "b" / "outputs" / "r"  # the run's output directory
+    with node_scratch("run-1", 2, out) as scratch:
+        assert scratch.parent == tmp_path and re.fullmatch(r"orch-local-run-1-[0-9a-f]{8}", scratch.name)
+        assert owned.marker_run(scratch) == "run-1"
         envs = node_envs({}, 2, 1, task_id="run-1", port=1, barrier_port=2, scratch=scratch)
         assert [(e["ORCH_HOME"], e["TMPDIR"]) for e in envs] == [
             (str(scratch / f"node{r}"), str(scratch / f"node{r}" / "tmp")) for r in (0, 1)
@@ -252,19 +254,27 @@ def test_a_local_runs_node_directory_goes_with_the_run_and_never_takes_anothers(
         assert kept["TORCHINDUCTOR_CACHE_DIR"] == "/cache/inductor"  # a cache set here is kept
         (scratch / "node1" / "tmp" / "torchelastic_x").mkdir()
     assert not scratch.exists()
-    with pytest.raises(RuntimeError), node_scratch("run-1", 1) as scratch:
+    with pytest.raises(RuntimeError), node_scratch("run-1", 1, out) as scratch:
         (scratch / "node0" / "checkpoint-request").write_text("x")
         raise RuntimeError("a node failed")
     assert not scratch.exists()
     owned.claim(scratch, "run-1")  # an attempt killed before it removed its directory
     (scratch / "node0").mkdir()
     (scratch / "node0" / "checkpoint-request").write_text("stale")
-    with node_scratch("run-1", 1) as again:
+    with node_scratch("run-1", 1, out) as again:
         assert not (again / "node0" / "checkpoint-request").exists() and (again / "node0" / "tmp").is_dir()
-    mine = tmp_path / "orch-local-run-2"
+    # the same task run at once from another checkout (its own output directory, its own run lock): the same run id,
+    # and neither takes the other's node directory, when it starts or when it ends
+    with node_scratch("run-1", 1, out) as first:
+        (first / "node0" / "checkpoint-request").write_text("the first run's")
+        with node_scratch("run-1", 1, elsewhere) as second:
+            assert second != first and (first / "node0" / "checkpoint-request").is_file()
+        assert not second.exists() and (first / "node0" / "tmp").is_dir()
+    assert not first.exists()
+    mine = scratch_dir("run-2", out)
     mine.mkdir()
     (mine / "notes").write_text("mine")
     with pytest.raises(OrchError, match="run run-2's node directory: .*no orch marker"):
-        with node_scratch("run-2", 1):
+        with node_scratch("run-2", 1, out):
             pass
     assert (mine / "notes").read_text() == "mine"

@@ -76,9 +76,12 @@ def test_throughput_matches_an_independent_count(project):
     when training begins and the last step's line (both timestamped here, outside the training), must match
     orch's figure. The same run is asked for a checkpoint mid-run, as SkyPilot's preemption hook asks
     (`orch node --checkpoint-now` writes $ORCH_HOME/checkpoint-request on a node): every rank saves and goes on."""
+    import os
     import re
     import tempfile
-    from pathlib import Path
+    from unittest import mock
+
+    from orchestrator.launch.backends.local_nodes import scratch_dir
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke",
@@ -89,7 +92,10 @@ def test_throughput_matches_an_independent_count(project):
     for line in proc.stdout:
         lines.append(line)
         if match := re.match(r"^\[orch\] run (\S+):", line):
-            home = Path(tempfile.gettempdir()) / f"orch-local-{match.group(1)}" / "node0"  # node 0's ORCH_HOME
+            run = match.group(1)
+        if line.startswith("[orch] output: "):  # node 0's ORCH_HOME, in the run's node directory
+            with mock.patch.object(tempfile, "tempdir", os.environ.get("TMPDIR")):  # orch's, not this process's
+                home = scratch_dir(run, project / line.split("output: ", 1)[1].strip()) / "node0"
         if "[orch] step 1/8" in line:  # as checkpoint_now does (tested below), without its start-up time
             home.mkdir(parents=True, exist_ok=True)
             (home / "checkpoint-request").write_text("preemption notice\n")

@@ -301,7 +301,7 @@ def launch(
         print(f"[orch] network: node i in namespace {network.namespaces[0][:-1]}<i>, at {', '.join(network.ips)}",
               flush=True)  # fmt: skip
     (output_dir / "orch").mkdir(parents=True, exist_ok=True)
-    with node_scratch(run_id, nodes) as scratch, open(output_dir / "orch" / "run.log", "w") as log:
+    with node_scratch(run_id, nodes, output_dir) as scratch, open(output_dir / "orch" / "run.log", "w") as log:
         # Secrets travel in the node processes' environment only (as SkyPilot secrets do), never in files or argv.
         node_env = node_envs(
             {**envs, **(secrets or {}), **({"ORCH_RUN_TOKEN": token} if token else {})},

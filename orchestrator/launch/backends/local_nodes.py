@@ -4,6 +4,7 @@ directory that holds their homes and temporary files while they run."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import socket
@@ -78,17 +79,21 @@ def node_envs(
     return envs
 
 
-def scratch_dir(run_id: str) -> Path:
-    return Path(tempfile.gettempdir()) / f"orch-local-{owned.check_name(run_id, 'run id')}"
+def scratch_dir(run_id: str, output_dir: Path) -> Path:
+    """Named by the run and its output directory: the run id is the same for the same task in any checkout, and two
+    checkouts' runs of it at once must not share (the run lock, launch/runlock.py, keeps one owner per output
+    directory; the second removed the first's nodes' homes and temporary files while they ran)."""
+    where = hashlib.sha256(str(Path(output_dir).resolve()).encode()).hexdigest()[:8]
+    return Path(tempfile.gettempdir()) / f"orch-local-{owned.check_name(run_id, 'run id')}-{where}"
 
 
 @contextlib.contextmanager
-def node_scratch(run_id: str, nodes: int) -> Iterator[Path]:
+def node_scratch(run_id: str, nodes: int, output_dir: Path) -> Iterator[Path]:
     """The run's directory in this machine's temporary directory, with each node's home and TMPDIR (node<r>/tmp): made
     and marked as the run's (core/owned.py) before the nodes start, removed when they have all ended. One left by an
-    attempt of the same run that was killed is replaced (a stale checkpoint request in a node's home would make the new
-    attempt save at once); one that another run or a person made is refused, and left."""
-    scratch = scratch_dir(run_id)
+    attempt of the same run in the same output directory that was killed is replaced (a stale checkpoint request in a
+    node's home would make the new attempt save at once); one that another run or a person made is refused, and left."""
+    scratch = scratch_dir(run_id, output_dir)
     what = f"run {run_id}'s node directory"
     owned.remove(scratch, run_id, what)
     if not owned.claim(scratch, run_id):
