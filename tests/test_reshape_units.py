@@ -1,6 +1,7 @@
 """train/reshape.py on its own: which resumes need resharding and how, what DeepSpeed's files say, the scratch keyed
 per node, the step tensors ZeRO-3's universal load shares. The runs themselves: tests/test_reshape.py."""
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,8 +49,12 @@ def test_how_each_strategy_gets_to_another_shape(tmp_path):
 def test_scratch_is_per_node_and_named_safely(tmp_path, monkeypatch):
     monkeypatch.setenv("ORCH_SCRATCH_DIR", str(tmp_path))
     first = reshape.scratch_for(Path("/ckpt/checkpoint-4"), "run/../x", 0)
-    assert first == tmp_path / "orch-universal" / "run-..-x" / "node0" / "checkpoint-4"
+    assert first.parent == tmp_path / "orch-universal" / "run-..-x" / "node0"
+    assert re.fullmatch(r"checkpoint-4-[0-9a-f]{8}", first.name)
+    assert reshape.scratch_for(Path("/ckpt/checkpoint-4"), "run/../x", 0) == first
     assert reshape.scratch_for(Path("/ckpt/checkpoint-4"), "run/../x", 1) != first
+    # the same run id from another checkout (its own outputs) converts elsewhere
+    assert reshape.scratch_for(Path("/other/ckpt/checkpoint-4"), "run/../x", 0) != first
 
 
 def test_one_shared_step_tensor_becomes_one_per_group():

@@ -99,9 +99,13 @@ def method(acc, ckpt: Path, saved_world: int | None) -> str:
 
 def scratch_for(ckpt: Path, run: str, node: int) -> Path:
     """Room for a node's converted checkpoint (ORCH_SCRATCH_DIR, else the system's temporary directory): keyed by the
-    node too, so that nodes sharing a file system there (emulated nodes, a network home) never share a conversion."""
+    node too, so that nodes sharing a file system there (emulated nodes, a network home) never share a conversion, and
+    by the checkpoint's path, since the same task from two checkouts has one run id (their outputs differ)."""
+    import hashlib
+
     root = Path(os.environ.get("ORCH_SCRATCH_DIR") or tempfile.gettempdir())
-    return root / "orch-universal" / re.sub(r"[^A-Za-z0-9_.-]", "-", run)[:100] / f"node{node}" / ckpt.name
+    where = hashlib.sha256(str(ckpt.resolve()).encode()).hexdigest()[:8]
+    return root / "orch-universal" / re.sub(r"[^A-Za-z0-9_.-]", "-", run)[:100] / f"node{node}" / f"{ckpt.name}-{where}"
 
 
 def convert(ckpt: Path, scratch: Path, run: str) -> Path:
