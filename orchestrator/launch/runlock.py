@@ -20,9 +20,14 @@ from orchestrator.core.errors import OrchError
 LOCKS = Path("sky_jobs") / ".locks"
 
 
+def key(output_dir: str | Path) -> str:
+    """The output directory's identity, its resolved path hashed: one lock, and one local run's node directory
+    (launch/backends/local_nodes.py), per output directory."""
+    return hashlib.sha256(str(Path(output_dir).resolve()).encode()).hexdigest()[:16]
+
+
 def path_for(output_dir: str | Path) -> Path:
-    key = hashlib.sha256(str(Path(output_dir).resolve()).encode()).hexdigest()[:16]
-    return LOCKS / f"{key}.lock"
+    return LOCKS / f"{key(output_dir)}.lock"
 
 
 def _holder(path: Path) -> dict:

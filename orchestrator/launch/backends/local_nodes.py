@@ -4,7 +4,6 @@ directory that holds their homes and temporary files while they run."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import socket
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from orchestrator.core import owned
 from orchestrator.core.errors import OrchError
+from orchestrator.launch import runlock
 
 
 def free_port() -> int:
@@ -83,7 +83,7 @@ def scratch_dir(run_id: str, output_dir: Path) -> Path:
     """Named by the run and its output directory: the run id is the same for the same task in any checkout, and two
     checkouts' runs of it at once must not share (the run lock, launch/runlock.py, keeps one owner per output
     directory; the second removed the first's nodes' homes and temporary files while they ran)."""
-    where = hashlib.sha256(str(Path(output_dir).resolve()).encode()).hexdigest()[:8]
+    where = runlock.key(output_dir)[:8]
     return Path(tempfile.gettempdir()) / f"orch-local-{owned.check_name(run_id, 'run id')}-{where}"
 
 
