@@ -388,18 +388,16 @@ class SkyBed:
           The machine's directories in `visible` that lie under /tmp are bind-mounted at their own paths in it: the
           local API server reads the client's paths as they are (a workdir is not uploaded)."""
         script = ["mount -t tmpfs -o size=64m,mode=1777 orch-bed-shm /dev/shm"]
-        if self.visible is None:
-            return ["unshare", "-m", "--propagation", "private", "bash", "-c", script[0] + ' && exec "$@"', "bed"]
-        self.server_tmp.mkdir(exist_ok=True)
-        self.server_tmp.chmod(0o1777)
-        tmp = Path("/tmp").resolve()
-        under = sorted({p.resolve() for p in self.visible if p.resolve().is_relative_to(tmp) and p.resolve() != tmp})
-        kept = [p for p in under if not any(p != q and p.is_relative_to(q) for q in under)]
-        for path in kept:
-            inside = shlex.quote(str(self.server_tmp / path.relative_to(tmp)))
-            script.append(f"mkdir -p {inside} && mount --bind {shlex.quote(str(path))} {inside}")
-        script.append(f'mount --rbind {shlex.quote(str(self.server_tmp))} /tmp && exec "$@"')
-        return ["unshare", "-m", "--propagation", "private", "bash", "-c", " && ".join(script), "bed"]
+        if self.visible is not None:
+            self.server_tmp.mkdir(exist_ok=True)
+            self.server_tmp.chmod(0o1777)
+            tmp = Path("/tmp").resolve()
+            under = sorted(p for p in {p.resolve() for p in self.visible} if p != tmp and p.is_relative_to(tmp))
+            for path in (p for p in under if not any(p != q and p.is_relative_to(q) for q in under)):
+                inside = shlex.quote(str(self.server_tmp / path.relative_to(tmp)))
+                script.append(f"mkdir -p {inside} && mount --bind {shlex.quote(str(path))} {inside}")
+            script.append(f"mount --rbind {shlex.quote(str(self.server_tmp))} /tmp")
+        return ["unshare", "-m", "--propagation", "private", "bash", "-c", " && ".join([*script, 'exec "$@"']), "bed"]
 
     def _api_server(self) -> None:
         own = self._own_mounts()  # its own /dev/shm and /tmp
