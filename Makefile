@@ -6,9 +6,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile uv.lock | cksum
 PYTEST_ARGS ?=
 # pytest-xdist workers: the suite is CPU-bound (every smoke run imports the training stack in 2 ranks) and one pytest
 # process kept ~1.4 of this machine's 2 cores busy. Tests go to whichever worker is free, but a module with a
-# module-scoped fixture (rehearsals, the Slurm cluster) is one xdist_group, run by one worker. `make test` adds one
-# worker of its own for the Slurm group (the Slurm and SkyPilot bed tests, which mostly wait on SkyPilot and Slurm):
-# tests/own_worker.py.
+# module-scoped fixture (rehearsals, the Slurm cluster) is one xdist_group, run by one worker.
 PYTEST_WORKERS ?= 2
 # The tests' environment: no local SkyPilot API server unless a test starts its own (the bed), and Python's bytecode
 # kept for this checkout's own code (orchestrator/, tests/), as a user's shell keeps it: this machine sets
@@ -40,7 +38,7 @@ demo: install
 	$(VENV)/bin/orch run phi3_dpo_fsdp --local --nodes 2 --smoke --fresh
 
 test: install
-	$(TEST_ENV) $(PY) -m pytest -n $$(( $(PYTEST_WORKERS) + 1 )) --dist loadgroup --own-worker slurm $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The inner loop (< 60 s here): the unit and cli tiers (tests/conftest.py; what each tier means: pyproject.toml), the
 # fuzz harness at 300 examples (make test runs its 2000).

@@ -153,19 +153,6 @@ def pytest_addoption(parser):
     parser.addoption(
         "--tier", default="", help="run only the tests of these tiers, comma-separated (unit,cli,e2e,root); default all"
     )
-    parser.addoption(
-        "--own-worker", default="", metavar="GROUP", help="with --dist loadgroup: the last worker runs the tests of "
-        "xdist_group GROUP and nothing else (tests/own_worker.py); make test keeps one for the Slurm and SkyPilot tests"
-    )
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    if config.getoption("--own-worker") and config.getoption("dist") == "loadgroup":
-        from own_worker import OwnWorkerScheduling
-
-        return OwnWorkerScheduling(config, log)
-    return None
 
 
 def tier_of(item) -> str:
