@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import os
 import pwd
+import secrets
 import shlex
 import shutil
 import signal
@@ -150,6 +151,12 @@ class SkyBed:
         self.cluster = SlurmCluster(nodes=nodes, root=root / "slurm", node_prefix=self._node_prefix, cpus=2)
         self.sshd: subprocess.Popen | None = None
         self.helpers: list[subprocess.Popen] = []  # the managed bed's network-check responder and API server relay
+        # SkyPilot's user hash for the bed's client and API server (~/.sky/user_hash in the client's home, and
+        # SKYPILOT_USER_ID over one a person may have set): one of its own, so that what SkyPilot keeps under it in the
+        # machine's /tmp is the bed's to remove, not the machine user's (sky/utils/command_runner.py _ssh_control_path:
+        # /tmp/sky_ssh_<user hash>/, the ssh control sockets of the client's own calls, e.g. orch's plan reading the
+        # Slurm nodes' memory); 8 hex digits, the shape SkyPilot generates (clusters are named <name>-<hash>)
+        self.user_hash = secrets.token_hex(4)
 
     # ------------------------------------------------------------ up
 
@@ -259,6 +266,7 @@ class SkyBed:
             "  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
         )
         (self.client / ".sky").mkdir(exist_ok=True)
+        (self.client / ".sky" / "user_hash").write_text(self.user_hash)
         if self.managed:  # sky/jobs/utils.py setup_consolidation_mode_on_startup reads it when the API server starts
             (self.client / ".sky" / "config.yaml").write_text("jobs:\n  controller:\n    consolidation_mode: true\n")
 
@@ -267,8 +275,14 @@ class SkyBed:
         """The environment the SkyPilot client (sky CLI, the SDK, orch) runs with."""
         env = {k: v for k, v in os.environ.items() if k not in BED_DROPS}
         # TMPDIR in the bed: the API server's workers, killed when it stops, leave their sky-tmp* directories there
-        return {**env, "HOME": str(self.client), "TMPDIR": str(self.temporary),
+        return {**env, "HOME": str(self.client), "TMPDIR": str(self.temporary), "SKYPILOT_USER_ID": self.user_hash,
                 "SKYPILOT_DEBUG": env.get("SKYPILOT_DEBUG", "0")}  # fmt: skip
+
+    @property
+    def ssh_controls(self) -> Path:
+        """Where SkyPilot's ssh keeps its control sockets for the bed's clients (and for its API server under
+        `make sky-bed`, which shares the machine's /tmp): the bed's own user hash makes it the bed's."""
+        return Path("/tmp") / f"sky_ssh_{self.user_hash}"
 
     def _warm_uv_cache(self) -> None:
         """SkyPilot installs its runtime on the nodes with uv from PyPI (sky/skylet/constants.py); the nodes have no
@@ -456,6 +470,13 @@ class SkyBed:
                 except ProcessLookupError:
                     pass
             time.sleep(0.2)
+        # ssh's control masters (ControlPersist 300s, reparented to init) for the sockets under the bed's own path
+        for pid in _live_pids(lambda proc: str(self.ssh_controls).encode() in (proc / "cmdline").read_bytes()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.ssh_controls, ignore_errors=True)
         try:  # the user, when it is this bed's (its home is here): a user of the machine's own is left alone
             ours = Path(pwd.getpwnam(USER).pw_dir) == self.home
         except KeyError:
@@ -578,7 +599,8 @@ def main() -> int:
     with SkyBed(root, managed=True, visible=None) as bed:
         image = bed.orch_image()
         repo = Path(__file__).resolve().parent.parent
-        env = f"HOME={bed.client} PATH={os.path.normpath(Path(sys.executable).parent)}:$PATH"
+        path = os.path.normpath(Path(sys.executable).parent)
+        env = f"HOME={bed.client} SKYPILOT_USER_ID={bed.user_hash} PATH={path}:$PATH"
         print(f"""
 [bed] up. In another shell, from {repo}:
   export {env}; unset SKYPILOT_DISABLE_LOCAL_API_SERVER

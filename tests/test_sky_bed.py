@@ -102,6 +102,10 @@ def bed(tmp_path_factory):
     # at a time (xdist_group "slurm"), so any here is this bed's
     steps = subprocess.run(["pgrep", "-a", "-x", "slurmstepd"], capture_output=True, text=True).stdout.strip()
     assert not steps, steps
+    # nor SkyPilot's ssh control masters (ControlPersist, reparented to init) and their directory in this machine's /tmp
+    masters = subprocess.run(["pgrep", "-a", "-f", str(made.ssh_controls)], capture_output=True, text=True).stdout
+    assert not masters.strip(), masters
+    assert not made.ssh_controls.exists()
 
 
 def launch(bed, *argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -144,6 +148,9 @@ def test_the_planned_nodes_memory_comes_from_slurm_itself(bed):
     gib, source = re.search(r"^MEMORY (\S+) FROM (.*)$", plan.stdout, re.M).groups()
     assert float(gib) == pytest.approx(4000 / 1024, rel=0.01), plan.stdout
     assert source == f"the smallest RealMemory of Slurm cluster {bed.name} (no --mem: memory not tracked)"
+    # SkyPilot's ssh to the login node, from the client, kept its control socket under the bed's own user hash (which
+    # the bed removes), not this machine's user's
+    assert any(bed.ssh_controls.iterdir()), f"no ssh control socket under {bed.ssh_controls}"
 
 
 def test_plain_sky_launch_runs_the_recipe_on_two_slurm_nodes(bed, tmp_path):
@@ -174,6 +181,12 @@ def test_plain_sky_launch_runs_the_recipe_on_two_slurm_nodes(bed, tmp_path):
     reports = [json.loads((output_dir / "orch" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(r["rank"], r["world_size"], r["distributed_type"]) for r in reports] == [(0, 2, "FSDP"), (1, 2, "FSDP")]
     assert (output_dir / "model.safetensors").is_file() and (output_dir / "checkpoint-8").is_dir()
+    # each node's launch took its temporary files with it: torch's elastic agent left a torchelastic_* per launch in
+    # the node's own /tmp, where SkyPilot keeps its runtime
+    tmps = sorted((bed.root / "tmp").glob("node*"))
+    assert len(tmps) == 2 and all(any(t.iterdir()) for t in tmps), tmps
+    left = [p.name for t in tmps for p in t.iterdir() if p.name.startswith(("torchelastic_", "orch-launch-"))]
+    assert not left, left
     # SkyPilot's own commands on the cluster it made, asked at once (each is seconds of SkyPilot's own waiting); and
     # without ORCH_VENV, a setup on these nodes takes the account's environment for this lock: SkyPilot's $HOME on a
     # Slurm node is the cluster's own, under the account's home (scripts/node-setup.sh --print-venv, on the node)
