@@ -223,6 +223,36 @@ def test_a_failing_node_shows_the_notices_it_held_back(tmp_path):
     assert "[orch] failed on node 0: accelerate exited with code 1: ValueError: bad" in done.stdout + done.stderr
 
 
+LEAVES_TEMPORARY_FILES = """
+import json, os, tempfile
+os.mkdir(os.path.join(tempfile.gettempdir(), "torchelastic_x"))  # what torch's elastic agent makes at every launch
+print("SEEN", json.dumps([tempfile.gettempdir(), os.environ["TORCHINDUCTOR_CACHE_DIR"]]), flush=True)
+"""
+
+
+def test_a_launch_s_temporary_files_go_with_it_and_torch_compile_s_cache_stays_shared(tmp_path):
+    """On a cluster's node `orch node` gives its accelerate launch a temporary directory of its own, removed when the
+    launch ends (torch's elastic agent made a torchelastic_* directory per launch in the node's /tmp and never removed
+    it), while torch.compile's cache stays where torch keeps it without that TMPDIR, shared by every launch."""
+    import getpass
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from conftest import supervised
+
+    done = supervised(LEAVES_TEMPORARY_FILES, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    launch_tmp, inductor = json.loads(done.stdout.split("SEEN ", 1)[1].splitlines()[0])
+    # the node's own temporary directory: the runner's, from this process's environment (this process's tempfile
+    # module may have chosen before the suite set TMPDIR)
+    here = Path(os.environ.get("TMPDIR") or tempfile.gettempdir())
+    assert Path(launch_tmp).parent == here and Path(launch_tmp).name.startswith("orch-launch-")
+    assert not Path(launch_tmp).exists()  # gone with the launch, the elastic agent's directory with it
+    assert inductor == str(here / f"torchinductor_{getpass.getuser()}")
+
+
 def test_fsdp2_activation_checkpointing_recomputes_dropout_with_other_random_numbers():
     """The owners' code the rule below answers: accelerate's FSDP2 activation checkpointing wraps each layer with
     torch's checkpoint_wrapper(preserve_rng_state=False), whose recompute draws another dropout mask: the gradients

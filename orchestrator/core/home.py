@@ -38,6 +38,23 @@ def orch_home(env: Mapping[str, str] = os.environ) -> Path:
     return Path(env.get("ORCH_HOME") or Path.home() / ".orch")
 
 
+def inductor_cache(env: Mapping[str, str] = os.environ) -> str:
+    """torch.compile's cache directory (Triton's kernels included) as torch chooses it in this process's temporary
+    directory (torch/_inductor/runtime/cache_dir_utils.py default_cache_dir), or the one `env` sets: for processes
+    given a temporary directory of their own (a local run's nodes, a launch's ranks), so that the cache stays shared
+    by every run, as outside orch."""
+    import getpass
+    import tempfile
+
+    if env.get("TORCHINDUCTOR_CACHE_DIR"):
+        return env["TORCHINDUCTOR_CACHE_DIR"]
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return str(Path(tempfile.gettempdir()) / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)))
+
+
 def cache_dir(env: Mapping[str, str] = os.environ) -> Path:
     """orch's caches (ORCH_CACHE_DIR, default ~/.cache/orch): smoke artifacts, rehearsals, staged data, dashboards,
     recipes that passed SkyPilot's schema. Everything under it can be deleted; it is rebuilt."""

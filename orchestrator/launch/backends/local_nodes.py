@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import socket
 import sys
 import tempfile
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from orchestrator.core import owned
 from orchestrator.core.errors import OrchError
+from orchestrator.core.home import inductor_cache
 from orchestrator.launch import runlock
 
 
@@ -107,17 +107,3 @@ def node_scratch(run_id: str, nodes: int, output_dir: Path) -> Iterator[Path]:
             owned.remove(scratch, run_id, what)
         except (OrchError, OSError) as exc:  # never in place of the run's own outcome
             print(f"[orch] note: {what} {scratch} is left: {exc}", flush=True)
-
-
-def inductor_cache() -> str:
-    """torch.compile's cache directory as torch chooses it without the node's TMPDIR (torch/_inductor/runtime/
-    cache_dir_utils.py default_cache_dir), or the one set here: shared by every run, as outside orch."""
-    import getpass
-
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = f"uid_{os.getuid()}"
-    return str(Path(tempfile.gettempdir()) / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)))
