@@ -226,7 +226,7 @@ def test_a_failing_node_shows_the_notices_it_held_back(tmp_path):
 LEAVES_TEMPORARY_FILES = """
 import json, os, tempfile
 os.mkdir(os.path.join(tempfile.gettempdir(), "torchelastic_x"))  # what torch's elastic agent makes at every launch
-print("SEEN", json.dumps([tempfile.gettempdir(), os.environ["TORCHINDUCTOR_CACHE_DIR"]]), flush=True)
+print("SEEN", json.dumps([tempfile.gettempdir(), os.environ.get("TORCHINDUCTOR_CACHE_DIR")]), flush=True)
 """
 
 
@@ -251,6 +251,13 @@ def test_a_launch_s_temporary_files_go_with_it_and_torch_compile_s_cache_stays_s
     assert Path(launch_tmp).parent == here and Path(launch_tmp).name.startswith("orch-launch-")
     assert not Path(launch_tmp).exists()  # gone with the launch, the elastic agent's directory with it
     assert inductor == str(here / f"torchinductor_{getpass.getuser()}")
+    # a local run's node: its TMPDIR, ORCH_HOME/tmp, is the run's already (launch/backends/local_nodes.py), and one more
+    # level would lengthen the AF_UNIX socket paths made under it
+    (tmp_path / "tmp").mkdir()
+    done = supervised(LEAVES_TEMPORARY_FILES, tmp_path, env={"TMPDIR": str(tmp_path / "tmp")})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout.split("SEEN ", 1)[1].splitlines()[0]) == [str(tmp_path / "tmp"), None]
+    assert (tmp_path / "tmp" / "torchelastic_x").is_dir()  # removed with the run's node directory, not by the launch
 
 
 def test_fsdp2_activation_checkpointing_recomputes_dropout_with_other_random_numbers():

@@ -38,6 +38,15 @@ def orch_home(env: Mapping[str, str] = os.environ) -> Path:
     return Path(env.get("ORCH_HOME") or Path.home() / ".orch")
 
 
+def own_tmp(home: Path) -> Path:
+    """The TMPDIR of a node whose ORCH_HOME is `home`, where orch made both for the run and removes them with it (a
+    local run's emulated nodes, launch/backends/local_nodes.py): such a node's launch needs no temporary directory of
+    its own (node/supervise.py), whose extra level would push Python's AF_UNIX socket paths under it
+    (multiprocessing's pymp-*/listener-*, which DataLoader workers use to hand tensors over) past the 107 bytes Linux
+    allows."""
+    return home / "tmp"
+
+
 def inductor_cache(env: Mapping[str, str] = os.environ) -> str:
     """torch.compile's cache directory (Triton's kernels included) as torch chooses it in this process's temporary
     directory (torch/_inductor/runtime/cache_dir_utils.py default_cache_dir), or the one `env` sets: for processes

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from orchestrator.core import credentials, memory_fix
-from orchestrator.core.home import inductor_cache, orch_home, run_id
+from orchestrator.core.home import inductor_cache, orch_home, own_tmp, run_id
 from orchestrator.node import stacks as stack_dump
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, notice, printable, retryable
 from orchestrator.node.procs import DEFAULT_GRACE, end_tree, subreaper
@@ -147,13 +147,12 @@ def supervise(
     progress_dir = tempfile.mkdtemp(prefix="orch-progress-")
     # the launch's temporary files go with it: torch's elastic agent makes a torchelastic_* directory in the temporary
     # directory at every launch and never removes it (one per launch on every node); torch.compile's cache stays where
-    # torch keeps it without this TMPDIR, shared by every launch
-    launch_tmp = tempfile.mkdtemp(prefix="orch-launch-")
+    # torch keeps it without this TMPDIR, shared by every launch. A node whose TMPDIR orch made for the run has one.
+    launch_tmp = None if env.get("TMPDIR") == str(own_tmp(orch_home(env))) else tempfile.mkdtemp(prefix="orch-launch-")
     traces = os.path.join(orch_home(env), "nccl-traces", run_id(env) or "run")
     child_env = {
         **env,
-        "TMPDIR": launch_tmp,
-        "TORCHINDUCTOR_CACHE_DIR": inductor_cache(env),
+        **({"TMPDIR": launch_tmp, "TORCHINDUCTOR_CACHE_DIR": inductor_cache(env)} if launch_tmp else {}),
         **({"ORCH_PROGRESS_DIR": progress_dir, "ORCH_NODE_PID": str(os.getpid())} if bounds.on else {}),
         **hang_tools(env, gpus, os.path.join(traces, "rank_")),
     }
@@ -197,7 +196,8 @@ def supervise(
         peers.close()
         output_dir = next((r["output_dir"] for r in read_progress(progress_dir).values() if r.get("output_dir")), "")
         shutil.rmtree(progress_dir, ignore_errors=True)
-        shutil.rmtree(launch_tmp, ignore_errors=True)
+        if launch_tmp:
+            shutil.rmtree(launch_tmp, ignore_errors=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     if stopped:

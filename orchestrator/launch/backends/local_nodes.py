@@ -13,7 +13,7 @@ from pathlib import Path
 
 from orchestrator.core import owned
 from orchestrator.core.errors import OrchError
-from orchestrator.core.home import inductor_cache
+from orchestrator.core.home import inductor_cache, own_tmp
 from orchestrator.launch import runlock
 
 
@@ -64,7 +64,7 @@ def node_envs(
             ORCH_HOME=str(scratch / f"node{rank}"),  # no setup ran here
             # what the node's processes leave in temporary files goes with the run (torch's elastic agent makes a
             # torchelastic_* directory at every launch and never removes it); torch.compile's cache stays shared
-            TMPDIR=str(scratch / f"node{rank}" / "tmp"),
+            TMPDIR=str(own_tmp(scratch / f"node{rank}")),
             TORCHINDUCTOR_CACHE_DIR=inductor_cache(),
             MKL_NUM_THREADS=str(threads),
             TOKENIZERS_PARALLELISM="false",
@@ -99,7 +99,7 @@ def node_scratch(run_id: str, nodes: int, output_dir: Path) -> Iterator[Path]:
     if not owned.claim(scratch, run_id):
         raise OrchError(f"{what}: {scratch} appeared while orch made it; nothing deleted")
     for rank in range(nodes):
-        (scratch / f"node{rank}" / "tmp").mkdir(parents=True, exist_ok=True)
+        own_tmp(scratch / f"node{rank}").mkdir(parents=True, exist_ok=True)
     try:
         yield scratch
     finally:
