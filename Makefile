@@ -23,13 +23,16 @@ install: $(STAMP)
 # a multi-GB CUDA build, so torch's tree is pruned from the export. DeepSpeed is an sdist whose build imports
 # torch: it builds against that torch, without isolation. Then the .pyc files, once: uv writes none and this machine
 # sets PYTHONDONTWRITEBYTECODE=1, so every process would compile transformers, peft and SkyPilot from source again
-# (measured: an orch dry run 13.9 s -> 6.4 s, a training rank's imports 19.5 s -> 13 s of CPU).
+# (measured: an orch dry run 13.9 s -> 6.4 s, a training rank's imports 19.5 s -> 13 s of CPU). uv's temporary files
+# go to $(VENV)/tmp: it keeps a lock file per build environment there (uv-setuptools-*.lock, by design: astral-sh/uv
+# #11878), one more in the machine's /tmp at every fresh clone's install.
 $(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q setuptools wheel uv==0.13.9 torch==2.13.0
 	$(UV) export -q --frozen --no-emit-project --prune torch --extra dev --format requirements-txt -o $(VENV)/requirements.txt
-	$(UV) pip install -q --python $(PY) --no-deps --require-hashes --no-build-isolation-package deepspeed -r $(VENV)/requirements.txt
-	$(UV) pip install -q --python $(PY) --no-deps -e .
+	mkdir -p $(VENV)/tmp
+	TMPDIR=$(abspath $(VENV))/tmp $(UV) pip install -q --python $(PY) --no-deps --require-hashes --no-build-isolation-package deepspeed -r $(VENV)/requirements.txt
+	TMPDIR=$(abspath $(VENV))/tmp $(UV) pip install -q --python $(PY) --no-deps -e .
 	$(PY) -m compileall -q -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') >/dev/null || true
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
