@@ -228,6 +228,23 @@ def test_sizes_are_said_in_a_unit_that_keeps_their_digits():
         "29.7 kB", "1.0 MB", "1.0 MB", "335.4 MB", "140.2 GB"]  # fmt: skip
 
 
+@pytest.mark.parametrize("run", ["qwen25_sft_ddp-1a2b3c4d", "r" * 128])
+def test_a_local_node_s_tmpdir_leaves_room_for_python_s_unix_sockets(run, monkeypatch):
+    """Python's multiprocessing makes AF_UNIX sockets under TMPDIR (pymp-<8>/listener-<8>, 32 bytes more; DataLoader
+    workers hand tensors over through them), whose paths Linux caps at 107 bytes: a DataLoader with a worker failed
+    with "AF_UNIX path too long" under a 90-byte TMPDIR. A local run's node TMPDIR under /tmp fits for any run id (ids
+    go up to 128 characters); two ids that share the name's first characters still get two directories."""
+    import tempfile
+
+    from orchestrator.launch.backends.local_nodes import scratch_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp")
+    out = Path("/home/someone/projects/my-fine-tuning-project/outputs") / run
+    tmpdir = scratch_dir(run, out) / "node15" / "tmp"
+    assert len(str(tmpdir).encode()) + len("/pymp-12345678/listener-12345678") <= 107, tmpdir
+    assert scratch_dir(run, out) != scratch_dir(run + "x", out) != scratch_dir(run, out / "x")
+
+
 def test_a_local_runs_node_directory_goes_with_the_run_and_never_takes_anothers(tmp_path, monkeypatch):
     """Each emulated node's home and TMPDIR live in one directory of the run's (launch/backends/local_nodes.py), made
     before the nodes start and removed when they end, failed or not: what a node leaves in temporary files (torch's

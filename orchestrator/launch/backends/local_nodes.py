@@ -82,9 +82,18 @@ def node_envs(
 def scratch_dir(run_id: str, output_dir: Path) -> Path:
     """Named by the run and its output directory: the run id is the same for the same task in any checkout, and two
     checkouts' runs of it at once must not share (the run lock, launch/runlock.py, keeps one owner per output
-    directory; the second removed the first's nodes' homes and temporary files while they ran)."""
-    where = runlock.key(output_dir)[:8]
-    return Path(tempfile.gettempdir()) / f"orch-local-{owned.check_name(run_id, 'run id')}-{where}"
+    directory; the second removed the first's nodes' homes and temporary files while they ran). The id shows its first
+    RUN_IN_NAME characters, the hash the rest: a node's TMPDIR lies in it, and Python's multiprocessing makes AF_UNIX
+    sockets under that (pymp-*/listener-*, 32 bytes more; DataLoader workers hand tensors over through them), whose
+    paths Linux caps at 107 bytes (a 90-byte TMPDIR failed with "AF_UNIX path too long")."""
+    import hashlib
+
+    name = owned.check_name(run_id, "run id")
+    where = hashlib.sha256(f"{runlock.key(output_dir)} {name}".encode()).hexdigest()[:8]
+    return Path(tempfile.gettempdir()) / f"orch-local-{name[:RUN_IN_NAME]}-{where}"
+
+
+RUN_IN_NAME = 24
 
 
 @contextlib.contextmanager
