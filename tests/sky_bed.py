@@ -461,21 +461,17 @@ class SkyBed:
             self.sshd.wait(timeout=15)
         self.cluster.close()
         deadline = time.monotonic() + 20
-        # sshd's sessions, jobs' shells, and the API server's own leftovers (its subprocess_daemon.py watchers outlive
-        # `sky api stop` by ~30 s, polling for their dead parent): by PID, until gone
-        while (left := self._user_pids() + self._client_pids()) and time.monotonic() < deadline:
+        # sshd's sessions, jobs' shells, the API server's own leftovers (its subprocess_daemon.py watchers outlive
+        # `sky api stop` by ~30 s, polling for their dead parent) and ssh's control masters: by PID, until gone
+        while (
+            left := self._user_pids() + self._client_pids() + self._ssh_master_pids()
+        ) and time.monotonic() < deadline:
             for pid in left:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             time.sleep(0.2)
-        # ssh's control masters (ControlPersist 300s, reparented to init) for the sockets under the bed's own path
-        for pid in _live_pids(lambda proc: str(self.ssh_controls).encode() in (proc / "cmdline").read_bytes()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         shutil.rmtree(self.ssh_controls, ignore_errors=True)
         try:  # the user, when it is this bed's (its home is here): a user of the machine's own is left alone
             ours = Path(pwd.getpwnam(USER).pw_dir) == self.home
@@ -492,6 +488,12 @@ class SkyBed:
         python = os.path.realpath(sys.executable)
         return _live_pids(lambda proc: mark in b"\0" + (proc / "environ").read_bytes()
                           and os.path.realpath(proc / "exe") == python)  # fmt: skip
+
+    def _ssh_master_pids(self) -> list[int]:
+        """ssh's control masters for the sockets under the bed's own path (ControlPersist 300 s, reparented to init;
+        their command line names the socket)."""
+        mark = str(self.ssh_controls).encode()
+        return _live_pids(lambda proc: mark in (proc / "cmdline").read_bytes())
 
     def _user_pids(self) -> list[int]:
         """Live processes of the bed's user."""

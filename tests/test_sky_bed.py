@@ -103,8 +103,7 @@ def bed(tmp_path_factory):
     steps = subprocess.run(["pgrep", "-a", "-x", "slurmstepd"], capture_output=True, text=True).stdout.strip()
     assert not steps, steps
     # nor SkyPilot's ssh control masters (ControlPersist, reparented to init) and their directory in this machine's /tmp
-    masters = subprocess.run(["pgrep", "-a", "-f", str(made.ssh_controls)], capture_output=True, text=True).stdout
-    assert not masters.strip(), masters
+    assert not made._ssh_master_pids()
     assert not made.ssh_controls.exists()
 
 
