@@ -221,12 +221,20 @@ def test_a_node_that_never_joins_is_named_by_the_barrier(project, monkeypatch, c
 @needs_root
 @pytest.mark.root
 def test_leftovers_of_a_killed_owner_are_swept(tmp_path):
-    dead = subprocess.Popen(["true"])
-    dead.wait()  # a pid that no longer exists
-    net = netns.Network(2, owner=dead.pid).__enter__()  # never exited, as when orch is killed with SIGKILL
-    assert len(orch_namespaces(dead.pid)) == 2
-    removed = netns.sweep()
-    assert orch_namespaces(dead.pid) == [] and net.bridge in removed
+    """Made while its owner lives (another test's `--netns` run sweeps at its start, and took a network made for an
+    owner already gone while it was being made), left when the owner is killed with SIGKILL; the next sweep, this
+    test's or a concurrent run's, removes its namespaces, their /etc/netns files and its bridge."""
+    owner = subprocess.Popen(["sleep", "600"])
+    try:
+        net = netns.Network(2, owner=owner.pid).__enter__()  # never exited, as when orch is killed
+        assert len(orch_namespaces(owner.pid)) == 2
+    finally:
+        owner.kill()
+        owner.wait()  # its pid no longer exists
+    netns.sweep()
+    assert orch_namespaces(owner.pid) == []
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert not re.search(rf"^\d+: {net.bridge}[:@]", links, re.M), links
     assert not Path(f"/etc/netns/{net.namespaces[0]}").exists()
 
 
