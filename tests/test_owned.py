@@ -5,6 +5,7 @@ run's) is tried here, through the owner's functions and through the CLI."""
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -229,23 +230,30 @@ def test_sizes_are_said_in_a_unit_that_keeps_their_digits():
 
 
 @pytest.mark.parametrize("run", ["qwen25_sft_ddp-1a2b3c4d", "r" * 128])
-def test_a_local_node_s_tmpdir_leaves_room_for_python_s_unix_sockets(run, monkeypatch):
+@pytest.mark.parametrize(("tmp", "base", "shown"), [
+    ("/tmp", "/tmp", 24), ("/tmp/orch-test-tmp-abcdefgh", "/tmp/orch-test-tmp-abcdefgh", 16),
+    ("/s/" + "t" * 36, "/s/" + "t" * 36, 4), ("/s/" + "t" * 41, "/s/" + "t" * 41, 0), ("/s/" + "t" * 42, "/tmp", 24),
+])  # fmt: skip
+def test_a_local_node_s_tmpdir_leaves_room_for_python_s_unix_sockets(run, tmp, base, shown, monkeypatch):
     """Python's multiprocessing makes AF_UNIX sockets under TMPDIR (pymp-<8>/listener-<8>, 32 bytes more; DataLoader
     workers hand tensors over through them), whose paths Linux caps at 107 bytes: a DataLoader with a worker failed
-    with "AF_UNIX path too long" under a 90-byte TMPDIR. A local run's node TMPDIR under /tmp fits for any run id (ids
-    go up to 128 characters); two ids that share the name's first characters still get two directories."""
+    with "AF_UNIX path too long" under a 90-byte TMPDIR. A local run's node TMPDIR fits for any run id (ids go up to
+    128 characters) under any temporary directory: as much of the id as fits, and under one too long for even the
+    hash, /tmp; two ids that share the name's first characters still get two directories."""
     import tempfile
 
     from orchestrator.launch.backends.local_nodes import scratch_dir
 
-    monkeypatch.setattr(tempfile, "tempdir", "/tmp")
+    monkeypatch.setattr(tempfile, "tempdir", tmp)
     out = Path("/home/someone/projects/my-fine-tuning-project/outputs") / run
     tmpdir = scratch_dir(run, out) / "node15" / "tmp"
     assert len(str(tmpdir).encode()) + len("/pymp-12345678/listener-12345678") <= 107, tmpdir
+    assert str(tmpdir.parent.parent.parent) == base, tmpdir
+    assert re.fullmatch(rf"orch-local-{run[:shown]}{'-' if shown else ''}[0-9a-f]{{8}}", tmpdir.parent.parent.name)
     assert scratch_dir(run, out) != scratch_dir(run + "x", out) != scratch_dir(run, out / "x")
 
 
-def test_a_local_runs_node_directory_goes_with_the_run_and_never_takes_anothers(tmp_path, monkeypatch):
+def test_a_local_runs_node_directory_goes_with_the_run_and_never_takes_anothers(tmp_path, monkeypatch, request):
     """Each emulated node's home and TMPDIR live in one directory of the run's (launch/backends/local_nodes.py), made
     before the nodes start and removed when they end, failed or not: what a node leaves in temporary files (torch's
     elastic agent's torchelastic_* directory at every launch) goes with it. A killed attempt's directory is replaced
@@ -254,18 +262,20 @@ def test_a_local_runs_node_directory_goes_with_the_run_and_never_takes_anothers(
 
     from orchestrator.launch.backends.local_nodes import node_envs, node_scratch, scratch_dir
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    short = Path(tempfile.mkdtemp(prefix="t"))  # the session's TMPDIR: tmp_path is too long for the id in the name
+    request.addfinalizer(lambda: shutil.rmtree(short))
+    monkeypatch.setattr(tempfile, "tempdir", str(short))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # torch's inductor sets it once it has chosen one
     out, elsewhere = tmp_path / "a" / "outputs" / "r", tmp_path / "b" / "outputs" / "r"  # the run's output directory
     with node_scratch("run-1", 2, out) as scratch:
-        assert scratch.parent == tmp_path and re.fullmatch(r"orch-local-run-1-[0-9a-f]{8}", scratch.name)
+        assert scratch.parent == short and re.fullmatch(r"orch-local-run-1-[0-9a-f]{8}", scratch.name)
         assert owned.marker_run(scratch) == "run-1"
         envs = node_envs({}, 2, 1, task_id="run-1", port=1, barrier_port=2, scratch=scratch)
         assert [(e["ORCH_HOME"], e["TMPDIR"]) for e in envs] == [
             (str(scratch / f"node{r}"), str(scratch / f"node{r}" / "tmp")) for r in (0, 1)
         ]
         assert all(Path(e["TMPDIR"]).is_dir() for e in envs)
-        assert envs[0]["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "torchinductor_"))  # shared, as outside
+        assert envs[0]["TORCHINDUCTOR_CACHE_DIR"].startswith(str(short / "torchinductor_"))  # shared, as outside
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/cache/inductor")
         (kept,) = node_envs({}, 1, 1, task_id="run-1", port=1, barrier_port=2, scratch=scratch)
         assert kept["TORCHINDUCTOR_CACHE_DIR"] == "/cache/inductor"  # a cache set here is kept

@@ -82,18 +82,30 @@ def node_envs(
 def scratch_dir(run_id: str, output_dir: Path) -> Path:
     """Named by the run and its output directory: the run id is the same for the same task in any checkout, and two
     checkouts' runs of it at once must not share (the run lock, launch/runlock.py, keeps one owner per output
-    directory; the second removed the first's nodes' homes and temporary files while they ran). The id shows its first
-    RUN_IN_NAME characters, the hash the rest: a node's TMPDIR lies in it, and Python's multiprocessing makes AF_UNIX
-    sockets under that (pymp-*/listener-*, 32 bytes more; DataLoader workers hand tensors over through them), whose
-    paths Linux caps at 107 bytes (a 90-byte TMPDIR failed with "AF_UNIX path too long")."""
+    directory; the second removed the first's nodes' homes and temporary files while they ran). A node's TMPDIR lies
+    in it (node<r>/tmp), and Python's multiprocessing makes AF_UNIX sockets under that (pymp-*/listener-*, 32 bytes
+    more; DataLoader workers hand tensors over through them), whose paths Linux caps at 107 bytes (a 90-byte TMPDIR
+    failed with "AF_UNIX path too long"). So the name shows as much of the run id as fits (RUN_IN_NAME characters at
+    most), the hash the rest, and under a temporary directory too long for even that it lies in /tmp."""
     import hashlib
 
     name = owned.check_name(run_id, "run id")
     where = hashlib.sha256(f"{runlock.key(output_dir)} {name}".encode()).hexdigest()[:8]
-    return Path(tempfile.gettempdir()) / f"orch-local-{name[:RUN_IN_NAME]}-{where}"
+    base = Path(tempfile.gettempdir())
+    if _room(base) < 0 and os.access("/tmp", os.W_OK | os.X_OK):
+        base = Path("/tmp")
+    shown = name[: max(0, min(RUN_IN_NAME, _room(base) - 1))].rstrip("-_.")  # and its "-"
+    return base / ("orch-local-" + (f"{shown}-" if shown else "") + where)
 
 
 RUN_IN_NAME = 24
+# the longest TMPDIR under which multiprocessing's socket paths (32 bytes more) fit in Linux's 107
+SOCKET_TMPDIR = 107 - len("/pymp-12345678/listener-12345678")
+
+
+def _room(base: Path) -> int:
+    """Characters of the run id that fit in a node's TMPDIR under `base`: <base>/orch-local-<hash>/node<99>/tmp."""
+    return SOCKET_TMPDIR - len(str(base).encode()) - len("/orch-local-12345678/node99/tmp")
 
 
 @contextlib.contextmanager
