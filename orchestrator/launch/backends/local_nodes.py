@@ -104,8 +104,8 @@ SOCKET_TMPDIR = 107 - len("/pymp-12345678/listener-12345678")
 
 
 def _room(base: Path) -> int:
-    """Characters of the run id that fit in a node's TMPDIR under `base`: <base>/orch-local-<hash>/node<99>/tmp."""
-    return SOCKET_TMPDIR - len(str(base).encode()) - len("/orch-local-12345678/node99/tmp")
+    """Characters of the run id that fit in a node's TMPDIR under `base`, its node directory named without the id."""
+    return SOCKET_TMPDIR - len(str(own_tmp(base / "orch-local-12345678" / "node99")).encode())
 
 
 @contextlib.contextmanager
