@@ -2,6 +2,7 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 UV     := $(VENV)/bin/uv
+UV_TMP := $(abspath $(VENV))/tmp
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile uv.lock | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 # pytest-xdist workers: the suite is CPU-bound (every smoke run imports the training stack in 2 ranks) and one pytest
@@ -30,9 +31,9 @@ $(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q setuptools wheel uv==0.13.9 torch==2.13.0
 	$(UV) export -q --frozen --no-emit-project --prune torch --extra dev --format requirements-txt -o $(VENV)/requirements.txt
-	mkdir -p $(VENV)/tmp
-	TMPDIR=$(abspath $(VENV))/tmp $(UV) pip install -q --python $(PY) --no-deps --require-hashes --no-build-isolation-package deepspeed -r $(VENV)/requirements.txt
-	TMPDIR=$(abspath $(VENV))/tmp $(UV) pip install -q --python $(PY) --no-deps -e .
+	mkdir -p $(UV_TMP)
+	TMPDIR=$(UV_TMP) $(UV) pip install -q --python $(PY) --no-deps --require-hashes --no-build-isolation-package deepspeed -r $(VENV)/requirements.txt
+	TMPDIR=$(UV_TMP) $(UV) pip install -q --python $(PY) --no-deps -e .
 	$(PY) -m compileall -q -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') >/dev/null || true
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
