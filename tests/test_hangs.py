@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from test_faults import processes_with, start_orch
 
 from orchestrator.launch.backends import netns
+from orchestrator.node.output import error_of
 from orchestrator.node.stacks import RankStack, odd_ones, parse_faulthandler, parse_py_spy
 from orchestrator.node.watchdog import Bounds, Watchdog, hang_tools
 
@@ -109,6 +111,48 @@ def test_the_rank_not_where_the_others_are():
     assert odd_ones([waiting[0], _stack(1, step=40)])[0].line() == (
         "rank 1: in all_reduce (torch/distributed/distributed_c10d.py:2810), step 40"
     )
+
+
+# ---------------------------------------------------------------- a DataLoader worker that cannot send a batch
+
+LOADER = """
+import multiprocessing, sys, time
+import torch
+from torch.utils.data import DataLoader
+from orchestrator.train import loader_workers
+loader_workers.install()
+# another queue of the rank: Python's behaviour, the traceback and the item dropped, the process goes on
+queue = multiprocessing.Queue()
+queue.put(lambda: 0)
+queue.put("next")
+print("OTHER QUEUE", queue.get(timeout=30), flush=True)
+
+class Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):  # row 2 holds what pickle cannot send (a custom dataset or collator can)
+        return {"x": torch.ones(2), "f": (lambda: i) if i == 2 else None}
+
+for i, batch in enumerate(DataLoader(Rows(), batch_size=1, num_workers=1, collate_fn=lambda rows: rows)):
+    print("BATCH", i, flush=True)
+"""
+
+
+def test_a_dataloader_worker_that_cannot_send_a_batch_ends_and_its_rank_fails():
+    """Python drops a batch its queue's feeder cannot pickle and the worker lives on, so the rank waited for that batch
+    forever (until the first-step stall watchdog, 30 minutes): in a rank (train/loader_workers.py) the worker ends, and
+    torch's DataLoader raises at once, after the feeder's own error, which the node quotes first."""
+    done = subprocess.run([sys.executable, "-c", LOADER], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    # the batches before it (batch 1 when it came before the worker ended: DataLoader's prefetch), and no later one
+    assert done.stdout.splitlines() in (["OTHER QUEUE next", "BATCH 0"], ["OTHER QUEUE next", "BATCH 0", "BATCH 1"])
+    errors = [error_of(line) for line in done.stderr.splitlines() if error_of(line)]
+    # the other queue's, then the worker's (the first error of a rank with no other queue failing), then torch's
+    assert "Can't pickle <function <lambda>" in errors[0], errors
+    assert errors[1].startswith("AttributeError: Can't pickle local object 'Rows.__getitem__.<locals>"), errors
+    assert any(e.startswith("RuntimeError: DataLoader worker (pid") for e in errors[2:]), done.stderr
+    assert re.search(r"^\[orch\] DataLoader worker 0 \(pid \d+\) could not send a batch to its rank \(AttributeError\)",
+                     done.stderr, re.M), done.stderr  # fmt: skip
 
 
 # ---------------------------------------------------------------- a frozen rank in a real run
