@@ -79,9 +79,9 @@ def orch(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: float =
 
 
 def supervised(rank: str, home: Path, env: dict | None = None, settings: dict | None = None,
-               node_rank: int = 0) -> subprocess.CompletedProcess:  # fmt: skip
+               node_rank: int = 0, tmpdir: str | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     """node/supervise.supervise() over a stand-in rank (`python -c RANK`), in a process of its own (it makes its
-    process a child subreaper); the watchdog off, ORCH_HOME at `home`."""
+    process a child subreaper); the watchdog off, ORCH_HOME at `home`; `tmpdir`: that process's TMPDIR."""
     runner = (
         "import json, sys; from orchestrator.node.supervise import supervise; "
         "env = {'PATH': '/usr/bin:/bin', 'ORCH_WATCHDOG': 'off', 'ORCH_HOME': sys.argv[2], **json.loads(sys.argv[3])}; "
@@ -91,7 +91,8 @@ def supervised(rank: str, home: Path, env: dict | None = None, settings: dict | 
     import json
 
     argv = [rank, str(home), json.dumps(env or {}), json.dumps(settings), str(node_rank)]
-    return subprocess.run([sys.executable, "-c", runner, *argv], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", runner, *argv], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": tmpdir} if tmpdir else None)  # fmt: skip
 
 
 def check_snapshot(name: str, text: str) -> None:

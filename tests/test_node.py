@@ -260,6 +260,38 @@ def test_a_launch_s_temporary_files_go_with_it_and_torch_compile_s_cache_stays_s
     assert (tmp_path / "tmp" / "torchelastic_x").is_dir()  # removed with the run's node directory, not by the launch
 
 
+def test_under_a_long_tmpdir_the_launch_s_temporary_directory_lies_in_tmp(tmp_path):
+    """A node whose TMPDIR is too long for Python's AF_UNIX sockets under the launch's own directory (a scheduler's
+    per-job TMPDIR) gives the launch one in /tmp: DataLoader workers failed with 'AF_UNIX path too long' below it."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from conftest import supervised
+
+    from orchestrator.core.home import SOCKET_TMPDIR
+
+    def launch_tmp(tmpdir: Path) -> Path:
+        tmpdir.mkdir()
+        done = supervised(LEAVES_TEMPORARY_FILES, tmp_path, tmpdir=str(tmpdir))
+        assert done.returncode == 0 and "warning" not in done.stdout, done.stdout + done.stderr
+        made = Path(json.loads(done.stdout.split("SEEN ", 1)[1].splitlines()[0])[0])
+        assert made.name.startswith("orch-launch-") and not made.exists()  # gone with the launch
+        assert len(str(made).encode()) <= SOCKET_TMPDIR
+        return made
+
+    longest = SOCKET_TMPDIR - len("/orch-launch-12345678")  # the longest TMPDIR the launch's directory fits under
+    base = Path(tempfile.mkdtemp(prefix="orch-t-", dir="/tmp"))  # tmp_path may be longer than that already
+    try:
+        fits = base / ("k" * (longest - len(str(base)) - 1))
+        assert launch_tmp(fits).parent == fits and len(str(fits)) == longest
+        over = base / ("j" * (longest - len(str(base))))
+        assert launch_tmp(over).parent == Path("/tmp") and not any(over.iterdir())
+    finally:
+        shutil.rmtree(base)
+
+
 def test_fsdp2_activation_checkpointing_recomputes_dropout_with_other_random_numbers():
     """The owners' code the rule below answers: accelerate's FSDP2 activation checkpointing wraps each layer with
     torch's checkpoint_wrapper(preserve_rng_state=False), whose recompute draws another dropout mask: the gradients

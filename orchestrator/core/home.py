@@ -38,6 +38,24 @@ def orch_home(env: Mapping[str, str] = os.environ) -> Path:
     return Path(env.get("ORCH_HOME") or Path.home() / ".orch")
 
 
+# The longest TMPDIR under which Python's multiprocessing makes its AF_UNIX sockets (pymp-*/listener-*, 32 bytes more;
+# DataLoader workers hand tensors over through them) within the 107 bytes Linux allows: past it a worker fails with
+# "AF_UNIX path too long" (measured: a 90-byte TMPDIR)
+SOCKET_TMPDIR = 107 - len("/pymp-12345678/listener-12345678")
+
+
+def tmp_base(below: int) -> Path:
+    """Where to make a directory that will be the TMPDIR of processes with DataLoader workers, `below` bytes under
+    the base: this process's temporary directory, or /tmp where that would pass SOCKET_TMPDIR (a long TMPDIR, such as
+    a scheduler's per-job one). Where /tmp cannot be written either, the temporary directory still."""
+    import tempfile
+
+    base = Path(tempfile.gettempdir())
+    if len(str(base).encode()) + below > SOCKET_TMPDIR and os.access("/tmp", os.W_OK | os.X_OK):
+        return Path("/tmp")
+    return base
+
+
 def own_tmp(home: Path) -> Path:
     """The TMPDIR of a node whose ORCH_HOME is `home`, where orch made both for the run and removes them with it (a
     local run's emulated nodes, launch/backends/local_nodes.py): such a node's launch needs no temporary directory of

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from orchestrator.core import credentials, memory_fix
-from orchestrator.core.home import inductor_cache, orch_home, own_tmp, run_id
+from orchestrator.core.home import SOCKET_TMPDIR, inductor_cache, orch_home, own_tmp, run_id, tmp_base
 from orchestrator.node import stacks as stack_dump
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, notice, printable, retryable
 from orchestrator.node.procs import DEFAULT_GRACE, end_tree, subreaper
@@ -148,7 +148,14 @@ def supervise(
     # the launch's temporary files go with it: torch's elastic agent makes a torchelastic_* directory in the temporary
     # directory at every launch and never removes it (one per launch on every node); torch.compile's cache stays where
     # torch keeps it without this TMPDIR, shared by every launch. A node whose TMPDIR orch made for the run has one.
-    launch_tmp = None if env.get("TMPDIR") == str(own_tmp(orch_home(env))) else tempfile.mkdtemp(prefix="orch-launch-")
+    # Under a TMPDIR too long for DataLoader workers' sockets below it (a scheduler's per-job one) it lies in /tmp.
+    launch_tmp = None
+    if env.get("TMPDIR") != str(own_tmp(orch_home(env))):
+        launch_tmp = tempfile.mkdtemp(prefix="orch-launch-", dir=tmp_base(len("/orch-launch-12345678")))
+        if len(launch_tmp.encode()) > SOCKET_TMPDIR:
+            say(f"[orch] warning: node {node_rank}: the ranks' TMPDIR {launch_tmp} is over {SOCKET_TMPDIR} bytes and "
+                "/tmp cannot be written: DataLoader workers (dataloader_num_workers > 0) will fail with 'AF_UNIX path "
+                "too long'; give the node a shorter TMPDIR")
     traces = os.path.join(orch_home(env), "nccl-traces", run_id(env) or "run")
     child_env = {
         **env,

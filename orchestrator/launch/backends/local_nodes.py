@@ -7,13 +7,12 @@ import contextlib
 import os
 import socket
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from orchestrator.core import owned
 from orchestrator.core.errors import OrchError
-from orchestrator.core.home import inductor_cache, own_tmp
+from orchestrator.core.home import SOCKET_TMPDIR, inductor_cache, own_tmp, tmp_base
 from orchestrator.launch import runlock
 
 
@@ -91,21 +90,19 @@ def scratch_dir(run_id: str, output_dir: Path) -> Path:
 
     name = owned.check_name(run_id, "run id")
     where = hashlib.sha256(f"{runlock.key(output_dir)} {name}".encode()).hexdigest()[:8]
-    base = Path(tempfile.gettempdir())
-    if _room(base) < 0 and os.access("/tmp", os.W_OK | os.X_OK):
-        base = Path("/tmp")
+    base = tmp_base(_NODE_TMP)
     shown = name[: max(0, min(RUN_IN_NAME, _room(base) - 1))].rstrip("-_.")  # and its "-"
     return base / ("orch-local-" + (f"{shown}-" if shown else "") + where)
 
 
 RUN_IN_NAME = 24
-# the longest TMPDIR under which multiprocessing's socket paths (32 bytes more) fit in Linux's 107
-SOCKET_TMPDIR = 107 - len("/pymp-12345678/listener-12345678")
+# a node's TMPDIR below the run's directory's parent, the run's directory named without the id
+_NODE_TMP = len(str(own_tmp(Path("/orch-local-12345678/node99"))).encode())
 
 
 def _room(base: Path) -> int:
-    """Characters of the run id that fit in a node's TMPDIR under `base`, its node directory named without the id."""
-    return SOCKET_TMPDIR - len(str(own_tmp(base / "orch-local-12345678" / "node99")).encode())
+    """Characters of the run id that fit in a node's TMPDIR under `base`."""
+    return SOCKET_TMPDIR - len(str(base).encode()) - _NODE_TMP
 
 
 @contextlib.contextmanager
