@@ -226,15 +226,15 @@ def test_killed_node_stops_the_gang_and_the_rerun_resumes_exactly(project):
 
 @pytest.mark.e2e
 def test_a_rank_that_exits_early_is_named_as_the_cause(project):
-    """Rank 1 calls sys.exit(0) at step 3 (tests/fixtures/early_exit/sitecustomize.py): rank 0 then fails in its next
+    """Rank 1 calls sys.exit(0) at step 3 (tests/fixtures/rank_fault/sitecustomize.py): rank 0 then fails in its next
     collective with a network error. The run names rank 1 and is not reported as a retryable network failure. Its
     Trackio curves (--track) up to the failure reach the dashboard, though no checkpoint was saved (the first is at
     step 4): each node copies its database when training ends, failed or not (before, none was there to show)."""
     from test_resume import trackio_runs
 
-    fault = ROOT / "tests" / "fixtures" / "early_exit"
+    fault = ROOT / "tests" / "fixtures" / "rank_fault"
     done = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "--track", "--env",
-                f"PYTHONPATH={fault}", cwd=project, timeout=300)  # fmt: skip
+                f"PYTHONPATH={fault}", "--env", "ORCH_TEST_FAULT=exit", cwd=project, timeout=300)  # fmt: skip
     assert done.returncode != 0
     final = done.stdout.strip().splitlines()[-1]
     assert "rank 1 (node 1) exited with code 0 at step 3, before training ended" in final, done.stdout[-3000:]

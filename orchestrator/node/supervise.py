@@ -22,6 +22,7 @@ from pathlib import Path
 
 from orchestrator.core import credentials, memory_fix
 from orchestrator.core.home import SOCKET_TMPDIR, inductor_cache, orch_home, own_tmp, run_id, tmp_base
+from orchestrator.node import killed as kills
 from orchestrator.node import stacks as stack_dump
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, notice, printable, retryable
 from orchestrator.node.procs import DEFAULT_GRACE, end_tree, subreaper
@@ -110,6 +111,7 @@ class _Relay:
     def __init__(self, stream, cpu: bool, hide: bool = True, mask=lambda line: line):
         self.mask = mask  # secrets the environment holds never reach the node's log
         self.errors: list[str] = []
+        self.root_cause = kills.RootCause()  # torchrun's: names a rank a signal ended
         self.hidden: list[str] = []
         self.muted = False
         self.cpu, self.hide = cpu, hide
@@ -122,6 +124,7 @@ class _Relay:
             line = self.mask(line)
             if len(self.errors) < MAX_ERROR_LINES and (error := error_of(line)):
                 self.errors.append(error)
+            self.root_cause.feed(line)
             continuing = self.hide and notice(line, self.cpu, continuing)
             if continuing:
                 self.hidden.append(line.rstrip("\n"))
@@ -171,6 +174,7 @@ def supervise(
         sig: signal.signal(sig, lambda signum, _f: stopped.append(signum)) for sig in (signal.SIGTERM, signal.SIGHUP)
     }
     peers = Peers(node_rank, ips, probe_port)
+    oom_before = kills.oom_kills()
     child = subprocess.Popen(argv, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              errors="replace")  # fmt: skip
     relay = _Relay(child.stdout, cpu=not gpus, hide=knob(env, "ORCH_SHOW_NOTICES", "off") == "off",
@@ -201,7 +205,8 @@ def supervise(
         child.wait()
         relay.thread.join(timeout=5)
         peers.close()
-        output_dir = next((r["output_dir"] for r in read_progress(progress_dir).values() if r.get("output_dir")), "")
+        last = read_progress(progress_dir)
+        output_dir = next((r["output_dir"] for r in last.values() if r.get("output_dir")), "")
         shutil.rmtree(progress_dir, ignore_errors=True)
         if launch_tmp:
             shutil.rmtree(launch_tmp, ignore_errors=True)
@@ -216,6 +221,12 @@ def supervise(
     if code:
         for line in relay.hidden:  # a failing node hides nothing
             say(line)
+        if killed := relay.root_cause.killed:  # no error of its own: the others' are what its loss made them see
+            line = kills.cause(killed, node_rank, last.get(killed.rank, {}).get("step"), oom_before, kills.oom_kills())
+            _record_early(output_dir, killed.rank, node_rank, line)
+            say(f"orch: error: {line}")
+            say(f"[orch] failed on node {node_rank}: accelerate exited with code {code}: {line}")
+            return 1
         error = first_error(relay.errors)
         # a rank that left early is the cause, not the network error it made the others see
         if retryable(error) and (early := _left_early(output_dir, since=began - 60)):
@@ -237,6 +248,19 @@ PROBE_EVERY = 10.0
 """Seconds between probes of the other nodes while a rank saves, evaluates or writes the final model."""
 EARLY_WAIT = 5.0
 """Seconds a failing node waits for another node's early-exit record to reach the shared output dir."""
+
+
+def _record_early(output_dir: str, rank: int, node: int, line: str) -> None:
+    """Where the other nodes look (`_left_early`, beside train/entry.run's records): a rank a signal ended is the cause
+    of the network errors they see."""
+    if output_dir:
+        try:
+            where = Path(output_dir) / "orch" / "early-exit"
+            where.mkdir(parents=True, exist_ok=True)
+            (where / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "node": node, "error": line,
+                                                                "time": time.time()}))  # fmt: skip
+        except OSError:
+            pass
 
 
 def _left_early(output_dir: str, since: float) -> str:

@@ -1,0 +1,119 @@
+"""A rank a signal ended (node/killed.py): torchrun's report read as torch writes it, the kernel's OOM count, the line
+the node says; and a real OOM kill in a 2-node run, named instead of the network error the other node saw."""
+
+import json
+import os
+import re
+
+import pytest
+from conftest import ROOT, orch
+
+from orchestrator.node.killed import Killed, RootCause, cause, oom_kills
+
+pytestmark = pytest.mark.unit
+
+
+def _report(failures: dict) -> list[str]:
+    """The lines torchrun's launcher prints for these failures: torch's own ChildFailedError, as Python shows it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    error = ChildFailedError("orchestrator.train", failures)
+    return f"{type(error).__module__}.{type(error).__name__}: {error}".splitlines()
+
+
+def _fed(lines: list[str]) -> Killed | None:
+    found = RootCause()
+    for line in lines:
+        found.feed(line + "\n")
+    return found.killed
+
+
+def test_torchruns_report_names_the_rank_a_signal_ended(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    none = str(tmp_path / "none.json")
+    assert _fed(_report({1: ProcessFailure(0, 4242, -9, none)})) == Killed(1, 9, "SIGKILL", 4242)
+    assert _fed(_report({3: ProcessFailure(1, 77, -11, none)})) == Killed(3, 11, "SIGSEGV", 77)
+    # a rank that raised is the root cause: the ranks torchrun then ended with SIGTERM are not
+    raised = tmp_path / "error.json"
+    raised.write_text(json.dumps({"message": {"message": "RuntimeError: boom", "extraInfo": {
+        "py_callstack": "Traceback (most recent call last):\nRuntimeError: boom", "timestamp": "1"}}}))  # fmt: skip
+    lines = _report({0: ProcessFailure(0, 98, -15, none), 1: ProcessFailure(1, 99, 1, str(raised))})
+    assert any("Signal 15 (SIGTERM) received by PID 98" in line for line in lines)  # listed among the others
+    assert _fed(lines) is None
+    assert _fed(["  traceback : Signal 9 (SIGKILL) received by PID 5"]) is None  # only in the root cause's block
+
+
+def test_the_kernels_oom_count(tmp_path):
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("nr_free_pages 1\noom_kill 3\npgfault 9\n")
+    assert oom_kills(vmstat) == 3
+    vmstat.write_text("nr_free_pages 1\n")  # before Linux 4.13
+    assert oom_kills(vmstat) is None and oom_kills(tmp_path / "absent") is None
+    assert isinstance(oom_kills(), int)  # this machine's kernel counts them
+
+
+def test_the_line_says_why_when_the_kernel_says():
+    sigkill = Killed(1, 9, "SIGKILL", 4242)
+    oom = cause(sigkill, 1, 3, 5, 6)
+    assert oom.startswith("rank 1 (node 1) was killed by SIGKILL (signal 9) after step 3: the kernel's OOM killer (1 ")
+    assert "host memory (RAM, not GPU memory) ran out" in oom
+    assert cause(sigkill, 1, None, 5, 5) == ("rank 1 (node 1) was killed by SIGKILL (signal 9), not by the kernel's "
+                                             "OOM killer (none on this machine during the launch): from outside the "
+                                             "training")  # fmt: skip
+    assert "this kernel does not count them" in cause(sigkill, 0, 2, None, None)
+    assert "(signal 9) before its first step, not by " in cause(sigkill, 0, 0, 1, 1)
+    assert "a crash in native code" in cause(Killed(2, 11, "SIGSEGV", 1), 0, 2, 0, 0)
+    sigterm = cause(Killed(2, 15, "SIGTERM", 1), 0, 2, 0, 0)
+    assert sigterm.endswith("SIGTERM (signal 15) after step 2: sent from outside the training")
+
+
+def test_the_other_nodes_find_it_where_they_look_for_a_rank_that_left_early(tmp_path):
+    """On a cluster the other nodes are not stopped by a local backend: they see the connection close, which alone
+    reads as a retryable network failure, and look for an early-exit record first (node/supervise._left_early)."""
+    import time
+
+    from orchestrator.node.supervise import _left_early, _record_early
+
+    line = cause(Killed(1, 9, "SIGKILL", 4242), 1, 3, 0, 1)
+    _record_early(str(tmp_path), 1, 1, line)
+    assert json.loads((tmp_path / "orch" / "early-exit" / "rank1.json").read_text())["node"] == 1
+    assert _left_early(str(tmp_path), since=time.time() - 60) == line
+
+
+FAULT = ROOT / "tests" / "fixtures" / "rank_fault"
+
+
+def _fixture():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rank_fault", FAULT / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # in this process (no RANK): its names only
+    return module
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a memory cgroup of its own needs root (CI runs as root)")
+@pytest.mark.root
+def test_a_rank_the_oom_killer_ends_is_named_not_the_network_error_it_caused(project):
+    """Rank 1 of a 2-node smoke run is killed by the kernel's OOM killer at step 3, for real (tests/fixtures/
+    rank_fault: a memory cgroup of its own with a limit, then allocations). Before, the run's last line quoted no
+    error ("node 1 exited with code 1 (its log lines are prefixed (node1))"); now it names rank 1 and the OOM killer,
+    and the run is not retryable."""
+    fault = _fixture()
+    groups = f"{fault.CGROUP_PREFIX}*"
+    before = set(fault.memory_cgroup().glob(groups))
+    try:
+        done = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "--env", f"PYTHONPATH={FAULT}",
+                    "--env", "ORCH_TEST_FAULT=oom", cwd=project, timeout=300)  # fmt: skip
+    finally:
+        for group in set(fault.memory_cgroup().glob(groups)) - before:
+            group.rmdir()
+    assert done.returncode == 1, done.stdout[-3000:]
+    final = done.stdout.strip().splitlines()[-1]
+    assert re.search(r"^\[orch\] failed after [\d.]+ s: node 1 exited with code 1: orch: error: rank 1 \(node 1\) "
+                     r"was killed by SIGKILL \(signal 9\) after step \d: the kernel's OOM killer \(\d+ OOM "
+                     r"kill\(s\) on this machine during the launch\): host memory \(RAM, not GPU memory\) ran out",
+                     final), final  # fmt: skip
+    assert "retryable" not in done.stdout and "orch exits 75" not in done.stdout
+    assert "(node1) [orch] failed on node 1: accelerate exited with code 1: rank 1 (node 1) was killed" in done.stdout
