@@ -92,6 +92,8 @@ KNOBS = {
     "ORCH_STALL_FIRST": SECONDS,
     "ORCH_STALL_BUSY": SECONDS,
     "ORCH_NETCHECK": (_choice("warn", "error", "off"), "warn, error or off"),
+    # training whose gradients or loss stop being finite (train/divergence.py): stop there, or say so and go on
+    "ORCH_NONFINITE": (_choice("stop", "warn"), "stop or warn"),
     "ORCH_MIN_BUS_GBPS": (_seconds, "a number of GB/s > 0"),
     # the cluster's price in $/h (train/throughput.py: dollars spent and projected)
     "ORCH_PRICE_PER_HOUR": (_seconds, "a price in dollars per hour > 0"),

@@ -15,7 +15,7 @@ from orchestrator.core import scaling, trainers
 from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home, run_id
 from orchestrator.core.knobs import knob
 from orchestrator.core.timeline import duration, time_to_first_step
-from orchestrator.train import fsdp_adapter, run_config, spend, stragglers
+from orchestrator.train import divergence, fsdp_adapter, run_config, spend, stragglers
 from orchestrator.train.checkpoints import write_manifest
 from orchestrator.train.throughput import Meter, tokens_in
 
@@ -226,6 +226,22 @@ class OrchCallback(TrainerCallback):
             self.progress.idle()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        verdict = self._finite(args, state, logs)  # before the line, which still shows the step
+        self._log(args, state, logs)
+        if verdict and knob(os.environ, "ORCH_NONFINITE", "stop") == "stop":
+            raise divergence.DivergedError(verdict)  # every rank, at the same step
+        if verdict and state.is_world_process_zero:
+            print(f"[orch] warning: {verdict} (ORCH_NONFINITE=warn: training goes on)", flush=True)
+
+    def _finite(self, args, state, logs) -> str:
+        """At a training log (every rank is here), whether its gradients and loss are finite (train/divergence.py)."""
+        if not logs or "loss" not in logs or self.trainer is None:
+            return ""
+        guard = self.trainer.orch_guard
+        return guard.judge(state.global_step, logs, max_over_ranks(guard.take()), divergence.scaled(self.trainer),
+                           args.learning_rate)  # fmt: skip
+
+    def _log(self, args, state, logs) -> None:
         if not logs:
             return
         figures: dict = {}
@@ -328,6 +344,17 @@ class OrchTrainerMixin:
                 print(f"[orch] resumed at step {step}, max_steps {last}: nothing left to train", flush=True)
             return None
         return super()._run_epoch(*args, **kwargs)
+
+    @property
+    def orch_guard(self) -> divergence.Guard:
+        if "_orch_guard" not in self.__dict__:
+            self._orch_guard = divergence.Guard()
+        return self._orch_guard
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        self.orch_guard.see(loss)
+        return loss
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         # Counted here, after the trainer prepared the micro-batch (GRPO generates inside training_step).
