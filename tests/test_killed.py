@@ -81,6 +81,35 @@ def test_the_other_nodes_find_it_where_they_look_for_a_rank_that_left_early(tmp_
     assert _left_early(str(tmp_path), since=time.time() - 60) == line
 
 
+STAND_IN = """
+import sys
+print(sys.argv[1] if len(sys.argv) > 1 else open({report!r}).read(), flush=True)
+sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("first, signal, said, code", [
+    ("RuntimeError: Connection closed by peer [10.0.0.2]:29500", -9, "was killed by SIGKILL (signal 9)", 1),
+    ("", -11, "was killed by SIGSEGV (signal 11): a crash in native code", 1),
+    ("RuntimeError: [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=8, OpType=ALLREDUCE)",
+     -6, "a network or GPU failure", 75),
+])  # fmt: skip
+def test_the_node_names_the_rank_a_signal_ended_unless_a_network_failure_came_first(tmp_path, first, signal, said,
+                                                                                     code):  # fmt: skip
+    """node/supervise.py over a stand-in for accelerate that prints an error a rank saw and torchrun's report (torch's
+    own text): SIGKILL (the OOM killer, a person) is the cause whatever the others saw; an abort after NCCL's watchdog
+    timed a collective out stays the retryable network failure it was."""
+    from conftest import supervised
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    report = tmp_path / "report.txt"
+    report.write_text("\n".join([first, *_report({1: ProcessFailure(0, 4242, signal, str(tmp_path / "none"))})]))
+    done = supervised(STAND_IN.format(report=str(report)), tmp_path / "home")
+    assert done.returncode == code, done.stdout + done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("[orch] failed on node 0: ") and said in last, done.stdout[-2000:]
+
+
 FAULT = ROOT / "tests" / "fixtures" / "rank_fault"
 
 

@@ -221,13 +221,16 @@ def supervise(
     if code:
         for line in relay.hidden:  # a failing node hides nothing
             say(line)
-        if killed := relay.root_cause.killed:  # no error of its own: the others' are what its loss made them see
+        error = first_error(relay.errors)
+        # a rank a signal ended wrote no error of its own: the others' are what its loss made them see. But an abort
+        # after a network or GPU failure (NCCL's watchdog aborts a rank whose collective timed out) stays retryable.
+        killed = relay.root_cause.killed
+        if killed and (killed.name == "SIGKILL" or not retryable(error)):
             line = kills.cause(killed, node_rank, last.get(killed.rank, {}).get("step"), oom_before, kills.oom_kills())
             _record_early(output_dir, killed.rank, node_rank, line)
             say(f"orch: error: {line}")
             say(f"[orch] failed on node {node_rank}: accelerate exited with code {code}: {line}")
             return 1
-        error = first_error(relay.errors)
         # a rank that left early is the cause, not the network error it made the others see
         if retryable(error) and (early := _left_early(output_dir, since=began - 60)):
             say(f"[orch] failed on node {node_rank}: accelerate exited with code {code}: orch: error: {early} "
