@@ -73,10 +73,11 @@ def test_the_other_nodes_find_it_where_they_look_for_a_rank_that_left_early(tmp_
     reads as a retryable network failure, and look for an early-exit record first (node/supervise._left_early)."""
     import time
 
-    from orchestrator.node.supervise import _left_early, _record_early
+    from orchestrator.core.home import record_early_exit
+    from orchestrator.node.supervise import _left_early
 
     line = cause(Killed(1, 9, "SIGKILL", 4242), 1, 3, 0, 1)
-    _record_early(str(tmp_path), 1, 1, line)
+    record_early_exit(str(tmp_path), 1, 1, line)
     assert json.loads((tmp_path / "orch" / "early-exit" / "rank1.json").read_text())["node"] == 1
     assert _left_early(str(tmp_path), since=time.time() - 60) == line
 

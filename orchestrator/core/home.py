@@ -56,6 +56,25 @@ def tmp_base(below: int) -> Path:
     return base
 
 
+def record_early_exit(output_dir: str | Path, rank: int, node: int, error: str, **more) -> None:
+    """<output_dir>/orch/early-exit/rank<R>.json, where every node's launcher looks (node/supervise._left_early): a rank
+    that left before training ended, recorded by itself (train/entry.run) or, when a signal ended it, by its node."""
+    import json
+    import time
+
+    try:
+        where = early_exits(output_dir)
+        where.mkdir(parents=True, exist_ok=True)
+        record = {"rank": rank, "node": node, **more, "error": error, "time": time.time()}
+        (where / f"rank{rank}.json").write_text(json.dumps(record))
+    except OSError:
+        pass
+
+
+def early_exits(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "orch" / "early-exit"
+
+
 def own_tmp(home: Path) -> Path:
     """The TMPDIR of a node whose ORCH_HOME is `home`, where orch made both for the run and removes them with it (a
     local run's emulated nodes, launch/backends/local_nodes.py): such a node's launch needs no temporary directory of

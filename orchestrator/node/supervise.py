@@ -21,7 +21,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from orchestrator.core import credentials, memory_fix
-from orchestrator.core.home import SOCKET_TMPDIR, inductor_cache, orch_home, own_tmp, run_id, tmp_base
+from orchestrator.core.home import (
+    SOCKET_TMPDIR,
+    early_exits,
+    inductor_cache,
+    orch_home,
+    own_tmp,
+    record_early_exit,
+    run_id,
+    tmp_base,
+)
 from orchestrator.node import killed as kills
 from orchestrator.node import stacks as stack_dump
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, notice, printable, retryable
@@ -227,7 +236,8 @@ def supervise(
         killed = relay.root_cause.killed
         if killed and (killed.name == "SIGKILL" or not retryable(error)):
             line = kills.cause(killed, node_rank, last.get(killed.rank, {}).get("step"), oom_before, kills.oom_kills())
-            _record_early(output_dir, killed.rank, node_rank, line)
+            if output_dir:  # where the other nodes look: the cause of the network errors they see
+                record_early_exit(output_dir, killed.rank, node_rank, line)
             say(f"orch: error: {line}")
             say(f"[orch] failed on node {node_rank}: accelerate exited with code {code}: {line}")
             return 1
@@ -253,24 +263,11 @@ EARLY_WAIT = 5.0
 """Seconds a failing node waits for another node's early-exit record to reach the shared output dir."""
 
 
-def _record_early(output_dir: str, rank: int, node: int, line: str) -> None:
-    """Where the other nodes look (`_left_early`, beside train/entry.run's records): a rank a signal ended is the cause
-    of the network errors they see."""
-    if output_dir:
-        try:
-            where = Path(output_dir) / "orch" / "early-exit"
-            where.mkdir(parents=True, exist_ok=True)
-            (where / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "node": node, "error": line,
-                                                                "time": time.time()}))  # fmt: skip
-        except OSError:
-            pass
-
-
 def _left_early(output_dir: str, since: float) -> str:
     """The first rank that left before training ended in this attempt (train/entry.run records it), or ''."""
     if not output_dir:
         return ""
-    where = Path(output_dir) / "orch" / "early-exit"
+    where = early_exits(output_dir)
     deadline = time.monotonic() + EARLY_WAIT
     while True:
         found = []

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from orchestrator.core import final_model, lines, trainers
-from orchestrator.core.home import run_id
+from orchestrator.core.home import record_early_exit, run_id
 from orchestrator.train import (
     cpu_deepspeed,
     cpu_fsdp,
@@ -256,8 +256,6 @@ def _leave(trainer) -> None:
     os._exit(0)
 
 
-EARLY = "early-exit"
-"""<output_dir>/orch/early-exit/rank<R>.json: a rank that left before training ended (node/supervise.py reads it)."""
 _AT: dict = {}  # where this rank is: its output dir and trainer, for the early-exit record
 
 
@@ -282,13 +280,7 @@ def run() -> None:
     line = (f"rank {rank} (node {node}) exited with code {code} at step {step}, before training ended (a sys.exit "
             "or return in the training code?): the other ranks then lose it in their next collective")  # fmt: skip
     if _AT.get("output_dir") is not None:
-        try:
-            where = Path(_AT["output_dir"]) / "orch" / EARLY
-            where.mkdir(parents=True, exist_ok=True)
-            (where / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "node": node, "step": step,
-                                                                "error": line, "time": time.time()}))  # fmt: skip
-        except OSError:
-            pass
+        record_early_exit(_AT["output_dir"], rank, node, line, step=step)
     print(f"orch: error: {line}", flush=True)
     sys.stdout.flush()
     os._exit(1)
