@@ -29,7 +29,7 @@ class FakeSky(types.ModuleType):
                 fake.calls.append(("jobs.tail_logs", None, {"job_id": job_id, "follow": follow}))
                 if output_stream is not None:
                     output_stream.write(getattr(fake, "log_text", ""))
-                return 0
+                return getattr(fake, "log_code", 0)  # sky.exceptions.JobExitCode: 100 FAILED, 103 CANCELLED
 
             def cancel(self, name=None, job_ids=None, **kw):
                 return fake._request(("jobs.cancel", None, {"job_ids": job_ids}), None)
@@ -64,7 +64,7 @@ class FakeSky(types.ModuleType):
         self.calls.append(("tail_logs", None, {"cluster_name": cluster_name, "job_id": job_id, "follow": follow}))
         if output_stream is not None:  # what the job printed (a test sets log_text)
             output_stream.write(getattr(self, "log_text", ""))
-        return 0
+        return getattr(self, "log_code", 0)  # sky.exceptions.JobExitCode: 100 FAILED, 103 CANCELLED
 
     def queue(self, cluster_name, skip_finished=False, **kw):
         jobs = self.cluster_jobs if hasattr(self, "cluster_jobs") else [{"job_id": 7, "status": "JobStatus.RUNNING"}]

@@ -914,3 +914,110 @@ def test_orch_run_sends_and_records_the_setup_inside_the_run(in_project, fake, c
     assert cli.main(["run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "--dry-run", "--skip-optimizer"]) == 0
     shown = capsys.readouterr().out
     assert FOLD_HEAD.strip() in shown and "\nsetup:" not in shown  # the dry run shows what is sent
+
+
+FAILED_JOB = (ROOT / "tests" / "fixtures" / "sky_logs" / "failed_job.log").read_text()
+"""A real SkyPilot stream of a failed job, as `tail_logs(follow=True)` gave it to orch on the Slurm bed (2026-11-29):
+rank 1 left training at step 3 (tests/fixtures/rank_fault, ORCH_TEST_FAULT=exit), node 1's verdict names it, the head
+node's rank saw a reset connection and was then cancelled by Slurm before its own verdict; SkyPilot ends with its job
+driver's `Job 1 failed with return code list: [143]`."""
+RANK1_LEFT = ("orch: error: rank 1 (node 1) exited with code 0 at step 3, before training ended (a sys.exit or return "
+              "in the training code?): the other ranks then lose it in their next collective")  # fmt: skip
+
+
+def test_a_followed_job_that_failed_ends_with_its_first_real_error(in_project, fake, capsys):
+    """`orch run` without --detach (and `orch logs RUN`) end a failed job's stream with orch's line quoting the node's
+    first real error, not SkyPilot's summary, and exit as the failing node did (1); the record keeps the line."""
+    fake.log_text, fake.log_code = FAILED_JOB, 100  # sky.exceptions.JobExitCode.FAILED
+    code = cli.main(["run", "phi3_dpo_fsdp", "--cluster", "f1", "-y"])
+    out = capsys.readouterr().out
+    (record,) = run_files(in_project)
+    line = f"[orch] run {record.stem}: SkyPilot's job 7 on cluster f1 failed: {RANK1_LEFT}"
+    assert code == 1 and out.rstrip().splitlines()[-1] == line, out[-2000:]
+    assert f"# error: SkyPilot's job 7 on cluster f1 failed: {RANK1_LEFT}" in record.read_text()
+    assert "# state: submitted" in record.read_text()  # SkyPilot's to say (the cluster may still be up, and billed)
+    assert cli.main(["logs", record.stem]) == 1
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == line
+    # the logs of a job still running, asked without --follow: what was asked, said as such
+    fake.log_text, fake.log_code = "(head, rank=0, pid=1) [orch] step 3/8 loss=0.69\n", 101
+    assert cli.main(["logs", record.stem]) == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == (
+        f"[orch] run {record.stem}: SkyPilot's job 7 on cluster f1 is still running; `orch logs {record.stem} "
+        "--follow` follows it")  # fmt: skip
+
+
+def _stream(*lines: str) -> str:
+    return "".join(f"\x1b[36m({who})\x1b[0m {text}\n" if who else f"{text}\n" for who, text in lines)
+
+
+HEAD, WORKER = "head, rank=0, pid=5576", "worker1, rank=1, pid=5637, ip=10.213.1.3"
+NET = "RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error [10.0.0.3]:20616: Connection reset by peer"
+
+
+@pytest.mark.parametrize(
+    "log, sky_code, exits, says",
+    [
+        # the node whose error is its own comes first, whichever node spoke first
+        (_stream((HEAD, f"[rank0]: {NET}"),
+                 (HEAD, f"[orch] failed on node 0: a network or GPU failure (accelerate exited with code 1, orch exits "
+                        f"75, retryable): {NET}"),
+                 (WORKER, "[rank1]: ValueError: the batch has no input_ids"),
+                 (WORKER, "[orch] failed on node 1: accelerate exited with code 1: ValueError: the batch has no "
+                          "input_ids"),
+                 ("", "ERROR: \x1b[31mJob 1 failed with return code list:\x1b[0m [75, 1]")),
+         100, 1, "failed: ValueError: the batch has no input_ids"),
+        # every node lost the network: the cluster's failure, retryable (75) as each node said
+        (_stream((HEAD, f"[orch] failed on node 0: a network or GPU failure (accelerate exited with code 1, orch exits "
+                        f"75, retryable): {NET}"),
+                 (WORKER, "[orch] failed on node 1: a network or GPU failure (accelerate exited with code 1, orch exits "
+                          "75, retryable): RuntimeError: NCCL error in: ../ProcessGroupNCCL.cpp:1970, remote process "
+                          "exited or there was a network error")),
+         100, 75, f"failed: {NET}"),
+        # a setup that failed (no node got to training): node-setup.sh's own error line
+        (_stream((HEAD, "[orch] setup: installing uv.lock's orch[train] (73 packages)"),
+                 (HEAD, "orch: error: uv could not install uv.lock: no space left on device (/home/u/.cache/uv)"),
+                 ("", "ERROR: Job 1's setup failed with return code 1 (pid=2041).")),
+         100, 1, "failed: orch: error: uv could not install uv.lock: no space left on device (/home/u/.cache/uv)"),
+        # nothing to quote: said so, never SkyPilot's summary
+        (_stream(("", "ERROR: Job 1 failed with return code list: [137]")), 100, 1,
+         "failed (its log above quotes no error line)"),
+        (_stream((HEAD, "[orch] step 3/8 loss=0.69")), 103, 1, "was cancelled"),
+        (_stream((HEAD, "[orch] step 8/8 loss=0.69")), 0, 0, None),
+    ],
+    ids=["own-error-first", "network-everywhere", "setup-failed", "no-error-line", "cancelled", "succeeded"],
+)  # fmt: skip
+def test_a_followed_jobs_end_is_one_line_and_orchs_exit_code(in_project, fake, capsys, log, sky_code, exits, says):
+    fake.log_text, fake.log_code = log, sky_code
+    assert cli.main(["run", "phi3_dpo_fsdp", "--managed", "-y"]) == exits
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    (record,) = run_files(in_project)
+    if says is None:
+        assert not last.startswith(f"[orch] run {record.stem}:"), last
+    else:
+        assert last == f"[orch] run {record.stem}: SkyPilot's managed job 42 {says}", last
+
+
+def test_the_streams_lines_are_read_across_writes_and_passed_on_unchanged():
+    """SkyPilot writes the stream as it comes (a line in pieces, a progress bar's carriage returns): every byte goes
+    on to the terminal as it came, and lines are read whole."""
+    import io
+
+    from orchestrator.launch.job_end import Follow, ended
+
+    sink = io.StringIO()
+    follow = Follow(sink)
+    for piece in (FAILED_JOB[:1000], FAILED_JOB[1000:1001], FAILED_JOB[1001:]):
+        follow.write(piece)
+        follow.flush()
+    assert sink.getvalue() == FAILED_JOB
+    assert ended(100, follow, "r1", "job 1") == (1, f"[orch] run r1: job 1 failed: {RANK1_LEFT}")
+
+
+def test_a_nodes_verdict_is_read_back_as_it_was_written():
+    from orchestrator.node.output import VERDICT, verdict
+
+    for error in ("", "ValueError: x: y", "orch: error: rank 1 left (this node then saw: RuntimeError: reset)"):
+        for exits in (None, 75):
+            match = VERDICT.match(verdict(3, 1, error, exits))
+            assert match and match["node"] == "3" and match["code"] == "1", (error, exits)
+            assert (match["error"] or "", match["exits"]) == (error, None if exits is None else "75")

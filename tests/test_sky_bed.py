@@ -222,32 +222,50 @@ def test_orch_run_through_skypilots_sdk_and_its_commands_act_on_real_state(bed, 
     # (at step 18-22, checkpoint-20 the last or checkpoint-10): 45 steps leave 20+ to spare (the cancel slows with the
     # steps under load) and a resumed leg of ~25 (60 steps gave ~40: each step and save is CPU the suite waits for)
     steps = 45
-    run = orch("run", "phi3_dpo_fsdp", "--infra", f"slurm/{bed.name}", "--nodes", "2", "--gpus", "none", "--smoke",
-               "--cluster", "orch1", "-y", "--detach", "--env", f"ORCH_VENV={bed.orch_image()}", f"max_steps={steps}",
-               "save_steps=10")  # fmt: skip
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-6000:]
+    # followed, as a user's terminal follows it (no --detach): its stream ends when the job is cancelled below
+    followed = tmp_path / "run.out"
+    with open(followed, "w") as sink:
+        run = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", "phi3_dpo_fsdp", "--infra",
+                                f"slurm/{bed.name}", "--nodes", "2", "--gpus", "none", "--smoke", "--cluster", "orch1",
+                                "-y", "--env", f"ORCH_VENV={bed.orch_image()}", f"max_steps={steps}", "save_steps=10"],
+                               cwd=project, env={**bed.env, "ORCH_REHEARSAL": "off"}, stdout=sink,
+                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    def recorded() -> str:
+        found = sorted((project / "sky_jobs").glob("*.yaml"))
+        return found[0].read_text() if found else ""
+
+    try:
+        deadline = time.monotonic() + 600
+        while "# job_id: 1" not in (text := recorded()):
+            assert run.poll() is None and time.monotonic() < deadline, followed.read_text()[-6000:]
+            time.sleep(0.5)
+        (record,) = sorted((project / "sky_jobs").glob("*.yaml"))
+        name = record.stem
+        assert "# platform: sky" in text and "# cluster: orch1" in text and "# job_id: 1" in text
+        assert "CHECKPOINT_ROOT: ~/orch-checkpoints" in text and "file_mounts" not in text
+        assert f"ORCH_RUN_ID: {name}" in text
+        # checkpoints on the account's shared home, keyed by the run's name
+        checkpoints = bed.home / "orch-checkpoints" / name
+        while not any(checkpoints.glob("checkpoint-10/orch_manifest.node1.json")):
+            over = (checkpoints / "model.safetensors").exists() or time.monotonic() > deadline or run.poll() is not None
+            assert not over, followed.read_text()[-6000:]
+            time.sleep(0.5)
+        assert training(), "no training process while its checkpoints are being written"
+        cancel = orch("cancel", name)
+        assert cancel.returncode == 0 and f"[orch] cancelled {name}" in cancel.stdout, cancel.stdout + cancel.stderr
+        cancelled = time.monotonic()
+        while training():
+            assert time.monotonic() - cancelled < 60, f"ranks outlived `orch cancel` by 60 s: {training()}"
+            time.sleep(0.5)
+        # the followed stream ended with the job: orch's last line says how (SkyPilot's SDK answered 103, CANCELLED)
+        assert run.wait(timeout=60) == 1, followed.read_text()[-6000:]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    out = followed.read_text()
     assert "its Slurm allocation ends after 10 idle minutes" in out
-    (record,) = sorted((project / "sky_jobs").glob("*.yaml"))
-    name = record.stem
-    text = record.read_text()
-    assert "# platform: sky" in text and "# cluster: orch1" in text and "# job_id: 1" in text
-    assert "CHECKPOINT_ROOT: ~/orch-checkpoints" in text and "file_mounts" not in text
-    assert f"ORCH_RUN_ID: {name}" in text
-    # checkpoints on the account's shared home, keyed by the run's name
-    checkpoints = bed.home / "orch-checkpoints" / name
-    deadline = time.monotonic() + 600
-    while not any(checkpoints.glob("checkpoint-10/orch_manifest.node1.json")):
-        over = (checkpoints / "model.safetensors").exists() or time.monotonic() > deadline
-        assert not over, orch("logs", name).stdout[-4000:]
-        time.sleep(0.5)
-    assert training(), "no training process while its checkpoints are being written"
-    cancel = orch("cancel", name)
-    assert cancel.returncode == 0 and f"[orch] cancelled {name}" in cancel.stdout, cancel.stdout + cancel.stderr
-    cancelled = time.monotonic()
-    while training():
-        assert time.monotonic() - cancelled < 60, f"ranks outlived `orch cancel` by 60 s: {training()}"
-        time.sleep(0.5)
+    assert out.rstrip().splitlines()[-1] == f"[orch] run {name}: SkyPilot's job 1 on cluster orch1 was cancelled", (
+        out[-3000:])  # fmt: skip
     assert "# state: cancelled" in record.read_text()
     done = max(int(p.name.split("-")[1]) for p in checkpoints.glob("checkpoint-*"))
     assert done < steps, "the run finished before it was cancelled: nothing left to resume"

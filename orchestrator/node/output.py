@@ -83,6 +83,23 @@ def first_error(lines: list[str]) -> str:
     return lines[0] if lines else ""
 
 
+# A node's last line when its training failed (node/supervise.py writes it, launch/job_end.py reads it back from a
+# cloud job's log): the node, accelerate's exit code, orch's own exit code when it differs, the first real error.
+VERDICT = re.compile(
+    r"^\[orch\] failed on node (?P<node>\d+): (?:a network or GPU failure \()?accelerate exited with code "
+    r"(?P<code>\d+)(?:, orch exits (?P<exits>\d+), retryable\))?(?:: (?P<error>.*\S))?$"
+)
+
+
+def verdict(node: int, code: int, error: str = "", exits: int | None = None) -> str:
+    """The node's last line: `exits` (orch's exit code) is said only for a retryable failure, whose code differs."""
+    said = f": {error}" if error else ""
+    if exits is not None:
+        return (f"[orch] failed on node {node}: a network or GPU failure (accelerate exited with code {code}, orch "
+                f"exits {exits}, retryable){said}")  # fmt: skip
+    return f"[orch] failed on node {node}: accelerate exited with code {code}{said}"
+
+
 def error_of(line: str) -> str:
     match = ERROR.match(line.strip())
     return match.group(1)[:500] if match else ""

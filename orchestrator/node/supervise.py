@@ -33,7 +33,7 @@ from orchestrator.core.home import (
 )
 from orchestrator.node import killed as kills
 from orchestrator.node import stacks as stack_dump
-from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, notice, printable, retryable
+from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, notice, printable, retryable, verdict
 from orchestrator.node.procs import DEFAULT_GRACE, end_tree, subreaper
 from orchestrator.node.watchdog import EXIT_STALLED, Bounds, Watchdog, hang_tools
 
@@ -239,21 +239,18 @@ def supervise(
             if output_dir:  # where the other nodes look: the cause of the network errors they see
                 record_early_exit(output_dir, killed.rank, node_rank, line)
             say(f"orch: error: {line}")
-            say(f"[orch] failed on node {node_rank}: accelerate exited with code {code}: {line}")
+            say(verdict(node_rank, code, line))
             return 1
         # a rank that left early is the cause, not the network error it made the others see
         if retryable(error) and (early := _left_early(output_dir, since=began - 60)):
-            say(f"[orch] failed on node {node_rank}: accelerate exited with code {code}: orch: error: {early} "
-                f"(this node then saw: {error})")  # fmt: skip
+            say(verdict(node_rank, code, f"orch: error: {early} (this node then saw: {error})"))
             return 1
-        said = f": {error}" if error else ""
         if settings is not None and (fix := memory_fix.advice(error, settings, env)):
             say(f"[orch] {fix}")  # before the failure line, which stays the last
         if retryable(error):  # the cluster's failure: exit 75, which a managed job recovers from
-            say(f"[orch] failed on node {node_rank}: a network or GPU failure (accelerate exited with code {code}, "
-                f"orch exits {EXIT_STALLED}, retryable){said}")  # fmt: skip
+            say(verdict(node_rank, code, error, exits=EXIT_STALLED))
             return EXIT_STALLED
-        say(f"[orch] failed on node {node_rank}: accelerate exited with code {code}{said}")
+        say(verdict(node_rank, code, error))
     return code
 
 

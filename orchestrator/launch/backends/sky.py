@@ -224,10 +224,11 @@ def launch(
     down: bool,
     detach: bool,
     on_submitted,
+    stream=None,
 ) -> int:
-    """Submit, call on_submitted(meta) with the ids to record, then follow the logs unless detach. A failed
-    submission raises OrchError (the caller records `failed to launch`). Ctrl-C or a closed terminal while
-    following stops following only: the job goes on."""
+    """Submit, call on_submitted(meta) with the ids to record, then follow the logs unless detach (into `stream`:
+    launch/job_end.Follow), answering SkyPilot's exit code of the job. A failed submission raises OrchError (the
+    caller records `failed to launch`). Ctrl-C or a closed terminal while following stops following only."""
     sky = _sky()
     sky_task = to_task(task, secrets)
     if not managed:  # a managed job's controller relaunches it with these envs after each recovery: not there
@@ -240,7 +241,7 @@ def launch(
         )
         job_id = (job_ids or [None])[0]
         on_submitted({"backend": BACKEND_MANAGED, "job_id": str(job_id), "state": "submitted"})
-        follow = lambda: sky.jobs.tail_logs(job_id=job_id, follow=True)  # noqa: E731
+        follow = lambda: sky.jobs.tail_logs(job_id=job_id, follow=True, output_stream=stream)  # noqa: E731
     else:
         job_id, _handle = _call(
             "launch (sky launch)",
@@ -249,7 +250,7 @@ def launch(
             ),
         )
         on_submitted({"backend": BACKEND_CLUSTER, "cluster": cluster, "job_id": str(job_id), "state": "submitted"})
-        follow = lambda: sky.tail_logs(cluster, job_id, follow=True)  # noqa: E731
+        follow = lambda: sky.tail_logs(cluster, job_id, follow=True, output_stream=stream)  # noqa: E731
     if detach:
         print(f"[orch] detached: `orch logs {run} --follow` follows it, `orch cancel {run}` cancels it", flush=True)
         return 0
@@ -327,15 +328,19 @@ def _price_per_hour(cluster) -> float | None:
         return None
 
 
-def logs(record, follow: bool) -> int:
+def logs(record, follow: bool, stream=None, tail: int = 0) -> int:
+    """Print the run's logs (its last `tail` lines when given) into `stream` (launch/job_end.Follow; None: stdout) and
+    answer SkyPilot's exit code of the job."""
     sky = _sky()
     job_id = _job_id(record)
+    options = {"follow": follow, "output_stream": stream, **({"tail": tail} if tail else {})}
     try:
         if record.get("backend") == BACKEND_MANAGED:
-            return int(_call("logs (sky jobs logs)", lambda: sky.jobs.tail_logs(job_id=job_id, follow=follow)) or 0)
-        return int(_call("logs (sky logs)", lambda: sky.tail_logs(record.get("cluster"), job_id, follow=follow)) or 0)
+            return int(_call("logs (sky jobs logs)", lambda: sky.jobs.tail_logs(job_id=job_id, **options)) or 0)
+        return int(_call("logs (sky logs)", lambda: sky.tail_logs(record.get("cluster"), job_id, **options)) or 0)
     except KeyboardInterrupt:
-        print(f"\n[orch] stopped following; the job goes on (`orch cancel {record.run}` cancels it)", flush=True)
+        if follow:
+            print(f"\n[orch] stopped following; the job goes on (`orch cancel {record.run}` cancels it)", flush=True)
         raise
 
 
@@ -343,15 +348,8 @@ def recent_output(record, lines: int = 300) -> str:
     """The last `lines` lines of the run's logs, without following (for `orch status RUN`)."""
     import io
 
-    sky = _sky()
-    job_id = _job_id(record)
     out = io.StringIO()
-    if record.get("backend") == BACKEND_MANAGED:
-        _call("logs (sky jobs logs)", lambda: sky.jobs.tail_logs(job_id=job_id, follow=False, tail=lines,
-                                                                  output_stream=out))  # fmt: skip
-    else:
-        _call("logs (sky logs)", lambda: sky.tail_logs(record.get("cluster"), job_id, follow=False, tail=lines,
-                                                       output_stream=out))  # fmt: skip
+    logs(record, follow=False, stream=out, tail=lines)
     return out.getvalue()
 
 

@@ -13,6 +13,7 @@ from orchestrator.core import slots
 from orchestrator.core.accelerators import CPU
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
+from orchestrator.launch import job_end
 from orchestrator.launch.placement import DEFAULT_IDLE_MINUTES
 from orchestrator.launch.records import Record, RunState
 
@@ -95,7 +96,8 @@ class SkyBackend:
     def logs(self, record: Record, follow: bool = False) -> int:
         from orchestrator.launch.backends import sky
 
-        return sky.logs(record, follow=follow)
+        stream = job_end.Follow(sys.stdout)
+        return job_end.close(record, sky.logs(record, follow=follow, stream=stream), stream, False, follow)
 
     def cancel(self, record: Record) -> str:
         from orchestrator.launch import records
@@ -336,9 +338,11 @@ def _submit(record: Record, task: dict, secret_values: dict[str, str], managed: 
         records.write(record)
         print(f"[orch] submitted: {', '.join(f'{k}={v}' for k, v in meta.items() if v)}", flush=True)
 
+    stream = job_end.Follow(sys.stdout)
     try:
-        return sky.launch(task, secret_values, run=run, managed=managed, cluster=cluster, idle_minutes=idle,
-                          down=down, detach=detach, on_submitted=submitted)  # fmt: skip
+        code = sky.launch(task, secret_values, run=run, managed=managed, cluster=cluster, idle_minutes=idle,
+                          down=down, detach=detach, on_submitted=submitted, stream=stream)  # fmt: skip
+        return code if detach else job_end.close(record, code, stream)
     except OrchError as exc:
         if record.state is RunState.LAUNCHING:  # never submitted: the record says why
             record.set_state(RunState.FAILED_TO_LAUNCH, error=str(exc))
