@@ -66,6 +66,9 @@ def test_a_second_launch_of_a_live_run_is_refused_and_cancel_stops_it(project):
     assert len(err) == 1 and f"run {run} is already running (orch pid {first.pid}" in err[0]
     assert f"kill {first.pid}" in err[0]
     assert second.stdout.count("[orch] step") == 0
+    # `orch logs RUN --follow` from another terminal streams the live run's log until it ends, and says how it ended
+    follower = subprocess.Popen([sys.executable, "-m", "orchestrator", "logs", run, "--follow"], cwd=project,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     stopped = time.monotonic()
     cancel = orch("cancel", run, cwd=project, timeout=60)
     assert cancel.returncode == 0, cancel.stderr
@@ -73,6 +76,10 @@ def test_a_second_launch_of_a_live_run_is_refused_and_cancel_stops_it(project):
     assert first.wait(timeout=30) == 128 + signal.SIGTERM
     wait_gone(run, stopped)
     assert record_state(project, run) == "interrupted (SIGTERM)"
+    followed = follower.communicate(timeout=30)[0]
+    assert follower.returncode == 1, followed[-3000:]
+    assert "(node0) [orch] step " in followed and followed.rstrip().splitlines()[-1] == (
+        f"[orch] run {run}: interrupted (SIGTERM)")  # fmt: skip
     status = orch("status", cwd=project)
     assert "interrupted (SIGTERM)" in next(x for x in status.stdout.splitlines() if x.startswith(run))
 

@@ -149,3 +149,16 @@ def test_a_local_run_is_keyed_by_its_absolute_output_dir_wherever_its_workdir_is
         os.close(fd)
     monkeypatch.chdir(here)
     assert LocalBackend().state(records.find("r-1")).startswith("interrupted (orch pid")  # its orch is gone now
+
+
+@pytest.mark.parametrize("state, code", [("succeeded", 0), ("failed (exit 1)", 1), ("interrupted (SIGTERM)", 1)])
+def test_the_logs_of_a_local_run_that_is_over_end_with_how_it_ended(old_project, capsys, state, code):
+    """`orch logs RUN` of a local run: its run.log, then, when it did not succeed, its state and exit 1 (a failed
+    cloud job's logs end the same way); a run whose orch is gone is not followed."""
+    path = old_project / "sky_jobs" / "qwen25_sft_ddp-55fe1fed.yaml"
+    path.write_text(path.read_text().replace("# state: succeeded", f"# state: {state}"))
+    assert cli.main(["logs", "qwen25_sft_ddp-55fe1fed", "--follow"]) == code
+    out = capsys.readouterr().out
+    assert "(node0) [orch] rank 0/1: distributed_type=NO" in out
+    last = out.rstrip().splitlines()[-1]
+    assert (last == f"[orch] run qwen25_sft_ddp-55fe1fed: {state}") is (code == 1), last

@@ -936,6 +936,14 @@ def test_a_followed_job_that_failed_ends_with_its_first_real_error(in_project, f
     assert code == 1 and out.rstrip().splitlines()[-1] == line, out[-2000:]
     assert f"# error: SkyPilot's job 7 on cluster f1 failed: {RANK1_LEFT}" in record.read_text()
     assert "# state: submitted" in record.read_text()  # SkyPilot's to say (the cluster may still be up, and billed)
+    fake.cluster_jobs = [{"job_id": 7, "status": "JobStatus.FAILED"}]
+    assert cli.main(["status", record.stem]) == 0  # the run's state from SkyPilot, and why it failed from its record
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == f"error: SkyPilot's job 7 on cluster f1 failed: {RANK1_LEFT}"
+    # a relaunch that succeeds leaves no error behind
+    fake.log_text, fake.log_code = "(head, rank=0, pid=1) [orch] step 8/8 loss=0.69\n", 0
+    assert cli.main(["run", "--resume", record.stem, "-y"]) == 0
+    assert "# error:" not in record.read_text() and "# relaunches: 1" in record.read_text()
+    fake.log_text, fake.log_code = FAILED_JOB, 100
     assert cli.main(["logs", record.stem]) == 1
     assert capsys.readouterr().out.rstrip().splitlines()[-1] == line
     # the logs of a job still running, asked without --follow: what was asked, said as such
@@ -944,6 +952,25 @@ def test_a_followed_job_that_failed_ends_with_its_first_real_error(in_project, f
     assert capsys.readouterr().out.rstrip().splitlines()[-1] == (
         f"[orch] run {record.stem}: SkyPilot's job 7 on cluster f1 is still running; `orch logs {record.stem} "
         "--follow` follows it")  # fmt: skip
+
+
+def test_the_status_of_a_detached_job_that_failed_says_why(in_project, fake, capsys):
+    """`orch status RUN` reads the job's last log lines beside its state: a detached job that failed gets the line a
+    followed one would have ended with, in its record and under the table."""
+    assert cli.main(["run", "phi3_dpo_fsdp", "--cluster", "f2", "--detach", "-y"]) == 0
+    (record,) = run_files(in_project)
+    fake.log_text, fake.log_code = FAILED_JOB, 100
+    fake.cluster_jobs = [{"job_id": 7, "status": "JobStatus.FAILED"}]
+    capsys.readouterr()
+    assert cli.main(["status", record.stem]) == 0
+    error = f"SkyPilot's job 7 on cluster f2 failed: {RANK1_LEFT}"
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == f"error: {error}"
+    assert f"# error: {error}" in record.read_text()
+    fake.log_text = "(head, rank=0, pid=1) [orch] step 3/8 loss=0.69\n"  # the error scrolled out of the last lines
+    assert cli.main(["status", record.stem]) == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == (
+        f"error: SkyPilot's job 7 on cluster f2 failed (no error line among its log's last lines: `orch logs "
+        f"{record.stem}`)")  # fmt: skip
 
 
 def _stream(*lines: str) -> str:

@@ -72,6 +72,8 @@ def status(args: argparse.Namespace) -> int:
         cells = [shown.get(key) or "-" for key in KEYS]
         table.append((record.run, record.get("backend"), state, *cells, record.get("time"), record.get("recipe")))
     print_table(table)
+    if args.run is not None and rows[0].get("error"):  # why the run failed, as its last line said it
+        print(f"error: {rows[0].get('error')}")
     return 0
 
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 from orchestrator.core.errors import EXIT_RETRYABLE
-from orchestrator.node.output import MAX_ERROR_LINES, VERDICT, error_of, first_error, retryable
+from orchestrator.node.output import MAX_ERROR_LINES, VERDICT, error_of, first_error, printable, retryable
 
 # sky.exceptions.JobExitCode (SkyPilot 0.14): what tail_logs answers for the job it streamed
 SUCCEEDED, FAILED, NOT_FINISHED, NOT_FOUND, CANCELLED = 0, 100, 101, 102, 103
@@ -56,7 +56,8 @@ class Follow:
             self.partial = ""
 
     def line(self, raw: str) -> None:
-        text = _ANSI.sub("", raw).split("\r")[-1].rstrip()
+        # colours off, and no control byte of the stream reaches orch's own line or the record
+        text = printable(_ANSI.sub("", raw).split("\r")[-1]).replace("\x1b", "\ufffd").rstrip()
         match = _PREFIX.match(text)
         who, body = (match.group("who"), text[match.end() :]) if match else ("", text)
         said = self.nodes.setdefault(who, Said())
@@ -95,6 +96,24 @@ def ended(code: int, follow: Follow, run: str, job: str, following: bool = True)
     return (EXIT_RETRYABLE if cluster_failed else 1), f"[orch] run {run}: {job} failed{quoted}"
 
 
+def job_name(record) -> str:
+    cluster = record.get("cluster")  # none for a managed job: its clusters are SkyPilot's
+    if cluster:
+        return f"SkyPilot's job {record.get('job_id')} on cluster {cluster}"
+    return f"SkyPilot's managed job {record.get('job_id')}"
+
+
+def failure(record, text: str) -> str:
+    """What a failed job's log (its last lines will do: each node's verdict is among them) says, for the record."""
+    import io
+
+    follow = Follow(io.StringIO())
+    follow.write(text if text.endswith("\n") else text + "\n")
+    if not follow.first_error()[0]:
+        return f"{job_name(record)} failed (no error line among its log's last lines: `orch logs {record.run}`)"
+    return ended(FAILED, follow, record.run, job_name(record))[1].split(": ", 1)[1]
+
+
 def close(record, code: int, stream: Follow, write: bool = True, following: bool = True) -> int:
     """Print orch's last line for a streamed job's end and answer orch's exit code. `write`: a failed job's line goes
     into the record's `error`, read again first (`orch cancel` from another terminal may have written it meanwhile);
@@ -103,10 +122,7 @@ def close(record, code: int, stream: Follow, write: bool = True, following: bool
 
     from orchestrator.launch import records
 
-    cluster = record.get("cluster")  # none for a managed job: its clusters are SkyPilot's
-    job = f"SkyPilot's job {record.get('job_id')} on cluster {cluster}" if cluster else (
-        f"SkyPilot's managed job {record.get('job_id')}")  # fmt: skip
-    exit_code, line = ended(code, stream, record.run, job, following)
+    exit_code, line = ended(code, stream, record.run, job_name(record), following)
     if line:
         print(line, flush=True)
     if write and code == FAILED:

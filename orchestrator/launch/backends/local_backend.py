@@ -5,6 +5,7 @@ lock, progress and logs from the run's output dir, cancel and down by SIGTERM to
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -87,11 +88,31 @@ class LocalBackend:
         return progress.from_log(_output_dir(record) / "orch" / "log.jsonl")
 
     def logs(self, record: Record, follow: bool = False) -> int:
+        """The run's log (run.log, what its orch printed); `follow`: as it grows, until the run's orch and nodes are
+        gone. A run that is over and did not succeed ends with its state (a failure's log already ends with its first
+        real error) and exits 1, as `orch logs` of a failed cloud job does."""
+        import time
+
+        from orchestrator.launch import records, runlock
+
         log = _output_dir(record) / "orch" / "run.log"
         if not log.is_file():
             raise OrchError(f"run {record.run} has no log at {log}; rerun it with `{record.get('command')}`")
-        print(log.read_text(errors="replace"), end="")
-        return 0
+        with open(log, errors="replace") as fh:
+            while True:
+                live = runlock.held(_output_dir(record))  # asked before reading: its last lines come before it ends
+                sys.stdout.write(fh.read())
+                sys.stdout.flush()
+                if not (follow and live):
+                    break
+                time.sleep(0.5)
+        if live:
+            return 0
+        state = self.state(records.read(record.path) if record.path.is_file() else record)
+        if RunState.of(state) in (RunState.SUCCEEDED, RunState.STOPPED_EARLY, RunState.RUNNING):
+            return 0
+        print(f"[orch] run {record.run}: {state}", flush=True)
+        return 1
 
     def cancel(self, record: Record) -> str:
         return _stop(self, record, "cancel")

@@ -344,13 +344,14 @@ def logs(record, follow: bool, stream=None, tail: int = 0) -> int:
         raise
 
 
-def recent_output(record, lines: int = 300) -> str:
-    """The last `lines` lines of the run's logs, without following (for `orch status RUN`)."""
+def recent_output(record, lines: int = 300) -> tuple[str, int]:
+    """The last `lines` lines of the run's logs, without following (for `orch status RUN`), and SkyPilot's exit code
+    of the job (sky.exceptions.JobExitCode)."""
     import io
 
     out = io.StringIO()
-    logs(record, follow=False, stream=out, tail=lines)
-    return out.getvalue()
+    code = logs(record, follow=False, stream=out, tail=lines)
+    return out.getvalue(), code
 
 
 def cancel(record) -> None:

@@ -79,7 +79,10 @@ class SkyBackend:
                 with ThreadPoolExecutor(1) as pool:
                     lines = pool.submit(sky.recent_output, record)
                     text = sky.state(record)
-                    record.meta.update(progress.from_lines(lines.result()))
+                    out, code = lines.result()
+                    record.meta.update(progress.from_lines(out))
+                    if code == job_end.FAILED:  # a detached job that failed: why, as a followed one would say
+                        record.meta["error"] = job_end.failure(record, out)
             else:
                 text = sky.state(record)
         except OrchError as exc:  # SkyPilot API unreachable, no credentials, ...: the recorded state
@@ -165,7 +168,7 @@ class SkyBackend:
                   "get this checkout's code", flush=True)  # fmt: skip
         before = record.get("relaunches", "0")
         count = int(before) + 1 if before.isdigit() else 1
-        record.set_state(RunState.LAUNCHING, relaunches=str(count), job_id="",
+        record.set_state(RunState.LAUNCHING, relaunches=str(count), job_id="", error="",
                          relaunched=time.strftime("%Y-%m-%dT%H:%M:%S%z"))  # fmt: skip
         if task is not record.task:
             record.task = task
