@@ -82,6 +82,25 @@ if [ -n "$link" ]; then
 fi
 if [ -n "$print_venv" ]; then echo "$ORCH_VENV"; exit 0; fi
 
+# A failed step ends the setup with one `orch: error:` line, last, naming the step and quoting the failing tool's first
+# error line (`orch run` and `orch logs` quote it as the job's failure; uv's other lines stay above it). Step 4 below
+# records and prints its own errors and turns this off.
+step="installing uv" last_error=
+on_error() {
+  local code=$?
+  echo "orch: error: node $node_rank setup failed while $step (exit $code)${last_error:+: $last_error}" >&2
+}
+trap on_error ERR
+uv_run() {  # uv, its messages shown as before (once it ends), its first error line kept for on_error
+  local err code=0
+  { err=$("${UV[@]}" "$@" 2>&1 >&3) || code=$?; } 3>&1
+  [ -z "$err" ] || printf '%s\n' "$err" >&2
+  # uv's first `error: ...` line, or its first `× ...` (a failed download or build): uv's error, in its words
+  [ "$code" -eq 0 ] || last_error=$(printf '%s\n' "$err" \
+    | sed -nE 's/^[[:space:]]*((error|ERROR): .*)$/\1/p; s/^[[:space:]]*×[[:space:]]*(.*)$/error: \1/p' | head -n 1)
+  return "$code"
+}
+
 # 1. uv
 if command -v uv >/dev/null 2>&1; then
   UV=(uv)
@@ -97,6 +116,7 @@ else
   fi
 fi
 
+step="preparing $ORCH_HOME"
 mkdir -p "$ORCH_HOME"
 echo "started=$started" > "$times"
 stamp="$ORCH_VENV/.orch-setup-$key-${extras//,/-}"
@@ -107,8 +127,9 @@ locked=
 if ! command -v flock >/dev/null 2>&1; then
   say "no flock on this node: nodes that share $ORCH_VENV may install into it at once"
 elif ! { exec 9>"$ORCH_VENV.lock"; } 2>/dev/null; then
-  echo "[orch] setup: cannot write $ORCH_VENV.lock (the lock that lets one node install at a time): make" \
-    "$(dirname "$ORCH_VENV") writable by $(id -un), or set ORCH_VENV to a directory under a writable parent" >&2
+  echo "orch: error: node $node_rank setup: cannot write $ORCH_VENV.lock (the lock that lets one node install at a" \
+    "time): make $(dirname "$ORCH_VENV") writable by $(id -un), or set ORCH_VENV to a directory under a writable" \
+    "parent" >&2
   exit 2
 else
   flock 9 && locked=1
@@ -123,10 +144,12 @@ else
     read_image
     if [ -n "$image_has_torch" ]; then
       say "the image's $("$image_python" --version) holds torch $locked_torch: keeping it ($ORCH_VENV)"
-      "${UV[@]}" venv -q --python "$image_python" --system-site-packages "$ORCH_VENV"
+      step="creating $ORCH_VENV"
+      uv_run venv -q --python "$image_python" --system-site-packages "$ORCH_VENV"
     else
       say "creating $ORCH_VENV with Python 3.12 (the image's python is < 3.11 or lacks torch $locked_torch)"
-      "${UV[@]}" venv -q --python 3.12 "$ORCH_VENV"
+      step="creating $ORCH_VENV with Python 3.12"
+      uv_run venv -q --python 3.12 "$ORCH_VENV"
     fi
   fi
   py="$ORCH_VENV/bin/python"
@@ -135,20 +158,24 @@ else
     say "torch $locked_torch is there: kept"
   else
     say "installing torch $locked_torch (the lock's)"
-    "${UV[@]}" pip install -q --python "$py" "torch==$locked_torch"
+    step="installing torch $locked_torch"
+    uv_run pip install -q --python "$py" "torch==$locked_torch"
   fi
   requirements="$ORCH_HOME/requirements-${extras//,/-}.txt"
   extra_flags=()
   IFS=, read -ra names <<< "$extras"
   for name in "${names[@]}"; do extra_flags+=(--extra "$name"); done
-  "${UV[@]}" export -q --frozen --no-emit-project --prune torch "${extra_flags[@]}" --format requirements-txt \
+  step="exporting uv.lock's orch[$extras]"
+  uv_run export -q --frozen --no-emit-project --prune torch "${extra_flags[@]}" --format requirements-txt \
     -o "$requirements"
   say "installing uv.lock's orch[$extras] ($(grep -c '==' "$requirements") packages)"
+  step="installing uv.lock's orch[$extras] into $ORCH_VENV"
   # DeepSpeed is an sdist whose build imports torch: build it against the environment's torch.
-  "${UV[@]}" pip install -q --python "$py" --no-deps --require-hashes --no-build-isolation-package deepspeed \
+  uv_run pip install -q --python "$py" --no-deps --require-hashes --no-build-isolation-package deepspeed \
     -r "$requirements"
   # a copy, not editable: the environment may outlive this checkout (shared by clusters, each with its own workdir)
-  "${UV[@]}" pip install -q --python "$py" --no-deps --reinstall-package orch .
+  step="installing orch from this checkout into $ORCH_VENV"
+  uv_run pip install -q --python "$py" --no-deps --reinstall-package orch .
   touch "$stamp"
 fi
 # `orch node` runs the workdir's orch (orchestrator/cli.py starts it again from there); the environment's own `orch`
@@ -156,9 +183,11 @@ fi
 # made a shared environment was taken down): then a copy from this checkout replaces it.
 if ! (cd / && "$ORCH_VENV/bin/python" -c "import orchestrator.cli") 2>/dev/null; then
   say "orch's own command from this checkout ($(pwd -P)): the one installed before is gone"
-  "${UV[@]}" pip install -q --python "$ORCH_VENV/bin/python" --no-deps --reinstall-package orch .
+  step="installing orch from this checkout into $ORCH_VENV"
+  uv_run pip install -q --python "$ORCH_VENV/bin/python" --no-deps --reinstall-package orch .
 fi
 if [ -n "$link" ]; then
+  step="linking $link to $ORCH_VENV"
   if [ "$(readlink "$link" 2>/dev/null)" != "$ORCH_VENV" ]; then
     ln -sfn "$ORCH_VENV" "$link.$$" && mv -Tf "$link.$$" "$link"  # the `run:`'s ~/.orch/venv; a rename: atomic
   fi
@@ -193,6 +222,7 @@ echo "installed=$(now)" >> "$times"
 # 4. the model and the data download while the head node rehearses (the owners' code on this cluster's roles), each
 #    recording its own end: the setup takes the longer of the two. Whichever fails first ends the setup, its own error
 #    line last; the EXIT trap stops the other, so nothing this script started outlives it.
+trap - ERR  # from here each part records its own error, printed once, last, by stop_both
 fetching= rehearsing=
 stop_both() {
   local code=$? pid

@@ -4,6 +4,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -816,9 +817,47 @@ def test_setup_stops_with_one_line_when_it_cannot_take_the_install_lock():
                               timeout=60)  # fmt: skip
         assert done.returncode == 2, done.stdout + done.stderr
         assert done.stderr.strip().splitlines() == [
-            f"[orch] setup: cannot write {base}/image/venv.lock (the lock that lets one node install at a time): make "
-            f"{base}/image writable by nobody, or set ORCH_VENV to a directory under a writable parent"
+            f"orch: error: node 0 setup: cannot write {base}/image/venv.lock (the lock that lets one node install at a "
+            f"time): make {base}/image writable by nobody, or set ORCH_VENV to a directory under a writable parent"
         ]
         assert not (base / "image" / "venv").exists()
     finally:
         shutil.rmtree(base)
+
+
+@pytest.mark.parametrize(
+    "fails, error",
+    [
+        ("pip install", "error: Failed to fetch: `https://pypi.org/simple/accelerate/`"),
+        ("pip install", "error: Failed to download `deepspeed==0.18.2`"),  # uv's `× Failed to download ...`
+        ("export", ""),  # a tool that said no `error:` of its own: the step and its exit code still
+    ],
+)
+def test_a_failed_install_ends_the_setup_with_one_line_naming_the_step_and_uvs_error(tmp_path, fails, error):
+    """The setup's last line, which `orch run` and `orch logs` quote for a failed job (launch/job_end.py), names the
+    step that failed and quotes uv's own first error line; before, uv's lines were the setup's last and no node line
+    said what failed."""
+    real = shutil.which("uv", path=str(Path(sys.executable).parent))
+    said = {"error: Failed to download `deepspeed==0.18.2`": "  × Failed to download `deepspeed==0.18.2`\n"
+            "  ├─▶ Failed to fetch: `https://files.pythonhosted.org/...`\n  ╰─▶ Request failed after 3 retries\n"}
+    message = said.get(error, f"{error}\n  Caused by: Request failed after 3 retries\n" if error else "warning: none\n")
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    fail = f"  printf '%s' {shlex.quote(message)} >&2; exit 2"
+    (tools / "uv").write_text(f'#!/bin/bash\nif [ "$1 $2" = "{fails}" ] || [ "$1" = "{fails}" ]; then\n'
+                              f'{fail}\nfi\nexec {real} "$@"\n')  # fmt: skip
+    (tools / "uv").chmod(0o755)
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").symlink_to(sys.executable)  # holds the locked torch: kept, nothing to download
+    node = clean_env() | {"HOME": str(tmp_path), "ORCH_VENV": str(env)}
+    node["PATH"] = f"{tools}{os.pathsep}{node['PATH']}"
+    done = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=node)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    last = done.stderr.rstrip().splitlines()[-1]
+    step = f"installing uv.lock's orch[train] into {env}" if fails == "pip install" else (
+        "exporting uv.lock's orch[train]")  # fmt: skip
+    assert last == f"orch: error: node 0 setup failed while {step} (exit 2)" + (f": {error}" if error else ""), last
+    assert message.splitlines()[0] in done.stderr  # uv's own lines stay, above it
+    assert done.stderr.count("orch: error:") == 1
