@@ -1005,13 +1005,25 @@ NET = "RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error [10.0.0.3]:2
                  (HEAD, "orch: error: uv could not install uv.lock: no space left on device (/home/u/.cache/uv)"),
                  ("", "ERROR: Job 1's setup failed with return code 1 (pid=2041).")),
          100, 1, "failed: orch: error: uv could not install uv.lock: no space left on device (/home/u/.cache/uv)"),
+        # the head's verdict names the rank that left (its own network error quoted after it): that rank, exit 1
+        (_stream((HEAD, f"[rank0]: {NET}"),
+                 (HEAD, "[orch] failed on node 0: accelerate exited with code 1: orch: error: rank 1 (node 1) exited "
+                        f"with code 0 at step 3, before training ended (this node then saw: {NET})")),
+         100, 1, f"failed: orch: error: rank 1 (node 1) exited with code 0 at step 3, before training ended (this node "
+                 f"then saw: {NET})"),
+        # a stall the watchdog ended: the node exits 75 (retryable), and so does orch
+        (_stream((WORKER, "orch: error: stalled on node 1: no step for 300 s (10 x the median step time 2.1 s); "
+                          "rank 1: in all_reduce"),),
+         100, 75, "failed: orch: error: stalled on node 1: no step for 300 s (10 x the median step time 2.1 s); "
+                  "rank 1: in all_reduce"),
         # nothing to quote: said so, never SkyPilot's summary
         (_stream(("", "ERROR: Job 1 failed with return code list: [137]")), 100, 1,
          "failed (its log above quotes no error line)"),
         (_stream((HEAD, "[orch] step 3/8 loss=0.69")), 103, 1, "was cancelled"),
         (_stream((HEAD, "[orch] step 8/8 loss=0.69")), 0, 0, None),
     ],
-    ids=["own-error-first", "network-everywhere", "setup-failed", "no-error-line", "cancelled", "succeeded"],
+    ids=["own-error-first", "network-everywhere", "setup-failed", "rank-left", "stalled", "no-error-line", "cancelled",
+         "succeeded"],
 )  # fmt: skip
 def test_a_followed_jobs_end_is_one_line_and_orchs_exit_code(in_project, fake, capsys, log, sky_code, exits, says):
     fake.log_text, fake.log_code = log, sky_code

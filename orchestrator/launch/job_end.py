@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 from orchestrator.core.errors import EXIT_RETRYABLE
-from orchestrator.node.output import MAX_ERROR_LINES, VERDICT, error_of, first_error, printable, retryable
+from orchestrator.node.output import MAX_ERROR_LINES, STALLED, VERDICT, error_of, first_error, printable, retryable
 
 # sky.exceptions.JobExitCode (SkyPilot 0.14): what tail_logs answers for the job it streamed
 SUCCEEDED, FAILED, NOT_FINISHED, NOT_FOUND, CANCELLED = 0, 100, 101, 102, 103
@@ -68,15 +68,17 @@ class Follow:
             said.errors.append(error)
 
     def first_error(self) -> tuple[str, bool]:
-        """The error to quote and whether it is the cluster's (retryable): a failing node's own verdict whose error is
-        not a network one first (the others' network errors follow from it), then any node's first error."""
+        """The error to quote and whether it is the cluster's (retryable): a failing node's own verdict that is not a
+        network failure first (the others' network errors follow from it), then any node's first error. A verdict says
+        itself whether it is retryable (`orch exits 75`: its text may quote a network error a rank leaving caused); a
+        stall the watchdog ended is retryable, as the node's exit 75 says."""
         quoted = []
         for said in self.nodes.values():
             if said.failed:
-                error = said.verdict or first_error(said.errors)
-                quoted.append((error, said.verdict_exits is not None or retryable(error)))
+                quoted.append((said.verdict or first_error(said.errors), said.verdict_exits is not None))
         if not quoted:
-            quoted = [(error, retryable(error)) for said in self.nodes.values() if (error := first_error(said.errors))]
+            quoted = [(error, retryable(error) or error.startswith(STALLED))
+                      for said in self.nodes.values() if (error := first_error(said.errors))]  # fmt: skip
         return next((q for q in quoted if not q[1]), quoted[0] if quoted else ("", False))
 
 
@@ -125,7 +127,7 @@ def close(record, code: int, stream: Follow, write: bool = True, following: bool
     exit_code, line = ended(code, stream, record.run, job_name(record), following)
     if line:
         print(line, flush=True)
-    if write and code == FAILED:
+    if write and code == FAILED and record.path.is_file():
         now = dataclasses.replace(records.read(record.path), secrets=record.secrets)
         now.meta["error"] = line.split(": ", 1)[1]
         records.write(now)

@@ -91,6 +91,10 @@ VERDICT = re.compile(
 )
 
 
+STALLED = "orch: error: stalled on node "
+"""The start of a node's line when its watchdog ended a stall (node/supervise.py; the node exits 75, retryable)."""
+
+
 def verdict(node: int, code: int, error: str = "", exits: int | None = None) -> str:
     """The node's last line: `exits` (orch's exit code) is said only for a retryable failure, whose code differs."""
     said = f": {error}" if error else ""

@@ -33,7 +33,16 @@ from orchestrator.core.home import (
 )
 from orchestrator.node import killed as kills
 from orchestrator.node import stacks as stack_dump
-from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, notice, printable, retryable, verdict
+from orchestrator.node.output import (
+    MAX_ERROR_LINES,
+    STALLED,
+    error_of,
+    first_error,
+    notice,
+    printable,
+    retryable,
+    verdict,
+)
 from orchestrator.node.procs import DEFAULT_GRACE, end_tree, subreaper
 from orchestrator.node.watchdog import EXIT_STALLED, Bounds, Watchdog, hang_tools
 
@@ -316,7 +325,7 @@ def _stalled(reason: str, node: int, progress_dir: str, peers: Peers, traces: st
         if len(everyone) > 1
         else ""
     )
-    parts = [f"orch: error: stalled on node {node}: {reason}", *lost, culprit, f"stacks in {hang_dir}"]
+    parts = [f"{STALLED}{node}: {reason}", *lost, culprit, f"stacks in {hang_dir}"]
     return "; ".join(p for p in parts if p)
 
 
