@@ -215,7 +215,8 @@ def cp(project, source: str, name: str):
 
 FINDINGS = dict(
     zip(
-        ["packing-cp", "alst-dropped-key", "zero3-no-16bit", "ds-json-accumulation", "ds-json-dpo", "ds-clipping"],
+        ["packing-cp", "alst-dropped-key", "zero3-no-16bit", "ds-json-accumulation", "ds-json-dpo", "ds-clipping",
+         "tracker-not-installed", "tracker-unknown"],
         [
             (
                 "qwen3_sft_fsdp_cp",
@@ -249,6 +250,18 @@ FINDINGS = dict(
                 "qwen25_dpo_zero2",
                 lambda p, n: edit_accel(p / "recipes/accelerate" / f"{n}.yaml", gradient_clipping=0.5),
                 "ds gradient_clipping=0.5 vs hf max_grad_norm=1.0",
+            ),
+            (
+                # the Trainer's constructor makes report_to's callbacks after the model loads: wandb is not in uv.lock
+                "qwen25_sft_ddp",
+                lambda p, n: edit_env(p / "recipes" / f"{n}.yaml", TRL_OVERRIDES="report_to=wandb"),
+                "(trackers (report_to): RuntimeError: WandbCallback requires wandb to be installed. Run `pip install "
+                "wandb`.); the nodes install uv.lock's orch[train], which has no tracker",
+            ),
+            (
+                "qwen25_sft_ddp",
+                lambda p, n: edit_env(p / "recipes" / f"{n}.yaml", TRL_OVERRIDES="report_to=weights_and_biases"),
+                "(trackers (report_to): ValueError: weights_and_biases is not supported, only azure_ml, ",
             ),
         ],
         strict=True,
@@ -405,6 +418,27 @@ def test_node_rehearsal_quotes_the_parsers_refusal_not_its_exit(project):
     (line,) = result.stderr.strip().splitlines()
     refused = "argument --max_length/--max-length: invalid int value: 'long'"
     assert line.endswith(f"(TRL's parser: ValueError: {refused})"), line
+
+
+@pytest.mark.unit
+def test_report_to_trackio_on_a_cluster_needs_the_nodes_to_install_it():
+    """This machine has Trackio (the dev extra), so its rehearsal makes transformers' Trackio callback; the nodes
+    install it for --track only (scripts/node-setup.sh), or where the recipe's setup names the track extra."""
+    import dataclasses
+
+    from orchestrator.launch import checks
+
+    phi3 = recipes.load(str(ROOT / "recipes" / "phi3_dpo_fsdp.yaml"))
+    with pytest.raises(OrchError, match=r"^report_to=trackio: the nodes install Trackio only for `orch run --track`"):
+        checks.check_trackers(resolve(phi3, trl_overrides={"report_to": "trackio"}))
+    listed = dataclasses.replace(phi3, envs={**phi3.envs, "TRL_OVERRIDES": "report_to='none trackio'"})
+    with pytest.raises(OrchError, match=r"^report_to=trackio: "):
+        checks.check_trackers(resolve(listed))
+    checks.check_trackers(resolve(phi3, trl_overrides={"report_to": "trackio"}, envs={"ORCH_TRACK": "curves"}))
+    setup = phi3.task["setup"].replace("node-setup.sh train", "node-setup.sh train,track")
+    tracked = dataclasses.replace(phi3, task={**phi3.task, "setup": setup})
+    checks.check_trackers(resolve(tracked, trl_overrides={"report_to": "trackio"}))
+    checks.check_trackers(resolve(phi3))  # the recipe's own report_to: none
 
 
 def test_without_the_training_stack_the_laptop_says_so(monkeypatch):

@@ -9,10 +9,12 @@ the owners' code (`rehearse`).
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 from orchestrator.core import memory, slots, trl_schema
 from orchestrator.core.errors import OrchError
+from orchestrator.core.knobs import knob
 from orchestrator.core.overrides import truthy
 from orchestrator.launch import preflight
 from orchestrator.launch.resolved import Launch
@@ -55,6 +57,23 @@ def check_trl(launch: Launch) -> None:
     """TRL config keys and every key=value override exist for the trainer and have the right type."""
     trl_schema.check_config_keys(launch.trainer, launch.paired.trl, launch.envs["TRL_CONFIG"])
     trl_schema.check(launch.trainer, launch.overrides)
+
+
+def check_trackers(launch: Launch) -> None:
+    """report_to=trackio on a cluster: the nodes install Trackio (the track extra) only for `orch run --track` or a
+    setup that names the extra (scripts/node-setup.sh), while this machine's rehearsal may find it installed here.
+    Every other name is the rehearsal's to check (rehearsal/role.trackers), against the owners' code."""
+    value = launch.setting("report_to", "none")
+    names = value.split() if isinstance(value, str) else [str(v) for v in value]
+    if "trackio" not in names or knob(launch.env(), "ORCH_TRACK", "off").lower() != "off":
+        return
+    setup = str(launch.recipe.task.get("setup") or "")
+    if any("track" in found.split(",") for found in re.findall(r"node-setup\.sh\s+([\w,]+)", setup)):
+        return
+    raise OrchError(
+        "report_to=trackio: the nodes install Trackio only for `orch run --track` (scripts/node-setup.sh's track "
+        "extra); add --track (every node's curves, `orch dashboard RUN` shows them) or drop trackio from report_to"
+    )
 
 
 def rehearse(launch: Launch, checked: Checked) -> str:
@@ -107,6 +126,8 @@ def check(launch: Launch, task_id: str = PLACEHOLDER_TASK_ID, device: str = "gpu
     memory = preflight.run(launch, trainers, gpus=launch.gpus if device == "gpu" else None)
     if device == "gpu":  # a cloud launch: one row of the dataset and the attention kernel, asked of the Hub here
         from orchestrator.launch import datacheck, kernelcheck
+
+        check_trackers(launch)
 
         with kernelcheck.Check(launch) as kernel:  # its process asks the Hub while the data check runs
             for line in (datacheck.run(launch), kernel.result()):

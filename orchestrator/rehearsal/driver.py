@@ -49,6 +49,9 @@ FIXES = (
     (r"When using `deepspeed_config_file`, the following accelerate config variables will be ignored",
      "move those settings into the DeepSpeed JSON and out of the Accelerate config"),
     (r"ParallelismConfig total_size", "make the parallelism sizes multiply to the process count"),
+    (r"Callback requires \S+ to be installed",
+     "the nodes install uv.lock's orch[train], which has no tracker (`orch run --track` adds Trackio and logs every "
+     "node's curves to it): put the tracker's package in pyproject.toml's train extra, then `make lock`"),
 )  # fmt: skip
 
 
@@ -131,13 +134,13 @@ def roles(plans: list[NodePlan]) -> list[tuple[str, NodePlan]]:
 
 def substitutions(trainer: str, settings: Mapping[str, object], smoke_dir: Path, output_dir: str) -> list[str]:
     """TRL script arguments appended after orch's (later flags win) so the trainer builds here without GPU or
-    network: the tiny model and data of the recipe's family, portable attention, no vLLM engine, no tracker."""
+    network: the tiny model and data of the recipe's family, portable attention, no vLLM engine. The trackers of
+    report_to are made, not started (role.trackers)."""
     words = [
         "--model_name_or_path", str(smoke_dir / "model"),
         "--dataset_name", str(smoke_dir / "data"),
         "--dataset_train_split", "train",
         "--output_dir", output_dir,
-        "--report_to", "none",
     ]  # fmt: skip
     if str(settings.get("attn_implementation") or "sdpa") not in PORTABLE_ATTENTION:
         words += ["--attn_implementation", "sdpa"]

@@ -8,10 +8,11 @@ node and its first process would do, with the owners' code at every step:
      launch's path (`prepare_multi_gpu_env` / `prepare_deepspeed_cmd_env`), then torchrun's own
      `config_from_args` (which sets OMP_NUM_THREADS), giving the environment the training process starts with;
   2. the training process: a fake process group of the launch's world size (torch's `fake` backend) and CUDA
-     reported present with the node's GPU count, then orch's training entry parses with TRL's parser and builds
-     TRL's trainer (accelerate's FSDP / DeepSpeed / parallelism plugins from that environment, the trainer's own
-     checks); DeepSpeed's config is finalized by transformers as `train()` would; the final model is saved as
-     the end of training would (FSDP: the gathered full state dict), into a temporary directory.
+     reported present with the node's GPU count, then orch's training entry parses with TRL's parser, makes the
+     trackers report_to names as the trainer would (not started), and builds TRL's trainer (accelerate's FSDP /
+     DeepSpeed / parallelism plugins from that environment, the trainer's own checks); DeepSpeed's config is
+     finalized by transformers as `train()` would; the final model is saved as the end of training would (FSDP:
+     the gathered full state dict), into a temporary directory.
 The model is the tiny smoke model of the recipe's family and the data the smoke data: the checks that fire at
 trainer start depend on the configuration, not on the weights. The vLLM server role is parsed with TRL's
 `vllm-serve` parser. Only the main process of the node is built (local rank 0 of node rank R).
@@ -158,6 +159,8 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
         except SystemExit as exc:
             errors = [line.split(": error: ", 1)[1] for line in said.getvalue().splitlines() if ": error: " in line]
             raise ValueError(errors[-1] if errors else f"the parser exited with {exc.code}") from None
+    with stage("trackers (report_to)"):
+        trackers(parsed.training_args)
     with stage("trainer"):
         trainer = entry.build(parsed, [])
     acc = trainer.accelerator
@@ -204,6 +207,17 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
         if final is not None and "adapter_model.safetensors" in final["weights"]:
             facts["final_model"] = "LoRA adapter" + (" (full state dict gathered)" if trainer.is_fsdp_enabled else "")
     return facts
+
+
+def trackers(training_args) -> None:
+    """What the trainer's constructor does with report_to, without starting a tracker: transformers' own lookup of
+    each name, then each callback's constructor, which refuses when its package is not installed (wandb, tensorboard,
+    mlflow, ...: on the nodes, uv.lock's orch[train]). The rehearsal then builds the trainer with none."""
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    for callback in get_reporting_integration_callbacks(training_args.report_to):
+        callback()
+    training_args.report_to = []
 
 
 def call_rewards(trainer) -> dict[str, float | None]:
