@@ -342,7 +342,18 @@ SETUP_ENV = {
 
 
 def test_node_rehearses_in_setup_on_the_head_only():
+    """The head node rehearses in its own environment, the ranks': this machine has no Liger (orch's gpu extra), which
+    a laptop's rehearsal swaps off and a node's refuses, as the ranks' first step would (transformers' own check)."""
     head = orch("node", "--rehearse", env={**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0"})
+    assert head.returncode == 2, head.stdout[-2000:]
+    assert head.stderr == (
+        "orch: error: rehearsal: the head (node 0) would fail on its GPUs (Liger kernels: ImportError: You have set "
+        "`use_liger_kernel` to `True` but liger-kernel >= 0.3.0 is not available. Please install it with `pip install "
+        "liger-kernel`); the nodes get Liger with orch's gpu extra (the recipe's setup: bash scripts/node-setup.sh "
+        "train,gpu), or set use_liger_kernel=false\n"
+    )
+    env = {**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0", "TRL_OVERRIDES": "use_liger_kernel=false"}
+    head = orch("node", "--rehearse", env=env)
     assert head.returncode == 0, head.stderr
     assert re.search(
         r"^\[orch\] rehearsed 2 role\(s\) of 16 rank\(s\) .*: DEEPSPEED, ZeRO-1, accumulation 2", head.stdout, re.M
@@ -421,24 +432,57 @@ def test_node_rehearsal_quotes_the_parsers_refusal_not_its_exit(project):
 
 
 @pytest.mark.unit
-def test_report_to_trackio_on_a_cluster_needs_the_nodes_to_install_it():
-    """This machine has Trackio (the dev extra), so its rehearsal makes transformers' Trackio callback; the nodes
-    install it for --track only (scripts/node-setup.sh), or where the recipe's setup names the track extra."""
+def test_a_setting_whose_package_the_nodes_extras_lack_is_refused_before_launch():
+    """This machine's rehearsal finds Trackio and bitsandbytes (the dev extra) and swaps Liger and vLLM off (GPU-only
+    packages): none of that says what the nodes install, which is uv.lock's orch[EXTRAS] as the recipe's setup names
+    them (`orch run --track` adds track)."""
     import dataclasses
 
     from orchestrator.launch import checks
 
-    phi3 = recipes.load(str(ROOT / "recipes" / "phi3_dpo_fsdp.yaml"))
-    with pytest.raises(OrchError, match=r"^report_to=trackio: the nodes install Trackio only for `orch run --track`"):
-        checks.check_trackers(resolve(phi3, trl_overrides={"report_to": "trackio"}))
+    phi3 = recipes.load(str(ROOT / "recipes" / "phi3_dpo_fsdp.yaml"))  # bash scripts/node-setup.sh train
+    for key, value, message in [
+        ("report_to", "trackio", "report_to=trackio: the nodes get Trackio with orch's track extra, which the recipe's "
+                                 "setup does not install (train); add --track, which installs it"),
+        ("use_liger_kernel", "true", "use_liger_kernel=true: the nodes get Liger's kernels with orch's gpu extra, "
+                                     "which the recipe's setup does not install (train); add gpu to the recipe's "
+                                     "setup: bash scripts/node-setup.sh train,gpu, or drop use_liger_kernel=true"),
+        ("load_in_4bit", "true", "load_in_4bit=true: the nodes get bitsandbytes with orch's quant extra"),
+    ]:
+        with pytest.raises(OrchError) as refused:
+            checks.check_extras(resolve(phi3, trl_overrides={key: value}))
+        assert str(refused.value).startswith(message), str(refused.value)
     listed = dataclasses.replace(phi3, envs={**phi3.envs, "TRL_OVERRIDES": "report_to='none trackio'"})
     with pytest.raises(OrchError, match=r"^report_to=trackio: "):
-        checks.check_trackers(resolve(listed))
-    checks.check_trackers(resolve(phi3, trl_overrides={"report_to": "trackio"}, envs={"ORCH_TRACK": "curves"}))
-    setup = phi3.task["setup"].replace("node-setup.sh train", "node-setup.sh train,track")
-    tracked = dataclasses.replace(phi3, task={**phi3.task, "setup": setup})
-    checks.check_trackers(resolve(tracked, trl_overrides={"report_to": "trackio"}))
-    checks.check_trackers(resolve(phi3))  # the recipe's own report_to: none
+        checks.check_extras(resolve(listed))
+    checks.check_extras(resolve(phi3, trl_overrides={"report_to": "trackio"}, envs={"ORCH_TRACK": "curves"}))
+    setup = phi3.task["setup"].replace("node-setup.sh train", "node-setup.sh train,gpu,track")
+    named = dataclasses.replace(phi3, task={**phi3.task, "setup": setup})
+    checks.check_extras(resolve(named, trl_overrides={"report_to": "trackio", "use_liger_kernel": "true"}))
+    own_image = dataclasses.replace(phi3, task={**phi3.task, "setup": "pip install my-stack"})  # not ours to say
+    checks.check_extras(resolve(own_image, trl_overrides={"use_liger_kernel": "true"}))
+    grpo = recipes.load(str(ROOT / "recipes" / "qwen25_grpo_ddp.yaml"))  # train,gpu,vllm
+    without = dataclasses.replace(grpo, task={**grpo.task, "setup": "bash scripts/node-setup.sh train,gpu"})
+    with pytest.raises(OrchError, match=r"^use_vllm=true: the nodes get vLLM with orch's vllm extra, "):
+        checks.check_extras(resolve(without))
+    for name in RECIPES:  # every recipe's setup installs what its settings need
+        checks.check_extras(resolve(recipes.load(str(ROOT / "recipes" / f"{name}.yaml"))))
+
+
+@pytest.mark.unit
+def test_a_node_swaps_off_only_what_it_has_installed(tmp_path):
+    """vLLM's engine cannot start in a rehearsal, so use_vllm is swapped off where vLLM is installed; on a node without
+    it, TRL's trainer refuses first (`vLLM is not available and use_vllm is set to True`), and the fix names the
+    extra. A laptop swaps Liger and vLLM off whatever it has: the nodes' extras are check_extras' to judge."""
+    settings = {"use_vllm": True, "use_liger_kernel": True}
+    laptop = driver.substitutions("grpo", settings, tmp_path, "out")
+    node = driver.substitutions("grpo", settings, tmp_path, "out", node=True)
+    assert driver.importable("vllm") is False and driver.importable("liger_kernel") is False  # this machine
+    assert laptop[-4:] == ["--use_liger_kernel", "false", "--use_vllm", "false"]
+    assert "--use_vllm" not in node and "--use_liger_kernel" not in node
+    refused = driver.Outcome("head (node 0)", False, {}, "trainer", "ImportError: vLLM is not available and `use_vllm` "
+                             "is set to True. Please install vLLM with `pip install trl[vllm]` to use it.")  # fmt: skip
+    assert refused.fix().startswith("the nodes get vLLM with orch's vllm extra (the recipe's setup: bash ")
 
 
 def test_without_the_training_stack_the_laptop_says_so(monkeypatch):

@@ -59,21 +59,46 @@ def check_trl(launch: Launch) -> None:
     trl_schema.check(launch.trainer, launch.overrides)
 
 
-def check_trackers(launch: Launch) -> None:
-    """report_to=trackio on a cluster: the nodes install Trackio (the track extra) only for `orch run --track` or a
-    setup that names the extra (scripts/node-setup.sh), while this machine's rehearsal may find it installed here.
-    Every other name is the rehearsal's to check (rehearsal/role.trackers), against the owners' code."""
-    value = launch.setting("report_to", "none")
-    names = value.split() if isinstance(value, str) else [str(v) for v in value]
-    if "trackio" not in names or knob(launch.env(), "ORCH_TRACK", "off").lower() != "off":
-        return
+# What a setting needs on the nodes, which install uv.lock's orch[EXTRAS] as the recipe's setup names them
+# (scripts/node-setup.sh): (setting, value that needs it, extra, what it brings). This machine's rehearsal may find the
+# package installed (the dev extra has Trackio and bitsandbytes) or swap the setting off (Liger, vLLM: GPU-only).
+NEEDS = (
+    ("use_liger_kernel", "true", "gpu", "Liger's kernels"),
+    ("use_vllm", "true", "vllm", "vLLM"),
+    ("load_in_4bit", "true", "quant", "bitsandbytes"),
+    ("report_to", "trackio", "track", "Trackio"),
+)
+
+
+def node_extras(launch: Launch) -> set[str] | None:
+    """The extras the recipe's setup installs on the nodes (`bash scripts/node-setup.sh EXTRAS`, `train` when it names
+    none; `orch run --track` adds `track`), or None when its setup does not run node-setup.sh (an image of its own)."""
     setup = str(launch.recipe.task.get("setup") or "")
-    if any("track" in found.split(",") for found in re.findall(r"node-setup\.sh\s+([\w,]+)", setup)):
+    if not re.search(r"node-setup\.sh\b", setup):
+        return None
+    extras = {"train"}
+    for found in re.findall(r"node-setup\.sh[ \t]+([\w,]+)", setup):
+        extras |= set(found.split(","))
+    if knob(launch.env(), "ORCH_TRACK", "off").lower() != "off":
+        extras.add("track")
+    return extras
+
+
+def check_extras(launch: Launch) -> None:
+    """Each setting the nodes could not honour with the extras the recipe's setup installs: one line naming the extra.
+    On the nodes themselves the rehearsal (`orch node --rehearse`) finds the same in their own environment."""
+    extras = node_extras(launch)
+    if extras is None:
         return
-    raise OrchError(
-        "report_to=trackio: the nodes install Trackio only for `orch run --track` (scripts/node-setup.sh's track "
-        "extra); add --track (every node's curves, `orch dashboard RUN` shows them) or drop trackio from report_to"
-    )
+    for key, needs, extra, brings in NEEDS:
+        value = launch.setting(key, "")
+        words = [str(v) for v in value] if isinstance(value, list | tuple) else str(value).split()
+        if needs not in (w.lower() for w in words) or extra in extras:
+            continue
+        how = "add --track, which installs it and logs every node's curves" if extra == "track" else (
+            f"add {extra} to the recipe's setup: bash scripts/node-setup.sh {','.join(sorted(extras))},{extra}")
+        raise OrchError(f"{key}={needs}: the nodes get {brings} with orch's {extra} extra, which the recipe's setup "
+                        f"does not install ({','.join(sorted(extras))}); {how}, or drop {key}={needs}")  # fmt: skip
 
 
 def rehearse(launch: Launch, checked: Checked) -> str:
@@ -127,7 +152,7 @@ def check(launch: Launch, task_id: str = PLACEHOLDER_TASK_ID, device: str = "gpu
     if device == "gpu":  # a cloud launch: one row of the dataset and the attention kernel, asked of the Hub here
         from orchestrator.launch import datacheck, kernelcheck
 
-        check_trackers(launch)
+        check_extras(launch)
 
         with kernelcheck.Check(launch) as kernel:  # its process asks the Hub while the data check runs
             for line in (datacheck.run(launch), kernel.result()):

@@ -204,7 +204,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     batch = driver.Batch(
         trainer=trainer,
         roles=[driver.Role(name, p.argv, p.env, p.role) for name, p in driver.roles(plans)],
-        substitute=driver.substitutions(trainer, settings, artifacts.dir, driver.output_dir()),
+        substitute=driver.substitutions(trainer, settings, artifacts.dir, driver.output_dir(), node=True),
         devices=cluster.gpus_per_node,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
         quantized=overrides.truthy(settings.get("load_in_4bit", False)),

@@ -49,6 +49,12 @@ FIXES = (
     (r"When using `deepspeed_config_file`, the following accelerate config variables will be ignored",
      "move those settings into the DeepSpeed JSON and out of the Accelerate config"),
     (r"ParallelismConfig total_size", "make the parallelism sizes multiply to the process count"),
+    (r"liger-kernel >= \S+ is not available",
+     "the nodes get Liger with orch's gpu extra (the recipe's setup: bash scripts/node-setup.sh train,gpu), or set "
+     "use_liger_kernel=false"),
+    (r"vLLM is not available and `use_vllm` is set to True",
+     "the nodes get vLLM with orch's vllm extra (the recipe's setup: bash scripts/node-setup.sh train,gpu,vllm), or "
+     "set use_vllm=false"),
     (r"Callback requires \S+ to be installed",
      "the nodes install uv.lock's orch[train], which has no tracker (`orch run --track` adds Trackio and logs every "
      "node's curves to it): put the tracker's package in pyproject.toml's train extra, then `make lock`"),
@@ -132,10 +138,14 @@ def roles(plans: list[NodePlan]) -> list[tuple[str, NodePlan]]:
     return out
 
 
-def substitutions(trainer: str, settings: Mapping[str, object], smoke_dir: Path, output_dir: str) -> list[str]:
+def substitutions(
+    trainer: str, settings: Mapping[str, object], smoke_dir: Path, output_dir: str, node: bool = False
+) -> list[str]:
     """TRL script arguments appended after orch's (later flags win) so the trainer builds here without GPU or
     network: the tiny model and data of the recipe's family, portable attention, no vLLM engine. The trackers of
-    report_to are made, not started (role.trackers)."""
+    report_to are made, not started (role.trackers). `node`: rehearsed on the head node (`orch node --rehearse`),
+    whose environment is the ranks': Liger or vLLM not installed there is a finding (the owners' checks say it), not
+    a swap; a laptop swaps them off (their GPU-only packages are the nodes' extras, launch/checks.check_extras)."""
     words = [
         "--model_name_or_path", str(smoke_dir / "model"),
         "--dataset_name", str(smoke_dir / "data"),
@@ -144,9 +154,10 @@ def substitutions(trainer: str, settings: Mapping[str, object], smoke_dir: Path,
     ]  # fmt: skip
     if str(settings.get("attn_implementation") or "sdpa") not in PORTABLE_ATTENTION:
         words += ["--attn_implementation", "sdpa"]
-    if str(settings.get("use_liger_kernel", "false")).lower() == "true" and not importable("liger_kernel"):
+    if str(settings.get("use_liger_kernel", "false")).lower() == "true" and not importable("liger_kernel") and not node:
         words += ["--use_liger_kernel", "false"]
-    if trainers.spec(trainer).generates and str(settings.get("use_vllm", "false")).lower() == "true":
+    vllm = trainers.spec(trainer).generates and str(settings.get("use_vllm", "false")).lower() == "true"
+    if vllm and (importable("vllm") or not node):  # the engine cannot start here; TRL refuses a missing package first
         words += ["--use_vllm", "false"]
     return words
 

@@ -206,6 +206,11 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
         facts["final_model"] = "full state dict" if trainer.is_fsdp_enabled else "whole weights"
         if final is not None and "adapter_model.safetensors" in final["weights"]:
             facts["final_model"] = "LoRA adapter" + (" (full state dict gathered)" if trainer.is_fsdp_enabled else "")
+    if trainer.args.use_liger_kernel:  # as train() does first (transformers' own function; it patches, runs nothing)
+        from transformers.integrations.liger import apply_liger_kernel
+
+        with stage("Liger kernels"):
+            apply_liger_kernel(trainer.model, trainer.args.liger_kernel_config)
     return facts
 
 
