@@ -336,6 +336,8 @@ def summary(outcomes: list[Outcome], ranks: int, batch: Batch) -> str:
         what.append(f"{head['trainable_params']:,} trainable adapter parameters{four}")
     if head.get("rewards"):
         what.append(f"reward functions called: {', '.join(name.rsplit('.', 1)[-1] for name in head['rewards'])}")
+    if head.get("liger"):
+        what.append("Liger's kernels applied")
     what.append(f"final model: {head.get('final_model', '?')}")
     stack = ", ".join(f"{k} {v}" for k, v in versions().items() if k in ("accelerate", "trl", "transformers"))
     cached = " (cached)" if all(o.facts.get("cached") for o in outcomes) else ""

@@ -211,6 +211,7 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
 
         with stage("Liger kernels"):
             apply_liger_kernel(trainer.model, trainer.args.liger_kernel_config)
+        facts["liger"] = True
     return facts
 
 
