@@ -98,6 +98,12 @@ BAD = [
     (["run", "qwen25_kto_ddp", "loss_type=sigmoid"], "loss_type takes one of kto"),
     (["run", "qwen25_sft_ddp", "loss_type=dpo"], "loss_type takes one of nll"),
     (["run", "phi3_dpo_fsdp", "=5"], "is not key=value"),
+    (["run", "phi3_dpo_fsdp", "model_name_or_path="], "model_name_or_path is empty"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "dataset_name="], "dataset_name is empty and no `datasets`"),
+    # what the nodes' extras (the recipe's setup: node-setup.sh train) and CHECKPOINT_ROOT would drop or lack
+    (["run", "phi3_dpo_fsdp", "use_liger_kernel=true"], "the nodes get Liger's kernels with orch's gpu extra"),
+    (["run", "phi3_dpo_fsdp", "report_to=trackio"], "add --track, which installs it"),
+    (["run", "phi3_dpo_fsdp", "output_dir=/data/mine"], "to CHECKPOINT_ROOT/<run>, /checkpoints/<run>, in place of"),
     # recipe and config files
     (["run", LONG], "File name too long"),
     (["run", f"recipes/{LONG}.yaml"], "File name too long"),

@@ -57,6 +57,14 @@ def check_trl(launch: Launch) -> None:
     """TRL config keys and every key=value override exist for the trainer and have the right type."""
     trl_schema.check_config_keys(launch.trainer, launch.paired.trl, launch.envs["TRL_CONFIG"])
     trl_schema.check(launch.trainer, launch.overrides)
+    # what the training entry loads first: an empty value (`model_name_or_path=`, an unset shell variable) would
+    # pass every check that reads the value as a name and fail on the nodes
+    if not str(launch.setting("model_name_or_path", "")).strip():
+        raise OrchError(f"model_name_or_path is empty (from {launch.envs['TRL_CONFIG']} and the key=value overrides); "
+                        "name a Hub model id or a directory the nodes can read")  # fmt: skip
+    if not str(launch.setting("dataset_name", "")).strip() and not launch.setting("datasets"):
+        raise OrchError(f"dataset_name is empty and no `datasets` mixture is set (from {launch.envs['TRL_CONFIG']} and "
+                        "the key=value overrides); name a Hub dataset or a directory, or use --data FILE")  # fmt: skip
 
 
 # What a setting needs on the nodes, which install uv.lock's orch[EXTRAS] as the recipe's setup names them
@@ -99,6 +107,18 @@ def check_extras(launch: Launch) -> None:
             f"add {extra} to the recipe's setup: bash scripts/node-setup.sh {','.join(sorted(extras))},{extra}")
         raise OrchError(f"{key}={needs}: the nodes get {brings} with orch's {extra} extra, which the recipe's setup "
                         f"does not install ({','.join(sorted(extras))}); {how}, or drop {key}={needs}")  # fmt: skip
+
+
+def check_output_dir(launch: Launch) -> None:
+    """On a cluster the nodes write the run to CHECKPOINT_ROOT/<run> (node/script.py), which replaces the TRL
+    output_dir: an output_dir override would be dropped without a word (a local run honours it instead)."""
+    root = launch.envs.get("CHECKPOINT_ROOT", "").strip()
+    if root and "output_dir" in launch.overrides:
+        raise OrchError(
+            f"output_dir={launch.overrides['output_dir']}: on the nodes orch writes the run (checkpoints, resumption, "
+            f"the final model) to CHECKPOINT_ROOT/<run>, {root}/<run>, in place of output_dir; move it with --env "
+            "CHECKPOINT_ROOT=DIR, or drop output_dir="
+        )
 
 
 def rehearse(launch: Launch, checked: Checked) -> str:

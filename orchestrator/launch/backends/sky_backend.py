@@ -202,7 +202,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
             data_file=None) -> int:  # fmt: skip
     from orchestrator.launch import placement, records, secrets, storage
     from orchestrator.launch.backends import sky
-    from orchestrator.launch.checks import check, rehearse
+    from orchestrator.launch.checks import check, check_output_dir, rehearse
     from orchestrator.launch.resolved import fold_setup
 
     flags = options.sky
@@ -215,6 +215,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         dropped = {str(k): None for k in task.get("file_mounts") or {} if k not in kept}
         envs = {**{k: v for k, v in launch.envs.items() if k != "CHECKPOINT_BUCKET"}, "CHECKPOINT_ROOT": root}
         launch = launch.replace(envs=envs, mounts={**launch.mounts, **dropped})
+    check_output_dir(launch)
     bucket, note = launch.envs.get("CHECKPOINT_BUCKET", ""), ""
     if "CHECKPOINT_BUCKET" not in user_envs and storage.shipped_bucket(bucket):
         mine = storage.personal_bucket(launch.recipe.name, storage.user_id())
