@@ -216,7 +216,7 @@ def cp(project, source: str, name: str):
 FINDINGS = dict(
     zip(
         ["packing-cp", "alst-dropped-key", "zero3-no-16bit", "ds-json-accumulation", "ds-json-dpo", "ds-clipping",
-         "tracker-not-installed", "tracker-unknown"],
+         "tracker-not-installed", "tracker-unknown", "optimizer-not-installed"],
         [
             (
                 "qwen3_sft_fsdp_cp",
@@ -262,6 +262,12 @@ FINDINGS = dict(
                 "qwen25_sft_ddp",
                 lambda p, n: edit_env(p / "recipes" / f"{n}.yaml", TRL_OVERRIDES="report_to=weights_and_biases"),
                 "(trackers (report_to): ValueError: weights_and_biases is not supported, only azure_ml, ",
+            ),
+            (
+                # train() looks the optimizer up first, after the model loaded: LOMO's package is not in uv.lock
+                "qwen25_sft_ddp",
+                lambda p, n: edit_env(p / "recipes" / f"{n}.yaml", TRL_OVERRIDES="optim=lomo"),
+                "(optimizer (optim): ImportError: You need to install `lomo_optim` in order to use LOMO optimizers. ",
             ),
         ],
         strict=True,
@@ -448,6 +454,7 @@ def test_a_setting_whose_package_the_nodes_extras_lack_is_refused_before_launch(
                                      "which the recipe's setup does not install (train); add gpu to the recipe's "
                                      "setup: bash scripts/node-setup.sh train,gpu, or drop use_liger_kernel=true"),
         ("load_in_4bit", "true", "load_in_4bit=true: the nodes get bitsandbytes with orch's quant extra"),
+        ("optim", "paged_adamw_8bit", "optim=paged_adamw_8bit: the nodes get bitsandbytes with orch's quant extra"),
     ]:
         with pytest.raises(OrchError) as refused:
             checks.check_extras(resolve(phi3, trl_overrides={key: value}))
@@ -467,6 +474,9 @@ def test_a_setting_whose_package_the_nodes_extras_lack_is_refused_before_launch(
         checks.check_extras(resolve(without))
     for name in RECIPES:  # every recipe's setup installs what its settings need
         checks.check_extras(resolve(recipes.load(str(ROOT / "recipes" / f"{name}.yaml"))))
+    from transformers.trainer_optimizer import _BITSANDBYTES_OPTIMIZERS  # the installed transformers' own list
+
+    assert checks.BNB_OPTIMIZERS == [str(name.value) for name in _BITSANDBYTES_OPTIMIZERS]
 
 
 @pytest.mark.unit

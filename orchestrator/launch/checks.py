@@ -68,27 +68,35 @@ def check_trl(launch: Launch) -> None:
 
 
 # What a setting needs on the nodes, which install uv.lock's orch[EXTRAS] as the recipe's setup names them
-# (scripts/node-setup.sh): (setting, value that needs it, extra, what it brings). This machine's rehearsal may find the
-# package installed (the dev extra has Trackio and bitsandbytes) or swap the setting off (Liger, vLLM: GPU-only).
+# (scripts/node-setup.sh): (setting, the values that need it, extra, what it brings). This machine's rehearsal may find
+# the package installed (the dev extra has Trackio and bitsandbytes) or swap the setting off (Liger, vLLM: GPU-only).
+# BNB_OPTIMIZERS: transformers 5.17's bitsandbytes optimizers (trainer_optimizer._BITSANDBYTES_OPTIMIZERS; a test
+# compares them).
+BNB_OPTIMIZERS = (
+    "adamw_bnb_8bit adamw_8bit paged_adamw_32bit paged_adamw_8bit ademamix ademamix_8bit paged_ademamix_32bit "
+    "paged_ademamix_8bit lion_32bit lion_8bit paged_lion_32bit paged_lion_8bit rmsprop_bnb rmsprop_bnb_8bit "
+    "rmsprop_bnb_32bit"
+).split()
 NEEDS = (
-    ("use_liger_kernel", "true", "gpu", "Liger's kernels"),
-    ("use_vllm", "true", "vllm", "vLLM"),
-    ("load_in_4bit", "true", "quant", "bitsandbytes"),
-    ("report_to", "trackio", "track", "Trackio"),
+    ("use_liger_kernel", ("true",), "gpu", "Liger's kernels"),
+    ("use_vllm", ("true",), "vllm", "vLLM"),
+    ("load_in_4bit", ("true",), "quant", "bitsandbytes"),
+    ("optim", tuple(BNB_OPTIMIZERS), "quant", "bitsandbytes"),
+    ("report_to", ("trackio",), "track", "Trackio"),
 )
 
 
-def node_extras(launch: Launch) -> set[str] | None:
+def node_extras(launch: Launch) -> list[str] | None:
     """The extras the recipe's setup installs on the nodes (`bash scripts/node-setup.sh EXTRAS`, `train` when it names
     none; `orch run --track` adds `track`), or None when its setup does not run node-setup.sh (an image of its own)."""
     setup = str(launch.recipe.task.get("setup") or "")
     if not re.search(r"node-setup\.sh\b", setup):
         return None
-    extras = {"train"}
+    extras = ["train"]  # in the setup's order
     for found in re.findall(r"node-setup\.sh[ \t]+([\w,]+)", setup):
-        extras |= set(found.split(","))
-    if knob(launch.env(), "ORCH_TRACK", "off").lower() != "off":
-        extras.add("track")
+        extras += [extra for extra in found.split(",") if extra and extra not in extras]
+    if knob(launch.env(), "ORCH_TRACK", "off").lower() != "off" and "track" not in extras:
+        extras.append("track")
     return extras
 
 
@@ -98,15 +106,16 @@ def check_extras(launch: Launch) -> None:
     extras = node_extras(launch)
     if extras is None:
         return
-    for key, needs, extra, brings in NEEDS:
+    for key, values, extra, brings in NEEDS:
         value = launch.setting(key, "")
         words = [str(v) for v in value] if isinstance(value, list | tuple) else str(value).split()
-        if needs not in (w.lower() for w in words) or extra in extras:
+        needs = next((w.lower() for w in words if w.lower() in values), None)  # YAML's True reads as true
+        if needs is None or extra in extras:
             continue
         how = "add --track, which installs it and logs every node's curves" if extra == "track" else (
-            f"add {extra} to the recipe's setup: bash scripts/node-setup.sh {','.join(sorted(extras))},{extra}")
+            f"add {extra} to the recipe's setup: bash scripts/node-setup.sh {','.join(extras)},{extra}")
         raise OrchError(f"{key}={needs}: the nodes get {brings} with orch's {extra} extra, which the recipe's setup "
-                        f"does not install ({','.join(sorted(extras))}); {how}, or drop {key}={needs}")  # fmt: skip
+                        f"does not install ({','.join(extras)}); {how}, or drop {key}={needs}")  # fmt: skip
 
 
 def check_output_dir(launch: Launch) -> None:

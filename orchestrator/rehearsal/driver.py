@@ -55,6 +55,12 @@ FIXES = (
     (r"vLLM is not available and `use_vllm` is set to True",
      "the nodes get vLLM with orch's vllm extra (the recipe's setup: bash scripts/node-setup.sh train,gpu,vllm), or "
      "set use_vllm=false"),
+    (r"install `bitsandbytes` in order to use bitsandbytes optimizers",
+     "the nodes get bitsandbytes with orch's quant extra (the recipe's setup: bash scripts/node-setup.sh "
+     "train,quant), or choose another optim"),
+    (r"You need to (install|have) `\S+` in order to use",
+     "the nodes install uv.lock's orch[train] (and the recipe's extras), which does not have it: put the package in "
+     "pyproject.toml's train extra, then `make lock`, or choose another optim"),
     (r"Callback requires \S+ to be installed",
      "the nodes install uv.lock's orch[train], which has no tracker (`orch run --track` adds Trackio and logs every "
      "node's curves to it): put the tracker's package in pyproject.toml's train extra, then `make lock`"),

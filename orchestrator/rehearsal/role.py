@@ -164,6 +164,10 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
     with stage("trainer"):
         trainer = entry.build(parsed, [])
     acc = trainer.accelerator
+    ds_optimizer = trainer.is_deepspeed_enabled and "optimizer" in acc.state.deepspeed_plugin.hf_ds_config.config
+    if not ds_optimizer:  # the optimizer optim names, as train() looks it up first (its package, its arguments)
+        with stage("optimizer (optim)"):
+            trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
     facts = {
         "distributed_type": acc.distributed_type.value,
         "num_processes": acc.num_processes,
