@@ -489,6 +489,8 @@ def test_a_node_swaps_off_only_what_it_has_installed(tmp_path):
     node = driver.substitutions("grpo", settings, tmp_path, "out", node=True)
     assert driver.importable("vllm") is False and driver.importable("liger_kernel") is False  # this machine
     assert laptop[-4:] == ["--use_liger_kernel", "false", "--use_vllm", "false"]
+    # the smoke data has one split: an eval_strategy evaluates on it (TRL's default test split would be a KeyError)
+    assert laptop[laptop.index("--dataset_test_split") + 1] == "train"
     assert "--use_vllm" not in node and "--use_liger_kernel" not in node
     refused = driver.Outcome("head (node 0)", False, {}, "trainer", "ImportError: vLLM is not available and `use_vllm` "
                              "is set to True. Please install vLLM with `pip install trl[vllm]` to use it.")  # fmt: skip

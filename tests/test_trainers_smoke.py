@@ -96,8 +96,16 @@ def check_one_group(result, project, trainer: str, ran: str = "FSDP2"):
 @pytest.mark.parametrize("label", list(RECIPES))
 def test_trainer_smoke_trains_on_two_nodes(project, label):
     recipe, ran = RECIPES[label]
-    result = orch("run", recipe, "--local", "--nodes", "2", "--smoke", cwd=project)
+    evaluated = label == "dpo-zero2"  # an eval_strategy too: evaluation on the smoke data's one split, every 4 steps
+    extra = ["eval_strategy=steps", "eval_steps=4"] if evaluated else []
+    result = orch("run", recipe, "--local", "--nodes", "2", "--smoke", *extra, cwd=project)
     check_one_group(result, project, label.split("-")[0], ran)
+    if evaluated:  # each evaluation's line, with the trainer's own measures eval_-named, and the summary's
+        for step in (4, 8):
+            assert re.search(rf"^\(node0\) \[orch\] eval at step {step}/8: eval_loss=[\d.]+ "
+                             r"eval_rewards/accuracies=[\d.]+ eval_rewards/margins=-?[\d.]+$", result.stdout, re.M)
+        assert re.search(r"^\[orch\] eval_loss: step 4 [\d.]+ -> step 8 [\d.]+ \(2 evaluation\(s\)\)$", result.stdout,
+                         re.M), result.stdout[-3000:]  # fmt: skip
     output_dir = check_adapter(result, project, lora="lora" in label, qlora="qlora" in label)
     if "qlora" in label:  # `orch pull` of a local run: the final model's files from its output dir, no more
         run = re.search(r"^\[orch\] run (\S+):", result.stdout, re.M).group(1)

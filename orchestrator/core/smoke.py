@@ -72,6 +72,7 @@ def trl_overrides(smoke: SmokePlan, settings: Mapping[str, object] | None = None
         "model_name_or_path": str(smoke.dir / "model"),
         "dataset_name": str(smoke.dir / "data"),
         "dataset_train_split": "train",
+        "dataset_test_split": "train",  # the only split: with an eval_strategy, evaluation runs on it
         "dtype": "float32",
         "attn_implementation": "sdpa",
         "use_liger_kernel": "false",

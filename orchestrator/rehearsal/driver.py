@@ -156,6 +156,7 @@ def substitutions(
         "--model_name_or_path", str(smoke_dir / "model"),
         "--dataset_name", str(smoke_dir / "data"),
         "--dataset_train_split", "train",
+        "--dataset_test_split", "train",  # the smoke data's only split: an eval_strategy evaluates on it
         "--output_dir", output_dir,
     ]  # fmt: skip
     if str(settings.get("attn_implementation") or "sdpa") not in PORTABLE_ATTENTION:

@@ -269,6 +269,11 @@ class OrchCallback(TrainerCallback):
         spec = trainers.SPECS.get(name)
         if shown and spec:  # how this trainer's training goes, in TRL's own words (a reward, an accuracy)
             shown += "".join(f" {k}={v:.4g}" for k, v in spec.headline(record))
+        if "eval_loss" in record:  # an evaluation (eval_strategy): its loss and the trainer's measures, eval_-named
+            measured = {k.removeprefix("eval_"): v for k, v in record.items() if k.startswith("eval_")}
+            said = "".join(f" eval_{k}={v:.4g}" for k, v in spec.headline(measured)) if spec else ""
+            print(f"[orch] eval at step {state.global_step}/{state.max_steps}: eval_loss={record['eval_loss']:.6g}"
+                  f"{said}", flush=True)  # fmt: skip
         if shown:
             speed = f" | {self.meter.describe(figures)}" if figures else ""
             print(f"[orch] step {state.global_step}/{state.max_steps} {shown}{speed}", flush=True)

@@ -135,8 +135,9 @@ def summary(output_dir: Path) -> list[str]:
     if head.get("stopped"):
         lines.append(f"[orch] stopped early at step {head['optimizer_steps']}: {head['stopped']}")
     log = output_dir / "orch" / "log.jsonl"
-    losses = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
-    losses = [r for r in losses if "loss" in r]
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+    losses = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
     if losses:
         lines.append(
             f"[orch] loss: step {losses[0]['step']} {losses[0]['loss']:.4f} -> step {losses[-1]['step']} "
@@ -149,6 +150,9 @@ def summary(output_dir: Path) -> list[str]:
                 if key in last:
                     lines.append(f"[orch] {key}: step {losses[0]['step']} {first:.4f} -> step {losses[-1]['step']} "
                                  f"{last[key]:.4f}")  # fmt: skip
+    if evals:  # eval_strategy: the evaluations' loss, first to last
+        lines.append(f"[orch] eval_loss: step {evals[0]['step']} {evals[0]['eval_loss']:.4f} -> step "
+                     f"{evals[-1]['step']} {evals[-1]['eval_loss']:.4f} ({len(evals)} evaluation(s))")  # fmt: skip
     lines.extend(straggler_lines(head.get("stragglers") or {}))
     if head.get("scaling"):
         lines.append(scaling.line(head["scaling"]))
