@@ -320,6 +320,19 @@ def test_a_refusal_names_role_owner_and_fix(findings):
                          "and TRL the value GLOBAL_BATCH_SIZE needs)")  # fmt: skip
 
 
+def test_the_launchs_gpu_is_the_one_the_owners_checks_see(project):
+    """tf32=true: transformers asks the GPU's compute capability (>= 8.0), which the CPU build of torch has none of, so
+    the rehearsal refused it for an A100 as for a T4; it now reports the launch's accelerator's."""
+    command = ["run", "qwen25_kto_ddp", "--dry-run", "--skip-optimizer", "tf32=true", "--env", "GLOBAL_BATCH_SIZE=64"]
+    ampere = orch(*command, "--gpus", "A100:4", cwd=project, env=ON)
+    assert ampere.returncode == 0 and "rehearsed 1 role(s) of 4 rank(s)" in ampere.stdout, ampere.stderr
+    turing = orch(*command, "--gpus", "T4:4", cwd=project, env=ON)
+    assert turing.returncode == 2 and turing.stderr.strip().endswith(
+        "(TRL's parser: ValueError: --tf32 requires Ampere or a newer GPU arch, cuda>=11 and torch>=1.7); TF32 needs "
+        "compute capability 8.0 or more (A100, A10G, L4, L40S, H100; not T4 or V100): set tf32=false"
+    ), turing.stderr
+
+
 def test_an_edit_to_a_config_is_rehearsed_again(project):
     command = ["run", "qwen25_kto_ddp", "--gpus", "L4:2", "--dry-run", "--skip-optimizer"]
     first = orch(*command, cwd=project, env=ON)  # 1 x L4:2: a shape the matrix does not rehearse
@@ -491,6 +504,9 @@ def test_a_node_swaps_off_only_what_it_has_installed(tmp_path):
     assert laptop[-4:] == ["--use_liger_kernel", "false", "--use_vllm", "false"]
     # the smoke data has one split: an eval_strategy evaluates on it (TRL's default test split would be a KeyError)
     assert laptop[laptop.index("--dataset_test_split") + 1] == "train"
+    # TRL 1.16's DPO and KTO trainers precompute the reference log-probs in their constructor, on the GPU: swapped off
+    precomputed = driver.substitutions("dpo", {"precompute_ref_log_probs": True}, tmp_path, "out", node=True)
+    assert precomputed[-2:] == ["--precompute_ref_log_probs", "false"]
     assert "--use_vllm" not in node and "--use_liger_kernel" not in node
     refused = driver.Outcome("head (node 0)", False, {}, "trainer", "ImportError: vLLM is not available and `use_vllm` "
                              "is set to True. Please install vLLM with `pip install trl[vllm]` to use it.")  # fmt: skip

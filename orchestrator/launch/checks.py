@@ -13,6 +13,7 @@ import re
 from typing import NamedTuple
 
 from orchestrator.core import memory, slots, trl_schema
+from orchestrator.core.accelerators import CUDA_CAPABILITY
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
 from orchestrator.core.overrides import truthy
@@ -159,6 +160,7 @@ def rehearse(launch: Launch, checked: Checked) -> str:
         devices=launch.gpus_per_node,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
         quantized=quantized,
+        capability=CUDA_CAPABILITY.get(str(launch.gpus.name).upper()) if launch.gpus and launch.gpus.name else None,
     )
     (outcomes,) = driver.rehearse_batches([batch], launch.recipe.workdir)
     for outcome in outcomes:

@@ -58,6 +58,8 @@ FIXES = (
     (r"install `bitsandbytes` in order to use bitsandbytes optimizers",
      "the nodes get bitsandbytes with orch's quant extra (the recipe's setup: bash scripts/node-setup.sh "
      "train,quant), or choose another optim"),
+    (r"--tf32 requires Ampere or a newer GPU arch",
+     "TF32 needs compute capability 8.0 or more (A100, A10G, L4, L40S, H100; not T4 or V100): set tf32=false"),
     (r"You need to (install|have) `\S+` in order to use",
      "the nodes install uv.lock's orch[train] (and the recipe's extras), which does not have it: put the package in "
      "pyproject.toml's train extra, then `make lock`, or choose another optim"),
@@ -88,6 +90,8 @@ class Batch(NamedTuple):
     """(model type, trainer, cache dir) of the tiny model and data the substitutions point at."""
     quantized: bool = False
     """load_in_4bit: the rehearsal quantises on CPU (orchestrator/rehearsal/role.py)."""
+    capability: tuple[int, int] | None = None
+    """The GPU's CUDA compute capability, which the fake CUDA reports (tf32 needs 8.0); None: (9, 0)."""
 
 
 class Outcome(NamedTuple):
@@ -163,6 +167,8 @@ def substitutions(
         words += ["--attn_implementation", "sdpa"]
     if str(settings.get("use_liger_kernel", "false")).lower() == "true" and not importable("liger_kernel") and not node:
         words += ["--use_liger_kernel", "false"]
+    if str(settings.get("precompute_ref_log_probs", "false")).lower() == "true":  # the reference model over the whole
+        words += ["--precompute_ref_log_probs", "false"]  # dataset on the GPU, in TRL's trainer constructor
     vllm = trainers.spec(trainer).generates and str(settings.get("use_vllm", "false")).lower() == "true"
     if vllm and (importable("vllm") or not node):  # the engine cannot start here; TRL refuses a missing package first
         words += ["--use_vllm", "false"]
@@ -179,6 +185,8 @@ def swaps(batch: Batch) -> list[str]:
         out.append("no Liger")
     if "--use_vllm" in words:
         out.append("no vLLM engine")
+    if "--precompute_ref_log_probs" in words:
+        out.append("reference log-probs not precomputed")
     if batch.quantized:
         out.append("4-bit weights quantised on CPU")
     return out
@@ -211,6 +219,8 @@ def _keyed(argv: list[str], substitute: list[str]) -> list[str]:
 def cache_key(batch: Batch, workdir: Path) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps([batch.trainer, batch.devices, batch.smoke, batch.substitute, versions()]).encode())
+    if batch.capability:  # (not in the key before: a cache made then stays valid for the default)
+        digest.update(json.dumps(list(batch.capability)).encode())
     for role in batch.roles:
         digest.update(json.dumps([_keyed(role.argv, batch.substitute), role.env, role.role]).encode())
         for content in _files_named(role.argv, workdir):
@@ -259,6 +269,7 @@ def _run(batches: list[Batch], workdir: Path, parallel: int) -> list[list[Outcom
             {
                 "trainer": b.trainer,
                 "devices": b.devices,
+                "capability": list(b.capability) if b.capability else None,
                 "smoke": list(b.smoke),
                 "roles": [
                     {"argv": list(r.argv), "env": dict(r.env), "role": r.role, "substitute": b.substitute}

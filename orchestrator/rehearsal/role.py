@@ -128,7 +128,18 @@ def _fake_cuda(devices: int) -> None:
     torch.cuda.current_device = lambda: 0
     torch.cuda.is_bf16_supported = lambda *a, **k: True
     torch.cuda.get_device_name = lambda *a, **k: "rehearsal"
-    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # each role sets its launch's (_capability)
+
+
+def _capability(capability: tuple[int, int]) -> None:
+    """The launch's GPU as the owners' checks read it: its compute capability, and TF32 where it is >= 8.0 (transformers
+    asks torch.version.cuda and the device's properties, None and absent on a CPU build: `tf32=true` was refused for
+    an A100 as for a T4)."""
+    import torch
+    from transformers import training_args
+
+    torch.cuda.get_device_capability = lambda *a, **k: capability
+    training_args.is_torch_tf32_available = lambda: capability[0] >= 8
 
 
 def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list[str], devices: int) -> dict:
@@ -328,6 +339,7 @@ def _fork(spec: dict) -> tuple[int, int]:
             import torch
 
             torch.cuda.device_count = lambda: spec["devices"]  # this launch's GPUs per node
+            _capability(tuple(spec.get("capability") or (9, 0)))
         captured = io.StringIO()
         with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
             result = _run_role(spec)
@@ -363,7 +375,7 @@ def main() -> None:
         _preimport({b["trainer"] for b in batches})
         _build_artifacts({tuple(b["smoke"]) for b in batches})
     jobs = [
-        (f"{i}.{j}", {**role, "devices": b["devices"]})
+        (f"{i}.{j}", {**role, "devices": b["devices"], "capability": b.get("capability")})
         for i, b in enumerate(batches)
         for j, role in enumerate(b["roles"])
     ]
