@@ -150,6 +150,46 @@ def test_a_hub_that_cannot_be_reached_is_named_as_the_network_not_the_data():
 
 
 @pytest.mark.e2e
+def test_assistant_only_loss_is_checked_against_the_models_own_chat_template(tmp_path):
+    """TRL's SFT trainer masks the loss to the assistant's turns with a template's `{% generation %}` markers, patching
+    the templates it knows and refusing others, when the trainer is built on the nodes: the data check asks TRL with
+    the model's own tokenizer (the rehearsal's tiny model has a template with markers, so it cannot tell)."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from orchestrator.core import smoke
+
+    tiny = smoke.plan("Qwen/Qwen2.5-0.5B-Instruct", "sft")
+    smoke.ensure(tiny)
+    data = tmp_path / "chats"
+    data.mkdir()
+    turns = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    (data / "train.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    own = AutoTokenizer.from_pretrained(tiny.dir / "model")
+    own.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"  # unknown to TRL
+    own.save_pretrained(tmp_path / "own")
+
+    def check(model) -> dict:
+        request = {"dataset": str(data), "config": None, "split": "train", "model": str(model), "trainer": "sft",
+                   "chat_template_path": None, "assistant_only_loss": True}  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "orchestrator.rehearsal.data"], input=json.dumps(request),
+                              capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+        return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("ORCH_DATA ")).split(" ", 1)[1])
+
+    refused = check(tmp_path / "own")
+    assert refused["fatal"] is True and refused["error"].startswith(
+        f"assistant_only_loss=true with {tmp_path / 'own'}'s chat template: ValueError: The chat template is not "
+        "training-compatible"
+    ), refused
+    assert refused["error"].endswith("; set chat_template_path to a template with generation markers")
+    accepted = check(tiny.dir / "model")
+    assert "fatal" not in accepted and accepted["conversational"] is True, accepted
+
+
+@pytest.mark.e2e
 def test_a_hub_style_dataset_is_checked_one_row_before_a_cloud_launch(project):
     """`orch run` streams one row of the recipe's dataset (here a dataset saved to disk, read by datasets' streaming
     loader as a Hub dataset would be), checks its columns, applies the model's chat template and says what

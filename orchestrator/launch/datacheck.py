@@ -31,6 +31,7 @@ def run(launch: Launch) -> str | None:
         "model": str(launch.setting("model_name_or_path", "")),
         "trainer": launch.trainer,
         "chat_template_path": launch.setting("chat_template_path"),
+        "assistant_only_loss": str(launch.setting("assistant_only_loss", "false")).lower() == "true",
     }
     try:
         done = subprocess.run([sys.executable, "-m", "orchestrator.rehearsal.data"], input=json.dumps(request),

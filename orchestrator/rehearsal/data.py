@@ -118,6 +118,15 @@ def check(request: dict) -> dict:
             "error": f"{request['model']}'s tokenizer has no chat template and {name}'s rows are conversational: "
             "use an instruct model or set chat_template_path in the TRL config",
         }
+    if request.get("assistant_only_loss") and chat:  # TRL's SFT trainer patches a known template, refuses others
+        from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+        if not has_generation_markers(tokenizer.chat_template):
+            try:
+                get_training_chat_template(tokenizer)
+            except ValueError as exc:
+                return {**out, "fatal": True, "error": f"assistant_only_loss=true with {request['model']}'s chat "
+                        f"template: {_why(exc)}; set chat_template_path to a template with generation markers"}
     lengths = []
     for text in texts:
         if dataset_format.conversational(text):

@@ -27,8 +27,13 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# The assistant's turn inside `{% generation %}` markers (they render nothing): TRL's SFT trainer then masks the loss
+# to it with assistant_only_loss=true, as it does for the families' real templates, which it patches (a template it
+# cannot patch, as this one without markers, is refused: the rehearsal refused assistant_only_loss for every recipe).
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}<|assistant|>\n{% generation %}"
+    "{{ message['content'] }}<|end|>{% endgeneration %}{{ '\\n' }}{% else %}<|{{ message['role'] }}|>\n"
+    "{{ message['content'] }}<|end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 ROWS = 128
