@@ -104,6 +104,10 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "use_liger_kernel=true"], "the nodes get Liger's kernels with orch's gpu extra"),
     (["run", "phi3_dpo_fsdp", "report_to=trackio"], "add --track, which installs it"),
     (["run", "phi3_dpo_fsdp", "output_dir=/data/mine"], "to CHECKPOINT_ROOT/<run>, /checkpoints/<run>, in place of"),
+    # GRPO's vLLM: a server the trainers would wait 240 s for on paid GPUs, or one that would serve nobody
+    (["run", "qwen25_grpo_ddp", "vllm_mode=server"], "vllm_mode=server and no vLLM server to reach"),
+    (["run", "qwen25_grpo_vllm_server", "vllm_mode=colocate"], "runs a vLLM server the trainers would not use"),
+    (["run", "qwen25_grpo_vllm_server", "use_vllm=false"], "would not use (use_vllm is off)"),
     # recipe and config files
     (["run", LONG], "File name too long"),
     (["run", f"recipes/{LONG}.yaml"], "File name too long"),

@@ -196,7 +196,8 @@ def test_every_batch_fix_a_refusal_offers_is_one_the_node_takes(trainer, global_
 # ---------------------------------------------------------------- vLLM server node (GRPO)
 
 GRPO = {"TRL_TRAINER": "grpo", "VLLM_SERVER_NODES": "1", "GLOBAL_BATCH_SIZE": "256"}
-GRPO_TRL = {"model_name_or_path": "Qwen/Qwen2.5-1.5B-Instruct", "per_device_train_batch_size": 8}
+GRPO_TRL = {"model_name_or_path": "Qwen/Qwen2.5-1.5B-Instruct", "per_device_train_batch_size": 8, "use_vllm": True,
+            "vllm_mode": "server"}  # fmt: skip
 
 
 def test_vllm_server_node_and_trainers():

@@ -140,6 +140,7 @@ def plan(
             f"VLLM_SERVER_NODES={serving}: a vLLM server node needs its own address, and {cluster.source}'s variables "
             "name the head node only; run GRPO with vLLM colocated (VLLM_SERVER_NODES=0) there"
         )
+    vllm.check_mode(serving, settings, recipe.trainer)  # on the trainers (every launch's previews have one)
     trainers = cluster._replace(nodes=cluster.nodes - serving, node_ips=cluster.node_ips[: cluster.nodes - serving])
     decided = vllm.trainer_arguments(env, cluster) if serving else []
 

@@ -34,6 +34,26 @@ def server_nodes(env: Mapping[str, str], cluster: Topology, trainer: str) -> int
     return int(raw)
 
 
+def check_mode(serving: int, settings: Mapping, trainer: str) -> None:
+    """The trainers' vllm_mode against the server node: `server` with none to reach would have every trainer wait for
+    TRL's client timeout (vllm_server_timeout, 240 s) on paid GPUs; a server node the trainers do not use serves
+    nobody."""
+    if not trainers.spec(trainer).generates:
+        return
+    used = str(settings.get("use_vllm", False)).strip().lower() == "true"
+    mode = str(settings.get("vllm_mode") or "colocate").strip()
+    named = settings.get("vllm_server_base_url") or str(settings.get("vllm_server_host") or "0.0.0.0") != "0.0.0.0"
+    if used and mode == "server" and not serving and not named:
+        raise OrchError(
+            "vllm_mode=server and no vLLM server to reach: VLLM_SERVER_NODES=1 runs one on the last node (as "
+            "qwen25_grpo_vllm_server does), vllm_server_base_url names one of yours, or use vllm_mode=colocate"
+        )
+    if serving and not (used and mode == "server"):
+        why = "use_vllm is off" if not used else f"vllm_mode={mode}"
+        raise OrchError(f"VLLM_SERVER_NODES={serving} runs a vLLM server the trainers would not use ({why}): set "
+                        "use_vllm=true vllm_mode=server, or VLLM_SERVER_NODES: 0")  # fmt: skip
+
+
 def server_argv(env: Mapping[str, str], settings: Mapping, gpus: int) -> list[str]:
     """`trl vllm-serve` for the last node."""
     model = settings.get("model_name_or_path")
