@@ -28,6 +28,7 @@ from orchestrator.core import home, trainers
 from orchestrator.node.plan import NodePlan
 
 PORTABLE_ATTENTION = ("sdpa", "eager")
+DEFAULT_CAPABILITY = (9, 0)  # what the fake CUDA reports for a GPU orch has no capability for (role._capability)
 STACK = ("torch", "transformers", "trl", "accelerate", "deepspeed", "datasets")
 PROCESS_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -91,7 +92,7 @@ class Batch(NamedTuple):
     quantized: bool = False
     """load_in_4bit: the rehearsal quantises on CPU (orchestrator/rehearsal/role.py)."""
     capability: tuple[int, int] | None = None
-    """The GPU's CUDA compute capability, which the fake CUDA reports (tf32 needs 8.0); None: (9, 0)."""
+    """The GPU's CUDA compute capability, which the fake CUDA reports (tf32 needs 8.0); None: DEFAULT_CAPABILITY."""
 
 
 class Outcome(NamedTuple):
@@ -219,7 +220,7 @@ def _keyed(argv: list[str], substitute: list[str]) -> list[str]:
 def cache_key(batch: Batch, workdir: Path) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps([batch.trainer, batch.devices, batch.smoke, batch.substitute, versions()]).encode())
-    if batch.capability:  # (not in the key before: a cache made then stays valid for the default)
+    if batch.capability and tuple(batch.capability) != DEFAULT_CAPABILITY:  # the default's key is the unnamed GPU's
         digest.update(json.dumps(list(batch.capability)).encode())
     for role in batch.roles:
         digest.update(json.dumps([_keyed(role.argv, batch.substitute), role.env, role.role]).encode())
@@ -269,7 +270,7 @@ def _run(batches: list[Batch], workdir: Path, parallel: int) -> list[list[Outcom
             {
                 "trainer": b.trainer,
                 "devices": b.devices,
-                "capability": list(b.capability) if b.capability else None,
+                "capability": list(b.capability or DEFAULT_CAPABILITY),
                 "smoke": list(b.smoke),
                 "roles": [
                     {"argv": list(r.argv), "env": dict(r.env), "role": r.role, "substitute": b.substitute}
