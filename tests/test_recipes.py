@@ -155,29 +155,23 @@ def test_assistant_only_loss_is_checked_against_the_models_own_chat_template(tmp
     the templates it knows and refusing others, when the trainer is built on the nodes: the data check asks TRL with
     the model's own tokenizer (the rehearsal's tiny model has a template with markers, so it cannot tell)."""
     import json
-    import subprocess
-    import sys
 
-    from transformers import AutoTokenizer
+    from orchestrator.train import smoke_build
 
-    from orchestrator.core import smoke
-
-    tiny = smoke.plan("Qwen/Qwen2.5-0.5B-Instruct", "sft")
-    smoke.ensure(tiny)
     data = tmp_path / "chats"
     data.mkdir()
     turns = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
     (data / "train.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
-    own = AutoTokenizer.from_pretrained(tiny.dir / "model")
-    own.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"  # unknown to TRL
-    own.save_pretrained(tmp_path / "own")
+    smoke = smoke_build._tokenizer([json.dumps(turns)] * 4)  # the smoke models' tokenizer: its template has markers
+    smoke.save_pretrained(tmp_path / "smoke")
+    smoke.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"  # unknown to TRL
+    smoke.save_pretrained(tmp_path / "own")
 
-    def check(model) -> dict:
-        request = {"dataset": str(data), "config": None, "split": "train", "model": str(model), "trainer": "sft",
-                   "chat_template_path": None, "assistant_only_loss": True}  # fmt: skip
-        done = subprocess.run([sys.executable, "-m", "orchestrator.rehearsal.data"], input=json.dumps(request),
-                              capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
-        return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("ORCH_DATA ")).split(" ", 1)[1])
+    def check(model) -> dict:  # the data check's own function, in this process (its CLI reads the same JSON)
+        from orchestrator.rehearsal import data as datacheck
+
+        return datacheck.check({"dataset": str(data), "config": None, "split": "train", "model": str(model),
+                                "trainer": "sft", "chat_template_path": None, "assistant_only_loss": True})  # fmt: skip
 
     refused = check(tmp_path / "own")
     assert refused["fatal"] is True and refused["error"].startswith(
@@ -185,7 +179,7 @@ def test_assistant_only_loss_is_checked_against_the_models_own_chat_template(tmp
         "training-compatible"
     ), refused
     assert refused["error"].endswith("; set chat_template_path to a template with generation markers")
-    accepted = check(tiny.dir / "model")
+    accepted = check(tmp_path / "smoke")
     assert "fatal" not in accepted and accepted["conversational"] is True, accepted
 
 

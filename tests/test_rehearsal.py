@@ -9,6 +9,7 @@ these tests turn it on.
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -320,17 +321,49 @@ def test_a_refusal_names_role_owner_and_fix(findings):
                          "and TRL the value GLOBAL_BATCH_SIZE needs)")  # fmt: skip
 
 
-def test_the_launchs_gpu_is_the_one_the_owners_checks_see(project):
+def test_the_launchs_gpu_and_the_nodes_packages_are_what_the_owners_checks_see(project):
     """tf32=true: transformers asks the GPU's compute capability (>= 8.0), which the CPU build of torch has none of, so
-    the rehearsal refused it for an A100 as for a T4; it now reports the launch's accelerator's."""
-    command = ["run", "qwen25_kto_ddp", "--dry-run", "--skip-optimizer", "tf32=true", "--env", "GLOBAL_BATCH_SIZE=64"]
-    ampere = orch(*command, "--gpus", "A100:4", cwd=project, env=ON)
-    assert ampere.returncode == 0 and "rehearsed 1 role(s) of 4 rank(s)" in ampere.stdout, ampere.stderr
-    turing = orch(*command, "--gpus", "T4:4", cwd=project, env=ON)
-    assert turing.returncode == 2 and turing.stderr.strip().endswith(
-        "(TRL's parser: ValueError: --tf32 requires Ampere or a newer GPU arch, cuda>=11 and torch>=1.7); TF32 needs "
-        "compute capability 8.0 or more (A100, A10G, L4, L40S, H100; not T4 or V100): set tf32=false"
-    ), turing.stderr
+    the rehearsal refused it for an A100 as for a T4; it now reports the launch's accelerator's (core/accelerators
+    CUDA_CAPABILITY, as `orch run` passes it). Both in one rehearsal process."""
+    from orchestrator.core.accelerators import CUDA_CAPABILITY
+
+    path = ROOT / "recipes" / "qwen25_kto_ddp.yaml"
+    batch, _ = batch_for(path, 1, 4, trl_overrides={"tf32": "true"}, envs={"GLOBAL_BATCH_SIZE": "64"})
+    ampere, turing = (batch._replace(capability=CUDA_CAPABILITY[name]) for name in ("A100", "T4"))
+    # and a head node's own packages: Liger (orch's gpu extra) is not installed here, which a laptop's rehearsal swaps
+    # off and a node's refuses, as the ranks' first step would (transformers' apply_liger_kernel)
+    sft, plans = batch_for(ROOT / "recipes" / "qwen25_sft_ddp.yaml", 1, 4, envs={"GLOBAL_BATCH_SIZE": "64"})
+    node = sft._replace(substitute=driver.substitutions("sft", plans[0].settings, Path(sft.smoke[2]),
+                                                        driver.output_dir(), node=True))  # fmt: skip
+    (a100,), (t4,), (liger,) = driver.rehearse_batches([ampere, turing, node], project, parallel=2)
+    assert not liger.ok and (liger.stage, liger.error) == ("Liger kernels", "ImportError: You have set "
+        "`use_liger_kernel` to `True` but liger-kernel >= 0.3.0 is not available. Please install it with `pip install "
+        "liger-kernel`")  # fmt: skip
+    assert liger.fix() == "the nodes get Liger with orch's gpu extra (the recipe's setup: bash scripts/node-setup.sh " \
+        "train,gpu), or set use_liger_kernel=false"  # fmt: skip
+    assert a100.ok, (a100.stage, a100.error)
+    assert not t4.ok and (t4.stage, t4.error) == (
+        "TRL's parser", "ValueError: --tf32 requires Ampere or a newer GPU arch, cuda>=11 and torch>=1.7"
+    )
+    assert t4.fix() == "TF32 needs compute capability 8.0 or more (A100, A10G, L4, L40S, H100; not T4 or V100): set " \
+        "tf32=false"  # fmt: skip
+    # and `orch run --gpus T4:4` hands the rehearsal that capability
+    from orchestrator.launch import checks
+
+    handed = []
+
+    def capture(batches, *args, **kwargs):
+        handed.extend(batches)
+        raise _Built
+
+    launch = resolve(recipes.load(str(path)), nodes=1, gpus=Gpus("T4", 4), envs={"GLOBAL_BATCH_SIZE": "64"})
+    original, driver.rehearse_batches = driver.rehearse_batches, capture
+    try:
+        with pytest.raises(_Built):
+            checks.rehearse(launch, checks.Checked(previews(launch), None))
+    finally:
+        driver.rehearse_batches = original
+    assert [b.capability for b in handed] == [(7, 5)]
 
 
 def test_an_edit_to_a_config_is_rehearsed_again(project):
@@ -361,16 +394,8 @@ SETUP_ENV = {
 
 
 def test_node_rehearses_in_setup_on_the_head_only():
-    """The head node rehearses in its own environment, the ranks': this machine has no Liger (orch's gpu extra), which
-    a laptop's rehearsal swaps off and a node's refuses, as the ranks' first step would (transformers' own check)."""
-    head = orch("node", "--rehearse", env={**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0"})
-    assert head.returncode == 2, head.stdout[-2000:]
-    assert head.stderr == (
-        "orch: error: rehearsal: the head (node 0) would fail on its GPUs (Liger kernels: ImportError: You have set "
-        "`use_liger_kernel` to `True` but liger-kernel >= 0.3.0 is not available. Please install it with `pip install "
-        "liger-kernel`); the nodes get Liger with orch's gpu extra (the recipe's setup: bash scripts/node-setup.sh "
-        "train,gpu), or set use_liger_kernel=false\n"
-    )
+    """(Liger off: the head node rehearses in its own environment, which here has no Liger; the refusal is
+    test_the_launchs_gpu_and_the_nodes_packages_are_what_the_owners_checks_see.)"""
     env = {**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0", "TRL_OVERRIDES": "use_liger_kernel=false"}
     head = orch("node", "--rehearse", env=env)
     assert head.returncode == 0, head.stderr
