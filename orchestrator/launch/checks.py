@@ -78,10 +78,10 @@ BNB_OPTIMIZERS = (
     "paged_ademamix_8bit lion_32bit lion_8bit paged_lion_32bit paged_lion_8bit rmsprop_bnb rmsprop_bnb_8bit "
     "rmsprop_bnb_32bit"
 ).split()
-NEEDS = (
-    ("use_liger_kernel", ("true",), "gpu", "Liger's kernels"),
-    ("use_vllm", ("true",), "vllm", "vLLM"),
-    ("load_in_4bit", ("true",), "quant", "bitsandbytes"),
+NEEDS = (  # values None: a boolean setting, on (overrides.truthy: true, 1, yes, as TRL's parser reads it)
+    ("use_liger_kernel", None, "gpu", "Liger's kernels"),
+    ("use_vllm", None, "vllm", "vLLM"),
+    ("load_in_4bit", None, "quant", "bitsandbytes"),
     ("optim", tuple(BNB_OPTIMIZERS), "quant", "bitsandbytes"),
     ("report_to", ("trackio",), "track", "Trackio"),
 )
@@ -110,7 +110,10 @@ def check_extras(launch: Launch) -> None:
     for key, values, extra, brings in NEEDS:
         value = launch.setting(key, "")
         words = [str(v) for v in value] if isinstance(value, list | tuple) else str(value).split()
-        needs = next((w.lower() for w in words if w.lower() in values), None)  # YAML's True reads as true
+        if values is None:
+            needs = "true" if truthy(value) else None
+        else:
+            needs = next((w.lower() for w in words if w.lower() in values), None)
         if needs is None or extra in extras:
             continue
         how = "add --track, which installs it and logs every node's curves" if extra == "track" else (

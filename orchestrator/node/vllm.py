@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from orchestrator.core import trainers
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import env_port, knob
+from orchestrator.core.overrides import truthy
 from orchestrator.core.topology import Topology
 
 DEFAULT_PORT = 8000
@@ -40,7 +41,7 @@ def check_mode(serving: int, settings: Mapping, trainer: str) -> None:
     nobody."""
     if not trainers.spec(trainer).generates:
         return
-    used = str(settings.get("use_vllm", False)).strip().lower() == "true"
+    used = truthy(settings.get("use_vllm", False))  # as core/fit.py reads it (TRL takes 1, yes, true)
     mode = str(settings.get("vllm_mode") or "colocate").strip()
     named = settings.get("vllm_server_base_url") or str(settings.get("vllm_server_host") or "0.0.0.0") != "0.0.0.0"
     if used and mode == "server" and not serving and not named:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from orchestrator.core import home, trainers
+from orchestrator.core.overrides import truthy
 from orchestrator.node.plan import NodePlan
 
 PORTABLE_ATTENTION = ("sdpa", "eager")
@@ -166,11 +167,11 @@ def substitutions(
     ]  # fmt: skip
     if str(settings.get("attn_implementation") or "sdpa") not in PORTABLE_ATTENTION:
         words += ["--attn_implementation", "sdpa"]
-    if str(settings.get("use_liger_kernel", "false")).lower() == "true" and not importable("liger_kernel") and not node:
+    if truthy(settings.get("use_liger_kernel", False)) and not importable("liger_kernel") and not node:
         words += ["--use_liger_kernel", "false"]
-    if str(settings.get("precompute_ref_log_probs", "false")).lower() == "true":  # the reference model over the whole
+    if truthy(settings.get("precompute_ref_log_probs", False)):  # the reference model over the whole
         words += ["--precompute_ref_log_probs", "false"]  # dataset on the GPU, in TRL's trainer constructor
-    vllm = trainers.spec(trainer).generates and str(settings.get("use_vllm", "false")).lower() == "true"
+    vllm = trainers.spec(trainer).generates and truthy(settings.get("use_vllm", False))
     if vllm and (importable("vllm") or not node):  # the engine cannot start here; TRL refuses a missing package first
         words += ["--use_vllm", "false"]
     return words

@@ -339,7 +339,7 @@ def _fork(spec: dict) -> tuple[int, int]:
             import torch
 
             torch.cuda.device_count = lambda: spec["devices"]  # this launch's GPUs per node
-            _capability(tuple(spec.get("capability") or (9, 0)))  # driver.DEFAULT_CAPABILITY when unnamed
+            _capability(tuple(spec["capability"]))  # the launch's GPU, driver.DEFAULT_CAPABILITY when unnamed
         captured = io.StringIO()
         with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
             result = _run_role(spec)
