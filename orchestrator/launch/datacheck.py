@@ -11,6 +11,7 @@ import sys
 
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
+from orchestrator.core.overrides import truthy
 from orchestrator.launch.resolved import Launch
 
 TIMEOUT_S = 180
@@ -31,7 +32,7 @@ def run(launch: Launch) -> str | None:
         "model": str(launch.setting("model_name_or_path", "")),
         "trainer": launch.trainer,
         "chat_template_path": launch.setting("chat_template_path"),
-        "assistant_only_loss": str(launch.setting("assistant_only_loss", "false")).lower() == "true",
+        "assistant_only_loss": truthy(launch.setting("assistant_only_loss", False)),
     }
     try:
         done = subprocess.run([sys.executable, "-m", "orchestrator.rehearsal.data"], input=json.dumps(request),
