@@ -197,6 +197,11 @@ BAD = [
     (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", "hello.jsonl"], "has column messages as str"),
     (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", "/dev/zero.jsonl"], "no such file"),
     (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", ""], "give a JSON Lines (.jsonl) or Parquet"),
+    # a --data file is one split, train: an evaluation would look for `test` on the nodes, after the model loaded
+    (["run", "qwen25_sft_ddp", "--data", "chat.jsonl", "eval_strategy=steps"], "--data gives one split, train, and "
+     "eval_strategy=steps evaluates on dataset_test_split=test: add dataset_test_split=train"),
+    (["run", "qwen25_sft_ddp", "--local", "--data", "chat.jsonl", "eval_strategy=epoch", "dataset_test_split=dev"],
+     "eval_strategy=epoch evaluates on dataset_test_split=dev"),
 ]
 
 
@@ -249,6 +254,8 @@ def bad_project(project):
     (project / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     (project / "corrupt.parquet").write_bytes(b"PAR1" + os.urandom(200) + b"PAR1")
     (project / "hello.jsonl").write_text('{"messages": "hello"}\n')
+    (project / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", '
+                                        '"content": "Hello!"}]}\n')
     (recipes / "linked").mkdir()
     (recipes / "linked" / "trl").symlink_to(project / "outside")  # a linked folder leading out of recipes/
     (project / "outside").mkdir()

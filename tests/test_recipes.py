@@ -184,6 +184,33 @@ def test_assistant_only_loss_is_checked_against_the_models_own_chat_template(tmp
 
 
 @pytest.mark.e2e
+def test_an_evaluation_split_the_dataset_lacks_is_refused_before_launch(tmp_path):
+    """With an eval_strategy, TRL's scripts look dataset_test_split (default `test`) up on the nodes, after the model
+    loaded: the data check streams a row of it too (launch/datacheck.py sends the split with the strategy)."""
+    import json
+
+    from orchestrator.rehearsal import data as datacheck
+
+    data = tmp_path / "chats"
+    data.mkdir()
+    turns = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    (data / "train.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+
+    def check(split) -> dict:
+        return datacheck.check({"dataset": str(data), "config": None, "split": "train", "model": str(tmp_path / "none"),
+                                "trainer": "sft", "eval": {"split": split, "strategy": "steps"}})  # fmt: skip
+
+    assert check("test") == {
+        "fatal": True,
+        "error": f"dataset {data}: eval_strategy=steps evaluates on dataset_test_split=test, which it lacks "
+        "(ValueError: Bad split: test. Available splits: ['train']); set dataset_test_split to one of its splits, "
+        "or eval_strategy=no",
+    }
+    accepted = check("train")
+    assert "fatal" not in accepted and accepted["columns"] == ["messages"], accepted
+
+
+@pytest.mark.e2e
 def test_a_hub_style_dataset_is_checked_one_row_before_a_cloud_launch(project):
     """`orch run` streams one row of the recipe's dataset (here a dataset saved to disk, read by datasets' streaming
     loader as a Hub dataset would be), checks its columns, applies the model's chat template and says what

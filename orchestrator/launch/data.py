@@ -105,6 +105,17 @@ def use(file: str, trainer: str, local: bool, smoke: bool, user_overrides: dict[
     return path
 
 
+def check_eval(launch, smoke: bool) -> None:
+    """The file is one split, `train`: an eval_strategy evaluates on dataset_test_split (TRL's default `test`), which
+    the nodes would look up after the model loaded (KeyError: 'test'). Smoke runs evaluate on `train` already."""
+    strategy = str(launch.setting("eval_strategy", "no")).strip().lower()
+    split = str(launch.setting("dataset_test_split", "test"))
+    if smoke or strategy == "no" or split == "train":
+        return
+    raise OrchError(f"--data gives one split, train, and eval_strategy={strategy} evaluates on dataset_test_split="
+                    f"{split}: add dataset_test_split=train to evaluate on the same rows, or eval_strategy=no")
+
+
 def mount(launch, path: Path):
     """A cloud task reads the file from DATA_MOUNT (SkyPilot uploads it with the task): the launch with that mount.
     SkyPilot's rsync of a mount's source runs in a shell on this machine: a path holding anything but plain

@@ -78,6 +78,26 @@ def _unreachable(name: str) -> str | None:
     return None
 
 
+def _eval_split(request: dict) -> dict | None:
+    """With an eval_strategy, the split the nodes evaluate on must exist (and hold a row): the refusal, or None."""
+    if not request.get("eval"):
+        return None
+    from datasets import load_dataset
+
+    name, split, strategy = request["dataset"], request["eval"]["split"], request["eval"]["strategy"]
+    why = f"eval_strategy={strategy} evaluates on dataset_test_split={split}"
+    fix = "set dataset_test_split to one of its splits, or eval_strategy=no"
+    try:
+        next(iter(load_dataset(name, request.get("config"), split=split, streaming=True)))
+    except StopIteration:
+        return {"fatal": True, "error": f"dataset {name} has no rows in split {split} ({why}); {fix}"}
+    except (FileNotFoundError, ValueError) as exc:
+        return {"fatal": True, "error": f"dataset {name}: {why}, which it lacks ({_why(exc)}); {fix}"}
+    except Exception:  # noqa: BLE001 - network, auth: as for the training split, not the run's fault
+        return None
+    return None
+
+
 def check(request: dict) -> dict:
     name, trainer = request["dataset"], request["trainer"]
     unreachable = _unreachable(name)
@@ -94,6 +114,9 @@ def check(request: dict) -> dict:
         return {"fatal": True, "error": f"dataset {name}: {_why(exc)}"}
     except Exception as exc:  # noqa: BLE001 - network, auth: the laptop may not reach the Hub; not the run's fault
         return {"fatal": False, "error": f"could not stream a row of {name} ({_why(exc)})"}
+    evaluated = _eval_split(request)
+    if evaluated:
+        return evaluated
     wrong = dataset_format.missing(row, trainer)
     if wrong:
         return {"fatal": True, "error": f"dataset {name}: its first row {wrong}", "columns": sorted(row)}

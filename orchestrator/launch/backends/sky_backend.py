@@ -59,6 +59,8 @@ class SkyBackend:
         if launch.gpus is None or launch.gpus.name is None:
             example = f"--gpus A100:{gpus.count}" if gpus else "--gpus A100:8"
             raise OrchError(f"the recipe names no accelerator in resources.accelerators; give one, e.g. {example}")
+        if data_file is not None:
+            data.check_eval(launch, options.local.smoke)
         return _launch(options, launch, request.envs, request.secrets, data_file)
 
     # ------------------------------------------------------------ the runs it recorded
