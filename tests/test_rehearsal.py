@@ -447,6 +447,34 @@ def test_a_relaunch_or_a_new_cluster_on_the_same_home_finds_the_head_nodes_rehea
     assert key(SKYPILOT_SETUP_NODE_IPS="10.0.0.1\n10.0.0.2\n10.0.0.3\n10.0.0.4\n") != first  # 4 nodes
 
 
+@pytest.mark.unit
+def test_the_head_nodes_rehearsal_reports_its_own_gpus_compute_capability(monkeypatch, tmp_path):
+    """A plain `sky launch --gpus T4:8` never met the launch side's accelerator table: the head node hands the rehearsal
+    what nvidia-smi says of its GPUs (the lowest compute_cap), so tf32=true is refused there as `orch run` refuses it
+    (the owners' refusal itself: test_the_launchs_gpu_and_the_nodes_packages_are_what_the_owners_checks_see)."""
+    from orchestrator.node import exec as node_exec
+
+    built = []
+
+    def capture(batches, *args, **kwargs):
+        built.extend(batches)
+        raise _Built
+
+    monkeypatch.setattr(driver, "rehearse_batches", capture)
+    monkeypatch.chdir(ROOT)
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text('#!/bin/sh\n[ "$*" = "--query-gpu=compute_cap --format=csv,noheader" ] || exit 9\n'
+                    "printf '8.9\\n7.5\\n'\n")  # fmt: skip
+    tool.chmod(0o755)
+    env = {**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0", "ORCH_MEMORY_CHECK": "off"}
+    for path, capability in ((f"{tmp_path}:/usr/bin:/bin", (7, 5)), ("/usr/bin:/bin", None)):
+        monkeypatch.setenv("PATH", path)
+        built.clear()
+        with pytest.raises(_Built):
+            node_exec.rehearse(env)
+        assert [b.capability for b in built] == [capability]
+
+
 def test_node_rehearsal_stops_the_setup_with_one_line(project):
     cp(project, "qwen25_dpo_zero2", "bad_json")
     ds_json(project, "bad_json", 3)

@@ -172,6 +172,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     rehearse every distinct role of this cluster against the owners' code (rehearsal/); the other nodes leave it
     to the head. Prints one line, or one `orch: error:` line and exits 2 (the setup, and the job, stop there)."""
     from orchestrator.core import configs, overrides, smoke
+    from orchestrator.node import memory
     from orchestrator.node.env import run_env
     from orchestrator.node.plan import plan
     from orchestrator.rehearsal import driver
@@ -192,8 +193,6 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     plans = [plan({**env, "SKYPILOT_NODE_RANK": str(r)}, *paired) for r in ranks]
     trainer, settings = plans[0].trainer, plans[0].settings  # as plan() checked and read them
     if not smoking:  # the recipe's own model against this node's GPUs and host memory, before it downloads
-        from orchestrator.node import memory
-
         topo = plans[0].topology
         print(f"[orch] {memory.check(env, trainer, settings, paired.accelerate, topo.nodes, topo.gpus_per_node)}",
               flush=True)  # fmt: skip
@@ -208,6 +207,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
         devices=cluster.gpus_per_node,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
         quantized=overrides.truthy(settings.get("load_in_4bit", False)),
+        capability=memory.gpu_capability(),  # this node's GPUs, as the launch side reports its accelerator's
     )
     building = run_smoke is not None and not run_smoke.ready
     (outcomes,) = driver.rehearse_batches([batch])

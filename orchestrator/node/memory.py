@@ -82,6 +82,24 @@ def gpu_memory() -> tuple[float, str] | None:
     return smallest_gpu(out)
 
 
+def gpu_capability() -> tuple[int, int] | None:
+    """The lowest CUDA compute capability of this node's GPUs, from nvidia-smi (`compute_cap`, in drivers since 2021):
+    the rehearsal's fake CUDA reports it (tf32 needs 8.0); None where nvidia-smi is absent or does not say."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = []
+    for line in out.splitlines():
+        major, dot, minor = line.strip().partition(".")
+        if dot and major.isdigit() and minor.isdigit():
+            found.append((int(major), int(minor)))
+    return min(found) if found else None
+
+
 def smallest_gpu(query: str) -> tuple[float, str] | None:
     """nvidia-smi's `name, memory.total` lines (MiB) -> (GiB, name) of the GPU with the least memory."""
     gpus = []
