@@ -335,7 +335,13 @@ def test_the_launchs_gpu_and_the_nodes_packages_are_what_the_owners_checks_see(p
     sft, plans = batch_for(ROOT / "recipes" / "qwen25_sft_ddp.yaml", 1, 4, envs={"GLOBAL_BATCH_SIZE": "64"})
     node = sft._replace(substitute=driver.substitutions("sft", plans[0].settings, Path(sft.smoke[2]),
                                                         driver.output_dir(), node=True))  # fmt: skip
-    (a100,), (t4,), (liger,) = driver.rehearse_batches([ampere, turing, node], project, parallel=2)
+    # precompute_ref_log_probs is swapped off (it runs the reference model on the GPU in the trainer's constructor),
+    # but not where that constructor refuses it first: with sync_ref_model
+    synced, _ = batch_for(path, 1, 4, trl_overrides={"precompute_ref_log_probs": "true", "sync_ref_model": "true"},
+                          envs={"GLOBAL_BATCH_SIZE": "64"})  # fmt: skip
+    (a100,), (t4,), (liger,), (sync,) = driver.rehearse_batches([ampere, turing, node, synced], project, parallel=2)
+    assert not sync.ok and (sync.stage, sync.error.split(". ")[0]) == (
+        "trainer", "ValueError: You cannot use `sync_ref_model=True` together with `precompute_ref_log_probs=True`")
     assert not liger.ok and (liger.stage, liger.error) == ("Liger kernels", "ImportError: You have set "
         "`use_liger_kernel` to `True` but liger-kernel >= 0.3.0 is not available. Please install it with `pip install "
         "liger-kernel`")  # fmt: skip

@@ -169,8 +169,10 @@ def substitutions(
         words += ["--attn_implementation", "sdpa"]
     if truthy(settings.get("use_liger_kernel", False)) and not importable("liger_kernel") and not node:
         words += ["--use_liger_kernel", "false"]
-    if truthy(settings.get("precompute_ref_log_probs", False)):  # the reference model over the whole
-        words += ["--precompute_ref_log_probs", "false"]  # dataset on the GPU, in TRL's trainer constructor
+    # the reference model over the whole dataset on the GPU, in TRL's trainer constructor; kept with sync_ref_model,
+    # which that constructor refuses first
+    if truthy(settings.get("precompute_ref_log_probs", False)) and not truthy(settings.get("sync_ref_model", False)):
+        words += ["--precompute_ref_log_probs", "false"]
     vllm = trainers.spec(trainer).generates and truthy(settings.get("use_vllm", False))
     if vllm and (importable("vllm") or not node):  # the engine cannot start here; TRL refuses a missing package first
         words += ["--use_vllm", "false"]
