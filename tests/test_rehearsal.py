@@ -525,7 +525,7 @@ def test_a_setting_whose_package_the_nodes_extras_lack_is_refused_before_launch(
         ("use_liger_kernel", "true", "use_liger_kernel=true: the nodes get Liger's kernels with orch's gpu extra, "
                                      "which the recipe's setup does not install (train); add gpu to the recipe's "
                                      "setup: bash scripts/node-setup.sh train,gpu, or drop use_liger_kernel=true"),
-        ("load_in_4bit", "true", "load_in_4bit=true: the nodes get bitsandbytes with orch's quant extra"),
+        ("load_in_4bit", "yes", "load_in_4bit=yes: the nodes get bitsandbytes with orch's quant extra"),  # as given
         ("optim", "paged_adamw_8bit", "optim=paged_adamw_8bit: the nodes get bitsandbytes with orch's quant extra"),
     ]:
         with pytest.raises(OrchError) as refused:

@@ -111,7 +111,7 @@ def check_extras(launch: Launch) -> None:
         value = launch.setting(key, "")
         words = [str(v) for v in value] if isinstance(value, list | tuple) else str(value).split()
         if values is None:
-            needs = "true" if truthy(value) else None
+            needs = str(value).strip().lower() if truthy(value) else None  # as given: 1, yes, true (YAML's True)
         else:
             needs = next((w.lower() for w in words if w.lower() in values), None)
         if needs is None or extra in extras:
