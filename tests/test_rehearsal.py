@@ -527,6 +527,11 @@ def test_a_setting_whose_package_the_nodes_extras_lack_is_refused_before_launch(
                                      "setup: bash scripts/node-setup.sh train,gpu, or drop use_liger_kernel=true"),
         ("load_in_4bit", "yes", "load_in_4bit=yes: the nodes get bitsandbytes with orch's quant extra"),  # as given
         ("optim", "paged_adamw_8bit", "optim=paged_adamw_8bit: the nodes get bitsandbytes with orch's quant extra"),
+        # a Hub kernel, or flash attention's Hub fallback (uv.lock has no flash-attn), loads with the kernels package
+        ("attn_implementation", "flash_attention_2", "attn_implementation=flash_attention_2: the nodes get the "
+                                                     "Kernels Hub's loader (kernels) with orch's gpu extra"),
+        ("model_init_kwargs", '{"attn_implementation": "kernels-community/flash-attn2"}',
+         "attn_implementation=kernels-community/flash-attn2: the nodes get the Kernels Hub's loader"),
     ]:
         with pytest.raises(OrchError) as refused:
             checks.check_extras(resolve(phi3, trl_overrides={key: value}))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from orchestrator.core import attention as attention_names
 from orchestrator.core import memory, slots, trl_schema
 from orchestrator.core.accelerators import CUDA_CAPABILITY
 from orchestrator.core.errors import OrchError
@@ -84,6 +85,7 @@ NEEDS = (  # values None: a boolean setting, on (overrides.truthy: true, 1, yes,
     ("load_in_4bit", None, "quant", "bitsandbytes"),
     ("optim", tuple(BNB_OPTIMIZERS), "quant", "bitsandbytes"),
     ("report_to", ("trackio",), "track", "Trackio"),
+    ("attn_implementation", "hub", "gpu", "the Kernels Hub's loader (kernels)"),  # core/attention.may_need_hub
 )
 
 
@@ -110,7 +112,10 @@ def check_extras(launch: Launch) -> None:
     for key, values, extra, brings in NEEDS:
         value = launch.setting(key, "")
         words = [str(v) for v in value] if isinstance(value, list | tuple) else str(value).split()
-        if values is None:
+        if values == "hub":  # flash_attention_N or org/name: uv.lock has no flash-attn, the ranks load a Hub kernel
+            attention = attention_names.requested(launch.settings)[0]
+            needs = attention if attention_names.may_need_hub(attention) else None
+        elif values is None:
             needs = str(value).strip().lower() if truthy(value) else None  # as given: 1, yes, true (YAML's True)
         else:
             needs = next((w.lower() for w in words if w.lower() in values), None)
