@@ -339,7 +339,17 @@ def test_the_launchs_gpu_and_the_nodes_packages_are_what_the_owners_checks_see(p
     # but not where that constructor refuses it first: with sync_ref_model
     synced, _ = batch_for(path, 1, 4, trl_overrides={"precompute_ref_log_probs": "true", "sync_ref_model": "true"},
                           envs={"GLOBAL_BATCH_SIZE": "64"})  # fmt: skip
-    (a100,), (t4,), (liger,), (sync,) = driver.rehearse_batches([ampere, turing, node, synced], project, parallel=2)
+    # a schedule without its arguments: train() makes it after the model loaded (transformers' get_scheduler)
+    minimum, _ = batch_for(path, 1, 4, trl_overrides={"lr_scheduler_type": "cosine_with_min_lr"},
+                           envs={"GLOBAL_BATCH_SIZE": "64"})  # fmt: skip
+    (a100,), (t4,), (liger,), (sync,), (scheduled,) = driver.rehearse_batches(
+        [ampere, turing, node, synced, minimum], project, parallel=2
+    )
+    assert not scheduled.ok and (scheduled.stage, scheduled.error) == (
+        "scheduler (lr_scheduler_type)",
+        "ValueError: One of min_lr or min_lr_rate should be set through the `lr_scheduler_kwargs`",
+    )
+    assert scheduled.fix().startswith("set lr_scheduler_kwargs='{\"min_lr_rate\": 0.1}'")
     assert not sync.ok and (sync.stage, sync.error.split(". ")[0]) == (
         "trainer", "ValueError: You cannot use `sync_ref_model=True` together with `precompute_ref_log_probs=True`")
     assert not liger.ok and (liger.stage, liger.error) == ("Liger kernels", "ImportError: You have set "

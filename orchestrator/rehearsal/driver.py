@@ -65,6 +65,12 @@ FIXES = (
     (r"You need to (install|have) `\S+` in order to use",
      "the nodes install uv.lock's orch[train] (and the recipe's extras), which does not have it: put the package in "
      "pyproject.toml's train extra, then `make lock`, or choose another optim"),
+    (r"min_lr or min_lr_rate should be set",
+     "set lr_scheduler_kwargs='{\"min_lr_rate\": 0.1}' (a JSON object: min_lr or min_lr_rate), or another "
+     "lr_scheduler_type"),
+    (r"get_\w+_schedule\w*\(\) (missing|got an unexpected)",
+     "give the schedule's own arguments in lr_scheduler_kwargs, a JSON object (warmup_stable_decay: "
+     "lr_scheduler_kwargs='{\"num_decay_steps\": 100}'), or another lr_scheduler_type"),
     (r"Callback requires \S+ to be installed",
      "the nodes install uv.lock's orch[train], which has no tracker (`orch run --track` adds Trackio and logs every "
      "node's curves to it): put the tracker's package in pyproject.toml's train extra, then `make lock`"),

@@ -179,6 +179,15 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
     if not ds_optimizer:  # the optimizer optim names, as train() looks it up first (its package, its arguments)
         with stage("optimizer (optim)"):
             trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
+    ds_scheduler = trainer.is_deepspeed_enabled and "scheduler" in acc.state.deepspeed_plugin.hf_ds_config.config
+    if not ds_scheduler:  # lr_scheduler_type and its lr_scheduler_kwargs, as train() makes them (get_scheduler)
+        with stage("scheduler (lr_scheduler_type)"):
+            import torch
+
+            steps = trainer.args.max_steps if trainer.args.max_steps > 0 else 1000
+            probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=trainer.args.learning_rate)
+            trainer.create_scheduler(steps, probe)
+            trainer.lr_scheduler = None
     facts = {
         "distributed_type": acc.distributed_type.value,
         "num_processes": acc.num_processes,
