@@ -342,9 +342,16 @@ def test_the_launchs_gpu_and_the_nodes_packages_are_what_the_owners_checks_see(p
     # a schedule without its arguments: train() makes it after the model loaded (transformers' get_scheduler)
     minimum, _ = batch_for(path, 1, 4, trl_overrides={"lr_scheduler_type": "cosine_with_min_lr"},
                            envs={"GLOBAL_BATCH_SIZE": "64"})  # fmt: skip
-    (a100,), (t4,), (liger,), (sync,), (scheduled,) = driver.rehearse_batches(
-        [ampere, turing, node, synced, minimum], project, parallel=2
+    # a streamed dataset (dataset_streaming, which the training entry passes to datasets as TRL's scripts do) has no
+    # length: the trainer's constructor asks for max_steps
+    streamed, _ = batch_for(path, 1, 4, trl_overrides={"dataset_streaming": "true", "max_steps": "-1"},
+                            envs={"GLOBAL_BATCH_SIZE": "64"})  # fmt: skip
+    (a100,), (t4,), (liger,), (sync,), (scheduled,), (stream,) = driver.rehearse_batches(
+        [ampere, turing, node, synced, minimum, streamed], project, parallel=2
     )
+    assert not stream.ok and (stream.stage, stream.error.split(";")[0]) == (
+        "trainer", "ValueError: The train_dataset does not implement __len__, so the number of training steps cannot "
+        "be inferred")  # fmt: skip
     assert not scheduled.ok and (scheduled.stage, scheduled.error) == (
         "scheduler (lr_scheduler_type)",
         "ValueError: One of min_lr or min_lr_rate should be set through the `lr_scheduler_kwargs`",

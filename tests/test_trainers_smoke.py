@@ -98,8 +98,13 @@ def test_trainer_smoke_trains_on_two_nodes(project, label):
     recipe, ran = RECIPES[label]
     evaluated = label == "dpo-zero2"  # an eval_strategy too: evaluation on the smoke data's one split, every 4 steps
     extra = ["eval_strategy=steps", "eval_steps=4"] if evaluated else []
+    streamed = label == "sft-fsdp2"  # the big-SFT case streams its dataset (TRL's dataset_streaming, as its scripts do)
+    extra += ["dataset_streaming=true"] if streamed else []
     result = orch("run", recipe, "--local", "--nodes", "2", "--smoke", *extra, cwd=project)
     check_one_group(result, project, label.split("-")[0], ran)
+    output_dir = project / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
+    datasets = {json.loads(p.read_text())["train_dataset"] for p in (output_dir / "orch").glob("rank*.json")}
+    assert datasets == {"IterableDataset" if streamed else "Dataset"}, datasets  # as each rank's trainer holds it
     if evaluated:  # each evaluation's line, with the trainer's own measures eval_-named, and the summary's
         for step in (4, 8):
             assert re.search(rf"^\(node0\) \[orch\] eval at step {step}/8: eval_loss=[\d.]+ "

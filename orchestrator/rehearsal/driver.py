@@ -175,9 +175,10 @@ def substitutions(
         words += ["--attn_implementation", "sdpa"]
     if truthy(settings.get("use_liger_kernel", False)) and not importable("liger_kernel") and not node:
         words += ["--use_liger_kernel", "false"]
-    # the reference model over the whole dataset on the GPU, in TRL's trainer constructor; kept with sync_ref_model,
-    # which that constructor refuses first
-    if truthy(settings.get("precompute_ref_log_probs", False)) and not truthy(settings.get("sync_ref_model", False)):
+    # the reference model over the whole dataset on the GPU, in TRL's trainer constructor; kept where that constructor
+    # refuses it first: with sync_ref_model, or a streamed dataset
+    refused = truthy(settings.get("sync_ref_model", False)) or truthy(settings.get("dataset_streaming", False))
+    if truthy(settings.get("precompute_ref_log_probs", False)) and not refused:
         words += ["--precompute_ref_log_probs", "false"]
     vllm = trainers.spec(trainer).generates and truthy(settings.get("use_vllm", False))
     if vllm and (importable("vllm") or not node):  # the engine cannot start here; TRL refuses a missing package first

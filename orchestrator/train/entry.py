@@ -101,7 +101,8 @@ def build(parsed: Parsed, callbacks: list, *mixins: type, memory: loading.HostMe
     if dataset_args.datasets:
         dataset = trl.get_dataset(dataset_args)
     else:
-        dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+        dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config,
+                               streaming=script_args.dataset_streaming)  # fmt: skip
     kwargs = {}
     if trainers.spec(parsed.trainer).generates:  # GRPO, RLOO: the policy's completions are scored
         kwargs["reward_funcs"] = _reward_funcs(script_args.reward_funcs) + (
@@ -118,6 +119,10 @@ def build(parsed: Parsed, callbacks: list, *mixins: type, memory: loading.HostMe
             callbacks=callbacks,
             **kwargs,
         )
+    if parsed.trainer == "dpo" and script_args.ignore_bias_buffers:  # as TRL's DPO script: DDP skips bool buffers
+        trainer.model._ddp_params_and_buffers_to_ignore = [
+            name for name, buffer in trainer.model.named_buffers() if buffer.dtype == torch.bool
+        ]
     from transformers.trainer_callback import PrinterCallback
 
     trainer.orch_load_dtype = load_dtype(trainer.model)  # the final model's dtype (train/checkpoints.load_dtype)
@@ -212,6 +217,7 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "device": str(acc.device),
         # the attention the model's layers call, as transformers resolved it (a recipe's kernel can fall back)
         "attention": getattr(getattr(acc.unwrap_model(trainer.model), "config", None), "_attn_implementation", None),
+        "train_dataset": type(trainer.train_dataset).__name__,  # IterableDataset where dataset_streaming streamed it
         "local_samples": int(local.item()),
         "total_samples": int(total.item()) // sharing,
         "data_parallel_ranks": acc.num_processes // sharing,
