@@ -489,6 +489,22 @@ def test_prefetch_on_a_node_with_no_route_to_the_hub_reads_the_cache_hf_hub_offl
     assert "[orch] prefetch: model org/tiny-phi3: " in cached.stdout and "[orch] prefetch: dataset org/prefs: " in (
         cached.stdout) and "trying again" not in cached.stdout + cached.stderr  # fmt: skip
     assert len(hub.requests) == requests
+    # a streamed dataset is read from the Hub as the ranks train: not downloaded, and refused where HF_HUB_OFFLINE
+    # keeps the nodes off the Hub (the ranks' first batch would fail, after the model loaded)
+    streams = {**offline, "TRL_OVERRIDES": "dataset_streaming=true"}
+    refused = subprocess.run(run, cwd=project, env=streams, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        "orch: error: dataset org/prefs is streamed (dataset_streaming) from the Hub as the ranks train, and "
+        "HF_HUB_OFFLINE=1 keeps the nodes off the Hub: set dataset_streaming=false (the setup then reads it from the "
+        "cache) or unset HF_HUB_OFFLINE"
+    ), refused.stderr[-2000:]
+    streams = {**online, "TRL_OVERRIDES": "dataset_streaming=true", "HF_HOME": str(tmp_path / "streams")}
+    streamed = subprocess.run(run, cwd=project, env=streams, capture_output=True, text=True, timeout=120)
+    assert streamed.returncode == 0, streamed.stderr[-2000:]
+    said = "[orch] prefetch: dataset org/prefs is streamed by the ranks as they train: not downloaded"
+    assert said in streamed.stdout, streamed.stdout
+    assert not (tmp_path / "streams" / "hub" / "datasets--org--prefs").exists()  # only the model came down
+    assert (tmp_path / "streams" / "hub" / "models--org--tiny-phi3").is_dir(), streamed.stdout
     for model, missing in (("org/tiny-phi3", "model org/tiny-phi3"), (str(tmp_path), "dataset org/prefs")):
         trl = {**yaml.safe_load((project / "recipes" / "trl" / "hub.yaml").read_text()), "model_name_or_path": model}
         (project / "recipes" / "trl" / "hub.yaml").write_text(yaml.safe_dump(trl))
@@ -500,6 +516,22 @@ def test_prefetch_on_a_node_with_no_route_to_the_hub_reads_the_cache_hf_hub_offl
             "HF_HUB_OFFLINE=1 keeps the node off the Hub: fill that cache where the Hub can be reached (this setup "
             "there, with the same HF_HOME), or unset HF_HUB_OFFLINE"
         )
+
+
+@pytest.mark.unit
+def test_prefetch_leaves_a_streamed_dataset_to_the_ranks_and_a_mixture_replaces_dataset_name():
+    from orchestrator.train import prefetch
+
+    def names(**settings) -> list[str]:
+        return [r.repo_id for r in prefetch.repos({"model_name_or_path": "org/m", **settings})]
+
+    assert names(dataset_name="org/d") == ["org/m", "org/d"]
+    assert names(dataset_name="org/d", dataset_streaming="true") == ["org/m"]
+    assert prefetch.streamed({"dataset_name": "org/d", "dataset_streaming": "1"}) == ["org/d"]
+    mixture = [{"path": "org/a"}, {"path": "org/b", "name": "en"}]
+    assert names(dataset_name="org/d", datasets=mixture) == ["org/m", "org/a", "org/b"]  # TRL ignores dataset_name
+    assert names(datasets=mixture, streaming=True) == ["org/m"]
+    assert names(datasets=mixture, dataset_streaming=True) == ["org/m", "org/a", "org/b"]  # a mixture's own key
 
 
 @pytest.fixture

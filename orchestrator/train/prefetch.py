@@ -43,18 +43,31 @@ class Repo(NamedTuple):
 
 
 def repos(settings: Mapping) -> list[Repo]:
-    """The Hub repos a trainer with these TRL settings loads (local paths excluded)."""
+    """The Hub repos a trainer with these TRL settings loads (local paths excluded). A streamed dataset
+    (dataset_streaming; a mixture's `streaming`) is read by the ranks as they train: not downloaded here."""
     found = []
     if settings.get("model_name_or_path"):
         found.append(Repo(str(settings["model_name_or_path"]), "model", settings.get("model_revision"), "model"))
     if settings.get("reward_model_name_or_path"):  # GRPO
         found.append(Repo(str(settings["reward_model_name_or_path"]), "model", None, "reward model"))
-    if settings.get("dataset_name"):
-        found.append(Repo(str(settings["dataset_name"]), "dataset", None, "dataset", settings.get("dataset_config")))
-    for entry in settings.get("datasets") or []:  # a dataset mixture (TRL's `datasets:` list)
-        if isinstance(entry, Mapping) and entry.get("path"):
-            found.append(Repo(str(entry["path"]), "dataset", entry.get("revision"), "dataset", entry.get("name")))
+    found += [r for r in _datasets(settings) if r.repo_id not in streamed(settings)]
     return [r for r in found if not Path(r.repo_id).exists()]
+
+
+def _datasets(settings: Mapping) -> list[Repo]:
+    """The datasets the training entry loads: TRL's `datasets:` mixture, else dataset_name (which TRL then ignores)."""
+    mixture = [e for e in settings.get("datasets") or [] if isinstance(e, Mapping) and e.get("path")]
+    if mixture:
+        return [Repo(str(e["path"]), "dataset", e.get("revision"), "dataset", e.get("name")) for e in mixture]
+    if settings.get("dataset_name"):
+        return [Repo(str(settings["dataset_name"]), "dataset", None, "dataset", settings.get("dataset_config"))]
+    return []
+
+
+def streamed(settings: Mapping) -> list[str]:
+    """The datasets the ranks stream as they train (dataset_streaming; a mixture's `streaming`)."""
+    key = "streaming" if settings.get("datasets") else "dataset_streaming"
+    return [r.repo_id for r in _datasets(settings)] if overrides.truthy(settings.get(key, False)) else []
 
 
 PROGRESS_EVERY = 30.0  # seconds between progress lines (ORCH_PREFETCH_PROGRESS_S)
@@ -206,12 +219,22 @@ def prefetch(env: Mapping[str, str], out=sys.stdout) -> int:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # before huggingface_hub's import reads it
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     wanted = repos(settings)
+    for name in streamed(settings):
+        from huggingface_hub import constants
+
+        if not Path(name).exists() and constants.HF_HUB_OFFLINE:
+            raise OrchError(f"dataset {name} is streamed (dataset_streaming) from the Hub as the ranks train, and "
+                            "HF_HUB_OFFLINE=1 keeps the nodes off the Hub: set dataset_streaming=false (the setup "
+                            "then reads it from the cache) or unset HF_HUB_OFFLINE")  # fmt: skip
+        print(f"[orch] prefetch: dataset {name} is streamed by the ranks as they train: not downloaded", file=out,
+              flush=True)  # fmt: skip
     attention, allow_all = attention_names.requested(settings)
     kernel = attention_kernel.repo(attention) if attention_names.may_need_hub(attention) else None
     if kernel:
         wanted.append(Repo(kernel.split(":")[0].split("@")[0], "kernel", None, "attention kernel", kernel))
     if not wanted:
-        print("[orch] prefetch: the model and data are local paths: nothing to download", file=out, flush=True)
+        print("[orch] prefetch: the model and data are local paths or streamed: nothing to download", file=out,
+              flush=True)  # fmt: skip
         return 0
     token = env.get("HF_TOKEN") or None
     started = time.monotonic()
