@@ -1,6 +1,6 @@
 """A PEFT adapter in FSDP2's sharded checkpoints (train/fsdp_adapter.py): what the owners' code writes for it, what orch
 writes instead, and the checks that a checkpoint without a trained parameter is never written or resumed from. The
-runs themselves (QLoRA saved on 2 x 1, resumed on 1 x 1): tests/test_reshape.py."""
+runs themselves (QLoRA saved on 2 x 1, resumed on 1 x 1): tests/test_trainers_smoke.py (RESHAPED)."""
 
 from pathlib import Path
 from types import SimpleNamespace

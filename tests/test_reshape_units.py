@@ -1,5 +1,5 @@
 """train/reshape.py on its own: which resumes need resharding and how, what DeepSpeed's files say, the scratch keyed
-per node, the step tensors ZeRO-3's universal load shares. The runs themselves: tests/test_reshape.py."""
+per node, the step tensors ZeRO-3's universal load shares. The runs themselves: tests/reshaped.py."""
 
 import re
 from pathlib import Path

@@ -330,40 +330,45 @@ def test_dry_run_shows_batch_and_memory():
 
 @pytest.mark.e2e
 def test_loss_is_the_same_at_every_cluster_shape(project):
-    """FSDP2 for real on 2x1, 1x2 and 1x1 (doubled accumulation) trains the same losses as DDP on 2x1, every step; the
-    2x1 run (the demo's command) is also checked end to end (test_local_run.check_demo_run)."""
+    """FSDP2 for real on 2x1 trains the losses DDP trains on 2x1, every step; the same run, resumed at step 4 on 1x2
+    and on 1x1 (doubled accumulation; DCP reshards the checkpoint on load), trains steps 5-8 at those losses and says
+    so (issue 32: a run resumes at any shape that keeps its global batch; reshaped.py). The 2x1 FSDP2 run (the demo's
+    command) is also checked end to end (test_local_run.check_demo_run)."""
+    from reshaped import output_dir_of, resumed_at, said
+    from test_faults import loss_log
+
     tmp_path = project
-    shapes = {
-        "ddp 2x1": ["--nodes", "2", "--env", "ACCELERATE_CONFIG=multi_gpu"],
-        "fsdp2 2x1": ["--nodes", "2"],
-        "fsdp2 1x2": ["--nodes", "1", "--gpus", "CPU:2", "--fresh"],  # the same run at any shape: it would resume
-        "fsdp2 1x1": ["--nodes", "1", "--fresh"],
-    }
     runs = {}
-    for label, flags in shapes.items():
-        result = orch("run", "phi3_dpo_fsdp", "--local", "--smoke", *flags, cwd=tmp_path)
+    for label, flags in {"ddp 2x1": ["--env", "ACCELERATE_CONFIG=multi_gpu"], "fsdp2 2x1": []}.items():
+        result = orch("run", "phi3_dpo_fsdp", "--local", "--smoke", "--nodes", "2", *flags, cwd=tmp_path)
         assert result.returncode == 0, result.stdout[-3000:]
         if label == "fsdp2 2x1":  # the demo's command: one process group over both nodes, what it wrote and said
             check_demo_run(result, tmp_path)
-        out_dir = tmp_path / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
-        log = [json.loads(x) for x in (out_dir / "orch" / "log.jsonl").read_text().splitlines()]
-        report = json.loads((out_dir / "orch" / "rank0.json").read_text())
-        runs[label] = ([r["loss"] for r in log if "loss" in r], report)
+        out_dir = output_dir_of(result, tmp_path)
+        runs[label] = (loss_log(out_dir), json.loads((out_dir / "orch" / "rank0.json").read_text()), out_dir)
     ddp = runs["ddp 2x1"][1]  # DDP, no sharding: the only strategy fact is DDP's own flag (smoke runs set it off)
     assert ddp["distributed_type"] == "MULTI_CPU" and ddp["strategy"] == {"ddp_find_unused_parameters": False}
-    for label in ("fsdp2 2x1", "fsdp2 1x2", "fsdp2 1x1"):
-        facts = runs[label][1]["strategy"]
-        assert runs[label][1]["distributed_type"] == "FSDP" and facts["fsdp_version"] == 2, label
-        assert facts["sharded_params"] == facts["params"] > 0 and facts["ref_sharded_params"] == facts["ref_params"]
-    assert {json.dumps(r["resumed_from"]) for _, r in runs.values()} == {"null"}
-    assert (
-        runs["fsdp2 1x1"][1]["gradient_accumulation_steps"] == 2 * runs["fsdp2 2x1"][1]["gradient_accumulation_steps"]
-    )
     reference = runs["ddp 2x1"][0]
-    assert len(reference) == 8
-    for label, (losses, report) in runs.items():
+    assert sorted(reference) == list(range(1, 9))
+    expected, fsdp, out_dir = runs["fsdp2 2x1"]
+    for label, (losses, report, _) in runs.items():
         assert report["optimizer_steps"] == 8 and report["total_samples"] == 16 * 8, label
+        assert report["resumed_from"] is None
         assert losses == pytest.approx(reference, abs=1e-4), label
+    for shape, world, now in (
+        (["--nodes", "1", "--gpus", "CPU:2"], 2, "1 x 2 (world size 2 -> 2: the same partitions)"),
+        (["--nodes", "1"], 1, "1 x 1 (resharded: torch.distributed.checkpoint on load)"),
+    ):
+        rerun = resumed_at(tmp_path, "phi3_dpo_fsdp", out_dir, expected, *shape)
+        said(rerun, f"[orch] resumed at step 4 from checkpoint-4, saved on 2 x 1, now {now}")
+        report = json.loads((out_dir / "orch" / "rank0.json").read_text())
+        facts = report["strategy"]
+        assert report["distributed_type"] == "FSDP" and facts["fsdp_version"] == 2, shape
+        assert facts["sharded_params"] == facts["params"] > 0 and facts["ref_sharded_params"] == facts["ref_params"]
+        assert report["world_size"] == world and report["resumed_from"].endswith("checkpoint-4"), shape
+        accumulation = fsdp["gradient_accumulation_steps"] * 2 // world  # the global batch kept on fewer ranks
+        assert report["gradient_accumulation_steps"] == accumulation, shape
+        assert loss_log(out_dir) == pytest.approx({k: v for k, v in reference.items() if k > 4}, abs=1e-4)
 
 
 @pytest.mark.unit

@@ -93,8 +93,22 @@ def check_one_group(result, project, trainer: str, ran: str = "FSDP2"):
         assert re.search(rf"^\[orch\] {re.escape(key)}: step 1 -?[\d.]+ -> step 8 {value:.4f}$", out, re.M), key
 
 
+# The same run resumed on 1 x 1 from checkpoint-4 (issue 32, tests/reshaped.py): what the resume says it resharded.
+# DeepSpeed refuses another world size ("Automatic adjustment of ZeRO's optimizer state partitioning with a new world
+# size is not currently supported"); orch converts with DeepSpeed's own ds_to_universal into node-local scratch, loads
+# that, and deletes it; ZeRO-3's losses also need train/reshape.untie_steps (DeepSpeed's universal load shares one
+# `step` tensor between the optimizer's groups). FSDP2 checkpoints of a PEFT adapter held none of it
+# (train/fsdp_adapter.py): the resume trained the adapter again from its initialisation (step 5: 5.786 against 5.471)
+# and said nothing; a checkpoint written the old way is refused before step 1 (tests/test_adapter_checkpoints.py).
+RESHAPED = {
+    "sft-qlora-fsdp2": "torch.distributed.checkpoint on load",
+    "dpo-zero2": "DeepSpeed's universal checkpoint, 2 -> 1 ZeRO partitions",
+    "sft-zero3": "DeepSpeed's universal checkpoint, 2 -> 1 ZeRO partitions",
+}
+
+
 @pytest.mark.parametrize("label", list(RECIPES))
-def test_trainer_smoke_trains_on_two_nodes(project, label):
+def test_trainer_smoke_trains_on_two_nodes(project, tmp_path, label):
     recipe, ran = RECIPES[label]
     evaluated = label == "dpo-zero2"  # an eval_strategy too: evaluation on the smoke data's one split, every 4 steps
     extra = ["eval_strategy=steps", "eval_steps=4"] if evaluated else []
@@ -128,6 +142,22 @@ def test_trainer_smoke_trains_on_two_nodes(project, label):
         for report in (output_dir / "orch").glob("rank*.json"):
             assert json.loads(report.read_text())["strategy"]["shm_comm"] is False
         assert "deepspeed_shm_comm" not in result.stdout
+    if label in RESHAPED:  # the same run, resumed on 1 x 1 from checkpoint-4 at the uninterrupted losses
+        from reshaped import resumed_at, said
+        from test_faults import loss_log
+
+        scratch = tmp_path / "scratch"
+        rerun = resumed_at(project, recipe, output_dir, loss_log(output_dir), "--nodes", "1", *extra,
+                           env={"ORCH_SCRATCH_DIR": str(scratch)})  # fmt: skip
+        said(rerun, f"[orch] resumed at step 4 from checkpoint-4, saved on 2 x 1, now 1 x 1 (resharded: "
+                    f"{RESHAPED[label]})")  # fmt: skip
+        assert f"[orch] ran: {ran} over gloo, world size 1" in rerun.stdout, rerun.stdout[-2000:]
+        if ran.startswith("DeepSpeed"):
+            assert list(scratch.iterdir()) == [scratch / "orch-universal"]
+            assert list((scratch / "orch-universal").iterdir()) == []  # the conversion is gone once every rank loaded
+            assert not [p for p in (output_dir / "checkpoint-4").iterdir() if "universal" in p.name]
+        if "qlora" in label:
+            assert "base in 4-bit: 14 Linear4bit layers (QLoRA)" in rerun.stdout
 
 
 def test_copied_template_runs_on_the_users_own_file(project):
