@@ -1,18 +1,18 @@
 """Rehearse one rank role of a launch against the owners' code: no GPU, no weights, no network.
 
 `python -m orchestrator.rehearsal.role` reads the roles of one or many launches as JSON on stdin, imports the
-training stack once, builds the tiny smoke artifacts they need, and forks one child per role (a few at a time);
-it prints one JSON result line per role. For a trainer role it does what the
-node and its first process would do, with the owners' code at every step:
+training stack once, builds the tiny smoke artifacts they need, and forks one child per role (a few at a time); it
+prints one JSON result line per role. For a trainer role it does what the node and its first process would do, with
+the owners' code at every step:
   1. accelerate: `launch_command_parser`, `_validate_launch_command` (config merge), the env builder of the
      launch's path (`prepare_multi_gpu_env` / `prepare_deepspeed_cmd_env`), then torchrun's own
      `config_from_args` (which sets OMP_NUM_THREADS), giving the environment the training process starts with;
   2. the training process: a fake process group of the launch's world size (torch's `fake` backend) and CUDA
      reported present with the node's GPU count, then orch's training entry parses with TRL's parser, makes the
      trackers report_to names as the trainer would (not started), and builds TRL's trainer (accelerate's FSDP /
-     DeepSpeed / parallelism plugins from that environment, the trainer's own checks); DeepSpeed's config is
-     finalized by transformers as `train()` would; the final model is saved as the end of training would (FSDP:
-     the gathered full state dict), into a temporary directory.
+     DeepSpeed / parallelism plugins from that environment, the trainer's own checks); the optimizer and the
+     scheduler are looked up and made as `train()` would, DeepSpeed's config finalized by transformers; the final
+     model is saved as the end of training would (FSDP: the gathered full state dict), into a temporary directory.
 The model is the tiny smoke model of the recipe's family and the data the smoke data: the checks that fire at
 trainer start depend on the configuration, not on the weights. The vLLM server role is parsed with TRL's
 `vllm-serve` parser. Only the main process of the node is built (local rank 0 of node rank R).
@@ -78,11 +78,8 @@ def accelerate_stage(argv: list[str]) -> tuple[dict[str, str], list[str], dict]:
         raise ValueError("accelerate would use its simple launcher: one process, no process group")
     import torch.distributed.run as distrib_run
 
-    targs = launch_cmd._filter_args(
-        args,
-        distrib_run.get_args_parser(),
-        ["--training_script", args.training_script, "--training_script_args", args.training_script_args],
-    )
+    targs = launch_cmd._filter_args(args, distrib_run.get_args_parser(), ["--training_script", args.training_script,
+                                    "--training_script_args", args.training_script_args])  # fmt: skip
     # torch's logs spec makes a torchelastic_* directory in the temporary directory when no log dir is given, and never
     # removes it: every rehearsed role left one (on the laptop at every uncached `orch run`)
     with tempfile.TemporaryDirectory(prefix="orch-rehearsal-logs-") as logs, patch_environment(**env):
@@ -144,6 +141,7 @@ def _capability(capability: tuple[int, int]) -> None:
 
 def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list[str], devices: int) -> dict:
     """Build the trainer the node's first process would build; finalize DeepSpeed's config; save the final model."""
+    import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -179,14 +177,10 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
     if not ds_optimizer:  # the optimizer optim names, as train() looks it up first (its package, its arguments)
         with stage("optimizer (optim)"):
             trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
-    ds_scheduler = trainer.is_deepspeed_enabled and "scheduler" in acc.state.deepspeed_plugin.hf_ds_config.config
-    if not ds_scheduler:  # lr_scheduler_type and its lr_scheduler_kwargs, as train() makes them (get_scheduler)
-        with stage("scheduler (lr_scheduler_type)"):
-            import torch
-
-            steps = trainer.args.max_steps if trainer.args.max_steps > 0 else 1000
+    if not (trainer.is_deepspeed_enabled and "scheduler" in acc.state.deepspeed_plugin.hf_ds_config.config):
+        with stage("scheduler (lr_scheduler_type)"):  # with its lr_scheduler_kwargs, as train() makes it
             probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=trainer.args.learning_rate)
-            trainer.create_scheduler(steps, probe)
+            trainer.create_scheduler(trainer.args.max_steps if trainer.args.max_steps > 0 else 1000, probe)
             trainer.lr_scheduler = None
     facts = {
         "distributed_type": acc.distributed_type.value,

@@ -119,7 +119,7 @@ def build(parsed: Parsed, callbacks: list, *mixins: type, memory: loading.HostMe
             callbacks=callbacks,
             **kwargs,
         )
-    if parsed.trainer == "dpo" and script_args.ignore_bias_buffers:  # as TRL's DPO script: DDP skips bool buffers
+    if script_args.ignore_bias_buffers:  # TRL's script argument (its DPO script acts on it): DDP skips bool buffers
         trainer.model._ddp_params_and_buffers_to_ignore = [
             name for name, buffer in trainer.model.named_buffers() if buffer.dtype == torch.bool
         ]
