@@ -22,6 +22,8 @@ def run(launch: Launch) -> str | None:
     if knob(os.environ, "ORCH_DATA_CHECK", "on") == "off":
         return None
     name = str(launch.setting("dataset_name", ""))
+    if launch.setting("datasets"):  # TRL's mixture, which the training entry loads in place of dataset_name
+        return "[orch] data: a `datasets` mixture: not checked here (the nodes load it with TRL's get_dataset)"
     if not name or name.startswith("/orch-data"):  # no dataset, or a --data file (checked row by row already)
         return None
     max_length = launch.setting("max_length", 1024)

@@ -223,9 +223,10 @@ def prefetch(env: Mapping[str, str], out=sys.stdout) -> int:
         from huggingface_hub import constants
 
         if not Path(name).exists() and constants.HF_HUB_OFFLINE:
-            raise OrchError(f"dataset {name} is streamed (dataset_streaming) from the Hub as the ranks train, and "
-                            "HF_HUB_OFFLINE=1 keeps the nodes off the Hub: set dataset_streaming=false (the setup "
-                            "then reads it from the cache) or unset HF_HUB_OFFLINE")  # fmt: skip
+            key = "streaming" if settings.get("datasets") else "dataset_streaming"  # a mixture's, or TRL's script's
+            raise OrchError(f"dataset {name} is streamed ({key}) from the Hub as the ranks train, and HF_HUB_OFFLINE=1 "
+                            f"keeps the nodes off the Hub: set {key}=false (the setup then reads it from the cache) or "
+                            "unset HF_HUB_OFFLINE")  # fmt: skip
         print(f"[orch] prefetch: dataset {name} is streamed by the ranks as they train: not downloaded", file=out,
               flush=True)  # fmt: skip
     attention, allow_all = attention_names.requested(settings)
