@@ -183,6 +183,21 @@ def test_assistant_only_loss_is_checked_against_the_models_own_chat_template(tmp
     assert "fatal" not in accepted and accepted["conversational"] is True, accepted
 
 
+@pytest.mark.unit
+def test_a_datasets_mixture_replaces_dataset_name_in_the_data_check(monkeypatch):
+    """TRL's scripts load a `datasets:` mixture in place of dataset_name: the one-row check of dataset_name would judge
+    a dataset the nodes never read."""
+    from orchestrator.launch import datacheck
+    from orchestrator.launch.resolved import resolve
+
+    monkeypatch.setenv("ORCH_DATA_CHECK", "on")
+    phi3 = recipes.load(str(ROOT / "recipes" / "phi3_dpo_fsdp.yaml"))
+    mixed = resolve(phi3, trl_overrides={"datasets": '[{"path": "org/prefs"}]', "dataset_name": "no/such-dataset"})
+    assert datacheck.run(mixed) == (
+        "[orch] data: a `datasets` mixture: not checked here (the nodes load it with TRL's get_dataset)"
+    )
+
+
 @pytest.mark.e2e
 def test_an_evaluation_split_the_dataset_lacks_is_refused_before_launch(tmp_path):
     """With an eval_strategy, TRL's scripts look dataset_test_split (default `test`) up on the nodes, after the model
