@@ -202,6 +202,8 @@ BAD = [
      "eval_strategy=steps evaluates on dataset_test_split=test: add dataset_test_split=train"),
     (["run", "qwen25_sft_ddp", "--local", "--data", "chat.jsonl", "eval_strategy=epoch", "dataset_test_split=dev"],
      "eval_strategy=epoch evaluates on dataset_test_split=dev"),
+    (["run", "qwen25_sft_ddp", "--data", "chat.jsonl", 'datasets=[{"path": "org/a"}]'], "set a `datasets` mixture, "
+     "which TRL loads in its place: remove `datasets`, or drop --data"),
 ]
 
 

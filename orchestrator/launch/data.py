@@ -105,9 +105,15 @@ def use(file: str, trainer: str, local: bool, smoke: bool, user_overrides: dict[
     return path
 
 
-def check_eval(launch, smoke: bool) -> None:
-    """The file is one split, `train`: an eval_strategy evaluates on dataset_test_split (TRL's default `test`), which
-    the nodes would look up after the model loaded (KeyError: 'test'). Smoke runs evaluate on `train` already."""
+def check_launch(launch, smoke: bool) -> None:
+    """What the resolved launch would do with the file. A TRL `datasets:` mixture is loaded in place of dataset_name:
+    the file would be dropped without a word. The file is one split, `train`: an eval_strategy evaluates on
+    dataset_test_split (TRL's default `test`), which the nodes would look up after the model loaded (KeyError:
+    'test'); smoke runs evaluate on `train` already."""
+    if launch.setting("datasets"):
+        raise OrchError(f"--data is given to TRL as dataset_name, and the TRL settings ({launch.envs['TRL_CONFIG']} "
+                        "and the key=value overrides) set a `datasets` mixture, which TRL loads in its place: remove "
+                        "`datasets`, or drop --data")  # fmt: skip
     strategy = str(launch.setting("eval_strategy", "no")).strip().lower()
     split = str(launch.setting("dataset_test_split", "test"))
     if smoke or strategy == "no" or split == "train":

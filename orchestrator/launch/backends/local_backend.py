@@ -53,7 +53,7 @@ class LocalBackend:
         launch = resolve(request.recipe, nodes=options.nodes, gpus=Gpus(CPU, gpus.count if gpus else 1),
                          envs=request.envs, trl_overrides=request.overrides, secrets=request.secrets)  # fmt: skip
         if request.data is not None:
-            data.check_eval(launch, options.local.smoke)
+            data.check_launch(launch, options.local.smoke)
         result, ran = _local_once(options, launch, request.envs, request.overrides, request.secrets)
         if result.returncode == 0 or not memory_fix.is_oom(result.error):
             return result.returncode

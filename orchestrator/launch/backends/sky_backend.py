@@ -60,7 +60,7 @@ class SkyBackend:
             example = f"--gpus A100:{gpus.count}" if gpus else "--gpus A100:8"
             raise OrchError(f"the recipe names no accelerator in resources.accelerators; give one, e.g. {example}")
         if data_file is not None:
-            data.check_eval(launch, options.local.smoke)
+            data.check_launch(launch, options.local.smoke)
         return _launch(options, launch, request.envs, request.secrets, data_file)
 
     # ------------------------------------------------------------ the runs it recorded
