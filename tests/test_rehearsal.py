@@ -635,7 +635,8 @@ def test_the_rehearsal_calls_each_reward_function_in_the_nodes_environment(tmp_p
                         r"\(reward functions: ImportError: Please install the `math_verify` package to use "
                         r"accuracy_reward\).*",
                         missing.stderr.strip()), missing.stderr  # fmt: skip
-    found = orch(*argv, env=ON)
+    # with the package, and the rows streamed (dataset_streaming: the first row is the iterator's, there is no row 0)
+    found = orch(*argv, "dataset_streaming=true", env=ON)
     assert found.returncode == 0, found.stderr[-2000:]
     assert "reward functions called: accuracy_reward, final model" in found.stdout
 

@@ -252,7 +252,7 @@ def call_rewards(trainer) -> dict[str, float | None]:
     trainer already and not called. {name: the reward for one made-up completion}."""
     import torch
 
-    row = trainer.train_dataset[0]
+    row = next(iter(trainer.train_dataset))  # a streamed (iterable) dataset has no row 0 to index
     prompt = row["prompt"]
     completion = [{"role": "assistant", "content": "The answer is 4."}] if isinstance(prompt, list) else " 4"
     columns = {k: [v] for k, v in row.items() if k not in ("prompt", "completion", "completion_ids")}
