@@ -16,7 +16,7 @@ from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home, run_id
 from orchestrator.core.knobs import knob
 from orchestrator.core.timeline import duration, time_to_first_step
 from orchestrator.train import divergence, fsdp_adapter, run_config, spend, stragglers
-from orchestrator.train.checkpoints import write_manifest
+from orchestrator.train.checkpoints import mark_diverged, write_manifest
 from orchestrator.train.throughput import Meter, tokens_in
 
 DEFAULT_SAVE_SECONDS = 60.0  # what the cost cap keeps for a checkpoint before one was timed here
@@ -143,6 +143,8 @@ class OrchCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.clock.begin()
+        if self.steps_run == 0 and self.trainer is not None:  # the step this attempt resumed at held finite weights
+            self.trainer.orch_guard.last_finite = state.global_step
 
     def on_step_end(self, args, state, control, **kwargs):
         self.clock.end()
@@ -229,6 +231,10 @@ class OrchCallback(TrainerCallback):
         verdict = self._finite(args, state, logs)  # before the line, which still shows the step
         self._log(args, state, logs)
         if verdict and knob(os.environ, "ORCH_NONFINITE", "stop") == "stop":
+            if state.is_world_process_zero:  # no resume starts from weights that may not be finite
+                mark_diverged(Path(args.output_dir), self.trainer.orch_guard.last_finite, verdict)
+            if dist():
+                dist().barrier()  # written before any rank's exit stops the others
             raise divergence.DivergedError(verdict)  # every rank, at the same step
         if verdict and state.is_world_process_zero:
             print(f"[orch] warning: {verdict} (ORCH_NONFINITE=warn: training goes on)", flush=True)

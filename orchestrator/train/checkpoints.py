@@ -11,6 +11,7 @@ The final model is written in Hugging Face format at the end.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,6 +21,9 @@ from pathlib import Path
 
 MANIFEST = "orch_manifest.node{}.json"
 QUARANTINE = "orch_quarantine.jsonl"
+DIVERGED = "orch_diverged.json"
+"""In a checkpoint saved after the last finite logging step of a run that diverged (train/divergence.py): its weights
+may not be finite, and no resume starts from it."""
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model.bin")
 
 
@@ -63,6 +67,9 @@ def write_manifest(ckpt: Path, node: int, nodes: int, step: int) -> Path:
 def verify(ckpt: Path, node: int | None = None) -> str:
     """ "" when the checkpoint is complete, else why not. Every caller checks that all nodes' manifests are there and
     every listed file has its size; `node` also re-hashes the files that node hashed when it saved."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # no marker (or not one of orch's)
+        verdict = json.loads((ckpt / DIVERGED).read_text())["verdict"]
+        return f"saved after {verdict.split('. ')[0]}"
     manifests = sorted(ckpt.glob("orch_manifest.node*.json"))
     if not manifests:
         return "no manifest (the save did not finish)"
@@ -119,6 +126,19 @@ def choose_resume(
     newer = sorted(s for s in steps(output_dir) if s > chosen)
     skipped = [(output_dir / f"checkpoint-{s}", why(s) or "not complete on every node") for s in newer]
     return (output_dir / f"checkpoint-{chosen}" if chosen >= 0 else None), skipped
+
+
+def mark_diverged(output_dir: Path, after_step: int, verdict: str) -> list[str]:
+    """Mark the checkpoints saved after `after_step` (the last logging step whose gradients and loss were finite) as
+    saved after the divergence `verdict` says; their names."""
+    marked = []
+    for step in sorted(s for s in steps(output_dir) if s > after_step):
+        ckpt = output_dir / f"checkpoint-{step}"
+        tmp = ckpt / f".{DIVERGED}.{os.getpid()}"
+        tmp.write_text(json.dumps({"after_step": after_step, "verdict": verdict}))
+        os.replace(tmp, ckpt / DIVERGED)
+        marked.append(ckpt.name)
+    return marked
 
 
 def quarantine(output_dir: Path, skipped: list[tuple[Path, str]]) -> Path:

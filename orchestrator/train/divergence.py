@@ -63,11 +63,12 @@ class Guard:
         if scaled and self.bad_logs < STOP_AFTER_SCALED:
             return ""  # the loss scaler skipped the step and lowers its scale
         scaler = f" ({self.bad_logs} logging steps in a row: past the loss scaler's skipped steps)" if scaled else ""
-        since = f"after step {self.last_finite}" if self.last_finite else "of this attempt"
+        since = f"saved after step {self.last_finite}" if self.last_finite else "of this run"
         return (f"training diverged at step {step}: {'; '.join(what)}{scaler}. The optimizer step writes non-finite "
                 "gradients into the weights, so every later step trains nothing. Usual causes: a learning rate too "
                 f"high (learning_rate={learning_rate:g}), fp16 overflow (bf16 keeps fp32's range), a bad row in the "
-                f"data. Checkpoints {since} may hold non-finite weights")  # fmt: skip
+                f"data. Checkpoints {since} may hold non-finite weights: a rerun resumes from the newest one before "
+                "(orch marks them when it stops the run)")  # fmt: skip
 
 
 def scaled(trainer) -> bool:
