@@ -433,15 +433,11 @@ class _Built(Exception):
     pass
 
 
-@pytest.mark.unit
-def test_a_relaunch_or_a_new_cluster_on_the_same_home_finds_the_head_nodes_rehearsal_cached(monkeypatch):
-    """The cache key leaves out what cannot change a rehearsal's outcome: the run's output_dir (new at every relaunch:
-    a new run id; the rehearsal's own output_dir, appended later, overrides it) and the rendezvous address (a new
-    cluster over the same shared home has new IPs). What the owners' code reads still keys it."""
-    from orchestrator.node import exec as node_exec
-    from orchestrator.rehearsal import driver
-
-    built = []
+@pytest.fixture
+def handed(monkeypatch) -> list:
+    """The batches the head node hands driver.rehearse_batches (replaced: it raises _Built, nothing is rehearsed), from
+    this repository's recipes."""
+    built: list = []
 
     def capture(batches, *args, **kwargs):
         built.extend(batches)
@@ -449,13 +445,23 @@ def test_a_relaunch_or_a_new_cluster_on_the_same_home_finds_the_head_nodes_rehea
 
     monkeypatch.setattr(driver, "rehearse_batches", capture)
     monkeypatch.chdir(ROOT)
+    return built
+
+
+@pytest.mark.unit
+def test_a_relaunch_or_a_new_cluster_on_the_same_home_finds_the_head_nodes_rehearsal_cached(handed):
+    """The cache key leaves out what cannot change a rehearsal's outcome: the run's output_dir (new at every relaunch:
+    a new run id; the rehearsal's own output_dir, appended later, overrides it) and the rendezvous address (a new
+    cluster over the same shared home has new IPs). What the owners' code reads still keys it."""
+    from orchestrator.node import exec as node_exec
+
     base = {**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0", "ORCH_RUN_ID": "run-a"}
 
     def key(**changes: str) -> str:
-        built.clear()
+        handed.clear()
         with pytest.raises(_Built):
             node_exec.rehearse({**base, **changes})
-        (batch,) = built
+        (batch,) = handed
         (head, *_) = batch.roles
         if "ORCH_RUN_ID" in changes:  # the role's own argv did change: only the key leaves it out
             assert f"/checkpoints/{changes['ORCH_RUN_ID']}" in head.argv
@@ -471,20 +477,12 @@ def test_a_relaunch_or_a_new_cluster_on_the_same_home_finds_the_head_nodes_rehea
 
 
 @pytest.mark.unit
-def test_the_head_nodes_rehearsal_reports_its_own_gpus_compute_capability(monkeypatch, tmp_path):
+def test_the_head_nodes_rehearsal_reports_its_own_gpus_compute_capability(handed, monkeypatch, tmp_path):
     """A plain `sky launch --gpus T4:8` never met the launch side's accelerator table: the head node hands the rehearsal
     what nvidia-smi says of its GPUs (the lowest compute_cap), so tf32=true is refused there as `orch run` refuses it
     (the owners' refusal itself: test_the_launchs_gpu_and_the_nodes_packages_are_what_the_owners_checks_see)."""
     from orchestrator.node import exec as node_exec
 
-    built = []
-
-    def capture(batches, *args, **kwargs):
-        built.extend(batches)
-        raise _Built
-
-    monkeypatch.setattr(driver, "rehearse_batches", capture)
-    monkeypatch.chdir(ROOT)
     tool = tmp_path / "nvidia-smi"
     tool.write_text('#!/bin/sh\n[ "$*" = "--query-gpu=compute_cap --format=csv,noheader" ] || exit 9\n'
                     "printf '8.9\\n7.5\\n'\n")  # fmt: skip
@@ -492,10 +490,10 @@ def test_the_head_nodes_rehearsal_reports_its_own_gpus_compute_capability(monkey
     env = {**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0", "ORCH_MEMORY_CHECK": "off"}
     for path, capability in ((f"{tmp_path}:/usr/bin:/bin", (7, 5)), ("/usr/bin:/bin", None)):
         monkeypatch.setenv("PATH", path)
-        built.clear()
+        handed.clear()
         with pytest.raises(_Built):
             node_exec.rehearse(env)
-        assert [b.capability for b in built] == [capability]
+        assert [b.capability for b in handed] == [capability]
 
 
 def test_node_rehearsal_stops_the_setup_with_one_line(project):

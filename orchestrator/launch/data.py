@@ -114,10 +114,9 @@ def check_launch(launch, smoke: bool) -> None:
         raise OrchError(f"--data is given to TRL as dataset_name, and the TRL settings ({launch.envs['TRL_CONFIG']} "
                         "and the key=value overrides) set a `datasets` mixture, which TRL loads in its place: remove "
                         "`datasets`, or drop --data")  # fmt: skip
-    strategy = str(launch.setting("eval_strategy", "no")).strip().lower()
-    split = str(launch.setting("dataset_test_split", "test"))
-    if smoke or strategy == "no" or split == "train":
+    if smoke or launch.evaluation is None or launch.evaluation[1] == "train":
         return
+    strategy, split = launch.evaluation
     raise OrchError(f"--data gives one split, train, and eval_strategy={strategy} evaluates on dataset_test_split="
                     f"{split}: add dataset_test_split=train to evaluate on the same rows, or eval_strategy=no")
 

@@ -36,9 +36,8 @@ def run(launch: Launch) -> str | None:
         "chat_template_path": launch.setting("chat_template_path"),
         "assistant_only_loss": truthy(launch.setting("assistant_only_loss", False)),
     }
-    strategy = str(launch.setting("eval_strategy", "no")).strip().lower()
-    if strategy != "no":  # TRL's scripts evaluate on dataset_test_split: looked up on the nodes after the model loads
-        request["eval"] = {"split": str(launch.setting("dataset_test_split", "test")), "strategy": strategy}
+    if launch.evaluation:  # TRL's scripts evaluate on dataset_test_split: looked up on the nodes after the model loads
+        request["eval"] = dict(zip(("strategy", "split"), launch.evaluation, strict=True))
     try:
         done = subprocess.run([sys.executable, "-m", "orchestrator.rehearsal.data"], input=json.dumps(request),
                               capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip

@@ -68,6 +68,12 @@ class Launch:
         return default if value is None else value
 
     @property
+    def evaluation(self) -> tuple[str, str] | None:
+        """(eval_strategy, dataset_test_split) where TRL's scripts evaluate (an eval_strategy but `no`), else None."""
+        strategy = str(self.setting("eval_strategy", "no")).strip().lower()
+        return None if strategy == "no" else (strategy, str(self.setting("dataset_test_split", "test")))
+
+    @property
     def gpus_per_node(self) -> int:
         """Processes per node: the accelerator count (CPU processes locally), 1 where the recipe names none."""
         return self.gpus.count if self.gpus else 1

@@ -50,7 +50,7 @@ def repos(settings: Mapping) -> list[Repo]:
         found.append(Repo(str(settings["model_name_or_path"]), "model", settings.get("model_revision"), "model"))
     if settings.get("reward_model_name_or_path"):  # GRPO
         found.append(Repo(str(settings["reward_model_name_or_path"]), "model", None, "reward model"))
-    found += [r for r in _datasets(settings) if r.repo_id not in streamed(settings)]
+    found += [] if streamed(settings) else _datasets(settings)
     return [r for r in found if not Path(r.repo_id).exists()]
 
 
@@ -64,10 +64,14 @@ def _datasets(settings: Mapping) -> list[Repo]:
     return []
 
 
+def _streaming_key(settings: Mapping) -> str:
+    """The TRL setting that streams what the entry loads: a mixture's own `streaming`, else dataset_streaming."""
+    return "streaming" if settings.get("datasets") else "dataset_streaming"
+
+
 def streamed(settings: Mapping) -> list[str]:
-    """The datasets the ranks stream as they train (dataset_streaming; a mixture's `streaming`)."""
-    key = "streaming" if settings.get("datasets") else "dataset_streaming"
-    return [r.repo_id for r in _datasets(settings)] if overrides.truthy(settings.get(key, False)) else []
+    """The datasets the ranks stream as they train (all the entry loads, or none)."""
+    return [r.repo_id for r in _datasets(settings)] if overrides.truthy(settings.get(_streaming_key(settings))) else []
 
 
 PROGRESS_EVERY = 30.0  # seconds between progress lines (ORCH_PREFETCH_PROGRESS_S)
@@ -223,7 +227,7 @@ def prefetch(env: Mapping[str, str], out=sys.stdout) -> int:
         from huggingface_hub import constants
 
         if not Path(name).exists() and constants.HF_HUB_OFFLINE:
-            key = "streaming" if settings.get("datasets") else "dataset_streaming"  # a mixture's, or TRL's script's
+            key = _streaming_key(settings)
             raise OrchError(f"dataset {name} is streamed ({key}) from the Hub as the ranks train, and HF_HUB_OFFLINE=1 "
                             f"keeps the nodes off the Hub: set {key}=false (the setup then reads it from the cache) or "
                             "unset HF_HUB_OFFLINE")  # fmt: skip
