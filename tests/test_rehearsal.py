@@ -346,9 +346,18 @@ def test_the_launchs_gpu_and_the_nodes_packages_are_what_the_owners_checks_see(p
     # length: the trainer's constructor asks for max_steps
     streamed, _ = batch_for(path, 1, 4, trl_overrides={"dataset_streaming": "true", "max_steps": "-1"},
                             envs={"GLOBAL_BATCH_SIZE": "64"})  # fmt: skip
-    (a100,), (t4,), (liger,), (sync,), (scheduled,), (stream,) = driver.rehearse_batches(
-        [ampere, turing, node, synced, minimum, streamed], project, parallel=2
+    # fp16 under DeepSpeed (a V100's or T4's mixed precision): its engine asks its accelerator, here its CPU one,
+    # which refused fp16 for every GPU ("Type fp16 is not supported on your device"); now its CUDA accelerator's code
+    # answers for the launch's GPU, which refuses fp16 below compute capability 7.0 as on a node
+    half, _ = batch_for(ROOT / "recipes" / "qwen25_dpo_zero2.yaml", 1, 8, trl_overrides={"fp16": "true",
+                                                                                     "bf16": "false"})  # fmt: skip
+    halves = [half._replace(capability=c) for c in (CUDA_CAPABILITY["T4"], (6, 0))]
+    (a100,), (t4,), (liger,), (sync,), (scheduled,), (stream,), (fp16,), (pascal,) = driver.rehearse_batches(
+        [ampere, turing, node, synced, minimum, streamed, *halves], project, parallel=2
     )
+    assert fp16.ok, (fp16.stage, fp16.error)
+    assert not pascal.ok and (pascal.stage, pascal.error) == ("trainer", "ValueError: Type fp16 is not supported on "
+                                                              "your device.")  # fmt: skip
     assert not stream.ok and (stream.stage, stream.error.split(";")[0]) == (
         "trainer", "ValueError: The train_dataset does not implement __len__, so the number of training steps cannot "
         "be inferred")  # fmt: skip

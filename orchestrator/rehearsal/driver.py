@@ -29,7 +29,7 @@ from orchestrator.core.overrides import truthy
 from orchestrator.node.plan import NodePlan
 
 PORTABLE_ATTENTION = ("sdpa", "eager")
-DEFAULT_CAPABILITY = (9, 0)  # what the fake CUDA reports for a GPU orch has no capability for (role._capability)
+DEFAULT_CAPABILITY = (9, 0)  # what the fake CUDA reports for a GPU orch has no capability for (fake_gpu.capability)
 STACK = ("torch", "transformers", "trl", "accelerate", "deepspeed", "datasets")
 PROCESS_ENV = {
     "HF_HUB_OFFLINE": "1",

@@ -29,6 +29,8 @@ import sys
 import tempfile
 import warnings
 
+from orchestrator.rehearsal import fake_gpu
+
 
 class StageError(Exception):
     def __init__(self, stage: str, exc: BaseException):
@@ -101,44 +103,6 @@ def accelerate_stage(argv: list[str]) -> tuple[dict[str, str], list[str], dict]:
     return child, script, facts
 
 
-def _fake_cuda(devices: int) -> None:
-    """CUDA reported present, as on the node: enough for accelerate and transformers to take the GPU path.
-
-    Nothing runs a kernel: the trainer is built, never trained, and a module moved to a CUDA device stays where
-    it is (the trainer, accelerate's prepare_model for a reference model, ...); dtype changes still apply.
-    """
-    import torch
-
-    original_to = torch.nn.Module.to
-
-    def to(self, *args, **kwargs):
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None and device.type == "cuda":
-            return self if dtype is None else original_to(self, dtype=dtype)
-        return original_to(self, *args, **kwargs)
-
-    torch.nn.Module.to = to
-    torch.nn.Module.cuda = lambda self, device=None: self
-    torch.cuda.is_available = lambda: True
-    torch.cuda.device_count = lambda: devices
-    torch.cuda.set_device = lambda *a, **k: None
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.is_bf16_supported = lambda *a, **k: True
-    torch.cuda.get_device_name = lambda *a, **k: "rehearsal"
-    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # each role sets its launch's (_capability)
-
-
-def _capability(capability: tuple[int, int]) -> None:
-    """The launch's GPU as the owners' checks read it: its compute capability, and TF32 where it is >= 8.0 (transformers
-    asks torch.version.cuda and the device's properties, None and absent on a CPU build: `tf32=true` was refused for
-    an A100 as for a T4)."""
-    import torch
-    from transformers import training_args
-
-    torch.cuda.get_device_capability = lambda *a, **k: capability
-    training_args.is_torch_tf32_available = lambda: capability[0] >= 8
-
-
 def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list[str], devices: int) -> dict:
     """Build the trainer the node's first process would build; finalize DeepSpeed's config; save the final model."""
     import torch
@@ -153,6 +117,8 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
         import importlib
 
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # (deepspeed.comm.torch is torch)
+        if devices:
+            fake_gpu.deepspeed_dtypes()
     dist.init_process_group(
         "fake", store=FakeStore(), rank=int(child_env["RANK"]), world_size=int(child_env["WORLD_SIZE"])
     )
@@ -342,7 +308,7 @@ def _fork(spec: dict) -> tuple[int, int]:
             import torch
 
             torch.cuda.device_count = lambda: spec["devices"]  # this launch's GPUs per node
-            _capability(tuple(spec["capability"]))  # the launch's GPU, driver.DEFAULT_CAPABILITY when unnamed
+            fake_gpu.capability(tuple(spec["capability"]))  # the launch's GPU, driver.DEFAULT_CAPABILITY when unnamed
         captured = io.StringIO()
         with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
             result = _run_role(spec)
@@ -373,7 +339,7 @@ def main() -> None:
     with contextlib.suppress(ImportError):  # bitsandbytes picks its kernels at import: the CPU ones, which run here
         import bitsandbytes  # noqa: F401
     if devices:
-        _fake_cuda(devices)  # before any import that could cache "no CUDA"; each child sets its own count
+        fake_gpu.cuda(devices)  # before any import that could cache "no CUDA"; each child sets its own count
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         _preimport({b["trainer"] for b in batches})
         _build_artifacts({tuple(b["smoke"]) for b in batches})
