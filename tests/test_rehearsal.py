@@ -352,9 +352,15 @@ def test_the_launchs_gpu_and_the_nodes_packages_are_what_the_owners_checks_see(p
     half, _ = batch_for(ROOT / "recipes" / "qwen25_dpo_zero2.yaml", 1, 8, trl_overrides={"fp16": "true",
                                                                                      "bf16": "false"})  # fmt: skip
     halves = [half._replace(capability=c) for c in (CUDA_CAPABILITY["T4"], (6, 0))]
-    (a100,), (t4,), (liger,), (sync,), (scheduled,), (stream,), (fp16,), (pascal,) = driver.rehearse_batches(
-        [ampere, turing, node, synced, minimum, streamed, *halves], project, parallel=2
+    # fp16 under DDP on a model loaded in fp16: torch's GradScaler refuses its gradients at the first step
+    whole, _ = batch_for(ROOT / "recipes" / "qwen25_sft_ddp.yaml", 1, 4, trl_overrides={
+        "dtype": "float16", "fp16": "true", "bf16": "false"}, envs={"GLOBAL_BATCH_SIZE": "64"})  # fmt: skip
+    (a100,), (t4,), (liger,), (sync,), (scheduled,), (stream,), (fp16,), (pascal,), (scaled,) = driver.rehearse_batches(
+        [ampere, turing, node, synced, minimum, streamed, *halves, whole], project, parallel=2
     )
+    assert not scaled.ok and (scaled.stage, scaled.error) == ("gradient scaler (fp16)", "ValueError: Attempting to "
+                                                              "unscale FP16 gradients.")  # fmt: skip
+    assert scaled.fix().startswith("fp16=true scales fp32 weights' gradients: load the model in fp32 (dtype=float32")
     assert fp16.ok, (fp16.stage, fp16.error)
     assert not pascal.ok and (pascal.stage, pascal.error) == ("trainer", "ValueError: Type fp16 is not supported on "
                                                               "your device.")  # fmt: skip

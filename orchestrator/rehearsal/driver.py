@@ -71,6 +71,9 @@ FIXES = (
     (r"get_\w+_schedule\w*\(\) (missing|got an unexpected)",
      "give the schedule's own arguments in lr_scheduler_kwargs, a JSON object (warmup_stable_decay: "
      "lr_scheduler_kwargs='{\"num_decay_steps\": 100}'), or another lr_scheduler_type"),
+    (r"Attempting to unscale FP16 gradients",
+     "fp16=true scales fp32 weights' gradients: load the model in fp32 (dtype=float32; fp16 stays the compute dtype), "
+     "train a LoRA adapter (fp32), or use bf16=true on GPUs of compute capability 8.0 or more"),
     (r"Callback requires \S+ to be installed",
      "the nodes install uv.lock's orch[train], which has no tracker (`orch run --track` adds Trackio and logs every "
      "node's curves to it): put the tracker's package in pyproject.toml's train extra, then `make lock`"),

@@ -148,6 +148,9 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
             probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=trainer.args.learning_rate)
             trainer.create_scheduler(trainer.args.max_steps if trainer.args.max_steps > 0 else 1000, probe)
             trainer.lr_scheduler = None
+    if acc.scaler is not None and not trainer.is_fsdp_enabled:  # fp16 outside FSDP (which trains fp32 weights)
+        with stage("gradient scaler (fp16)"):
+            unscale(acc.scaler, trainer.model)
     facts = {
         "distributed_type": acc.distributed_type.value,
         "num_processes": acc.num_processes,
@@ -197,6 +200,19 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
             apply_liger_kernel(trainer.model, trainer.args.liger_kernel_config)
         facts["liger"] = True
     return facts
+
+
+def unscale(scaler, model) -> None:
+    """What torch's GradScaler does with the trained parameters' gradients at the first step (accelerate's fp16
+    under DDP or one process): it unscales them, and refuses fp16 ones ("Attempting to unscale FP16 gradients"), a
+    model loaded with dtype=float16 and trained whole. One probe gradient per dtype the ranks would train in."""
+    import torch
+
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    probes = [torch.nn.Parameter(torch.zeros(1, dtype=dtype)) for dtype in sorted(dtypes, key=str)]
+    for probe in probes:
+        probe.grad = torch.zeros_like(probe)
+    scaler._unscale_grads_(torch.optim.SGD(probes, lr=1.0), torch.ones(1), torch.zeros(1), False)
 
 
 def trackers(training_args) -> None:
