@@ -93,6 +93,12 @@ def check_one_group(result, project, trainer: str, ran: str = "FSDP2"):
         assert re.search(rf"^\[orch\] {re.escape(key)}: step 1 -?[\d.]+ -> step 8 {value:.4f}$", out, re.M), key
 
 
+# What the first step computed in and what its optimizer updated, read from every rank (train/precision.py). Smoke
+# runs train in fp32; two cases keep their recipe's bf16, which the CPU runs: FSDP2's mixed-precision policy over the
+# fp32 weights accelerate upcasts, and DDP's autocast over the bf16 weights the model loaded in (no fp32 copy).
+RECIPE_PRECISION = {"sft-fsdp2": ("bfloat16", ["float32"]), "kto": ("bfloat16", ["bfloat16"])}
+SMOKE_PRECISION = {"sft-qlora-fsdp2": ("float32", ["bfloat16"])}  # TRL casts a 4-bit model's adapter to bf16
+
 # The same run resumed on 1 x 1 from checkpoint-4 (issue 32, tests/reshaped.py): what the resume says it resharded.
 # DeepSpeed refuses another world size ("Automatic adjustment of ZeRO's optimizer state partitioning with a new world
 # size is not currently supported"); orch converts with DeepSpeed's own ds_to_universal into node-local scratch, loads
@@ -114,9 +120,21 @@ def test_trainer_smoke_trains_on_two_nodes(project, tmp_path, label):
     extra = ["eval_strategy=steps", "eval_steps=4"] if evaluated else []
     streamed = label == "sft-fsdp2"  # the big-SFT case streams its dataset (TRL's dataset_streaming, as its scripts do)
     extra += ["dataset_streaming=true"] if streamed else []
+    extra += ["bf16=true", "dtype=bfloat16"] if label in RECIPE_PRECISION else []
     result = orch("run", recipe, "--local", "--nodes", "2", "--smoke", *extra, cwd=project)
     check_one_group(result, project, label.split("-")[0], ran)
     output_dir = project / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
+    precision = {json.dumps(json.loads(p.read_text())["precision"]) for p in (output_dir / "orch").glob("rank*.json")}
+    compute, updated = RECIPE_PRECISION.get(label, SMOKE_PRECISION.get(label, ("float32", ["float32"])))
+    facts = {"compute": compute, "updated": updated, "adapter": "lora" in label}
+    assert precision == {json.dumps(facts)}, precision  # every rank's first step
+    short = {"bfloat16": "bf16", "float32": "fp32"}
+    said = f"[orch] precision: {short[compute]} compute, {short[updated[0]]} weights updated by the optimizer"
+    assert result.stdout.count(said) == 2, result.stdout[-3000:]  # at the first step (node 0) and in the summary
+    if label == "kto":
+        assert f"{said} (no fp32 copy: an update under ~1/256 of a weight rounds away; dtype=float32" in result.stdout
+    if "qlora" in label:
+        assert f"{said} (the adapter in bf16: TRL casts a 4-bit model's LoRA adapter so" in result.stdout
     datasets = {json.loads(p.read_text())["train_dataset"] for p in (output_dir / "orch").glob("rank*.json")}
     assert datasets == {"IterableDataset" if streamed else "Dataset"}, datasets  # as each rank's trainer holds it
     if evaluated:  # each evaluation's line, with the trainer's own measures eval_-named, and the summary's

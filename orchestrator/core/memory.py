@@ -13,7 +13,8 @@ PEFT 0.21, bitsandbytes 0.50): accelerate upcasts *trainable* parameters to fp32
 (fp32 weights, gradients and Adam moments: 16 bytes a parameter, frozen ones keep their dtype); DeepSpeed keeps
 bf16 weights and gradients and an fp32 master copy with the moments (2 + 2 + 12, the ZeRO paper's accounting);
 plain DDP on a bf16-loaded model trains in bf16 (AdamW's moments take the parameter's dtype) and its reducer holds
-a second copy of the gradients in buckets; PEFT keeps adapters in fp32 (autocast_adapter_dtype); NF4 stores 4 bits
+a second copy of the gradients in buckets; PEFT keeps adapters in fp32 (autocast_adapter_dtype), except that TRL
+casts a 4-bit model's adapter to bf16 (its trainers, after the QLoRA paper); NF4 stores 4 bits
 a weight plus one absmax per 64 (8-bit with nested quantisation, plus an fp32 per 256 of those), and leaves the
 embeddings and lm_head in 16 bits. docs/design.md has the activation terms; tests/test_memory.py checks the model
 against published measurements.
@@ -174,7 +175,9 @@ def states(setup: Setup) -> dict[str, float]:
     peft = setup.method in ("lora", "qlora")
     trained = trained_params(setup)
     sharded = s in ("fsdp", "zero3")
-    if peft:
+    if setup.method == "qlora" and not s.startswith("zero"):  # TRL casts a 4-bit model's adapter to bf16 (read back:
+        w, g, opt = 2, 2, 4  # train/precision.py), and accelerate's FSDP upcast skips a model with 4-bit parameters
+    elif peft:
         w, g, opt = 4, 4, 8  # PEFT's fp32 adapters, Adam in fp32
     elif s.startswith("zero"):
         w, g, opt = 2, 2, 12  # bf16 weights and gradients; fp32 master, m and v

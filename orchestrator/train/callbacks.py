@@ -14,8 +14,9 @@ from transformers import TrainerCallback
 from orchestrator.core import scaling, trainers
 from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home, run_id
 from orchestrator.core.knobs import knob
+from orchestrator.core.precision import line as precision_line
 from orchestrator.core.timeline import duration, time_to_first_step
-from orchestrator.train import divergence, fsdp_adapter, run_config, spend, stragglers
+from orchestrator.train import divergence, fsdp_adapter, precision, run_config, spend, stragglers
 from orchestrator.train.checkpoints import mark_diverged, write_manifest
 from orchestrator.train.throughput import Meter, tokens_in
 
@@ -97,6 +98,8 @@ class OrchCallback(TrainerCallback):
         self.watch = stragglers.Watch()  # rank 0: the slowest rank and node, and who is named
         self.scaling: dict | None = None  # rank 0 of a multi-node run: its efficiency against one node (scaling.py)
         self.reshaped = ""  # what a resume at another shape said (train/run_config.shape_line)
+        self.probe: precision.Probe | None = None  # the compute dtype at the first forward (train/precision.py)
+        self.precision: dict | None = None  # what the first step really computed in and updated, for the report
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.memory is not None:
@@ -105,6 +108,7 @@ class OrchCallback(TrainerCallback):
             self.request.unlink(missing_ok=True)  # a request from before this start (a reused node) is stale
         trainer = self.trainer
         self.meter.begin(trainer.model if trainer else model, getattr(trainer, "ref_model", None), args.device)
+        self.probe = precision.Probe(trainer.model if trainer else model)
         self._earlier_attempts(state)
         if stragglers.measured(args):
             stragglers.install(self.clock)
@@ -165,8 +169,12 @@ class OrchCallback(TrainerCallback):
             self.progress.stepped(state.global_step, busy)
         if self.steps_run == 1:
             self.timeline["first_step"] = time.time()
+            if self.probe is not None and self.trainer is not None:
+                self.precision = self.probe.facts(self.trainer.optimizer)
             if state.is_world_process_zero:
                 print(f"[orch] time to first step: {time_to_first_step(self.timeline)}", flush=True)
+                if said := precision_line(self.precision):
+                    print(said, flush=True)
 
     def _within_budget(self, state, control) -> None:
         """Stop after a final checkpoint when the spend so far, one more step and one more save would cross the cap.

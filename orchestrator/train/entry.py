@@ -213,6 +213,7 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "distributed_type": acc.distributed_type.value,
         "strategy": strategy,
         "adapter": adapter_facts(trainer.model),
+        "precision": callback.precision,  # the first step's compute dtype and what its optimizer updated
         "backend": dist().get_backend() if dist() else None,
         "device": str(acc.device),
         # the attention the model's layers call, as transformers resolved it (a recipe's kernel can fall back)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.core import final_model, scaling, trainers
+from orchestrator.core.precision import line as precision_line
 from orchestrator.core.timeline import time_to_first_step
 
 
@@ -116,6 +117,8 @@ def summary(output_dir: Path) -> list[str]:
             f"[orch] trained: a LoRA adapter, {adapter['trainable_params']:,} of {adapter['params']:,} parameters"
             f"{four}"
         )
+    if said := precision_line(head.get("precision")):
+        lines.append(said)
     if head.get("reshaped"):
         lines.append(head["reshaped"])
     steps = head["optimizer_steps_this_run"]

@@ -1,0 +1,63 @@
+"""What precision ran, read from the process (train/precision.py) and said in one line (core/precision.py): the
+compute dtype a Linear layer returned and the dtypes of what the innermost optimizer updates. The smoke runs read
+both back from every rank for each strategy (tests/test_trainers_smoke.py); these check the parts on their own."""
+
+import pytest
+import torch
+
+from orchestrator.core.precision import line
+from orchestrator.train import precision
+
+pytestmark = pytest.mark.unit
+
+
+def stepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype | None = None) -> None:
+    inputs = torch.ones(2, 4, dtype=next(model.parameters()).dtype)
+    with torch.autocast("cpu", dtype=dtype) if dtype else torch.autocast("cpu", enabled=False):
+        loss = model(inputs).float().sum()
+    loss.backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("loaded, autocast, compute", [
+    (torch.float32, None, "float32"), (torch.float32, torch.bfloat16, "bfloat16"),
+    (torch.bfloat16, torch.bfloat16, "bfloat16"), (torch.bfloat16, None, "bfloat16")])  # fmt: skip
+def test_the_first_forward_and_the_optimizer_say_what_ran(loaded, autocast, compute):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1)).to(loaded)
+    probe = precision.Probe(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stepped(model, optimizer, autocast)
+    assert probe.facts(optimizer) == {"compute": compute, "updated": [str(loaded)[6:]], "adapter": False}
+    assert not model[0]._forward_hooks  # removed once it has seen an output
+
+
+def test_wrapped_optimizers_are_read_at_the_innermost_and_a_zero3_partition_through_its_state():
+    """accelerate's AcceleratedOptimizer and DeepSpeed's ZeRO optimizers keep the optimizer they drive as
+    `.optimizer`; ZeRO-3 puts its fp32 partition in the group only for its step, the state stays keyed by it."""
+    master = torch.nn.Parameter(torch.zeros(8))
+    inner = torch.optim.AdamW([master], lr=1e-3)
+    master.grad = torch.ones(8)
+    inner.step()
+    inner.param_groups[0]["params"] = []  # as DeepSpeed's stage 3 leaves it between steps
+
+    class Wrapper:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    assert precision.updated(Wrapper(Wrapper(inner))) == ["float32"]
+    frozen = torch.nn.Linear(4, 4).to(torch.bfloat16).requires_grad_(False)
+    model = torch.nn.Sequential(frozen, torch.nn.Linear(4, 1))
+    assert precision.Probe(model).adapter  # part of the model trains (PEFT)
+
+
+def test_the_line_says_why_weights_are_16_bit_and_what_keeps_them_fp32():
+    assert line({"compute": "bfloat16", "updated": ["float32"], "adapter": False}) == (
+        "[orch] precision: bf16 compute, fp32 weights updated by the optimizer")
+    whole = line({"compute": "bfloat16", "updated": ["bfloat16"], "adapter": False})
+    assert whole.startswith("[orch] precision: bf16 compute, bf16 weights updated by the optimizer (no fp32 copy: an "
+                            "update under ~1/256 of a weight rounds away; dtype=float32 keeps fp32 weights")
+    half = line({"compute": "float16", "updated": ["float16"], "adapter": False})
+    assert "fp16 weights updated by the optimizer (no fp32 copy: an update under ~1/2048" in half
+    adapter = line({"compute": "bfloat16", "updated": ["bfloat16"], "adapter": True})
+    assert adapter.endswith("(the adapter in bf16: TRL casts a 4-bit model's LoRA adapter so, as the QLoRA paper does)")
+    assert line(None) is None and line({"compute": None, "updated": ["float32"]}) is None  # no Linear layer ran
