@@ -185,6 +185,12 @@ BAD = [
     (["run", "resources_both"], "resources: set accelerators or its alias gpus, not both"),
     (["run", "resources_spot"], "resources.use_spot: 'maybe' is not of type 'boolean' (SkyPilot's task schema)"),
     (["run", "mount_mode"], "file_mounts./checkpoints.mode: 'MOUNTCACHED' is not one of ['MOUNT', 'COPY', "),
+    # SkyPilot builds each any_of/ordered candidate as the top level updated with its fields: they would win, silently
+    (["run", "any_of_gpus", "--gpus", "L4:8", "--dry-run"], "resources.any_of[0] names accelerators (L4:8), which "
+     "SkyPilot puts over the top level's and --gpus: orch plans one accelerator type"),
+    (["run", "ordered_gpus", "--dry-run"], "resources.ordered[0] names accelerators (H100:8)"),
+    (["run", "any_of_infra", "--infra", "aws", "--dry-run"], "resources.any_of[0] sets infra, which SkyPilot puts "
+     "over --infra (a candidate's fields win over the top level's)"),
     (["run", "int_key"], "'1' is not a SkyPilot task field"),  # YAML reads 1 as an int key: no traceback
     (["run", "null_key"], "'None' is not a SkyPilot task field"),
     (["run", "phi3_dpo_fsdp", "--env", "TRL_CONFIG=/dev/zero"], "is a device, FIFO or socket, not a regular file"),
@@ -247,7 +253,11 @@ def bad_project(project):
                         ("resources_typo", "resources: {acelerators: A100:8}"),
                         ("resources_both", "resources: {gpus: A100:8, accelerators: A100:8}"),
                         ("resources_spot", "resources: {accelerators: A100:8, use_spot: maybe}"),
-                        ("mount_mode", "file_mounts: {/checkpoints: {name: b, mode: MOUNTCACHED}}")):  # fmt: skip
+                        ("mount_mode", "file_mounts: {/checkpoints: {name: b, mode: MOUNTCACHED}}"),
+                        ("any_of_gpus", "resources: {any_of: [{accelerators: L4:8}, {accelerators: A10G:8}]}"),
+                        ("any_of_infra", "resources: {accelerators: A100:8, any_of: [{infra: aws}, {infra: gcp}]}"),
+                        ("ordered_gpus", "resources: {accelerators: A100:8, ordered: [{accelerators: H100:8}]}"),
+                        ):  # fmt: skip
         key = field.split(":")[0]
         text = re.sub(rf"^{key}:.*?(?=^\S)", "", phi3, flags=re.M | re.S) if key in phi3 else phi3
         (recipes / f"{name}.yaml").write_text(text + field + "\n")

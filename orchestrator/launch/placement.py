@@ -19,6 +19,33 @@ PREEMPTION_HOOK = (  # SkyPilot's hook: save first
 )
 
 
+def check_candidates(args, recipe: Mapping) -> None:
+    """A recipe's resources.any_of / ordered candidates, which SkyPilot builds as the top-level resources updated with
+    each candidate's keys (sky/resources.py `_override_resources`): a key a candidate names wins over the top level's,
+    silently. orch plans one accelerator type (processes per node, the global batch, the memory check), so candidates
+    may not name accelerators, nor a field a flag of this launch sets."""
+    flags = {"use_spot": "--spot" if args.spot else "", "infra": "--infra" if args.infra else "",
+             "image_id": "--image-id" if args.image_id else "",
+             "network_tier": "--network-tier" if args.network_tier else ""}  # fmt: skip
+    for field in ("any_of", "ordered"):
+        candidates = recipe.get(field)
+        for i, candidate in enumerate(candidates if isinstance(candidates, list) else []):
+            if not isinstance(candidate, Mapping):
+                continue
+            if "accelerators" in candidate:
+                raise OrchError(
+                    f"resources.{field}[{i}] names accelerators ({candidate['accelerators']}), which SkyPilot puts "
+                    "over the top level's and --gpus: orch plans one accelerator type (processes per node, the "
+                    "global batch, the memory check); keep one in resources.accelerators and the rest of the "
+                    f"candidates' fields in {field}, or launch it with plain `sky launch`"
+                )
+            for key, flag in flags.items():
+                if flag and key in candidate:
+                    raise OrchError(f"resources.{field}[{i}] sets {key}, which SkyPilot puts over {flag} (a "
+                                    f"candidate's fields win over the top level's): drop {flag} or {key} from the "
+                                    f"recipe's {field}")  # fmt: skip
+
+
 def resources(args, launch: Launch) -> dict[str, object]:
     """SkyPilot's placement and recovery fields, in SkyPilot's spellings (its schema checks them in to_task)."""
     recipe = launch.recipe.task.get("resources") or {}

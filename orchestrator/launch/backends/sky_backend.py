@@ -31,12 +31,14 @@ class SkyBackend:
 
     def run(self, request: RunRequest) -> int:
         from orchestrator.core.accelerators import parse as parse_gpus
+        from orchestrator.launch import placement
         from orchestrator.launch.resolved import resolve
 
         options = request.options
         if any(getattr(options.local, name) for name in LOCAL_ONLY):
             raise OrchError("--fresh, --netns and --auto-fit are for runs on this machine: add --local")
         gpus = parse_gpus(options.gpus) if options.gpus is not None else None
+        placement.check_candidates(options.sky, request.recipe.task.get("resources") or {})
         cpus = gpus.count if gpus is not None and gpus.name == CPU else 0  # CPU nodes (`--gpus none`, CPU:N)
         cpu = cpus > 0
         if options.local.smoke and not cpu:
