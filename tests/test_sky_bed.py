@@ -174,6 +174,9 @@ def test_plain_sky_launch_runs_the_recipe_on_two_slurm_nodes(bed, tmp_path):
     for rank in (0, 1):
         assert f"[orch] node {rank}/2: 1 process(es) here, 2 in all" in out and "running FSDP2 over gloo" in out
     assert "[orch] step 8/8 loss=" in out
+    # the head node's summary, read back from both nodes' rank reports on the account's shared home (core/summary.py)
+    assert "[orch] ran: FSDP2 over gloo, world size 2 (ranks reporting: 0, 1)" in out, out[-3000:]
+    assert "[orch] precision: fp32 compute, fp32 weights updated by the optimizer" in out
     final = next(line for line in out.splitlines() if "[orch] final model: " in line)
     output_dir = Path(final.split("[orch] final model: ")[1].split(" (")[0])
     assert output_dir.parent == bed.home / "orch-checkpoints"  # CHECKPOINT_ROOT=~/...: the account's shared home

@@ -111,9 +111,12 @@ KNOBS = {
     "ORCH_MEMORY_CHECK": ON_OFF,
     # resume from a checkpoint trained with other settings (train/run_config.py says which)
     "ORCH_RESUME_CHANGED": ON_OFF,
-    "ORCH_SHOW_NOTICES": ON_OFF,
+    "ORCH_SHOW_NOTICES": ON_OFF,  # third-party notices the node hides (node/output.py NOTICES)
     # `orch node` trains the recipe's tiny model on synthetic data, built on the node (a CPU cluster, a first check)
-    "ORCH_SMOKE": ON_OFF,  # third-party notices the node hides (node/output.py NOTICES)
+    "ORCH_SMOKE": ON_OFF,
+    # the head node prints the run's summary from the rank reports when training ends (core/summary.py); the local
+    # backend sets off and prints it itself, once every node is done
+    "ORCH_SUMMARY": ON_OFF,
     "ORCH_DATA_CHECK": ON_OFF,
     # the Kernels Hub attention kernel checked before a cloud launch (launch/kernelcheck.py)
     "ORCH_KERNEL_CHECK": ON_OFF,

@@ -78,7 +78,7 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     from orchestrator.node.supervise import supervise  # not for --print: it costs a third of its start-up
 
     gpus = knob(env, "ORCH_DEVICE", "gpu") != "cpu"
-    return supervise(
+    code = supervise(
         runnable(node_plan.argv),
         child_env,
         node_rank=node_plan.cluster.node_rank,
@@ -88,6 +88,28 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
         # a GPU node names an out-of-memory fix itself; a local (CPU) run's launch side does, with --auto-fit
         settings=node_plan.settings if gpus else None,
     )
+    if code == 0 and topo.node_rank == 0 and knob(env, "ORCH_SUMMARY", "on") == "on":
+        summarise(node_plan.argv)
+    return code
+
+
+def summarise(argv: list[str]) -> None:
+    """The run's summary on the head node, read back from the rank reports in its output_dir (core/summary.py): those
+    of the other nodes too where the checkpoint root is shared and already shows them (a bucket mount may lag: the
+    line names the ranks that reported). Training succeeded: a report it cannot read is said, not an error."""
+    from pathlib import Path
+
+    from orchestrator.core.summary import summary
+
+    if "--output_dir" not in argv[:-1]:
+        return
+    output_dir = Path(argv[argv.index("--output_dir") + 1])
+    try:
+        lines = summary(output_dir)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        lines = [f"[orch] summary: the rank reports in {output_dir / 'orch'} could not be read ({exc!r})"]
+    for line in lines:
+        print(line, flush=True)
 
 
 def runnable(argv: list[str]) -> list[str]:

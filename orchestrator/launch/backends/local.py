@@ -22,9 +22,9 @@ from pathlib import Path
 from orchestrator.core import credentials
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
+from orchestrator.core.summary import stop_reason, summary
 from orchestrator.launch.backends import netns
 from orchestrator.launch.backends.local_nodes import free_port, node_envs, node_scratch, threads_per_process
-from orchestrator.launch.backends.summary import stop_reason, summary
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, printable
 from orchestrator.node.procs import DEFAULT_GRACE, stopped_group
 

@@ -57,6 +57,7 @@ def node_envs(
             MAIN_PROCESS_PORT=str(port),
             ORCH_BARRIER_PORT=str(barrier_port),
             ORCH_DEVICE="cpu",
+            ORCH_SUMMARY="off",  # the launcher prints it once every node is done (local.py)
             OMP_NUM_THREADS=str(threads),
             ORCH_LAUNCHED_AT=f"{launched_at:.3f}",
             ORCH_VENV=sys.prefix,  # the recipe's `run:` puts ORCH_VENV/bin first on PATH, as on a node

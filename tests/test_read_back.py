@@ -1,6 +1,8 @@
-"""What precision ran, read from the process (train/precision.py) and said in one line (core/precision.py): the
-compute dtype a Linear layer returned and the dtypes of what the innermost optimizer updates. The smoke runs read
-both back from every rank for each strategy (tests/test_trainers_smoke.py); these check the parts on their own."""
+"""What ran, read back from the processes and said in one line each: the precision (train/precision.py, the compute
+dtype a Linear layer returned and the dtypes the innermost optimizer updates; core/precision.py says it), and the
+ranks that reported (core/summary.py). The smoke runs read them back from every rank for each strategy
+(tests/test_trainers_smoke.py) and the SkyPilot bed from its head node (tests/test_sky_bed.py); these check the parts
+on their own."""
 
 import pytest
 import torch
@@ -61,3 +63,11 @@ def test_the_line_says_why_weights_are_16_bit_and_what_keeps_them_fp32():
     adapter = line({"compute": "bfloat16", "updated": ["bfloat16"], "adapter": True})
     assert adapter.endswith("(the adapter in bf16: TRL casts a 4-bit model's LoRA adapter so, as the QLoRA paper does)")
     assert line(None) is None and line({"compute": None, "updated": ["float32"]}) is None  # no Linear layer ran
+
+
+def test_the_ranks_that_reported_are_named_in_runs():
+    from orchestrator.core.summary import spans
+
+    assert spans([1, 0]) == "0, 1"
+    assert spans(list(range(16)) + [17, 18, 19, 24]) == "0-15, 17-19, 24"
+    assert spans([3]) == "3" and spans([]) == ""

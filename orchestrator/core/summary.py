@@ -1,5 +1,6 @@
-"""What a local run really did, read back from the files its training processes wrote (per-rank reports in
-<output_dir>/orch/, the loss log, the checkpoints): never from a config."""
+"""What a run really did, read back from the files its training processes wrote (per-rank reports in
+<output_dir>/orch/, the loss log, the checkpoints): never from a config. The local backend prints it when its nodes
+are done; on a cluster the head node does (node/exec.py), from the reports it can read."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ def ran_as(report: dict) -> str:
         sp = f" + Ulysses SP{facts['sp_size']}" if facts.get("sp_size") else ""
         return f"DeepSpeed ZeRO-{facts['zero_stage']}{sp}"
     return report["distributed_type"]
+
+
+def spans(numbers: list[int]) -> str:
+    """`0, 1` or `0-7, 16-23`: the ranks that reported, in runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in runs)
 
 
 def sharding_line(ranks: list[dict]) -> str | None:
@@ -105,7 +117,7 @@ def summary(output_dir: Path) -> list[str]:
     world = head["world_size"]
     lines = [
         f"[orch] ran: {ran_as(head)} over {head['backend'] or 'no process group'}, world size {world} "
-        f"(ranks reporting: {', '.join(str(r['rank']) for r in ranks)})"
+        f"(ranks reporting: {spans([int(r['rank']) for r in ranks])})"
     ]
     sharding = sharding_line(ranks)
     if sharding:
