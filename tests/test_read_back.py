@@ -29,7 +29,7 @@ def test_the_first_forward_and_the_optimizer_say_what_ran(loaded, autocast, comp
     probe = precision.Probe(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     stepped(model, optimizer, autocast)
-    assert probe.facts(optimizer) == {"compute": compute, "updated": [str(loaded)[6:]], "adapter": False}
+    assert probe.facts(optimizer) == {"compute": compute, "updated": [str(loaded)[6:]], "quantized": False}
     assert not model[0]._forward_hooks  # removed once it has seen an output
 
 
@@ -47,20 +47,18 @@ def test_wrapped_optimizers_are_read_at_the_innermost_and_a_zero3_partition_thro
             self.optimizer = optimizer
 
     assert precision.updated(Wrapper(Wrapper(inner))) == ["float32"]
-    frozen = torch.nn.Linear(4, 4).to(torch.bfloat16).requires_grad_(False)
-    model = torch.nn.Sequential(frozen, torch.nn.Linear(4, 1))
-    assert precision.Probe(model).adapter  # part of the model trains (PEFT)
+    assert not precision.Probe(torch.nn.Sequential(torch.nn.Linear(4, 4))).quantized  # no bitsandbytes 4-bit layer
 
 
 def test_the_line_says_why_weights_are_16_bit_and_what_keeps_them_fp32():
-    assert line({"compute": "bfloat16", "updated": ["float32"], "adapter": False}) == (
+    assert line({"compute": "bfloat16", "updated": ["float32"], "quantized": False}) == (
         "[orch] precision: bf16 compute, fp32 weights updated by the optimizer")
-    whole = line({"compute": "bfloat16", "updated": ["bfloat16"], "adapter": False})
+    whole = line({"compute": "bfloat16", "updated": ["bfloat16"], "quantized": False})
     assert whole.startswith("[orch] precision: bf16 compute, bf16 weights updated by the optimizer (no fp32 copy: an "
                             "update under ~1/256 of a weight rounds away; dtype=float32 keeps fp32 weights")
-    half = line({"compute": "float16", "updated": ["float16"], "adapter": False})
+    half = line({"compute": "float16", "updated": ["float16"], "quantized": False})
     assert "fp16 weights updated by the optimizer (no fp32 copy: an update under ~1/2048" in half
-    adapter = line({"compute": "bfloat16", "updated": ["bfloat16"], "adapter": True})
+    adapter = line({"compute": "bfloat16", "updated": ["bfloat16"], "quantized": True})
     assert adapter.endswith("(the adapter in bf16: TRL casts a 4-bit model's LoRA adapter so, as the QLoRA paper does)")
     assert line(None) is None and line({"compute": None, "updated": ["float32"]}) is None  # no Linear layer ran
 

@@ -126,7 +126,7 @@ def test_trainer_smoke_trains_on_two_nodes(project, tmp_path, label):
     output_dir = project / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
     precision = {json.dumps(json.loads(p.read_text())["precision"]) for p in (output_dir / "orch").glob("rank*.json")}
     compute, updated = RECIPE_PRECISION.get(label, SMOKE_PRECISION.get(label, ("float32", ["float32"])))
-    facts = {"compute": compute, "updated": updated, "adapter": "lora" in label}
+    facts = {"compute": compute, "updated": updated, "quantized": "qlora" in label}
     assert precision == {json.dumps(facts)}, precision  # every rank's first step
     short = {"bfloat16": "bf16", "float32": "fp32"}
     said = f"[orch] precision: {short[compute]} compute, {short[updated[0]]} weights updated by the optimizer"

@@ -9,14 +9,15 @@ SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "f
 def line(facts: dict | None) -> str | None:
     """`[orch] precision: bf16 compute, fp32 weights updated by the optimizer`, and where the optimizer updates 16-bit
     weights, why: a model loaded in bf16 and trained whole under DDP or one process (accelerate upcasts only under
-    FSDP, DeepSpeed keeps fp32 partitions), what that costs and how to keep fp32 weights; or an adapter TRL cast."""
+    FSDP, DeepSpeed keeps fp32 partitions), what that costs and how to keep fp32 weights; or a 4-bit model's adapter,
+    which TRL casts."""
     if not facts or not facts.get("compute") or not facts.get("updated"):
         return None
     compute = SHORT.get(facts["compute"], facts["compute"])
     updated = [SHORT.get(d, d) for d in facts["updated"]]
     text = f"[orch] precision: {compute} compute, {' and '.join(updated)} weights updated by the optimizer"
     half = next((d for d in updated if d in ("bf16", "fp16")), None)
-    if half and facts.get("adapter"):
+    if half and facts.get("quantized"):
         text += f" (the adapter in {half}: TRL casts a 4-bit model's LoRA adapter so, as the QLoRA paper does)"
     elif half:
         text += (f" (no fp32 copy: an update under ~1/{256 if half == 'bf16' else 2048} of a weight rounds away; "

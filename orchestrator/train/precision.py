@@ -17,7 +17,9 @@ class Probe:
 
     def __init__(self, model) -> None:
         self.compute: torch.dtype | None = None
-        self.adapter = not all(p.requires_grad for p in model.parameters())  # PEFT: part of the model trains
+        # bitsandbytes' own 4-bit layers (QLoRA), whose LoRA adapter TRL's trainers cast to bf16
+        self.quantized = any(type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")
+                             for m in model.modules())  # fmt: skip
         linear = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
         self._hook = linear.register_forward_hook(self._seen) if linear is not None else None
 
@@ -28,7 +30,7 @@ class Probe:
 
     def facts(self, optimizer) -> dict:
         compute = _name(self.compute) if self.compute else None
-        return {"compute": compute, "updated": updated(optimizer), "adapter": self.adapter}
+        return {"compute": compute, "updated": updated(optimizer), "quantized": self.quantized}
 
 
 def updated(optimizer) -> list[str]:
