@@ -191,6 +191,8 @@ BAD = [
     (["run", "ordered_gpus", "--dry-run"], "resources.ordered[0] names accelerators (H100:8)"),
     (["run", "any_of_infra", "--infra", "aws", "--dry-run"], "resources.any_of[0] sets infra, which SkyPilot puts "
      "over --infra (a candidate's fields win over the top level's)"),
+    (["run", "git_workdir"], "workdir is a git repository (https://example.com/me/orch.git): orch reads the "
+     "recipe's configs and checks the launch from a local workdir"),
     (["run", "int_key"], "'1' is not a SkyPilot task field"),  # YAML reads 1 as an int key: no traceback
     (["run", "null_key"], "'None' is not a SkyPilot task field"),
     (["run", "phi3_dpo_fsdp", "--env", "TRL_CONFIG=/dev/zero"], "is a device, FIFO or socket, not a regular file"),
@@ -257,6 +259,7 @@ def bad_project(project):
                         ("any_of_gpus", "resources: {any_of: [{accelerators: L4:8}, {accelerators: A10G:8}]}"),
                         ("any_of_infra", "resources: {accelerators: A100:8, any_of: [{infra: aws}, {infra: gcp}]}"),
                         ("ordered_gpus", "resources: {accelerators: A100:8, ordered: [{accelerators: H100:8}]}"),
+                        ("git_workdir", "workdir: {url: https://example.com/me/orch.git, ref: main}"),
                         ):  # fmt: skip
         key = field.split(":")[0]
         text = re.sub(rf"^{key}:.*?(?=^\S)", "", phi3, flags=re.M | re.S) if key in phi3 else phi3

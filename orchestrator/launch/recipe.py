@@ -104,6 +104,12 @@ def load(name_or_path: str) -> Recipe:
     if isinstance(task.get("resources"), dict):  # SkyPilot's aliases renamed as its Resources does (gpus: accelerators)
         task = {**task, "resources": sky_schema.resources(task["resources"], f"recipe {path}")}
     workdir = task.get("workdir")
+    if isinstance(workdir, dict):  # SkyPilot's git workdir ({url, ref}), cloned on the nodes
+        raise OrchError(
+            f"recipe {path}: workdir is a git repository ({str(workdir.get('url'))[:100]}): orch reads the recipe's "
+            "configs and checks the launch from a local workdir; clone it and run orch there (plain `sky launch` "
+            "takes the git workdir as it is)"
+        )
     if isinstance(workdir, str):  # SkyPilot rsyncs it through a shell here; orch resolves paths under it
         slots.check("field", workdir.removeprefix("~"), f"recipe {path}: workdir")
     num_nodes = task.get("num_nodes")
