@@ -135,6 +135,13 @@ def test_trainer_smoke_trains_on_two_nodes(project, tmp_path, label):
         assert f"{said} (no fp32 copy: an update under ~1/256 of a weight rounds away; dtype=float32" in result.stdout
     if "qlora" in label:
         assert f"{said} (the adapter in bf16: TRL casts a 4-bit model's LoRA adapter so" in result.stdout
+    # the recipe's activation checkpointing, as it ran (smoke runs keep it): FSDP's wrappers or transformers' flags
+    launch = next(x for x in result.stdout.splitlines() if "[orch] launch: " in x).split()
+    layers = json.loads((Path(launch[launch.index("--model_name_or_path") + 1]) / "config.json").read_text())[
+        "num_hidden_layers"]  # fmt: skip
+    by = {"fsdp": layers if ran == "FSDP2" else 0, "transformers": 0 if ran == "FSDP2" else layers}
+    assert json.loads((output_dir / "orch" / "rank0.json").read_text())["recompute"] == {"layers": layers, **by}
+    assert f"[orch] recomputed in the backward: {layers} decoder layer(s), {layers} by" in result.stdout
     datasets = {json.loads(p.read_text())["train_dataset"] for p in (output_dir / "orch").glob("rank*.json")}
     assert datasets == {"IterableDataset" if streamed else "Dataset"}, datasets  # as each rank's trainer holds it
     if evaluated:  # each evaluation's line, with the trainer's own measures eval_-named, and the summary's

@@ -86,7 +86,6 @@ def trl_overrides(smoke: SmokePlan, settings: Mapping[str, object] | None = None
         "save_steps": "4",
         "save_total_limit": "2",
         "bf16": "false",
-        "gradient_checkpointing": "false",
         "report_to": "none",
         "disable_tqdm": "true",
         "dataloader_num_workers": "0",

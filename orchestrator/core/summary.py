@@ -131,6 +131,11 @@ def summary(output_dir: Path) -> list[str]:
         )
     if said := precision_line(head.get("precision")):
         lines.append(said)
+    if recompute := head.get("recompute"):
+        ways = ((recompute["fsdp"], "FSDP's activation checkpointing"),
+                (recompute["transformers"], "transformers' gradient checkpointing"))
+        by = " and ".join(f"{n} by {who}" for n, who in ways if n)
+        lines.append(f"[orch] recomputed in the backward: {recompute['layers']} decoder layer(s), {by}")
     if head.get("reshaped"):
         lines.append(head["reshaped"])
     steps = head["optimizer_steps_this_run"]

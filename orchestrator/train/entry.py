@@ -196,6 +196,21 @@ def adapter_facts(model) -> dict | None:
     return {"trainable_params": trainable, "params": total, "linear4bit": linear4bit}
 
 
+def recompute_facts(model) -> dict | None:
+    """Activation checkpointing, read from the trained model: its decoder layers (transformers' GradientCheckpointing
+    Layer), those whose gradient_checkpointing flag is on (transformers' gradient checkpointing) and torch's
+    CheckpointWrapper modules (FSDP's activation checkpointing, which accelerate wraps around each layer); None when
+    the backward recomputes nothing."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    modules = list(model.modules())
+    layers = [m for m in modules if isinstance(m, GradientCheckpointingLayer)]
+    flagged = sum(bool(getattr(m, "gradient_checkpointing", False)) for m in layers)
+    wrapped = sum(isinstance(m, CheckpointWrapper) for m in modules)  # FSDP2 renames its class (FSDPCheckpointWrapper)
+    return {"layers": len(layers), "transformers": flagged, "fsdp": wrapped} if flagged or wrapped else None
+
+
 def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | None, strategy: dict) -> dict:
     acc = trainer.accelerator
     local = for_collective([trainer.orch_samples], torch.long)
@@ -214,6 +229,7 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "strategy": strategy,
         "adapter": adapter_facts(trainer.model),
         "precision": callback.precision,  # the first step's compute dtype and what its optimizer updated
+        "recompute": recompute_facts(trainer.model),
         "backend": dist().get_backend() if dist() else None,
         "device": str(acc.device),
         # the attention the model's layers call, as transformers resolved it (a recipe's kernel can fall back)
