@@ -69,3 +69,20 @@ def test_the_ranks_that_reported_are_named_in_runs():
     assert spans([1, 0]) == "0, 1"
     assert spans(list(range(16)) + [17, 18, 19, 24]) == "0-15, 17-19, 24"
     assert spans([3]) == "3" and spans([]) == ""
+
+
+def test_the_plan_says_ahead_when_the_optimizer_will_update_16_bit_weights_and_what_fp32_would_take():
+    import dataclasses
+
+    from orchestrator.core import memory, models
+    from orchestrator.core.precision import planned
+
+    setup = memory.Setup(models.KNOWN_ARCHS["qwen/qwen2.5-0.5b-instruct"], strategy="ddp", gpus=4, seq_len=2048)
+    fp32 = memory.estimate(dataclasses.replace(setup, weights_dtype="float32"))
+    said = planned(setup)
+    assert said.startswith("precision: the optimizer will update bf16 weights (DDP over a model loaded in bf16: no "
+                           "fp32 copy, an update under ~1/256 of a weight rounds away); dtype=float32 keeps fp32")
+    assert said.endswith(f"under bf16 compute at {fp32.describe()}") and fp32.gib > memory.estimate(setup).gib
+    for other in ({"strategy": "fsdp"}, {"strategy": "zero2"}, {"method": "lora"}, {"weights_dtype": "float32"}):
+        assert planned(dataclasses.replace(setup, **other)) is None, other  # fp32 weights, or an fp32 copy, train
+    assert planned(None) is None

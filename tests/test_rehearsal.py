@@ -410,6 +410,8 @@ def test_an_edit_to_a_config_is_rehearsed_again(project):
     again = orch(*command, cwd=project, env=ON)
     assert first.returncode == 0 and "rehearsed 1 role(s) of 2 rank(s)" in first.stdout, first.stderr
     assert "(cached)" not in first.stdout and again.stdout.count("(cached)") == 1
+    # a DDP recipe loading its model in bf16: the plan says, before launch, what its first step will read back
+    assert "\nprecision: the optimizer will update bf16 weights (DDP over a model loaded in bf16" in first.stdout
     config = project / "recipes" / "trl" / "qwen25_kto.yaml"
     config.write_text(config.read_text().replace("beta: 0.1", "beta: 0.2"))
     edited = orch(*command, cwd=project, env=ON)

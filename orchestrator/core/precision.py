@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from orchestrator.core import memory
+
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+SIXTEEN = {"bfloat16": 256, "float16": 2048}  # 16-bit dtypes: roughly the relative step between neighbouring values
 
 
 def line(facts: dict | None) -> str | None:
@@ -24,3 +29,16 @@ def line(facts: dict | None) -> str | None:
                  "dtype=float32 keeps fp32 weights under the same compute, at twice the memory for weights, gradients "
                  "and optimizer states)")  # fmt: skip
     return text
+
+
+def planned(setup: memory.Setup | None) -> str | None:
+    """Before launch, from the memory model's setup: a model loaded in 16 bits and trained whole under DDP (or in one
+    process) has its optimizer update 16-bit weights, which the first step reads back; said ahead with what fp32
+    weights would take per GPU (the memory model's own estimate), so the choice is made before paying for it."""
+    if setup is None or setup.method != "full" or setup.strategy != "ddp" or setup.weights_dtype not in SIXTEEN:
+        return None
+    half = SHORT[setup.weights_dtype]
+    fp32 = memory.estimate(dataclasses.replace(setup, weights_dtype="float32", mixed_precision=True))
+    return (f"precision: the optimizer will update {half} weights (DDP over a model loaded in {half}: no fp32 copy, "
+            f"an update under ~1/{SIXTEEN[setup.weights_dtype]} of a weight rounds away); dtype=float32 keeps fp32 "
+            f"weights under {half} compute at {fp32.describe()}")  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from orchestrator.core import accelerators, fit
+from orchestrator.core import accelerators, fit, precision
 from orchestrator.core.errors import OrchError
 from orchestrator.core.memory import GIB
 from orchestrator.core.yamlio import dump_task
@@ -57,6 +57,8 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
         )  # fmt: skip
     else:
         print("memory: not estimated (orch has no shape for this model: `orch plan path/to/config.json` reads one)")
+    if ahead := precision.planned(checked.memory.setup if checked.memory else None):
+        print(ahead)
     at_load = preflight.load_memory(launch, checked.memory)  # None where the line above says not estimated
     if at_load is not None:
         print(f"memory at load: {at_load.describe()}")
@@ -171,6 +173,8 @@ def confirm(launch: Launch, checked: Checked, managed: bool, ahead: Planner | No
     what = "managed job" if managed else "cluster"
     print(f"[orch] {launch.recipe.name}: {launch.nodes} node(s) x {launch.gpus} as a {what}")
     print(f"[orch] checkpoints and final model: {storage.durable_checkpoints(task) or 'on the nodes (not durable)'}")
+    if said := precision.planned(checked.memory.setup if checked.memory else None):
+        print(f"[orch] {said}")
     plan, reason = planned(launch, checked, ahead)
     if plan is None:
         try:
