@@ -86,3 +86,19 @@ def test_the_plan_says_ahead_when_the_optimizer_will_update_16_bit_weights_and_w
     for other in ({"strategy": "fsdp"}, {"strategy": "zero2"}, {"method": "lora"}, {"weights_dtype": "float32"}):
         assert planned(dataclasses.replace(setup, **other)) is None, other  # fp32 weights, or an fp32 copy, train
     assert planned(None) is None
+
+
+def test_a_cluster_runs_summary_leaves_out_ranks_an_earlier_larger_attempt_reported(tmp_path):
+    """On a cluster the reports directory is not renewed between attempts (the local backend renews it): a relaunch on
+    fewer nodes finds the earlier attempt's reports of ranks its world does not have."""
+    import json
+
+    from orchestrator.core.summary import summary
+
+    (tmp_path / "orch").mkdir()
+    report = {"rank": 0, "world_size": 1, "distributed_type": "MULTI_GPU", "backend": "nccl", "strategy": {},
+              "optimizer_steps_this_run": 4, "optimizer_steps": 8, "total_samples": 64,
+              "per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, "final_model": None}  # fmt: skip
+    (tmp_path / "orch" / "rank0.json").write_text(json.dumps(report))
+    (tmp_path / "orch" / "rank1.json").write_text(json.dumps({**report, "rank": 1, "world_size": 2}))
+    assert summary(tmp_path)[0] == "[orch] ran: MULTI_GPU over nccl, world size 1 (ranks reporting: 0)"

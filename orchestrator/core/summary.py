@@ -113,8 +113,10 @@ def summary(output_dir: Path) -> list[str]:
     if not reports:
         return [f"[orch] no training report in {output_dir / 'orch'}: the training did not finish"]
     ranks = [json.loads(p.read_text()) for p in reports]
-    head = ranks[0]
+    head = ranks[0]  # rank0.json, which every attempt that finishes writes anew
     world = head["world_size"]
+    # an earlier attempt at a larger shape (a resume on fewer nodes) left reports of ranks this world does not have
+    ranks = [r for r in ranks if r["world_size"] == world and int(r["rank"]) < world]
     lines = [
         f"[orch] ran: {ran_as(head)} over {head['backend'] or 'no process group'}, world size {world} "
         f"(ranks reporting: {spans([int(r['rank']) for r in ranks])})"
