@@ -102,3 +102,24 @@ def test_a_cluster_runs_summary_leaves_out_ranks_an_earlier_larger_attempt_repor
     (tmp_path / "orch" / "rank0.json").write_text(json.dumps(report))
     (tmp_path / "orch" / "rank1.json").write_text(json.dumps({**report, "rank": 1, "world_size": 2}))
     assert summary(tmp_path)[0] == "[orch] ran: MULTI_GPU over nccl, world size 1 (ranks reporting: 0)"
+
+
+def test_the_head_node_reads_the_ranks_output_dir_from_their_argv_or_else_the_trl_config(tmp_path, capsys):
+    """CHECKPOINT_ROOT gives the ranks --output_dir <root>/<run id> (node/script.py); without one they write where the
+    TRL config says, which is not in their argv."""
+    import json
+
+    from orchestrator.node.exec import summarise
+
+    report = {"rank": 0, "world_size": 1, "distributed_type": "MULTI_GPU", "backend": "nccl", "strategy": {},
+              "optimizer_steps_this_run": 0, "optimizer_steps": 8, "total_samples": 0,
+              "per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, "final_model": None}  # fmt: skip
+    (tmp_path / "orch").mkdir()
+    (tmp_path / "orch" / "rank0.json").write_text(json.dumps(report))
+    ran = "[orch] ran: MULTI_GPU over nccl, world size 1 (ranks reporting: 0)"
+    summarise(["--module", "orchestrator.train", "sft"], {"output_dir": str(tmp_path)})
+    assert ran in capsys.readouterr().out
+    summarise(["--output_dir", "elsewhere", "--output_dir", str(tmp_path)], {"output_dir": "outputs/x"})
+    assert ran in capsys.readouterr().out
+    summarise(["--module", "orchestrator.train", "sft"], {})
+    assert capsys.readouterr().out == ""

@@ -89,21 +89,24 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
         settings=node_plan.settings if gpus else None,
     )
     if code == 0 and topo.node_rank == 0 and knob(env, "ORCH_SUMMARY", "on") == "on":
-        summarise(node_plan.argv)
+        summarise(node_plan.argv, node_plan.settings)
     return code
 
 
-def summarise(argv: list[str]) -> None:
+def summarise(argv: list[str], settings: Mapping[str, object]) -> None:
     """The run's summary on the head node, read back from the rank reports in its output_dir (core/summary.py): those
     of the other nodes too where the checkpoint root is shared and already shows them (a bucket mount may lag: the
-    line names the ranks that reported). Training succeeded: a report it cannot read is said, not an error."""
+    line names the ranks that reported). Training succeeded: a report it cannot read is said, not an error. The
+    output_dir is the ranks': the last --output_dir of their argv (CHECKPOINT_ROOT/<run id>), else the TRL config's."""
     from pathlib import Path
 
     from orchestrator.core.summary import summary
 
-    if "--output_dir" not in argv[:-1]:
+    given = [argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--output_dir"]
+    where = given[-1] if given else settings.get("output_dir")
+    if not where:
         return
-    output_dir = Path(argv[argv.index("--output_dir") + 1])
+    output_dir = Path(str(where))
     try:
         lines = summary(output_dir)
     except (OSError, ValueError, KeyError, TypeError) as exc:
