@@ -21,11 +21,11 @@ def line(facts: dict | None) -> str | None:
     compute = SHORT.get(facts["compute"], facts["compute"])
     updated = [SHORT.get(d, d) for d in facts["updated"]]
     text = f"[orch] precision: {compute} compute, {' and '.join(updated)} weights updated by the optimizer"
-    half = next((d for d in updated if d in ("bf16", "fp16")), None)
+    half = next((d for d in facts["updated"] if d in SIXTEEN), None)
     if half and facts.get("quantized"):
-        text += f" (the adapter in {half}: TRL casts a 4-bit model's LoRA adapter so, as the QLoRA paper does)"
+        text += f" (the adapter in {SHORT[half]}: TRL casts a 4-bit model's LoRA adapter so, as the QLoRA paper does)"
     elif half:
-        text += (f" (no fp32 copy: an update under ~1/{256 if half == 'bf16' else 2048} of a weight rounds away; "
+        text += (f" (no fp32 copy: an update under ~1/{SIXTEEN[half]} of a weight rounds away; "
                  "dtype=float32 keeps fp32 weights under the same compute, at twice the memory for weights, gradients "
                  "and optimizer states)")  # fmt: skip
     return text

@@ -37,6 +37,7 @@ from orchestrator.train import (
     loader_workers,
     loading,
     netcheck,
+    precision,
     resumption,
     run_config,
     tracking,
@@ -190,10 +191,7 @@ def adapter_facts(model) -> dict | None:
     total = sum(p.numel() for p in params)
     if trainable == total:
         return None
-    # bitsandbytes' own Linear4bit, not PEFT's LoRA wrapper of it (a class of the same name)
-    linear4bit = sum(type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")
-                     for m in model.modules())  # fmt: skip
-    return {"trainable_params": trainable, "params": total, "linear4bit": linear4bit}
+    return {"trainable_params": trainable, "params": total, "linear4bit": precision.linear4bit(model)}
 
 
 def recompute_facts(model) -> dict | None:

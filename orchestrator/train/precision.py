@@ -17,9 +17,7 @@ class Probe:
 
     def __init__(self, model) -> None:
         self.compute: torch.dtype | None = None
-        # bitsandbytes' own 4-bit layers (QLoRA), whose LoRA adapter TRL's trainers cast to bf16
-        self.quantized = any(type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")
-                             for m in model.modules())  # fmt: skip
+        self.quantized = linear4bit(model) > 0  # QLoRA, whose LoRA adapter TRL's trainers cast to bf16
         linear = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
         self._hook = linear.register_forward_hook(self._seen) if linear is not None else None
 
@@ -31,6 +29,13 @@ class Probe:
     def facts(self, optimizer) -> dict:
         compute = _name(self.compute) if self.compute else None
         return {"compute": compute, "updated": updated(optimizer), "quantized": self.quantized}
+
+
+def linear4bit(model) -> int:
+    """bitsandbytes' own 4-bit linear layers (QLoRA's base), not PEFT's LoRA wrapper of one (a class of the same
+    name)."""
+    return sum(type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")
+               for m in model.modules())  # fmt: skip
 
 
 def updated(optimizer) -> list[str]:
