@@ -8,6 +8,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -879,10 +880,16 @@ def test_a_failed_install_ends_the_setup_with_one_line_naming_the_step_and_uvs_e
     (tools / "uv").write_text(f'#!/bin/bash\nif [ "$1 $2" = "{fails}" ] || [ "$1" = "{fails}" ]; then\n'
                               f'{fail}\nfi\nexec {real} "$@"\n')  # fmt: skip
     (tools / "uv").chmod(0o755)
+    # an environment of its own that sees the test environment's packages (a .pth): it holds the locked torch, which
+    # the setup keeps. A bare symlink to this interpreter was the base Python's outside its venv: where that Python
+    # lacked torch, the setup downloaded torch's CUDA build (5 GB) into it. uv offline: nothing is ever downloaded.
     env = tmp_path / "env"
-    (env / "bin").mkdir(parents=True)
-    (env / "bin" / "python").symlink_to(sys.executable)  # holds the locked torch: kept, nothing to download
-    node = clean_env() | {"HOME": str(tmp_path), "ORCH_VENV": str(env)}
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    found = subprocess.run([str(env / "bin" / "python"), "-c", purelib], capture_output=True, text=True,
+                           check=True).stdout.strip()  # fmt: skip
+    Path(found, "test-env.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    node = clean_env() | {"HOME": str(tmp_path), "ORCH_VENV": str(env), "UV_OFFLINE": "1"}
     node["PATH"] = f"{tools}{os.pathsep}{node['PATH']}"
     done = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env=node)  # fmt: skip
@@ -893,3 +900,4 @@ def test_a_failed_install_ends_the_setup_with_one_line_naming_the_step_and_uvs_e
     assert last == f"orch: error: node 0 setup failed while {step} (exit 2)" + (f": {error}" if error else ""), last
     assert message.splitlines()[0] in done.stderr  # uv's own lines stay, above it
     assert done.stderr.count("orch: error:") == 1
+    assert f"torch {LOCKED['torch']} is there: kept" in done.stdout + done.stderr
