@@ -351,8 +351,10 @@ def test_a_managed_job_recovers_from_a_node_failure_and_resumes_from_its_checkpo
 
     log = bed.client / "sky_logs" / "jobs_controller" / "1.log"  # SkyPilot's jobs controller's own log of this job
 
-    def why() -> str:
-        return f"state {state()!r}; {queue()}\n{log.read_text()[-4000:] if log.is_file() else 'no controller log'}"
+    def why() -> str:  # and Slurm's side: its steps and daemons' logs (a recovery's srun once waited minutes)
+        steps = bed.cluster.run("squeue", "-s", "-h").stdout
+        return (f"state {state()!r}; {queue()}\n{log.read_text()[-4000:] if log.is_file() else 'no controller log'}"
+                f"\nSlurm's steps:\n{steps}{bed.cluster.logs()}")
 
     def ended() -> bool:  # SUCCEEDED, CANCELLED or one of the FAILED states (CANCELLING is not one)
         return bool(re.fullmatch(r"SUCCEEDED|FAILED\w*|CANCELLED", state()))
