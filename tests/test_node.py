@@ -402,3 +402,17 @@ def test_only_this_launchs_setup_lengthens_the_barrier():
     assert own_setup_seconds({"setup_started": now - 5}, now) == 0.0  # a setup that never ended
     assert own_setup_seconds({"setup_done": now - 1}, now) == 0.0  # no start recorded: no length, never negative
     assert own_setup_seconds({}, now) == 0.0  # the local backend: no setup
+
+
+def test_a_local_runs_ports_are_distinct_and_free():
+    """The emulated nodes' rendezvous and barrier ports are picked together: two ports picked one after the other were
+    once the same one (the nodes refused it: "ORCH_BARRIER_PORT=57795 is MAIN_PROCESS_PORT's port too")."""
+    import socket
+
+    from orchestrator.launch.backends.local_nodes import free_ports
+
+    for _ in range(20):
+        ports = free_ports(40)
+        assert len(set(ports)) == 40, ports
+    with socket.socket() as sock:  # released: a node can listen on each
+        sock.bind(("127.0.0.1", ports[0]))

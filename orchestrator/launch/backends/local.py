@@ -24,7 +24,7 @@ from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
 from orchestrator.core.summary import stop_reason, summary
 from orchestrator.launch.backends import netns
-from orchestrator.launch.backends.local_nodes import free_port, node_envs, node_scratch, threads_per_process
+from orchestrator.launch.backends.local_nodes import free_ports, node_envs, node_scratch, threads_per_process
 from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, printable
 from orchestrator.node.procs import DEFAULT_GRACE, stopped_group
 
@@ -303,13 +303,14 @@ def launch(
     (output_dir / "orch").mkdir(parents=True, exist_ok=True)
     with node_scratch(run_id, nodes, output_dir) as scratch, open(output_dir / "orch" / "run.log", "w") as log:
         # Secrets travel in the node processes' environment only (as SkyPilot secrets do), never in files or argv.
+        port, barrier_port = free_ports(2)
         node_env = node_envs(
             {**envs, **(secrets or {}), **({"ORCH_RUN_TOKEN": token} if token else {})},
             nodes,
             procs_per_node,
             task_id=run_id,
-            port=free_port(),
-            barrier_port=free_port(),
+            port=port,
+            barrier_port=barrier_port,
             launched_at=time.time(),
             ips=network.ips if network else None,
             iface=netns.IFACE if network else "",

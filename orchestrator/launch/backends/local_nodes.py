@@ -16,10 +16,17 @@ from orchestrator.core.home import SOCKET_TMPDIR, inductor_cache, own_tmp, tmp_b
 from orchestrator.launch import runlock
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports nothing listens on now, for the emulated nodes' rendezvous and barrier. All are held
+    until every one is picked: a port taken and released at once may be the kernel's next answer too (measured: the
+    barrier's port once equalled MAIN_PROCESS_PORT, which the nodes refuse)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+        return ports
 
 
 def threads_per_process(total_processes: int, cores: int | None = None) -> int:
