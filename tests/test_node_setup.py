@@ -885,9 +885,7 @@ def test_a_failed_install_ends_the_setup_with_one_line_naming_the_step_and_uvs_e
     # lacked torch, the setup downloaded torch's CUDA build (5 GB) into it. uv offline: nothing is ever downloaded.
     env = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
-    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
-    found = subprocess.run([str(env / "bin" / "python"), "-c", purelib], capture_output=True, text=True,
-                           check=True).stdout.strip()  # fmt: skip
+    found = sysconfig.get_path("purelib", vars={"base": str(env)})  # the new venv's site-packages, same Python
     Path(found, "test-env.pth").write_text(sysconfig.get_path("purelib") + "\n")
     node = clean_env() | {"HOME": str(tmp_path), "ORCH_VENV": str(env), "UV_OFFLINE": "1"}
     node["PATH"] = f"{tools}{os.pathsep}{node['PATH']}"
