@@ -106,7 +106,9 @@ def growth(host: dict, phase: str, since: str) -> int:
 
 
 def test_fsdp2_load_memory_per_rank_and_the_final_model_in_the_load_dtype(project, wide_llama):
-    result, weights, setup = run_on(project, "llama3_70b_sft_fsdp", wide_llama)
+    # GLOBAL_BATCH_SIZE=2: one micro-batch per rank and step (smoke's 16 would accumulate 8; what is measured here ends
+    # with accelerate's prepare, before the first step)
+    result, weights, setup = run_on(project, "llama3_70b_sft_fsdp", wide_llama, "--env", "GLOBAL_BATCH_SIZE=2")
     rank0, rank1 = reports(result.stdout, project)
     head, other = rank0["host_memory"], rank1["host_memory"]
     assert head["peak_resets"] and other["peak_resets"]
