@@ -119,11 +119,10 @@ def run_pair(pair: list[list[str]], project: Path, threads: int) -> tuple[float,
     None when a process fails: the other is stopped (it would wait for its peer until torchrun's timeout).
     """
     import signal
-    import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    from orchestrator.launch.backends.local_nodes import free_ports
+
+    port = str(free_ports(1)[0])
     shutil.rmtree(project / "outputs" / "handwritten", ignore_errors=True)
     env = {
         **os.environ,

@@ -57,12 +57,10 @@ if os.environ.get("SKY_RUNTIME_DIR", "") in ("", os.environ.get("ORCH_TEST_SKY_R
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on now, for a rendezvous (taken by the OS, then released)."""
-    import socket
+    """A TCP port nothing listens on now, for a rendezvous (taken by the OS, then released): orch's own picker."""
+    from orchestrator.launch.backends.local_nodes import free_ports
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def orch(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:

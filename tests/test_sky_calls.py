@@ -23,7 +23,8 @@ def sky_names(tree: ast.AST) -> dict[str, str]:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name == "sky" or alias.name.startswith("sky."):
-                    names[alias.asname or alias.name.split(".")[0]] = alias.asname and alias.name or "sky"
+                    # `import sky.jobs as jobs` binds jobs to sky.jobs; `import sky.jobs` binds sky itself
+                    names[alias.asname or "sky"] = alias.name if alias.asname else "sky"
         elif isinstance(node, ast.ImportFrom) and node.module and (node.module + ".").startswith("sky."):
             for alias in node.names:
                 names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
