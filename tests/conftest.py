@@ -112,6 +112,35 @@ def project(tmp_path):
     return tmp_path
 
 
+def loss_log(output_dir: Path) -> dict[int, float]:
+    """{step: loss} as rank 0 logged it (orch/log.jsonl)."""
+    import json
+
+    rows = [json.loads(x) for x in (output_dir / "orch" / "log.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.fixture(scope="session")
+def phi3_fsdp2_run(tmp_path_factory):
+    """The demo's command, `orch run phi3_dpo_fsdp --local --nodes 2 --smoke` (FSDP2 over gloo, 8 steps, checkpoints
+    at 4 and 8), run once for the tests that need an uninterrupted phi3 run: test_scaling.py checks it as the demo
+    and resumes its checkpoint-4 at other shapes (which rewrites its output directory), test_faults.py's killed node
+    compares its resumed steps with `losses`, read here, before any test touched it. Those tests share the xdist
+    group "phi3_fsdp2_run", so one worker runs them and this run is made once."""
+    import json
+    import re
+    from types import SimpleNamespace
+
+    project = tmp_path_factory.mktemp("phi3-fsdp2-run")
+    shutil.copytree(ROOT / "recipes", project / "recipes")
+    result = orch("run", "phi3_dpo_fsdp", "--local", "--smoke", "--nodes", "2", cwd=project)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    output_dir = project / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
+    report = json.loads((output_dir / "orch" / "rank0.json").read_text())
+    return SimpleNamespace(result=result, project=project, output_dir=output_dir, losses=loss_log(output_dir),
+                           report=report)  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3():
     """The smoke runs' tiny Qwen3, the ALST recipe's family (4 heads, 2 KV heads, so 2 ranks split the heads;

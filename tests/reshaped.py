@@ -12,8 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import orch
-from test_faults import loss_log
+from conftest import loss_log, orch
 
 
 def output_dir_of(result, project: Path) -> Path:

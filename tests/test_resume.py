@@ -8,8 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import orch
-from test_faults import loss_log
+from conftest import loss_log, orch
 
 pytestmark = pytest.mark.e2e
 

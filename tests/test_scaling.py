@@ -329,23 +329,25 @@ def test_dry_run_shows_batch_and_memory():
 
 
 @pytest.mark.e2e
-def test_loss_is_the_same_at_every_cluster_shape(project):
+@pytest.mark.xdist_group("phi3_fsdp2_run")
+def test_loss_is_the_same_at_every_cluster_shape(project, phi3_fsdp2_run):
     """FSDP2 for real on 2x1 trains the losses DDP trains on 2x1, every step; the same run, resumed at step 4 on 1x2
     and on 1x1 (doubled accumulation; DCP reshards the checkpoint on load), trains steps 5-8 at those losses and says
     so (issue 32: a run resumes at any shape that keeps its global batch; reshaped.py). The 2x1 FSDP2 run (the demo's
-    command) is also checked end to end (test_local_run.check_demo_run)."""
+    command, conftest.phi3_fsdp2_run) is also checked end to end (test_local_run.check_demo_run)."""
+    from conftest import loss_log
     from reshaped import output_dir_of, resumed_at, said
-    from test_faults import loss_log
 
-    tmp_path = project
-    runs = {}
-    for label, flags in {"ddp 2x1": ["--env", "ACCELERATE_CONFIG=multi_gpu"], "fsdp2 2x1": []}.items():
-        result = orch("run", "phi3_dpo_fsdp", "--local", "--smoke", "--nodes", "2", *flags, cwd=tmp_path)
-        assert result.returncode == 0, result.stdout[-3000:]
-        if label == "fsdp2 2x1":  # the demo's command: one process group over both nodes, what it wrote and said
-            check_demo_run(result, tmp_path)
-        out_dir = output_dir_of(result, tmp_path)
-        runs[label] = (loss_log(out_dir), json.loads((out_dir / "orch" / "rank0.json").read_text()), out_dir)
+    ddp_run = orch("run", "phi3_dpo_fsdp", "--local", "--smoke", "--nodes", "2", "--env", "ACCELERATE_CONFIG=multi_gpu",
+                   cwd=project)  # fmt: skip
+    assert ddp_run.returncode == 0, ddp_run.stdout[-3000:]
+    out_dir = output_dir_of(ddp_run, project)
+    demo, tmp_path = phi3_fsdp2_run, phi3_fsdp2_run.project  # the resumes below run in the demo run's project
+    check_demo_run(demo.result, tmp_path)  # one process group over both nodes, what it wrote and said
+    runs = {
+        "ddp 2x1": (loss_log(out_dir), json.loads((out_dir / "orch" / "rank0.json").read_text()), out_dir),
+        "fsdp2 2x1": (demo.losses, demo.report, demo.output_dir),
+    }
     ddp = runs["ddp 2x1"][1]  # DDP, no sharding: the only strategy fact is DDP's own flag (smoke runs set it off)
     assert ddp["distributed_type"] == "MULTI_CPU" and ddp["strategy"] == {"ddp_find_unused_parameters": False}
     reference = runs["ddp 2x1"][0]

@@ -168,8 +168,8 @@ def test_trainer_smoke_trains_on_two_nodes(project, tmp_path, label):
             assert json.loads(report.read_text())["strategy"]["shm_comm"] is False
         assert "deepspeed_shm_comm" not in result.stdout
     if label in RESHAPED:  # the same run, resumed on 1 x 1 from checkpoint-4 at the uninterrupted losses
+        from conftest import loss_log
         from reshaped import resumed_at, said
-        from test_faults import loss_log
 
         scratch = tmp_path / "scratch"
         rerun = resumed_at(project, recipe, output_dir, loss_log(output_dir), "--nodes", "1", *extra,
