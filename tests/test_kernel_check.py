@@ -174,5 +174,7 @@ def test_orch_run_refuses_a_missing_kernel_before_anything_is_written(hub, proje
     said = "[orch] attention kernel kernels-community/cuda-flash: version 1, a trusted publisher, build torch213-"
     assert f"{said}cxx11-cu130-x86_64-linux for uv.lock's torch 2.13 + CUDA 13.0 on x86_64-linux, which declares the " \
         "L4's CUDA capability 8.9" in done.stdout  # fmt: skip  # the recipe's L4:4
-    refused = orch(*argv, "--gpus", "T4:4", "attn_implementation=kernels-community/cuda-flash", cwd=project, env=env)
+    fp16 = ["bf16=false", "fp16=true", "dtype=float32"]  # a T4 has no bf16 (test_precision_check.py)
+    refused = orch(*argv, "--gpus", "T4:4", "attn_implementation=kernels-community/cuda-flash", *fp16, cwd=project,
+                   env=env)  # fmt: skip
     assert refused.returncode == 2 and "and a T4 is 7.5, so every rank's load refuses it" in refused.stderr

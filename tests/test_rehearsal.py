@@ -505,6 +505,13 @@ def test_the_head_nodes_rehearsal_reports_its_own_gpus_compute_capability(handed
                     "printf '8.9\\n7.5\\n'\n")  # fmt: skip
     tool.chmod(0o755)
     env = {**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0", "ORCH_MEMORY_CHECK": "off"}
+    # the recipe trains in bf16, which a 7.5 GPU would emulate: refused before the rehearsal (core/precision.py), as
+    # `orch run --gpus T4:8` refuses it; with the fix it names, the rehearsal gets the capability
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    with pytest.raises(OrchError, match=re.escape("this node's GPU (compute capability 7.5) has no bf16 tensor cores")):
+        node_exec.rehearse(env)
+    assert handed == []
+    env["TRL_OVERRIDES"] = "bf16=false fp16=true dtype=float32"
     for path, capability in ((f"{tmp_path}:/usr/bin:/bin", (7, 5)), ("/usr/bin:/bin", None)):
         monkeypatch.setenv("PATH", path)
         handed.clear()

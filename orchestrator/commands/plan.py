@@ -52,7 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="LoRA dropout (TRL's 0.05); 0 keeps no dropout masks for the backward")
     parser.add_argument("--no-checkpointing", action="store_true", help="without activation checkpointing")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                        help="dtype the weights are loaded in (TRL's dtype)")
+                        help="dtype the weights are loaded in (TRL's dtype); float32 plans the GPUs without bf16 "
+                        "(T4, V100) for fp16 mixed precision")
     parser.add_argument("--nested-quant", action="store_true", help="QLoRA with nested quantisation")
     parser.add_argument("--vllm-colocate", type=float, metavar="SHARE",
                         help="grpo/rloo generating with vLLM inside each training process (TRL's vllm_mode colocate): "
@@ -88,7 +89,7 @@ def _total_gpus(text: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from orchestrator.commands import print_table
-    from orchestrator.core import accelerators, load_memory, memory, models
+    from orchestrator.core import accelerators, load_memory, memory, models, precision
     from orchestrator.core import fit as fit_rules
     from orchestrator.core.errors import OrchError
     from orchestrator.launch import preflight
@@ -186,8 +187,13 @@ def main(args: argparse.Namespace) -> int:
     from orchestrator.launch import backends
 
     prices = backends.node_prices(per_node)
+    no_bf16: list[str] = []
     rows = [("ACCELERATOR", "NODES", "STRATEGY", "GIB/GPU", "OF", "$/H", "INSTANCE", "FEWER NODES WITH CPU OFFLOAD")]
     for name, capacity in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: (-kv[1], kv[0])):
+        if args.dtype == "bfloat16" and not precision.native_bf16(name):  # a launch there is refused (precision.py)
+            rows.append((name, "-", "none in bf16", "", str(capacity), "", "", ""))
+            no_bf16.append(name)
+            continue
         usable = capacity * preflight.USABLE_FRACTION
         need = functools.partial(fit_rules.with_vllm, capacity_gib=capacity)  # with vLLM's share of this GPU
         fit = fit_rules.smallest_fit(base, usable, per_node, args.max_nodes, need=need, strategies=only)
@@ -211,6 +217,9 @@ def main(args: argparse.Namespace) -> int:
         rows.append((name, f"{fit.nodes} x {per_node}", preflight.label(fit.estimate.setup),
                      f"{need(fit.estimate):.1f}", str(capacity), dollars, instance, offload))  # fmt: skip
     print_table(rows)
+    if no_bf16:
+        print(f"{', '.join(sorted(no_bf16))}: no bf16 tensor cores (a launch there in bf16 is refused); "
+              "--dtype float32 plans them for fp16 mixed precision over fp32 weights")  # fmt: skip
     if not prices:
         print("$/h: SkyPilot's catalog is not on this machine (`sky show-gpus` fetches it)")
     return 0

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from orchestrator.core import accelerators, load_memory, memory, models, strategy, trainers
+from orchestrator.core import accelerators, load_memory, memory, models, precision, strategy, trainers
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import truthy
@@ -71,6 +71,7 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         seq_split=asked.cp * asked.sp,
         weights_dtype=str(setting("dtype", "float32")),
         mixed_precision=accel.mixed,
+        needs_bf16=precision.needs_bf16(settings, accel.mixed_precision),
         lora_r=int(setting("lora_r", 16)),
         lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
         lora_dropout=float(setting("lora_dropout", 0.05)),
@@ -99,11 +100,14 @@ def label(setup: memory.Setup) -> str:
     )
 
 
-def smallest_holding(gib: float = 0.0, *, estimate: memory.Estimate | None = None) -> str | None:
+def smallest_holding(gib: float = 0.0, *, estimate: memory.Estimate | None = None, bf16: bool = False) -> str | None:
     """The known accelerator with the least memory whose usable part holds `gib`, or else `estimate` with its colocated
-    vLLM engine's reserve (which grows with the GPU); None when none does."""
+    vLLM engine's reserve (which grows with the GPU); with `bf16` (or the estimate's setup needing it) one with bf16
+    tensor cores, which the precision check (core/precision.py) would not refuse; None when none does."""
+    bf16 = bf16 or bool(estimate and estimate.setup.needs_bf16)
     return next((g for g, mem in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: kv[1])
-                 if mem * USABLE_FRACTION >= (with_vllm(estimate, mem) if estimate else gib)), None)  # fmt: skip
+                 if mem * USABLE_FRACTION >= (with_vllm(estimate, mem) if estimate else gib)
+                 and (not bf16 or precision.native_bf16(g))), None)  # fmt: skip
 
 
 def with_vllm(estimate: memory.Estimate, capacity_gib: float) -> float:
@@ -168,13 +172,13 @@ def at_load(setup: memory.Setup, per_node: int, accel: AccelerateConfig) -> load
                                accel.zero3_init_flag, accel.deepspeed_param_offload)  # fmt: skip
 
 
-def check_gpu_at_load(loading: load_memory.LoadMemory, capacity_gib: float, gpu: str) -> None:
+def check_gpu_at_load(loading: load_memory.LoadMemory, capacity_gib: float, gpu: str, bf16: bool = False) -> None:
     """The per-GPU peak while loading fits one GPU of `capacity_gib` (4-bit: every rank quantises the whole model onto
     its own GPU, so more nodes do not help), else an error naming an accelerator that holds it."""
     need = loading.gpu / memory.GIB
     if need <= capacity_gib * USABLE_FRACTION:
         return
-    bigger = smallest_holding(need)
+    bigger = smallest_holding(need, bf16=bf16)
     raise OrchError(
         f"loading needs ~{need:.1f} GiB per GPU ({loading.path}), more than one {gpu} holds ({gib(capacity_gib)} GiB)"
         + (f"; use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB) or a smaller model" if bigger else

@@ -109,6 +109,8 @@ KNOBS = {
     "ORCH_REHEARSAL": ON_OFF,
     # the memory checks (core/fit.py) on the launch side and the head node: off launches what they would refuse
     "ORCH_MEMORY_CHECK": ON_OFF,
+    # the precision check (core/precision.py check_gpu): off launches bf16 on a GPU without bf16 tensor cores
+    "ORCH_PRECISION_CHECK": ON_OFF,
     # resume from a checkpoint trained with other settings (train/run_config.py says which)
     "ORCH_RESUME_CHANGED": ON_OFF,
     "ORCH_SHOW_NOTICES": ON_OFF,  # third-party notices the node hides (node/output.py NOTICES)

@@ -127,6 +127,9 @@ class Setup:
     """Context- or sequence-parallel degree: each rank holds seq_len / seq_split tokens of a sequence."""
     weights_dtype: str = "bfloat16"
     mixed_precision: bool = True
+    needs_bf16: bool = False
+    """bf16 compute or weights (core/precision.py needs_bf16): an accelerator a memory refusal offers instead has bf16
+    tensor cores."""
     lora_r: int = 16
     lora_targets: tuple[str, ...] = PEFT_DEFAULT_TARGETS
     lora_dropout: float = 0.05

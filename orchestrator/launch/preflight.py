@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from orchestrator.core import accelerators, fit, memory, models, parallel
+from orchestrator.core import accelerators, fit, memory, models, parallel, precision
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError
@@ -67,9 +67,9 @@ def load_memory(launch, estimate: memory.Estimate | None) -> LoadMemory | None:
 at_load = fit.at_load
 
 
-def check_gpu_at_load(loading: LoadMemory, gpu_name: str) -> None:
+def check_gpu_at_load(loading: LoadMemory, gpu_name: str, bf16: bool = False) -> None:
     """core.fit.check_gpu_at_load against one `gpu_name` (the catalog's memory)."""
-    fit.check_gpu_at_load(loading, accelerators.memory_gib(gpu_name), gpu_name)
+    fit.check_gpu_at_load(loading, accelerators.memory_gib(gpu_name), gpu_name, bf16)
 
 
 def check_fsdp_wrap(accelerate_config: AccelerateConfig | Mapping, model_id: str) -> None:
@@ -132,13 +132,15 @@ def run(launch, trainer_nodes: int, gpus: Gpus | None) -> memory.Estimate | None
         return None
     name, per_node, _ = check_accelerator(gpus)
     check_process_split(per_node * trainer_nodes, trainer_nodes)
+    precision.check_gpu(launch.settings, AccelerateConfig.of(accel).mixed_precision,
+                        accelerators.CUDA_CAPABILITY.get(name.upper()), name, launch.envs)  # fmt: skip
     setup = setup_of(launch, per_node * trainer_nodes)
     if setup is None:
         return None
     if not memory_checked(launch):
         return memory.estimate(setup)
     estimate = check_memory(setup, name)
-    check_gpu_at_load(at_load(setup, per_node, accel), name)
+    check_gpu_at_load(at_load(setup, per_node, accel), name, setup.needs_bf16)
     return estimate
 
 

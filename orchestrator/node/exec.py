@@ -217,7 +217,12 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     ranks = sorted({0, min(1, cluster.nodes - 1), cluster.nodes - 1})
     plans = [plan({**env, "SKYPILOT_NODE_RANK": str(r)}, *paired) for r in ranks]
     trainer, settings = plans[0].trainer, plans[0].settings  # as plan() checked and read them
+    capability = memory.gpu_capability()
     if not smoking:  # the recipe's own model against this node's GPUs and host memory, before it downloads
+        from orchestrator.core import accelerate_config, precision
+
+        mixed = accelerate_config.AccelerateConfig.of(paired.accelerate).mixed_precision
+        precision.check_gpu(settings, mixed, capability, "this node's GPU", env)  # plain `sky launch` reaches it here
         topo = plans[0].topology
         print(f"[orch] {memory.check(env, trainer, settings, paired.accelerate, topo.nodes, topo.gpus_per_node)}",
               flush=True)  # fmt: skip
@@ -232,7 +237,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
         devices=cluster.gpus_per_node,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
         quantized=overrides.truthy(settings.get("load_in_4bit", False)),
-        capability=memory.gpu_capability(),  # this node's GPUs, as the launch side reports its accelerator's
+        capability=capability,  # this node's GPUs, as the launch side reports its accelerator's
     )
     building = run_smoke is not None and not run_smoke.ready
     (outcomes,) = driver.rehearse_batches([batch])

@@ -136,7 +136,7 @@ def _check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object],
     if gpu is not None:
         capacity, name = gpu
         estimate = fit.check_gpu(setup, capacity, name)
-        fit.check_gpu_at_load(loading, capacity, name)
+        fit.check_gpu_at_load(loading, capacity, name, setup.needs_bf16)
         said = (f"~{estimate.gib:.1f} GiB per GPU training{fit.vllm_words(setup, capacity)}, ~{loading.gpu / GIB:.1f} "
                 f"GiB loading, fits {fit.gib(capacity)} GiB ({name})")  # fmt: skip
     else:
