@@ -18,7 +18,7 @@ import pytest
 
 from orchestrator.core import memory
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("lm_head")]  # one worker: its module fixture measures once
 
 TILE = (128, 512)  # tokens x vocabulary columns, for the measurements
 
