@@ -81,6 +81,8 @@ def test_a_memory_refusal_offers_only_an_accelerator_the_precision_check_takes()
         ({"dtype": "float32", "per_device_train_batch_size": 104}, {}, "V100-32GB (32 GiB)"),
     ):
         setup = fit.setup_of("sft", {**model, **settings}, parse(accel), 1)
+        # mixed precision as transformers hands it to the Accelerator: TRL's bf16/fp16 where true, else the config's
+        assert setup.mixed_precision is ("bf16" in settings or "fp16" in settings or "mixed_precision" in accel)
         with pytest.raises(OrchError, match=re.escape(f"use {offered}; `orch plan` lists what fits")):
             fit.check_gpu(setup, 24, "L4")
 

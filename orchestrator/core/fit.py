@@ -70,7 +70,8 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         checkpointing=accel.fsdp_activation_checkpointing or truthy(setting("gradient_checkpointing", True)),
         seq_split=asked.cp * asked.sp,
         weights_dtype=str(setting("dtype", "float32")),
-        mixed_precision=accel.mixed,
+        # the Trainer's Accelerator: TRL's bf16/fp16 where true, else the Accelerate config's (core/precision.py)
+        mixed_precision=precision.compute(settings, accel.mixed_precision) not in ("no", "none"),
         needs_bf16=precision.needs_bf16(settings, accel.mixed_precision),
         lora_r=int(setting("lora_r", 16)),
         lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
