@@ -79,11 +79,12 @@ def native_bf16(gpu: str) -> bool:
 
 
 def check_gpu(settings: Mapping[str, object], accelerate_mixed: str, capability: tuple[int, int] | None, gpu: str,
-              envs: Mapping[str, str] | None = None) -> None:  # fmt: skip
+              envs: Mapping[str, str] | None = None, on_node: bool = False) -> None:  # fmt: skip
     """Refuse (OrchError, naming the fix) a precision the GPU has no tensor cores for: bf16 compute or bf16 weights
     (`dtype: bfloat16`, which is also QLoRA's compute dtype) below compute capability 8.0, fp8 below 8.9. Called on
     the launch side with the named accelerator's capability and on the head node with nvidia-smi's; nothing to check
-    without one (CPU, AMD). ORCH_PRECISION_CHECK=off runs it anyway."""
+    without one (CPU, AMD). ORCH_PRECISION_CHECK=off runs it anyway. `on_node`: the fix in the words of both
+    launchers (`orch run`, and `sky launch --env TRL_OVERRIDES=...` keeping the overrides `envs` has)."""
     if capability is None or knob(envs or {}, "ORCH_PRECISION_CHECK", "on") == "off":
         return
     mixed = compute(settings, accelerate_mixed)
@@ -94,8 +95,8 @@ def check_gpu(settings: Mapping[str, object], accelerate_mixed: str, capability:
     if mixed == "fp8" and capability < NATIVE["fp8"]:
         instead = "bf16=true" if capability >= NATIVE["bf16"] else f"fp16=true{weights_fix}"
         raise OrchError(f"{where} has no fp8 tensor cores (they start at compute capability 8.9: L4, L40S, H100 and "
-                        f"newer), which the Accelerate config's mixed_precision: fp8 needs; set {instead} or use one "
-                        f"of those GPUs{anyway}")  # fmt: skip
+                        f"newer), which the Accelerate config's mixed_precision: fp8 needs; set "
+                        f"{_both(instead, envs, on_node)} or use one of those GPUs{anyway}")  # fmt: skip
     if capability >= NATIVE["bf16"] or not needs_bf16(settings, accelerate_mixed):
         return
     found, fix = [], []
@@ -108,6 +109,19 @@ def check_gpu(settings: Mapping[str, object], accelerate_mixed: str, capability:
         fix.append("dtype=float32")
     raise OrchError(
         f"{where} has no bf16 tensor cores (they start at compute capability 8.0: A100, A10G, L4 and newer): with "
-        f"{' and '.join(found)} torch would emulate bf16, slowly; set {' '.join(fix)} (fp16 mixed precision over fp32 "
-        f"weights, as these GPUs train) or use an Ampere or newer GPU{anyway}"
+        f"{' and '.join(found)} torch would emulate bf16, slowly; set {_both(' '.join(fix), envs, on_node)} (fp16 "
+        f"mixed precision over fp32 weights, as these GPUs train) or use an Ampere or newer GPU{anyway}"
     )
+
+
+def _both(words: str, envs: Mapping[str, str] | None, on_node: bool) -> str:
+    """`words` (TRL overrides), and on a node how each launcher takes them (as core/memory_fix.advice says them)."""
+    if not on_node:
+        return words
+    import shlex
+
+    from orchestrator.core import overrides
+
+    given = overrides.loads((envs or {}).get("TRL_OVERRIDES", ""))
+    merged = overrides.dumps({**given, **overrides.loads(words)})
+    return f"{words} (`orch run RECIPE {words}`, or `sky launch ... --env TRL_OVERRIDES={shlex.quote(merged)}`)"

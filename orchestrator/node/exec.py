@@ -222,7 +222,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
         from orchestrator.core import accelerate_config, precision
 
         mixed = accelerate_config.AccelerateConfig.of(paired.accelerate).mixed_precision
-        precision.check_gpu(settings, mixed, capability, "this node's GPU", env)  # plain `sky launch` reaches it here
+        precision.check_gpu(settings, mixed, capability, "this node's GPU", env, on_node=True)  # `sky launch` too
         topo = plans[0].topology
         print(f"[orch] {memory.check(env, trainer, settings, paired.accelerate, topo.nodes, topo.gpus_per_node)}",
               flush=True)  # fmt: skip
