@@ -89,10 +89,6 @@ def advice(error: str, settings: Mapping[str, object], envs: Mapping[str, str]) 
     fix = propose(settings, envs)
     if fix.overrides is None:
         return f"out of memory: {fix.describe()}"
-    import shlex
-
     from orchestrator.core import overrides
 
-    words = overrides.dumps({**overrides.loads(envs.get("TRL_OVERRIDES", "")), **fix.overrides})
-    return (f"out of memory: {fix.describe()}: rerun with {fix.words()} (`orch run RECIPE {fix.words()}`, or "
-            f"`sky launch ... --env TRL_OVERRIDES={shlex.quote(words)}`)")  # fmt: skip
+    return f"out of memory: {fix.describe()}: rerun with {fix.words()} {overrides.both_launchers(fix.overrides, envs)}"

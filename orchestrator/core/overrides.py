@@ -54,6 +54,14 @@ def dumps(overrides: dict[str, str]) -> str:
     return " ".join(shlex.quote(f"{k}={v}") for k, v in overrides.items())
 
 
+def both_launchers(fix: Mapping[str, str], envs: Mapping[str, str]) -> str:
+    """How a node's fix (TRL overrides) is given to each launcher: `(`orch run RECIPE k=v`, or `sky launch ... --env
+    TRL_OVERRIDES='...'`)`, the latter keeping the overrides the node already has (`envs`' TRL_OVERRIDES)."""
+    words = " ".join(f"{k}={v}" for k, v in fix.items())
+    merged = dumps({**loads(envs.get("TRL_OVERRIDES", "")), **fix})
+    return f"(`orch run RECIPE {words}`, or `sky launch ... --env TRL_OVERRIDES={shlex.quote(merged)}`)"
+
+
 def loads(text: str) -> dict[str, str]:
     """Inverse of `dumps`, used on the node."""
     try:

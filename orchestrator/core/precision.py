@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from orchestrator.core import accelerators, memory
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
-from orchestrator.core.overrides import truthy
+from orchestrator.core.overrides import both_launchers, truthy
 
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 SIXTEEN = {"bfloat16": 256, "float16": 2048}  # 16-bit dtypes: roughly the relative step between neighbouring values
@@ -115,13 +115,6 @@ def check_gpu(settings: Mapping[str, object], accelerate_mixed: str, capability:
 
 
 def _both(words: str, envs: Mapping[str, str] | None, on_node: bool) -> str:
-    """`words` (TRL overrides), and on a node how each launcher takes them (as core/memory_fix.advice says them)."""
-    if not on_node:
-        return words
-    import shlex
-
-    from orchestrator.core import overrides
-
-    given = overrides.loads((envs or {}).get("TRL_OVERRIDES", ""))
-    merged = overrides.dumps({**given, **overrides.loads(words)})
-    return f"{words} (`orch run RECIPE {words}`, or `sky launch ... --env TRL_OVERRIDES={shlex.quote(merged)}`)"
+    """`words` (TRL overrides), and on a node how each launcher takes them (core/overrides.both_launchers)."""
+    fix = dict(word.split("=", 1) for word in words.split())
+    return f"{words} {both_launchers(fix, envs or {})}" if on_node else words

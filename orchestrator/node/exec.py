@@ -196,7 +196,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     """`orch node --rehearse` (run by scripts/node-setup.sh while the model downloads): on the head node,
     rehearse every distinct role of this cluster against the owners' code (rehearsal/); the other nodes leave it
     to the head. Prints one line, or one `orch: error:` line and exits 2 (the setup, and the job, stop there)."""
-    from orchestrator.core import configs, overrides, smoke
+    from orchestrator.core import accelerate_config, configs, overrides, precision, smoke
     from orchestrator.node import memory
     from orchestrator.node.env import run_env
     from orchestrator.node.plan import plan
@@ -219,8 +219,6 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     trainer, settings = plans[0].trainer, plans[0].settings  # as plan() checked and read them
     capability = memory.gpu_capability()
     if not smoking:  # the recipe's own model against this node's GPUs and host memory, before it downloads
-        from orchestrator.core import accelerate_config, precision
-
         mixed = accelerate_config.AccelerateConfig.of(paired.accelerate).mixed_precision
         precision.check_gpu(settings, mixed, capability, "this node's GPU", env, on_node=True)  # `sky launch` too
         topo = plans[0].topology
