@@ -112,6 +112,13 @@ def project(tmp_path):
     return tmp_path
 
 
+def output_dir_of(result, project: Path) -> Path:
+    """The run's output directory, as its `[orch] output:` line names it."""
+    import re
+
+    return project / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
+
+
 def loss_log(output_dir: Path) -> dict[int, float]:
     """{step: loss} as rank 0 logged it (orch/log.jsonl)."""
     import json
@@ -128,14 +135,13 @@ def phi3_fsdp2_run(tmp_path_factory):
     compares its resumed steps with `losses`, read here, before any test touched it. Those tests share the xdist
     group "phi3_fsdp2_run", so one worker runs them and this run is made once."""
     import json
-    import re
     from types import SimpleNamespace
 
     project = tmp_path_factory.mktemp("phi3-fsdp2-run")
     shutil.copytree(ROOT / "recipes", project / "recipes")
     result = orch("run", "phi3_dpo_fsdp", "--local", "--smoke", "--nodes", "2", cwd=project)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    output_dir = project / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
+    output_dir = output_dir_of(result, project)
     report = json.loads((output_dir / "orch" / "rank0.json").read_text())
     return SimpleNamespace(result=result, project=project, output_dir=output_dir, losses=loss_log(output_dir),
                            report=report)  # fmt: skip

@@ -7,16 +7,11 @@ DeepSpeed ZeRO-2 and ZeRO-3 through DeepSpeed's universal checkpoint (train/resh
 is already made for another check: tests/test_scaling.py (FSDP2 2 x 1 -> 1 x 2 and 1 x 1) and
 tests/test_trainers_smoke.py (QLoRA, ZeRO-2, ZeRO-3 2 x 1 -> 1 x 1)."""
 
-import re
 import shutil
 from pathlib import Path
 
 import pytest
 from conftest import loss_log, orch
-
-
-def output_dir_of(result, project: Path) -> Path:
-    return project / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
 
 
 def resumed_at(project: Path, recipe: str, output_dir: Path, expected: dict, *args: str, env=None):

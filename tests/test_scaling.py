@@ -335,8 +335,8 @@ def test_loss_is_the_same_at_every_cluster_shape(project, phi3_fsdp2_run):
     and on 1x1 (doubled accumulation; DCP reshards the checkpoint on load), trains steps 5-8 at those losses and says
     so (issue 32: a run resumes at any shape that keeps its global batch; reshaped.py). The 2x1 FSDP2 run (the demo's
     command, conftest.phi3_fsdp2_run) is also checked end to end (test_local_run.check_demo_run)."""
-    from conftest import loss_log
-    from reshaped import output_dir_of, resumed_at, said
+    from conftest import loss_log, output_dir_of
+    from reshaped import resumed_at, said
 
     ddp_run = orch("run", "phi3_dpo_fsdp", "--local", "--smoke", "--nodes", "2", "--env", "ACCELERATE_CONFIG=multi_gpu",
                    cwd=project)  # fmt: skip
