@@ -11,7 +11,8 @@
 #    (~/.cache/orch/venvs/<key>, ~/.orch/venv links to it): a new cluster of the account finds it installed.
 #    `bash scripts/node-setup.sh --print-venv` prints the environment a setup here would use.
 # 3. Exactly uv.lock's versions of orch[EXTRAS] (uv export --frozen, hashes required); torch is kept when the
-#    environment holds the locked version (any build: +cu128, +cpu), else the locked torch is installed: the
+#    environment holds the locked version (any build: +cu128, +cpu; on a node with NVIDIA GPUs not a CPU build,
+#    whose ranks would each train alone on the CPU), else the locked torch is installed: the
 #    rest of the lock was resolved against it. A reused cluster whose environment already holds this lock and
 #    these extras skips all of it.
 # 4. The recipe's model and dataset, downloaded once per node in parallel into the Hugging Face cache the training
@@ -58,19 +59,28 @@ times="$ORCH_HOME/setup-$cluster-node$node_rank.times"
 
 locked_torch=$(awk '/^name = "torch"$/ { getline; gsub(/"/, "", $3); print $3; exit }' uv.lock)
 key=$(cat uv.lock pyproject.toml | sha256sum | cut -c1-16)
-has_locked_torch() {  # python: does it hold torch at the locked version (any local build: +cu128, +cpu)?
-  "$1" -c "import sys; from importlib.metadata import version
-sys.exit(version('torch').split('+')[0] != '$locked_torch')" 2>/dev/null
+# A node with NVIDIA GPUs (nvidia-smi lists one) keeps only a CUDA build of torch: on a CPU build (+cpu) every rank
+# would see no GPU and train alone on the CPU (orch's core/torch_build.py), so the lock's torch is installed instead.
+nvidia_gpus=
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then nvidia_gpus=1; fi
+has_locked_torch() {  # python: 0 when it holds torch at the locked version (any local build: +cu128, +cpu), 1 when
+  # not, 3 when it is a build without CUDA on a node with NVIDIA GPUs (torch/version.py read, torch not imported)
+  "$1" -c "import importlib.util, re, sys; from importlib.metadata import version
+if version('torch').split('+')[0] != '$locked_torch': sys.exit(1)
+if '$nvidia_gpus':
+    path = list(importlib.util.find_spec('torch').submodule_search_locations)[0] + '/version.py'
+    sys.exit(0 if re.search(r\"^cuda\\b[^=\\n]*= *'\", open(path).read(), re.M) else 3)" 2>/dev/null
 }
-image_python= image_has_torch= image_read=
+image_python= image_has_torch= image_read= image_torch=
 read_image() {  # the image's python3, and whether it is >= 3.11 with the locked torch (an environment is made from it)
   [ -z "$image_read" ] || return 0
   image_read=1
   image_python=$(command -v python3 || true)
-  if [ -n "$image_python" ] && "$image_python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
-      && has_locked_torch "$image_python"; then
-    image_has_torch=1
+  image_torch=1
+  if [ -n "$image_python" ] && "$image_python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    has_locked_torch "$image_python" && image_torch=0 || image_torch=$?
   fi
+  [ "$image_torch" != 0 ] || image_has_torch=1
 }
 if [ -n "$link" ]; then
   read_image
@@ -146,6 +156,10 @@ else
       say "the image's $("$image_python" --version) holds torch $locked_torch: keeping it ($ORCH_VENV)"
       step="creating $ORCH_VENV"
       uv_run venv -q --python "$image_python" --system-site-packages "$ORCH_VENV"
+    elif [ "$image_torch" = 3 ]; then
+      say "creating $ORCH_VENV with Python 3.12: the image's torch $locked_torch is a CPU build, and this node has NVIDIA GPUs"
+      step="creating $ORCH_VENV with Python 3.12"
+      uv_run venv -q --python 3.12 "$ORCH_VENV"
     else
       say "creating $ORCH_VENV with Python 3.12 (the image's python is < 3.11 or lacks torch $locked_torch)"
       step="creating $ORCH_VENV with Python 3.12"
@@ -154,8 +168,13 @@ else
   fi
   py="$ORCH_VENV/bin/python"
   # 3. the lock
-  if has_locked_torch "$py"; then
+  has_locked_torch "$py" && torch_state=0 || torch_state=$?
+  if [ "$torch_state" = 0 ]; then
     say "torch $locked_torch is there: kept"
+  elif [ "$torch_state" = 3 ]; then
+    say "torch $locked_torch in $ORCH_VENV is a CPU build, and this node has NVIDIA GPUs: installing the lock's (CUDA)"
+    step="installing torch $locked_torch"
+    uv_run pip install -q --python "$py" --reinstall-package torch "torch==$locked_torch"
   else
     say "installing torch $locked_torch (the lock's)"
     step="installing torch $locked_torch"

@@ -246,7 +246,8 @@ def test_a_rank_that_exits_early_is_named_as_the_cause(project):
 
 
 def test_head_names_the_node_that_never_joined(node_env):
-    env = node_env(2, 8, 0, ORCH_RENDEZVOUS_TIMEOUT="1.5", ORCH_BARRIER_PORT=str(free_port()))
+    # CPU processes: this machine's torch is a CPU build, which a GPU node refuses before its barrier
+    env = node_env(2, 8, 0, ORCH_RENDEZVOUS_TIMEOUT="1.5", ORCH_BARRIER_PORT=str(free_port()), ORCH_DEVICE="cpu")
     started = time.monotonic()
     result = orch("node", env=env, timeout=60)
     assert result.returncode == 75 and time.monotonic() - started < 30
@@ -256,7 +257,7 @@ def test_head_names_the_node_that_never_joined(node_env):
 
 def test_worker_says_the_head_is_unreachable(node_env):
     port = free_port()
-    env = node_env(2, 8, 1, ORCH_RENDEZVOUS_TIMEOUT="1", ORCH_BARRIER_PORT=str(port))
+    env = node_env(2, 8, 1, ORCH_RENDEZVOUS_TIMEOUT="1", ORCH_BARRIER_PORT=str(port), ORCH_DEVICE="cpu")
     env["SKYPILOT_NODE_IPS"] = "127.0.0.1\n127.0.0.2\n"
     result = orch("node", env=env, timeout=60)
     assert result.returncode == 75

@@ -899,3 +899,48 @@ def test_a_failed_install_ends_the_setup_with_one_line_naming_the_step_and_uvs_e
     assert message.splitlines()[0] in done.stderr  # uv's own lines stay, above it
     assert done.stderr.count("orch: error:") == 1
     assert f"torch {LOCKED['torch']} is there: kept" in done.stdout + done.stderr
+
+
+def nvidia_smi(tools: Path) -> None:
+    """An `nvidia-smi` whose `-L` lists one GPU, as on a node with NVIDIA GPUs."""
+    (tools / "nvidia-smi").write_text('#!/bin/sh\n[ "$1" = -L ] && echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')
+    (tools / "nvidia-smi").chmod(0o755)
+
+
+def test_a_node_with_nvidia_gpus_does_not_keep_a_cpu_build_of_torch(tmp_path):
+    """The locked torch kept from an environment, any build: on a node with NVIDIA GPUs not a CPU one (+cpu), whose
+    ranks would each train alone on the CPU (orch node refuses it: tests/test_torch_build.py). The setup installs the
+    lock's torch over it, a reinstall (uv takes 2.13.0+cpu for ==2.13.0); here uv stops there, offline. An image
+    python with a CPU build is not made the environment's base (the account's environment key says so)."""
+    calls = tmp_path / "uv-calls"
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    real = shutil.which("uv", path=str(Path(sys.executable).parent))
+    (tools / "uv").write_text(f'#!/bin/bash\necho "$*" >> {calls}\nif [ "$1 $2" = "pip install" ]; then\n'
+                              f'  echo "error: offline" >&2; exit 2\nfi\nexec {real} "$@"\n')  # fmt: skip
+    (tools / "uv").chmod(0o755)
+    nvidia_smi(tools)
+    env = tmp_path / "env"  # an environment that sees this one's packages, torch 2.13.0+cpu among them
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    Path(sysconfig.get_path("purelib", vars={"base": str(env)}), "test-env.pth").write_text(
+        sysconfig.get_path("purelib") + "\n")
+    node = clean_env() | {"HOME": str(tmp_path), "ORCH_VENV": str(env), "UV_OFFLINE": "1"}
+    node["PATH"] = f"{tools}{os.pathsep}{node['PATH']}"
+    done = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=node)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    torch = LOCKED["torch"]
+    assert (f"[orch] setup: torch {torch} in {env} is a CPU build, and this node has NVIDIA GPUs: installing the "
+            "lock's (CUDA)") in done.stdout, done.stdout
+    assert done.stderr.rstrip().splitlines()[-1] == (f"orch: error: node 0 setup failed while installing torch {torch} "
+                                                     "(exit 2): error: offline")  # fmt: skip
+    assert f"pip install -q --python {env}/bin/python --reinstall-package torch torch=={torch}" in calls.read_text()
+    # the account's environment on a Slurm home: made from the image python where its torch is kept, here not. The
+    # image python runs the environment above (a wrapper: a venv's python symlinked elsewhere is the base Python's)
+    base = tmp_path / "slurm"
+    slurm_account(base, "c1")
+    (base / "tools" / "python3").write_text(f'#!/bin/sh\nexec {env}/bin/python "$@"\n')
+    (base / "tools" / "python3").chmod(0o755)
+    kept = venv_of(slurm_account(base, "c1"))
+    nvidia_smi(base / "tools")
+    assert venv_of(slurm_account(base, "c2")) != kept  # the same image python, the same lock

@@ -48,6 +48,7 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
         print(render(node_plan.argv, node_plan.env))
         return 0
     topo = node_plan.topology
+    check_torch(env, topo.gpus_per_node)
     times = setup_times(env)
     _barrier(env, node_plan.cluster, own_setup_seconds(times, started))
     timeline = {**times, "node_started": started, "barrier_passed": time.time()}
@@ -91,6 +92,19 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     if code == 0 and topo.node_rank == 0 and knob(env, "ORCH_SUMMARY", "on") == "on":
         summarise(node_plan.argv, node_plan.settings)
     return code
+
+
+def check_torch(env: Mapping[str, str], processes: int) -> None:
+    """A GPU node's torch must not be a CPU build (read from its version file, torch not imported): its processes
+    would each train alone on the CPU (core/torch_build.py). What only torch can say, each rank checks
+    (train/devices.py)."""
+    from orchestrator.core import torch_build
+
+    if knob(env, "ORCH_DEVICE", "gpu") == "cpu":
+        return
+    build = torch_build.installed()
+    if build is not None and build.cpu_only:
+        raise OrchError(torch_build.cpu_build_refusal(build, processes))
 
 
 def summarise(argv: list[str], settings: Mapping[str, object]) -> None:

@@ -32,6 +32,7 @@ from orchestrator.core.home import record_early_exit, run_id
 from orchestrator.train import (
     cpu_deepspeed,
     cpu_fsdp,
+    devices,
     fsdp_adapter,
     hub,
     loader_workers,
@@ -311,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     if cpu_deepspeed.wanted():  # before TRL's parser builds TrainingArguments, which may start DeepSpeed's comm
         cpu_deepspeed.skip_shm_comm()
     parsed = parse(sys.argv[1:] if argv is None else argv)
+    devices.refuse(devices.gpu_problem())  # a GPU process that would train alone on the CPU
     if cpu_fsdp.wanted():
         cpu_fsdp.install()
     loading.install()  # ranks fed by FSDP2's broadcast hold no copy of the model meanwhile
@@ -322,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     if progress:
         progress.output_dir = str(output_dir.resolve())
     netcheck.run(parsed.training_args)  # sets up the process group (TrainingArguments' own way) and times it
+    devices.refuse(devices.world_problem(parsed.training_args))  # the world torchrun started, read back
     callback = OrchCallback(output_dir, json.loads(os.environ.get("ORCH_TIMELINE") or "{}"), progress)
     memory = loading.HostMemory()  # this rank's resident set before the model, and its peak per phase
     trainer = build(parsed, [callback], memory=memory)

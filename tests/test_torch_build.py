@@ -1,0 +1,135 @@
+"""A GPU node whose torch cannot use its GPUs is refused, not left to train: accelerate and transformers make each of
+its processes a CPU process training alone (a world of 1), N copies of the run writing the same checkpoints on paid GPUs
+(measured: two "GPU" processes on this CPU machine each trained steps 1-4, one then failed renaming the other's
+checkpoint manifest). `orch node` refuses a CPU build of torch before it launches anything (core/torch_build.py, read
+from torch's version file), every rank checks what only torch can say and reads its world back (train/devices.py),
+and the node setup does not keep a CPU build on a node with NVIDIA GPUs (tests/test_node_setup.py)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, free_port, orch
+
+from orchestrator.core import torch_build
+
+CUDA_VERSION_PY = """from typing import Optional
+
+__all__ = ['__version__', 'debug', 'cuda', 'git_version', 'hip', 'rocm', 'xpu']
+__version__ = '2.13.0+cu128'
+debug = False
+cuda: Optional[str] = '12.8'
+git_version = 'cf30153c4c131c8164ee7798e5022d810682e2cb'
+hip: Optional[str] = None
+rocm: Optional[str] = None
+xpu: Optional[str] = None
+"""
+
+
+@pytest.mark.unit
+def test_the_build_is_read_from_torchs_version_file_without_running_it():
+    here = torch_build.installed()  # this machine's torch: the CPU build (test_node_setup checks it is the lock's)
+    assert here is not None and here.cpu_only and here.version.endswith("+cpu"), here
+    cuda = torch_build.parse(CUDA_VERSION_PY)
+    assert cuda == torch_build.Build("2.13.0+cu128", "12.8", None) and not cuda.cpu_only
+    rocm = torch_build.parse(CUDA_VERSION_PY.replace("'12.8'", "None").replace("hip: Optional[str] = None",
+                                                                               "hip: Optional[str] = '7.0.51831'"))
+    assert rocm is not None and not rocm.cpu_only and rocm.words() == "a ROCm (HIP 7.0.51831) build"
+    # a file that is not torch's, or says nothing readable: no build, nothing refused on its account
+    assert torch_build.parse("import os\n__version__ = os.environ['X']\n") is None
+    assert torch_build.parse("def (:\n") is None
+    assert torch_build.parse("__version__ = '2.13.0'\ncuda = __import__('os').system('false')\n").cpu_only
+
+
+@pytest.mark.cli
+def test_orch_node_refuses_a_cpu_build_of_torch_on_a_gpu_node_before_it_launches_anything(node_env, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "ORCH_DEVICE"} | node_env(1, 2, 0) | {
+        "ORCH_HOME": str(tmp_path), "CHECKPOINT_ROOT": str(tmp_path / "ckpt"), "SKYPILOT_TASK_ID": "sky-1"}
+    done = orch("node", env=env, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == "" and done.stderr.count("\n") == 1, done.stdout + done.stderr  # one line, nothing launched
+    assert done.stderr.startswith(f"orch: error: this node's torch {torch_build.installed().version} is a CPU build "
+                                  "(no CUDA, no ROCm): it sees none of the GPUs, and each of the 2 GPU process(es) "
+                                  "would train alone on the CPU; install a CUDA build of torch"), done.stderr
+    assert "ORCH_DEVICE=cpu" in done.stderr and not (tmp_path / "ckpt").exists()
+
+
+RANK_CHECKS = textwrap.dedent("""
+    import json, types
+    import torch
+    from orchestrator.core import torch_build
+    from orchestrator.train import devices
+    said = {"cpu": devices.gpu_problem({"ORCH_DEVICE": "cpu", "LOCAL_WORLD_SIZE": "8"}),
+            "this": devices.gpu_problem({"LOCAL_WORLD_SIZE": "8"}),
+            "same": tuple(torch_build.installed()) == (torch.__version__, torch.version.cuda, torch.version.hip)}
+    def too_old():
+        raise RuntimeError("The NVIDIA driver on your system is too old (found version 11040). Please update your GPU "
+                           "driver by downloading and installing a new version from the URL: "
+                           "http://www.nvidia.com/Download/index.aspx")
+    torch.version.cuda, torch.cuda.init = "12.8", too_old  # a CUDA build on a node whose driver is older than it
+    said["driver"] = devices.gpu_problem({"LOCAL_WORLD_SIZE": "8"})
+    torch.cuda.is_available, torch.cuda.device_count = (lambda: True), (lambda: 4)  # 4 GPUs seen, 8 processes
+    said["fewer"] = devices.gpu_problem({"LOCAL_WORLD_SIZE": "8", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    said["enough"] = devices.gpu_problem({"LOCAL_WORLD_SIZE": "4"})
+    args = types.SimpleNamespace(world_size=1, device="cpu",
+                                 distributed_state=types.SimpleNamespace(distributed_type=types.SimpleNamespace(value="NO")))
+    said["world"] = devices.world_problem(args, {"WORLD_SIZE": "16"})
+    said["world_ok"] = devices.world_problem(args, {"WORLD_SIZE": "1"})
+    said["no_torchrun"] = devices.world_problem(args, {})
+    print(json.dumps(said))
+""")
+
+
+@pytest.mark.cli
+def test_each_rank_names_why_torch_sees_no_gpu_in_torchs_own_words_and_a_world_that_is_not_torchruns():
+    # one process (torch imported once): torch's CUDA answers replaced as a node without them would give them
+    done = subprocess.run([sys.executable, "-c", RANK_CHECKS], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout.splitlines()[-1])
+    assert said["cpu"] is None and said["same"]  # CPU processes on purpose; the file says what torch says
+    assert said["this"].startswith("this node's torch ") and "is a CPU build (no CUDA, no ROCm)" in said["this"]
+    assert "each of the 8 GPU process(es) would train alone on the CPU" in said["this"]
+    driver = ("(a CUDA 12.8 build) sees no GPU on this node (RuntimeError: The NVIDIA driver on your system is too old "
+              "(found version 11040).")
+    assert said["driver"].startswith("torch ") and driver in said["driver"], said["driver"]
+    assert said["fewer"] == (
+        "8 training processes on this node and torch sees 4 GPU(s) (CUDA_VISIBLE_DEVICES=0,1,2,3): each process needs "
+        "a GPU of its own; the node's process count (SKYPILOT_NUM_GPUS_PER_NODE, or ORCH_GPUS_PER_NODE) must not "
+        "exceed the GPUs torch sees")
+    assert said["enough"] is None
+    assert said["world"] == ("torchrun started 16 processes and the trainer made a world of 1 (accelerate's "
+                             "distributed type NO, device cpu): each process would train alone and write the same "
+                             "checkpoints")
+    assert said["world_ok"] is None and said["no_torchrun"] is None
+
+
+@pytest.mark.e2e
+def test_ranks_whose_world_is_not_the_one_torchrun_started_stop_before_training(tmp_path):
+    """TRL's multi_gpu config on CPU processes (ORCH_DEVICE=cpu, launched without `orch node`, which would give them
+    orch's cpu.yaml): accelerate's state says NO distributed type and each rank made a world of 1 where torchrun
+    started 2. Read back from the ranks, they stop before the model loads; no checkpoint is written."""
+    from orchestrator.core import smoke
+
+    artifacts = smoke.plan("Qwen/Qwen2.5-0.5B-Instruct", "sft")
+    smoke.ensure(artifacts)
+    config = Path(sys.executable).parent.parent / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / (
+        "site-packages/trl/accelerate_configs/multi_gpu.yaml")
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+            "--num_machines", "1", "--main_process_port", str(free_port()), "--module", "orchestrator.train", "sft",
+            "--config", "recipes/trl/qwen25_sft.yaml", "--model_name_or_path", str(artifacts.dir / "model"),
+            "--dataset_name", str(artifacts.dir / "data"), "--dtype", "float32", "--bf16", "false", "--max_steps", "2",
+            "--report_to", "none", "--use_liger_kernel", "false", "--attn_implementation", "sdpa",
+            "--output_dir", str(out)]  # fmt: skip
+    env = {**os.environ, "ORCH_DEVICE": "cpu", "ORCH_NETCHECK": "off"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode != 0, done.stdout[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("orch: error:")]
+    assert lines and set(lines) == {"orch: error: torchrun started 2 processes and the trainer made a world of 1 "
+                                    "(accelerate's distributed type NO, device cpu): each process would train alone "
+                                    "and write the same checkpoints"}, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[orch] step" not in done.stdout and not any(out.glob("checkpoint-*"))
