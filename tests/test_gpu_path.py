@@ -297,6 +297,27 @@ def test_accelerate_snapshot_matches_installed_accelerate():
     )
 
 
+def test_torch_cuda_snapshot_matches_installed_torch_and_the_lock():
+    """core/torch_cuda.json is torch's own tables (its release's CUDA builds, the devices each kernel runs on) and the
+    CUDA of uv.lock's torch; core/cuda_arch.runs_on is torch's own rule, for every code it knows and one it does not."""
+    import warnings
+
+    import torch.cuda
+
+    from orchestrator.core import cuda_arch
+    from orchestrator.train import snapshots
+
+    assert cuda_arch.SNAPSHOT.read_text() == snapshots.render_torch_cuda(snapshots.generate_torch_cuda()), (
+        "orchestrator/core/torch_cuda.json is stale: run `make snapshots` and commit it"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns of a code it does not know (130 here)
+        for code in [*torch.cuda.DEVICE_REQUIREMENT, 130]:
+            for device in range(50, 140):
+                torch_says = torch.cuda._code_compatible_with_device(device, code)
+                assert cuda_arch.runs_on(code, device) is torch_says, (code, device)
+
+
 def test_sky_task_schema_snapshot_matches_installed_skypilot():
     from orchestrator.core import sky_schema
     from orchestrator.launch.backends import sky

@@ -7,6 +7,7 @@ and the node setup does not keep a CPU build on a node with NVIDIA GPUs (tests/t
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, free_port, orch
 
-from orchestrator.core import torch_build
+from orchestrator.core import cuda_arch, fit, torch_build
+from orchestrator.core.accelerators import CUDA_CAPABILITY
+from orchestrator.core.errors import OrchError
 
 CUDA_VERSION_PY = """from typing import Optional
 
@@ -75,6 +78,15 @@ RANK_CHECKS = textwrap.dedent("""
     torch.cuda.is_available, torch.cuda.device_count = (lambda: True), (lambda: 4)  # 4 GPUs seen, 8 processes
     said["fewer"] = devices.gpu_problem({"LOCAL_WORLD_SIZE": "8", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     said["enough"] = devices.gpu_problem({"LOCAL_WORLD_SIZE": "4"})
+    # the lock's build (CUDA 13.0: kernels from 7.5) on a V100, then on an A100
+    torch.cuda.get_arch_list = lambda: ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+    torch.cuda.get_device_name = lambda index: "Tesla V100-SXM2-16GB"
+    torch.cuda.get_device_capability = lambda index: (7, 0)
+    torch.version.cuda = "13.0"
+    said["v100"] = devices.gpu_problem({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "3"})
+    said["v100_anyway"] = devices.gpu_problem({"LOCAL_WORLD_SIZE": "4", "ORCH_CUDA_ARCH_CHECK": "off"})
+    torch.cuda.get_device_capability = lambda index: (8, 0)
+    said["a100"] = devices.gpu_problem({"LOCAL_WORLD_SIZE": "4"})
     args = types.SimpleNamespace(world_size=1, device="cpu",
                                  distributed_state=types.SimpleNamespace(distributed_type=types.SimpleNamespace(value="NO")))
     said["world"] = devices.world_problem(args, {"WORLD_SIZE": "16"})
@@ -100,7 +112,12 @@ def test_each_rank_names_why_torch_sees_no_gpu_in_torchs_own_words_and_a_world_t
         "8 training processes on this node and torch sees 4 GPU(s) (CUDA_VISIBLE_DEVICES=0,1,2,3): each process needs "
         "a GPU of its own; the node's process count (SKYPILOT_NUM_GPUS_PER_NODE, or ORCH_GPUS_PER_NODE) must not "
         "exceed the GPUs torch sees")
-    assert said["enough"] is None
+    assert said["enough"] is None and said["a100"] is None and said["v100_anyway"] is None
+    assert said["v100"] == (
+        "GPU 3 (Tesla V100-SXM2-16GB, compute capability 7.0) has no kernels in torch 2.13.0+cpu (a CUDA 13.0 build "
+        "for 7.5, 8.0, 8.6, 9.0, 10.0, 12.0): its first CUDA kernel would fail; install a build that has them in the "
+        "ranks' environment (pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126), or use an "
+        "image holding one; ORCH_CUDA_ARCH_CHECK=off runs it anyway")
     assert said["world"] == ("torchrun started 16 processes and the trainer made a world of 1 (accelerate's "
                              "distributed type NO, device cpu): each process would train alone and write the same "
                              "checkpoints")
@@ -133,3 +150,64 @@ def test_ranks_whose_world_is_not_the_one_torchrun_started_stop_before_training(
                                     "(accelerate's distributed type NO, device cpu): each process would train alone "
                                     "and write the same checkpoints"}, done.stdout[-3000:] + done.stderr[-3000:]
     assert "[orch] step" not in done.stdout and not any(out.glob("checkpoint-*"))
+
+
+@pytest.mark.unit
+def test_a_gpu_the_locked_torch_build_has_no_kernels_for_is_refused_before_launch():
+    """uv.lock's torch 2.13.0 is the CUDA 13.0 build (its cuda-toolkit), whose x86_64 kernels start at 7.5 by torch's
+    own table (tests/test_gpu_path.py compares the snapshot with it): a V100 passed every owner's check, then would
+    have failed at the nodes' first kernel. Refused before launch, not where an image brings its own torch (each rank
+    checks that one), and never offered by a memory refusal."""
+    assert cuda_arch.table()["lock_cuda"] == "13.0"
+    assert sorted(g for g in CUDA_CAPABILITY if not cuda_arch.runs_lock(g)) == ["V100", "V100-32GB"]
+    assert cuda_arch.runs_lock("MI300X") and cuda_arch.runs_lock("GH200") and cuda_arch.host_of("GH200") == "aarch64"
+    with pytest.raises(OrchError) as refused:
+        cuda_arch.check_gpu("V100", {})
+    assert str(refused.value) == (
+        "V100 (compute capability 7.0) cannot run torch 2.13.0's CUDA 13.0 build, which the nodes install (uv.lock): "
+        "its x86_64 kernels are for compute capability 7.5, 8.0, 8.6, 9.0, 10.0, 12.0 (torch's own table), so the "
+        "first CUDA kernel on the nodes would fail ('no kernel image is available for execution on the device'); use "
+        "a GPU of compute capability 7.5 or newer (T4, A100, A10 and newer), or an image holding torch 2.13.0's CUDA "
+        "12.6 build (--image-id; the node setup keeps it); ORCH_CUDA_ARCH_CHECK=off launches it anyway")
+    cuda_arch.check_gpu("V100", {}, image="docker:me/torch-cu126")  # the image's torch: each rank checks it
+    cuda_arch.check_gpu("V100", {"ORCH_CUDA_ARCH_CHECK": "off"})
+    assert fit.smallest_holding(26) == "A100"  # the V100-32GB holds 26 GiB, and cannot run
+
+
+@pytest.mark.cli
+def test_orch_run_refuses_a_v100_in_one_line_and_takes_an_image_with_its_own_torch(project):
+    argv = ["run", "qwen25_sft_ddp", "--gpus", "V100:1", "--dry-run", "--skip-optimizer", "bf16=false", "fp16=true",
+            "dtype=float32"]  # fmt: skip
+    refused = orch(*argv, cwd=project)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+    assert refused.stderr.startswith("orch: error: V100 (compute capability 7.0) cannot run torch 2.13.0's CUDA 13.0 "
+                                     "build") and refused.stderr.count("\n") == 1, refused.stderr
+    assert sorted(p.name for p in project.iterdir()) == ["recipes"]  # nothing written
+    imaged = orch(*argv, "--image-id", "docker:me/torch-cu126", cwd=project)
+    assert imaged.returncode == 0, imaged.stderr[-2000:]
+    anyway = orch(*argv, "--env", "ORCH_CUDA_ARCH_CHECK=off", cwd=project)
+    assert anyway.returncode == 0, anyway.stderr[-2000:]
+    plan = orch("plan", "Qwen/Qwen2.5-0.5B-Instruct", "--dtype", "float32")
+    assert re.search(r"^V100 +- +none: no kernels +16$", plan.stdout, re.M), plan.stdout
+    assert "V100, V100-32GB: torch 2.13.0's CUDA 13.0 build, which the nodes install (uv.lock), has no kernels for " \
+        "them: a launch there is refused, unless --image-id names an image holding its CUDA 12.6 build" in plan.stdout
+
+
+@pytest.mark.unit
+def test_the_head_node_refuses_in_its_setup_gpus_its_torch_build_has_no_kernels_for():
+    """`orch node --rehearse` (the setup, before the model downloads): nvidia-smi's lowest compute capability against
+    the installed torch's CUDA build, by torch's release table, so plain `sky launch --gpus V100` stops there."""
+    with pytest.raises(OrchError) as refused:
+        cuda_arch.check_node((7, 0), "13.0", "x86_64", "2.13.0+cu130", {})
+    assert str(refused.value) == (
+        "this node's GPUs (compute capability 7.0) cannot run its torch 2.13.0+cu130, a CUDA 13.0 build with kernels "
+        "for 7.5, 8.0, 8.6, 9.0, 10.0, 12.0 (torch's own table): the first CUDA kernel would fail; install a build "
+        "that has them in the ranks' environment (pip install torch==2.13.0 --index-url "
+        "https://download.pytorch.org/whl/cu126), or use an image holding one; ORCH_CUDA_ARCH_CHECK=off runs it anyway")
+    for fine in [((7, 0), "12.6", "x86_64"), ((9, 0), "13.0", "aarch64"), ((7, 5), "13.0.2", "x86_64"),
+                 ((7, 0), "12.4", "x86_64"),  # a build torch's table does not list: each rank checks its own
+                 ((7, 0), None, "x86_64"), (None, "13.0", "x86_64")]:  # fmt: skip
+        cuda_arch.check_node(*fine, "2.13.0", {})
+    cuda_arch.check_node((7, 0), "13.0", "x86_64", "2.13.0", {"ORCH_CUDA_ARCH_CHECK": "off"})
+    with pytest.raises(OrchError, match=r"aarch64|use a newer GPU"):  # no ARM build of 12.6 has 7.0 kernels
+        cuda_arch.check_node((7, 0), "13.0", "aarch64", "2.13.0", {})

@@ -89,7 +89,7 @@ def _total_gpus(text: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from orchestrator.commands import print_table
-    from orchestrator.core import accelerators, load_memory, memory, models, precision
+    from orchestrator.core import accelerators, cuda_arch, load_memory, memory, models, precision
     from orchestrator.core import fit as fit_rules
     from orchestrator.core.errors import OrchError
     from orchestrator.launch import preflight
@@ -188,8 +188,13 @@ def main(args: argparse.Namespace) -> int:
 
     prices = backends.node_prices(per_node)
     no_bf16: list[str] = []
+    no_kernels: list[str] = []
     rows = [("ACCELERATOR", "NODES", "STRATEGY", "GIB/GPU", "OF", "$/H", "INSTANCE", "FEWER NODES WITH CPU OFFLOAD")]
     for name, capacity in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: (-kv[1], kv[0])):
+        if not cuda_arch.runs_lock(name):  # a launch there is refused (cuda_arch.py): the nodes' torch cannot run
+            rows.append((name, "-", "none: no kernels", "", str(capacity), "", "", ""))
+            no_kernels.append(name)
+            continue
         if args.dtype == "bfloat16" and not precision.native_bf16(name):  # a launch there is refused (precision.py)
             rows.append((name, "-", "none in bf16", "", str(capacity), "", "", ""))
             no_bf16.append(name)
@@ -217,6 +222,13 @@ def main(args: argparse.Namespace) -> int:
         rows.append((name, f"{fit.nodes} x {per_node}", preflight.label(fit.estimate.setup),
                      f"{need(fit.estimate):.1f}", str(capacity), dollars, instance, offload))  # fmt: skip
     print_table(rows)
+    if no_kernels:
+        table = cuda_arch.table()
+        others = sorted({c for g in no_kernels for c in cuda_arch.builds_running(accelerators.CUDA_CAPABILITY[g],
+                                                                                 cuda_arch.host_of(g))})
+        unless = f", unless --image-id names an image holding its CUDA {' or '.join(others)} build" if others else ""
+        print(f"{', '.join(sorted(no_kernels))}: torch {table['torch']}'s CUDA {table['lock_cuda']} build, which the "
+              f"nodes install (uv.lock), has no kernels for them: a launch there is refused{unless}")  # fmt: skip
     if no_bf16:
         print(f"{', '.join(sorted(no_bf16))}: no bf16 tensor cores (a launch there in bf16 is refused); "
               "--dtype float32 plans them for fp16 mixed precision over fp32 weights")  # fmt: skip

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from orchestrator.core import accelerators, load_memory, memory, models, precision, strategy, trainers
+from orchestrator.core import accelerators, cuda_arch, load_memory, memory, models, precision, strategy, trainers
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import truthy
@@ -104,11 +104,12 @@ def label(setup: memory.Setup) -> str:
 def smallest_holding(gib: float = 0.0, *, estimate: memory.Estimate | None = None, bf16: bool = False) -> str | None:
     """The known accelerator with the least memory whose usable part holds `gib`, or else `estimate` with its colocated
     vLLM engine's reserve (which grows with the GPU); with `bf16` (or the estimate's setup needing it) one with bf16
-    tensor cores, which the precision check (core/precision.py) would not refuse; None when none does."""
+    tensor cores, which the precision check (core/precision.py) would not refuse; never one uv.lock's torch build has
+    no kernels for (core/cuda_arch.py); None when none does."""
     bf16 = bf16 or bool(estimate and estimate.setup.needs_bf16)
     return next((g for g, mem in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: kv[1])
                  if mem * USABLE_FRACTION >= (with_vllm(estimate, mem) if estimate else gib)
-                 and (not bf16 or precision.native_bf16(g))), None)  # fmt: skip
+                 and (not bf16 or precision.native_bf16(g)) and cuda_arch.runs_lock(g)), None)  # fmt: skip
 
 
 def with_vllm(estimate: memory.Estimate, capacity_gib: float) -> float:

@@ -111,6 +111,8 @@ KNOBS = {
     "ORCH_MEMORY_CHECK": ON_OFF,
     # the precision check (core/precision.py check_gpu): off launches bf16 on a GPU without bf16 tensor cores
     "ORCH_PRECISION_CHECK": ON_OFF,
+    # the CUDA arch check (core/cuda_arch.py): off launches a GPU the nodes' torch build has no kernels for
+    "ORCH_CUDA_ARCH_CHECK": ON_OFF,
     # resume from a checkpoint trained with other settings (train/run_config.py says which)
     "ORCH_RESUME_CHANGED": ON_OFF,
     "ORCH_SHOW_NOTICES": ON_OFF,  # third-party notices the node hides (node/output.py NOTICES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from orchestrator.core import accelerators, fit, memory, models, parallel, precision
+from orchestrator.core import accelerators, cuda_arch, fit, memory, models, parallel, precision
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError
@@ -132,6 +132,8 @@ def run(launch, trainer_nodes: int, gpus: Gpus | None) -> memory.Estimate | None
         return None
     name, per_node, _ = check_accelerator(gpus)
     check_process_split(per_node * trainer_nodes, trainer_nodes)
+    image = launch.resources.get("image_id") or (launch.recipe.task.get("resources") or {}).get("image_id")
+    cuda_arch.check_gpu(name, launch.envs, image)  # the torch build the nodes install has kernels for this GPU
     precision.check_gpu(launch.settings, AccelerateConfig.of(accel).mixed_precision,
                         accelerators.CUDA_CAPABILITY.get(name.upper()), name, launch.envs)  # fmt: skip
     setup = setup_of(launch, per_node * trainer_nodes)

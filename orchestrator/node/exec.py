@@ -210,7 +210,9 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     """`orch node --rehearse` (run by scripts/node-setup.sh while the model downloads): on the head node,
     rehearse every distinct role of this cluster against the owners' code (rehearsal/); the other nodes leave it
     to the head. Prints one line, or one `orch: error:` line and exits 2 (the setup, and the job, stop there)."""
-    from orchestrator.core import accelerate_config, configs, overrides, precision, smoke
+    import platform
+
+    from orchestrator.core import accelerate_config, configs, cuda_arch, overrides, precision, smoke, torch_build
     from orchestrator.node import memory
     from orchestrator.node.env import run_env
     from orchestrator.node.plan import plan
@@ -232,6 +234,9 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     plans = [plan({**env, "SKYPILOT_NODE_RANK": str(r)}, *paired) for r in ranks]
     trainer, settings = plans[0].trainer, plans[0].settings  # as plan() checked and read them
     capability = memory.gpu_capability()
+    build = torch_build.installed()
+    if build is not None:  # the GPUs against this environment's torch build, by torch's own table (core/cuda_arch.py)
+        cuda_arch.check_node(capability, build.cuda, platform.machine(), build.version, env)
     if not smoking:  # the recipe's own model against this node's GPUs and host memory, before it downloads
         mixed = accelerate_config.AccelerateConfig.of(paired.accelerate).mixed_precision
         precision.check_gpu(settings, mixed, capability, "this node's GPU", env, on_node=True)  # `sky launch` too

@@ -30,6 +30,8 @@ Variables read (all set by SkyPilot or by the recipe's `envs:`):
   ORCH_SHOW_NOTICES  optional: on shows the third-party notices the node otherwise hides (node/output.py)
   ORCH_MEMORY_CHECK  optional: off shows the head node's memory figures (node/memory.py) without refusing
   ORCH_PRECISION_CHECK  optional: off runs bf16 (or fp8) on GPUs without tensor cores for it (core/precision.py)
+  ORCH_CUDA_ARCH_CHECK  optional: off runs on a GPU torch's build has no kernels for (core/cuda_arch.py,
+                     train/devices.py)
   ORCH_RESUME_CHANGED  optional: on resumes a checkpoint trained with other settings (train/run_config.py names
                      them; without it every rank stops before step 1)
 """

@@ -7,12 +7,14 @@ where it has one (`torch.cuda.init()`: a driver older than the build's CUDA, no 
 from __future__ import annotations
 
 import os
+import platform
+import re
 import sys
 from collections.abc import Mapping
 
 import torch
 
-from orchestrator.core import torch_build
+from orchestrator.core import cuda_arch, torch_build
 from orchestrator.core.knobs import knob
 
 
@@ -25,7 +27,7 @@ def gpu_problem(env: Mapping[str, str] = os.environ) -> str | None:
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         if count >= local:
-            return None
+            return kernel_problem(int(env.get("LOCAL_RANK") or 0), env)
         visible = env.get("CUDA_VISIBLE_DEVICES")
         return (f"{local} training processes on this node and torch sees {count} GPU(s)"
                 + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
@@ -42,6 +44,26 @@ def gpu_problem(env: Mapping[str, str] = os.environ) -> str | None:
             "process(es) would train alone on the CPU; the node's driver and GPUs must run that build (nvidia-smi "
             "there names the driver and the newest CUDA it runs), or set ORCH_DEVICE=cpu to run CPU processes on "
             "purpose")  # fmt: skip
+
+
+def kernel_problem(index: int, env: Mapping[str, str] = os.environ) -> str | None:
+    """Whether torch's build has kernels for this process's GPU, by torch's own rule (the check torch only warns
+    about at its CUDA initialisation; the first kernel then fails with "no kernel image is available")."""
+    if torch.version.cuda is None or knob(env, "ORCH_CUDA_ARCH_CHECK", "on") == "off":
+        return None  # ROCm builds: torch checks nothing of the kind either
+    codes = [int(m.group(1)) for arch in torch.cuda.get_arch_list() if (m := re.fullmatch(r"sm_(\d+)\w*", arch))]
+    if not codes:
+        return None
+    major, minor = torch.cuda.get_device_capability(index)
+    device = 10 * major + minor
+    if any(cuda_arch.runs_on(code, device) for code in codes):
+        return None
+    name = torch.cuda.get_device_name(index)
+    fix = cuda_arch.install_fix((major, minor), platform.machine(), torch.__version__)
+    return (f"GPU {index} ({name}, compute capability {major}.{minor}) has no kernels in torch {torch.__version__} "
+            f"(a CUDA {torch.version.cuda} build for {', '.join(f'{c // 10}.{c % 10}' for c in sorted(codes))}): its "
+            f"first CUDA kernel would fail; install a build that has them in the ranks' environment ({fix}), or use "
+            "an image holding one; ORCH_CUDA_ARCH_CHECK=off runs it anyway")  # fmt: skip
 
 
 def world_problem(training_args, env: Mapping[str, str] = os.environ) -> str | None:

@@ -5,15 +5,18 @@
   trl / transformers / accelerate versions;
 - core/accelerate_args.json: what `accelerate launch` reads from a config (ClusterConfig, the launch parser,
   the env builders of accelerate.utils.launch).
+- core/torch_cuda.json: torch's own tables of its release's CUDA builds (the compute capabilities each has kernels
+  for) and of the devices each kernel runs on, with the CUDA of uv.lock's torch (core/cuda_arch.py).
 (core/sky_task_schema.json, SkyPilot's task schema, comes from launch/backends/sky.py: the only module importing sky.)
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
-from orchestrator.core import accelerate_schema, trl_schema
+from orchestrator.core import accelerate_schema, cuda_arch, trl_schema
 
 
 def _kind(tp) -> object:
@@ -136,10 +139,48 @@ def generate_accelerate() -> dict:
     }
 
 
+def lock_cuda(lock: Path) -> str:
+    """The CUDA of uv.lock's torch build: its cuda-toolkit dependency's version, major.minor (13.0.3.0 -> 13.0)."""
+    import tomllib
+
+    packages = {p["name"]: p for p in tomllib.loads(lock.read_text())["package"]}
+    needs = {d["name"] for d in packages["torch"].get("dependencies", [])}
+    if "cuda-toolkit" not in needs:
+        raise SystemExit(f"{lock}: its torch does not depend on cuda-toolkit; say how to read its CUDA build here")
+    return ".".join(packages["cuda-toolkit"]["version"].split(".")[:2])
+
+
+LOCK = Path(__file__).resolve().parents[2] / "uv.lock"
+
+
+def generate_torch_cuda(lock: Path = LOCK) -> dict:
+    import torch
+    import torch.cuda as cuda
+
+    runs: dict[str, dict] = {}
+    for code, rule in cuda.DEVICE_REQUIREMENT.items():
+        if hasattr(rule, "values"):  # torch's _CompatSet
+            runs[str(code)] = {"only": sorted(rule.values)}
+        else:  # _CompatInterval: the same major, a minor at least start's, but the excluded
+            runs[str(code)] = {"start": 10 * rule.major + rule.minor, "exclude": sorted(rule.exclude)}
+    return {
+        "torch": torch.__version__.split("+")[0],
+        "lock_cuda": lock_cuda(lock),
+        "builds": {version: {host: sorted(codes) for host, codes in hosts.items()}
+                   for version, hosts in cuda.PYTORCH_RELEASES_CODE_CC.items()},  # fmt: skip
+        "runs": runs,
+    }
+
+
+def render_torch_cuda(table: dict) -> str:
+    return json.dumps(table, indent=1, sort_keys=True) + "\n"
+
+
 def main() -> None:
     for path, text in (
         (trl_schema.SCHEMA, trl_schema.render(generate_trl())),
         (accelerate_schema.SCHEMA, accelerate_schema.render(generate_accelerate())),
+        (cuda_arch.SNAPSHOT, render_torch_cuda(generate_torch_cuda())),
     ):
         Path(path).write_text(text)
         print(f"wrote {path}")

@@ -1,0 +1,124 @@
+"""Whether a GPU can run the CUDA build of torch the nodes install, by torch's own tables, snapshotted for the launch
+side (core/torch_cuda.json, `make snapshots`): `torch.cuda.PYTORCH_RELEASES_CODE_CC` (the compute capabilities each
+of the release's CUDA builds has kernels for, per host architecture) and `torch.cuda.DEVICE_REQUIREMENT` (which
+devices each kernel runs on), plus the CUDA of uv.lock's torch (its cuda-toolkit dependency).
+
+uv.lock's torch 2.13.0 is the CUDA 13.0 build, whose x86_64 kernels start at compute capability 7.5: a V100 (7.0)
+passed every owner's check before launch, then would fail at the first kernel on the node ("no kernel image is
+available for execution on the device"; PyTorch dropped Volta from its CUDA 12.8+ builds in 2.11, pytorch#172352).
+torch's CUDA 12.6 build still has 7.0 kernels: an image holding it is kept by the node setup, so a launch naming an
+image is left to the node, where each rank checks its own device against its torch (train/devices.py)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from orchestrator.core import accelerators
+from orchestrator.core.errors import OrchError
+from orchestrator.core.knobs import knob
+
+SNAPSHOT = Path(__file__).with_name("torch_cuda.json")
+
+
+@functools.cache
+def table() -> dict:
+    return json.loads(SNAPSHOT.read_text())
+
+
+def host_of(gpu: str) -> str:
+    """The host CPU architecture of the instances carrying an accelerator: GH200's Grace is ARM."""
+    return "aarch64" if gpu.upper() == "GH200" else "x86_64"
+
+
+def runs_on(code: int, device: int) -> bool:
+    """Whether kernels built for compute capability `code` (e.g. 75) run on a device of `device` (torch's rule)."""
+    rule = table()["runs"].get(str(code))
+    if rule is None:  # a code torch's table does not know: its own fallback, the same major and a minor at least
+        return device // 10 == code // 10 and device >= code
+    if "only" in rule:
+        return device in rule["only"]
+    return device not in rule["exclude"] and device // 10 == rule["start"] // 10 and device >= rule["start"]
+
+
+def kernels(cuda: str, host: str) -> list[int]:
+    """The compute capabilities torch's CUDA `cuda` build for `host` has kernels for ([]: none in torch's table)."""
+    return sorted(table()["builds"].get(cuda, {}).get(host, []))
+
+
+def builds_running(capability: tuple[int, int], host: str) -> list[str]:
+    """The CUDA builds of the locked torch release whose kernels run on a device of `capability`."""
+    device = 10 * capability[0] + capability[1]
+    return [cuda for cuda in table()["builds"] if any(runs_on(code, device) for code in kernels(cuda, host))]
+
+
+def runs_lock(gpu: str) -> bool:
+    """The accelerator (as SkyPilot spells it) runs uv.lock's torch build; True where orch has no capability for it
+    (AMD's MI300X: ROCm builds, another table)."""
+    capability = accelerators.CUDA_CAPABILITY.get(gpu.upper())
+    if capability is None:
+        return True
+    codes = kernels(table()["lock_cuda"], host_of(gpu))
+    return not codes or any(runs_on(code, 10 * capability[0] + capability[1]) for code in codes)
+
+
+def _cc(code: int) -> str:
+    return f"{code // 10}.{code % 10}"
+
+
+def check_gpu(gpu: str, envs: Mapping[str, str] | None = None, image: object = None) -> None:
+    """Refuse (OrchError, naming the fix) an accelerator that cannot run the torch build the nodes install (uv.lock's);
+    not where the launch names an image (`image`: resources.image_id), whose own torch the setup keeps and each rank
+    checks. ORCH_CUDA_ARCH_CHECK=off launches it anyway."""
+    if image or runs_lock(gpu) or knob(envs or {}, "ORCH_CUDA_ARCH_CHECK", "on") == "off":
+        return
+    snapshot, capability = table(), accelerators.CUDA_CAPABILITY[gpu.upper()]
+    cuda, host = snapshot["lock_cuda"], host_of(gpu)
+    codes = kernels(cuda, host)
+    first: dict[tuple[int, int], str] = {}  # one accelerator per capability that runs it, the oldest first
+    for name, cc in sorted(accelerators.CUDA_CAPABILITY.items(), key=lambda kv: (kv[1], kv[0])):
+        if runs_lock(name):
+            first.setdefault(cc, name)
+    newer = list(first.values())
+    others = builds_running(capability, host)
+    image_fix = (f", or an image holding torch {snapshot['torch']}'s CUDA {' or '.join(others)} build (--image-id; "
+                 "the node setup keeps it)") if others else ""  # fmt: skip
+    raise OrchError(
+        f"{gpu} (compute capability {capability[0]}.{capability[1]}) cannot run torch {snapshot['torch']}'s CUDA "
+        f"{cuda} build, which the nodes install (uv.lock): its {host} kernels are for compute capability "
+        f"{', '.join(_cc(c) for c in codes)} (torch's own table), so the first CUDA kernel on the nodes would fail "
+        f"('no kernel image is available for execution on the device'); use a GPU of compute capability "
+        f"{_cc(min(codes))} or newer ({', '.join(newer[:3])} and newer){image_fix}; "
+        "ORCH_CUDA_ARCH_CHECK=off launches it anyway"
+    )
+
+
+def install_fix(capability: tuple[int, int], host: str, version: str) -> str:
+    """How to install the same torch release's CUDA build that has kernels for `capability` (torch's index URLs, as its
+    own warning words them), or to use a newer GPU where none has."""
+    others = builds_running(capability, "aarch64" if host == "aarch64" else "x86_64")
+    return "; ".join(f"pip install torch=={version.split('+')[0]} --index-url https://download.pytorch.org/whl/"
+                     f"cu{c.replace('.', '')}" for c in others) or "use a newer GPU"  # fmt: skip
+
+
+def check_node(capability: tuple[int, int] | None, cuda: str | None, host: str, version: str,
+               envs: Mapping[str, str] | None = None) -> None:  # fmt: skip
+    """On the head node, in its setup (before the model downloads): refuse GPUs of `capability` (nvidia-smi's lowest)
+    that the installed torch's official CUDA `cuda` build has no kernels for, by torch's release table; nothing to
+    say without a capability, a CUDA build, or a build the table knows (a custom one: each rank checks its own)."""
+    if capability is None or not cuda or knob(envs or {}, "ORCH_CUDA_ARCH_CHECK", "on") == "off":
+        return
+    cuda = ".".join(cuda.split(".")[:2])
+    codes = kernels(cuda, "aarch64" if host == "aarch64" else "x86_64")
+    device = 10 * capability[0] + capability[1]
+    if not codes or any(runs_on(code, device) for code in codes):
+        return
+    fix = install_fix(capability, host, version)
+    raise OrchError(
+        f"this node's GPUs (compute capability {capability[0]}.{capability[1]}) cannot run its torch {version}, a "
+        f"CUDA {cuda} build with kernels for {', '.join(_cc(c) for c in codes)} (torch's own table): the first CUDA "
+        f"kernel would fail; install a build that has them in the ranks' environment ({fix}), or use an image "
+        "holding one; ORCH_CUDA_ARCH_CHECK=off runs it anyway"
+    )
