@@ -211,3 +211,41 @@ def test_the_head_node_refuses_in_its_setup_gpus_its_torch_build_has_no_kernels_
     cuda_arch.check_node((7, 0), "13.0", "x86_64", "2.13.0", {"ORCH_CUDA_ARCH_CHECK": "off"})
     with pytest.raises(OrchError, match=r"aarch64|use a newer GPU"):  # no ARM build of 12.6 has 7.0 kernels
         cuda_arch.check_node((7, 0), "13.0", "aarch64", "2.13.0", {})
+
+
+NVIDIA_SMI_Q = """
+==============NVSMI LOG==============
+
+Timestamp                                 : Mon Apr 20 10:00:00 2026
+Driver Version                            : 535.216.01
+CUDA Version                              : 12.2
+
+Attached GPUs                             : 8
+GPU 00000000:10:1C.0
+    Product Name                          : NVIDIA A100-SXM4-40GB
+"""
+
+
+@pytest.mark.unit
+def test_the_head_node_refuses_a_torch_cuda_build_its_driver_does_not_run():
+    """skypilot#9406: SkyPilot's AWS image had driver 535 (CUDA 12.2) and torch's cu130 wheel saw no GPU. The lock's
+    torch is that build: the head node refuses it in its setup, naming the builds its driver runs."""
+    from orchestrator.node import memory
+
+    driver = memory.cuda_version(NVIDIA_SMI_Q)
+    assert driver == (12, 2) and memory.cuda_version("Driver Version : 535.216.01\n") is None
+    with pytest.raises(OrchError) as refused:
+        cuda_arch.check_node((8, 0), "13.0", "x86_64", "2.13.0+cu130", {}, driver)
+    assert str(refused.value) == (
+        "this node's NVIDIA driver runs CUDA up to 12.2 (nvidia-smi), and its torch 2.13.0+cu130 is a CUDA 13.0 build, "
+        "which needs a driver for CUDA 13: torch would see no GPU and every rank would stop; use an image with a newer "
+        "driver, or install a build this driver runs in the ranks' environment (pip install torch==2.13.0 --index-url "
+        "https://download.pytorch.org/whl/cu126; pip install torch==2.13.0 --index-url "
+        "https://download.pytorch.org/whl/cu129; an image holding one is kept by the setup); ORCH_CUDA_ARCH_CHECK=off "
+        "runs it anyway")
+    with pytest.raises(OrchError, match=r"\(pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/"
+                                        r"cu126; an image holding"):  # a V100: only the 12.6 build has its kernels
+        cuda_arch.check_node((7, 0), "13.0", "x86_64", "2.13.0", {}, driver)
+    cuda_arch.check_node((8, 0), "13.0", "x86_64", "2.13.0", {}, (13, 0))  # driver 580
+    cuda_arch.check_node((8, 0), "12.6", "x86_64", "2.13.0+cu126", {}, (12, 2))  # minor version compatibility
+    cuda_arch.check_node((8, 0), "13.0", "x86_64", "2.13.0", {"ORCH_CUDA_ARCH_CHECK": "off"}, driver)

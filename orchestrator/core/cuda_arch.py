@@ -104,13 +104,32 @@ def install_fix(capability: tuple[int, int], host: str, version: str) -> str:
 
 
 def check_node(capability: tuple[int, int] | None, cuda: str | None, host: str, version: str,
-               envs: Mapping[str, str] | None = None) -> None:  # fmt: skip
-    """On the head node, in its setup (before the model downloads): refuse GPUs of `capability` (nvidia-smi's lowest)
-    that the installed torch's official CUDA `cuda` build has no kernels for, by torch's release table; nothing to
-    say without a capability, a CUDA build, or a build the table knows (a custom one: each rank checks its own)."""
-    if capability is None or not cuda or knob(envs or {}, "ORCH_CUDA_ARCH_CHECK", "on") == "off":
+               envs: Mapping[str, str] | None = None, driver: tuple[int, int] | None = None) -> None:  # fmt: skip
+    """On the head node, in its setup (before the model downloads): refuse a torch CUDA build the node's driver does
+    not run (`driver`: the newest CUDA it runs, nvidia-smi's; CUDA's minor version compatibility runs any 13.x on a
+    driver of 13.0, none on a 12.x one: skypilot#9406, its AWS image's driver 535 and torch's cu130, where
+    `torch.cuda.is_available()` is False), and GPUs of `capability` (nvidia-smi's lowest) the installed torch's
+    official CUDA `cuda` build has no kernels for, by torch's release table; nothing to say without a capability, a
+    CUDA build, or a build the table knows (a custom one: each rank checks its own)."""
+    if not cuda or knob(envs or {}, "ORCH_CUDA_ARCH_CHECK", "on") == "off":
         return
     cuda = ".".join(cuda.split(".")[:2])
+    if driver is not None and driver[0] < int(cuda.split(".")[0]):
+        runnable = [c for c in table()["builds"] if int(c.split(".")[0]) <= driver[0]]
+        if capability is not None:
+            runnable = [c for c in runnable if c in builds_running(capability, host)]
+        instead = "; ".join(f"pip install torch=={version.split('+')[0]} --index-url "
+                            f"https://download.pytorch.org/whl/cu{c.replace('.', '')}" for c in runnable)  # fmt: skip
+        raise OrchError(
+            f"this node's NVIDIA driver runs CUDA up to {driver[0]}.{driver[1]} (nvidia-smi), and its torch {version} "
+            f"is a CUDA {cuda} build, which needs a driver for CUDA {cuda.split('.')[0]}: torch would see no GPU and "
+            "every rank would stop; use an image with a newer driver"
+            + (f", or install a build this driver runs in the ranks' environment ({instead}; an image holding one is "
+               "kept by the setup)" if instead else "")
+            + "; ORCH_CUDA_ARCH_CHECK=off runs it anyway"
+        )
+    if capability is None:
+        return
     codes = kernels(cuda, "aarch64" if host == "aarch64" else "x86_64")
     device = 10 * capability[0] + capability[1]
     if not codes or any(runs_on(code, device) for code in codes):

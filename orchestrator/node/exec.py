@@ -236,7 +236,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     capability = memory.gpu_capability()
     build = torch_build.installed()
     if build is not None:  # the GPUs against this environment's torch build, by torch's own table (core/cuda_arch.py)
-        cuda_arch.check_node(capability, build.cuda, platform.machine(), build.version, env)
+        cuda_arch.check_node(capability, build.cuda, platform.machine(), build.version, env, memory.driver_cuda())
     if not smoking:  # the recipe's own model against this node's GPUs and host memory, before it downloads
         mixed = accelerate_config.AccelerateConfig.of(paired.accelerate).mixed_precision
         precision.check_gpu(settings, mixed, capability, "this node's GPU", env, on_node=True)  # `sky launch` too

@@ -7,6 +7,7 @@ its figures without refusing)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -98,6 +99,24 @@ def gpu_capability() -> tuple[int, int] | None:
         if dot and major.isdigit() and minor.isdigit():
             found.append((int(major), int(minor)))
     return min(found) if found else None
+
+
+def driver_cuda() -> tuple[int, int] | None:
+    """The newest CUDA this node's NVIDIA driver runs (`nvidia-smi -q`'s "CUDA Version", NVML's), or None where
+    nvidia-smi is absent or does not say."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "-q"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return cuda_version(out)
+
+
+def cuda_version(query: str) -> tuple[int, int] | None:
+    """`CUDA Version : 12.2` in nvidia-smi -q's output -> (12, 2)."""
+    found = re.search(r"^\s*CUDA Version\s*:\s*(\d+)\.(\d+)", query, re.M)
+    return (int(found.group(1)), int(found.group(2))) if found else None
 
 
 def smallest_gpu(query: str) -> tuple[float, str] | None:
