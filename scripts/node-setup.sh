@@ -71,6 +71,28 @@ if '$nvidia_gpus':
     path = list(importlib.util.find_spec('torch').submodule_search_locations)[0] + '/version.py'
     sys.exit(0 if re.search(r\"^cuda\\b[^=\\n]*= *'\", open(path).read(), re.M) else 3)" 2>/dev/null
 }
+# Before the lock's torch is installed (several GB): the newest CUDA this node's NVIDIA driver runs (nvidia-smi -q)
+# against the CUDA of uv.lock's torch build (its cuda-toolkit). Minor version compatibility runs any 13.x on a 13.0
+# driver, none on a 12.x one: torch would see no GPU (skypilot#9406: driver 535 and torch's cu130). orch's
+# core/cuda_arch.check_node says the same of an environment's torch in the head node's rehearsal.
+lock_cuda=$(awk '/^name = "cuda-toolkit"$/ { getline; gsub(/"/, "", $3); split($3, v, "."); print v[1] "." v[2]; exit }' \
+  uv.lock)
+driver_cuda=
+if [ -n "$nvidia_gpus" ]; then
+  driver_cuda=$(nvidia-smi -q 2>/dev/null \
+    | sed -nE 's/^[[:space:]]*CUDA Version[[:space:]]*:[[:space:]]*([0-9]+\.[0-9]+).*/\1/p' | head -n 1)
+fi
+check_driver() {
+  local knob="${ORCH_CUDA_ARCH_CHECK:-on}"
+  [ -n "$driver_cuda" ] && [ -n "$lock_cuda" ] && [ "${knob,,}" != off ] || return 0
+  [ "${driver_cuda%%.*}" -lt "${lock_cuda%%.*}" ] || return 0
+  echo "orch: error: node $node_rank setup: this node's NVIDIA driver runs CUDA up to $driver_cuda (nvidia-smi -q)," \
+    "and uv.lock's torch $locked_torch is a CUDA $lock_cuda build, which needs a driver for CUDA ${lock_cuda%%.*}:" \
+    "torch would see no GPU; use an image with a newer driver, or one holding torch $locked_torch's CUDA 12.9 build" \
+    "(12.6 for a V100), which the setup keeps (pip install torch==$locked_torch --index-url" \
+    "https://download.pytorch.org/whl/cu129); ORCH_CUDA_ARCH_CHECK=off installs it anyway" >&2
+  exit 2
+}
 image_python= image_has_torch= image_read= image_torch=
 read_image() {  # the image's python3, and whether it is >= 3.11 with the locked torch (an environment is made from it)
   [ -z "$image_read" ] || return 0
@@ -172,10 +194,12 @@ else
   if [ "$torch_state" = 0 ]; then
     say "torch $locked_torch is there: kept"
   elif [ "$torch_state" = 3 ]; then
+    check_driver
     say "torch $locked_torch in $ORCH_VENV is a CPU build, and this node has NVIDIA GPUs: installing the lock's (CUDA)"
     step="installing torch $locked_torch"
     uv_run pip install -q --python "$py" --reinstall-package torch "torch==$locked_torch"
   else
+    check_driver
     say "installing torch $locked_torch (the lock's)"
     step="installing torch $locked_torch"
     uv_run pip install -q --python "$py" "torch==$locked_torch"

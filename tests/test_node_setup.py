@@ -901,9 +901,13 @@ def test_a_failed_install_ends_the_setup_with_one_line_naming_the_step_and_uvs_e
     assert f"torch {LOCKED['torch']} is there: kept" in done.stdout + done.stderr
 
 
-def nvidia_smi(tools: Path) -> None:
-    """An `nvidia-smi` whose `-L` lists one GPU, as on a node with NVIDIA GPUs."""
-    (tools / "nvidia-smi").write_text('#!/bin/sh\n[ "$1" = -L ] && echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')
+def nvidia_smi(tools: Path, cuda: str = "13.0") -> None:
+    """An `nvidia-smi` whose `-L` lists one GPU, as on a node with NVIDIA GPUs, and whose `-q` says the newest CUDA
+    its driver runs."""
+    (tools / "nvidia-smi").write_text(
+        '#!/bin/sh\n[ "$1" = -L ] && echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n'
+        f'[ "$1" = -q ] && printf "\\nDriver Version                            : 580.65.06\\n'
+        f'CUDA Version                              : {cuda}\\n"\nexit 0\n')  # fmt: skip
     (tools / "nvidia-smi").chmod(0o755)
 
 
@@ -944,3 +948,41 @@ def test_a_node_with_nvidia_gpus_does_not_keep_a_cpu_build_of_torch(tmp_path):
     kept = venv_of(slurm_account(base, "c1"))
     nvidia_smi(base / "tools")
     assert venv_of(slurm_account(base, "c2")) != kept  # the same image python, the same lock
+
+
+def test_a_node_whose_driver_cannot_run_the_locked_torch_build_stops_before_installing_it(tmp_path):
+    """uv.lock's torch is a CUDA 13.0 build (its cuda-toolkit); a driver that runs CUDA up to 12.2 (skypilot#9406:
+    SkyPilot's AWS image, driver 535) cannot run it: torch would see no GPU. The setup says so before downloading
+    several GB of it, and ORCH_CUDA_ARCH_CHECK=off goes on (here into uv, stopped offline)."""
+    calls, tools = tmp_path / "uv-calls", tmp_path / "tools"
+    tools.mkdir()
+    real = shutil.which("uv", path=str(Path(sys.executable).parent))
+    (tools / "uv").write_text(f'#!/bin/bash\necho "$*" >> {calls}\nif [ "$1 $2" = "pip install" ]; then\n'
+                              f'  echo "error: offline" >&2; exit 2\nfi\nexec {real} "$@"\n')  # fmt: skip
+    (tools / "uv").chmod(0o755)
+    nvidia_smi(tools, cuda="12.2")
+    env = tmp_path / "env"  # an environment that sees this one's packages: torch 2.13.0+cpu, replaced on a GPU node
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    Path(sysconfig.get_path("purelib", vars={"base": str(env)}), "test-env.pth").write_text(
+        sysconfig.get_path("purelib") + "\n")
+    node = clean_env() | {"HOME": str(tmp_path), "ORCH_VENV": str(env), "UV_OFFLINE": "1"}
+    node["PATH"] = f"{tools}{os.pathsep}{node['PATH']}"
+    done = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=node)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    torch = LOCKED["torch"]
+    assert done.stderr.splitlines()[-1] == (
+        f"orch: error: node 0 setup: this node's NVIDIA driver runs CUDA up to 12.2 (nvidia-smi -q), and uv.lock's "
+        f"torch {torch} is a CUDA 13.0 build, which needs a driver for CUDA 13: torch would see no GPU; use an image "
+        f"with a newer driver, or one holding torch {torch}'s CUDA 12.9 build (12.6 for a V100), which the setup keeps "
+        f"(pip install torch=={torch} --index-url https://download.pytorch.org/whl/cu129); ORCH_CUDA_ARCH_CHECK=off "
+        "installs it anyway"), done.stderr
+    assert done.stderr.count("orch: error:") == 1 and not calls.exists()  # uv not asked for anything: no download
+    anyway = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env=node | {"ORCH_CUDA_ARCH_CHECK": "off"})  # fmt: skip
+    assert anyway.stderr.splitlines()[-1] == f"orch: error: node 0 setup failed while installing torch {torch} " \
+        "(exit 2): error: offline", anyway.stderr  # fmt: skip
+    nvidia_smi(tools, cuda="13.0")  # driver 580: the lock's torch is installed (uv is asked for it)
+    newer = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, env=node)  # fmt: skip
+    assert "installing torch" in newer.stderr.splitlines()[-1], newer.stderr
