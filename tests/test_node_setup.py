@@ -911,27 +911,38 @@ def nvidia_smi(tools: Path, cuda: str = "13.0") -> None:
     (tools / "nvidia-smi").chmod(0o755)
 
 
-def test_a_node_with_nvidia_gpus_does_not_keep_a_cpu_build_of_torch(tmp_path):
-    """The locked torch kept from an environment, any build: on a node with NVIDIA GPUs not a CPU one (+cpu), whose
-    ranks would each train alone on the CPU (orch node refuses it: tests/test_torch_build.py). The setup installs the
-    lock's torch over it, a reinstall (uv takes 2.13.0+cpu for ==2.13.0); here uv stops there, offline. An image
-    python with a CPU build is not made the environment's base (the account's environment key says so)."""
-    calls = tmp_path / "uv-calls"
-    tools = tmp_path / "tools"
+def gpu_node(tmp_path: Path, cuda: str = "13.0") -> tuple[dict[str, str], Path, Path]:
+    """A node with NVIDIA GPUs (nvidia_smi: its driver runs CUDA up to `cuda`) whose ORCH_VENV sees this environment's
+    packages, torch 2.13.0+cpu among them, and whose uv logs its arguments to the returned file and refuses any
+    `pip install` as offline: (the node's environment, its ORCH_VENV, uv's log)."""
+    calls, tools = tmp_path / "uv-calls", tmp_path / "tools"
     tools.mkdir()
     real = shutil.which("uv", path=str(Path(sys.executable).parent))
     (tools / "uv").write_text(f'#!/bin/bash\necho "$*" >> {calls}\nif [ "$1 $2" = "pip install" ]; then\n'
                               f'  echo "error: offline" >&2; exit 2\nfi\nexec {real} "$@"\n')  # fmt: skip
     (tools / "uv").chmod(0o755)
-    nvidia_smi(tools)
-    env = tmp_path / "env"  # an environment that sees this one's packages, torch 2.13.0+cpu among them
+    nvidia_smi(tools, cuda)
+    env = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     Path(sysconfig.get_path("purelib", vars={"base": str(env)}), "test-env.pth").write_text(
         sysconfig.get_path("purelib") + "\n")
     node = clean_env() | {"HOME": str(tmp_path), "ORCH_VENV": str(env), "UV_OFFLINE": "1"}
     node["PATH"] = f"{tools}{os.pathsep}{node['PATH']}"
-    done = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=ROOT, capture_output=True, text=True,
+    return node, env, calls
+
+
+def setup(node: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env=node)  # fmt: skip
+
+
+def test_a_node_with_nvidia_gpus_does_not_keep_a_cpu_build_of_torch(tmp_path):
+    """The locked torch kept from an environment, any build: on a node with NVIDIA GPUs not a CPU one (+cpu), whose
+    ranks would each train alone on the CPU (orch node refuses it: tests/test_torch_build.py). The setup installs the
+    lock's torch over it, a reinstall (uv takes 2.13.0+cpu for ==2.13.0); here uv stops there, offline. An image
+    python with a CPU build is not made the environment's base (the account's environment key says so)."""
+    node, env, calls = gpu_node(tmp_path)
+    done = setup(node)
     assert done.returncode == 2, done.stdout + done.stderr
     torch = LOCKED["torch"]
     assert (f"[orch] setup: torch {torch} in {env} is a CPU build, and this node has NVIDIA GPUs: installing the "
@@ -954,21 +965,9 @@ def test_a_node_whose_driver_cannot_run_the_locked_torch_build_stops_before_inst
     """uv.lock's torch is a CUDA 13.0 build (its cuda-toolkit); a driver that runs CUDA up to 12.2 (skypilot#9406:
     SkyPilot's AWS image, driver 535) cannot run it: torch would see no GPU. The setup says so before downloading
     several GB of it, and ORCH_CUDA_ARCH_CHECK=off goes on (here into uv, stopped offline)."""
-    calls, tools = tmp_path / "uv-calls", tmp_path / "tools"
-    tools.mkdir()
-    real = shutil.which("uv", path=str(Path(sys.executable).parent))
-    (tools / "uv").write_text(f'#!/bin/bash\necho "$*" >> {calls}\nif [ "$1 $2" = "pip install" ]; then\n'
-                              f'  echo "error: offline" >&2; exit 2\nfi\nexec {real} "$@"\n')  # fmt: skip
-    (tools / "uv").chmod(0o755)
-    nvidia_smi(tools, cuda="12.2")
-    env = tmp_path / "env"  # an environment that sees this one's packages: torch 2.13.0+cpu, replaced on a GPU node
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
-    Path(sysconfig.get_path("purelib", vars={"base": str(env)}), "test-env.pth").write_text(
-        sysconfig.get_path("purelib") + "\n")
-    node = clean_env() | {"HOME": str(tmp_path), "ORCH_VENV": str(env), "UV_OFFLINE": "1"}
-    node["PATH"] = f"{tools}{os.pathsep}{node['PATH']}"
-    done = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=node)  # fmt: skip
+    node, _, calls = gpu_node(tmp_path, cuda="12.2")
+    tools = tmp_path / "tools"
+    done = setup(node)
     assert done.returncode == 2, done.stdout + done.stderr
     torch = LOCKED["torch"]
     assert done.stderr.splitlines()[-1] == (
@@ -978,11 +977,9 @@ def test_a_node_whose_driver_cannot_run_the_locked_torch_build_stops_before_inst
         f"(pip install torch=={torch} --index-url https://download.pytorch.org/whl/cu129); ORCH_CUDA_ARCH_CHECK=off "
         "installs it anyway"), done.stderr
     assert done.stderr.count("orch: error:") == 1 and not calls.exists()  # uv not asked for anything: no download
-    anyway = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120, env=node | {"ORCH_CUDA_ARCH_CHECK": "off"})  # fmt: skip
+    anyway = setup(node | {"ORCH_CUDA_ARCH_CHECK": "off"})
     assert anyway.stderr.splitlines()[-1] == f"orch: error: node 0 setup failed while installing torch {torch} " \
         "(exit 2): error: offline", anyway.stderr  # fmt: skip
     nvidia_smi(tools, cuda="13.0")  # driver 580: the lock's torch is installed (uv is asked for it)
-    newer = subprocess.run(["bash", "scripts/node-setup.sh", "train"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120, env=node)  # fmt: skip
+    newer = setup(node)
     assert "installing torch" in newer.stderr.splitlines()[-1], newer.stderr

@@ -33,6 +33,11 @@ def host_of(gpu: str) -> str:
     return "aarch64" if gpu.upper() == "GH200" else "x86_64"
 
 
+def table_host(machine: str) -> str:
+    """torch's table's key for a host's `platform.machine()`: aarch64, else x86_64."""
+    return "aarch64" if machine == "aarch64" else "x86_64"
+
+
 def runs_on(code: int, device: int) -> bool:
     """Whether kernels built for compute capability `code` (e.g. 75) run on a device of `device` (torch's rule)."""
     rule = table()["runs"].get(str(code))
@@ -43,6 +48,11 @@ def runs_on(code: int, device: int) -> bool:
     return device not in rule["exclude"] and device // 10 == rule["start"] // 10 and device >= rule["start"]
 
 
+def runs_any(codes: list[int], capability: tuple[int, int]) -> bool:
+    """Whether kernels built for any of `codes` run on a device of `capability`."""
+    return any(runs_on(code, 10 * capability[0] + capability[1]) for code in codes)
+
+
 def kernels(cuda: str, host: str) -> list[int]:
     """The compute capabilities torch's CUDA `cuda` build for `host` has kernels for ([]: none in torch's table)."""
     return sorted(table()["builds"].get(cuda, {}).get(host, []))
@@ -50,8 +60,7 @@ def kernels(cuda: str, host: str) -> list[int]:
 
 def builds_running(capability: tuple[int, int], host: str) -> list[str]:
     """The CUDA builds of the locked torch release whose kernels run on a device of `capability`."""
-    device = 10 * capability[0] + capability[1]
-    return [cuda for cuda in table()["builds"] if any(runs_on(code, device) for code in kernels(cuda, host))]
+    return [cuda for cuda in table()["builds"] if runs_any(kernels(cuda, host), capability)]
 
 
 def runs_lock(gpu: str) -> bool:
@@ -61,10 +70,11 @@ def runs_lock(gpu: str) -> bool:
     if capability is None:
         return True
     codes = kernels(table()["lock_cuda"], host_of(gpu))
-    return not codes or any(runs_on(code, 10 * capability[0] + capability[1]) for code in codes)
+    return not codes or runs_any(codes, capability)
 
 
-def _cc(code: int) -> str:
+def dotted(code: int) -> str:
+    """A compute capability code as torch names it: 75 -> 7.5."""
     return f"{code // 10}.{code % 10}"
 
 
@@ -88,9 +98,9 @@ def check_gpu(gpu: str, envs: Mapping[str, str] | None = None, image: object = N
     raise OrchError(
         f"{gpu} (compute capability {capability[0]}.{capability[1]}) cannot run torch {snapshot['torch']}'s CUDA "
         f"{cuda} build, which the nodes install (uv.lock): its {host} kernels are for compute capability "
-        f"{', '.join(_cc(c) for c in codes)} (torch's own table), so the first CUDA kernel on the nodes would fail "
+        f"{', '.join(dotted(c) for c in codes)} (torch's own table), so the first CUDA kernel on the nodes would fail "
         f"('no kernel image is available for execution on the device'); use a GPU of compute capability "
-        f"{_cc(min(codes))} or newer ({', '.join(newer[:3])} and newer){image_fix}; "
+        f"{dotted(min(codes))} or newer ({', '.join(newer[:3])} and newer){image_fix}; "
         "ORCH_CUDA_ARCH_CHECK=off launches it anyway"
     )
 
@@ -98,9 +108,13 @@ def check_gpu(gpu: str, envs: Mapping[str, str] | None = None, image: object = N
 def install_fix(capability: tuple[int, int], host: str, version: str) -> str:
     """How to install the same torch release's CUDA build that has kernels for `capability` (torch's index URLs, as its
     own warning words them), or to use a newer GPU where none has."""
-    others = builds_running(capability, "aarch64" if host == "aarch64" else "x86_64")
+    return pip_installs(builds_running(capability, table_host(host)), version) or "use a newer GPU"
+
+
+def pip_installs(builds: list[str], version: str) -> str:
+    """`pip install` of torch `version`'s CUDA `builds` from torch's index URLs (as its own warning words them)."""
     return "; ".join(f"pip install torch=={version.split('+')[0]} --index-url https://download.pytorch.org/whl/"
-                     f"cu{c.replace('.', '')}" for c in others) or "use a newer GPU"  # fmt: skip
+                     f"cu{c.replace('.', '')}" for c in builds)  # fmt: skip
 
 
 def check_node(capability: tuple[int, int] | None, cuda: str | None, host: str, version: str,
@@ -113,13 +127,12 @@ def check_node(capability: tuple[int, int] | None, cuda: str | None, host: str, 
     CUDA build, or a build the table knows (a custom one: each rank checks its own)."""
     if not cuda or knob(envs or {}, "ORCH_CUDA_ARCH_CHECK", "on") == "off":
         return
-    cuda = ".".join(cuda.split(".")[:2])
+    cuda, host = ".".join(cuda.split(".")[:2]), table_host(host)
     if driver is not None and driver[0] < int(cuda.split(".")[0]):
         runnable = [c for c in table()["builds"] if int(c.split(".")[0]) <= driver[0]]
         if capability is not None:
             runnable = [c for c in runnable if c in builds_running(capability, host)]
-        instead = "; ".join(f"pip install torch=={version.split('+')[0]} --index-url "
-                            f"https://download.pytorch.org/whl/cu{c.replace('.', '')}" for c in runnable)  # fmt: skip
+        instead = pip_installs(runnable, version)
         raise OrchError(
             f"this node's NVIDIA driver runs CUDA up to {driver[0]}.{driver[1]} (nvidia-smi), and its torch {version} "
             f"is a CUDA {cuda} build, which needs a driver for CUDA {cuda.split('.')[0]}: torch would see no GPU and "
@@ -130,14 +143,13 @@ def check_node(capability: tuple[int, int] | None, cuda: str | None, host: str, 
         )
     if capability is None:
         return
-    codes = kernels(cuda, "aarch64" if host == "aarch64" else "x86_64")
-    device = 10 * capability[0] + capability[1]
-    if not codes or any(runs_on(code, device) for code in codes):
+    codes = kernels(cuda, host)
+    if not codes or runs_any(codes, capability):
         return
     fix = install_fix(capability, host, version)
     raise OrchError(
         f"this node's GPUs (compute capability {capability[0]}.{capability[1]}) cannot run its torch {version}, a "
-        f"CUDA {cuda} build with kernels for {', '.join(_cc(c) for c in codes)} (torch's own table): the first CUDA "
+        f"CUDA {cuda} build with kernels for {', '.join(dotted(c) for c in codes)} (torch's own table): the first CUDA "
         f"kernel would fail; install a build that has them in the ranks' environment ({fix}), or use an image "
         "holding one; ORCH_CUDA_ARCH_CHECK=off runs it anyway"
     )

@@ -55,13 +55,12 @@ def kernel_problem(index: int, env: Mapping[str, str] = os.environ) -> str | Non
     if not codes:
         return None
     major, minor = torch.cuda.get_device_capability(index)
-    device = 10 * major + minor
-    if any(cuda_arch.runs_on(code, device) for code in codes):
+    if cuda_arch.runs_any(codes, (major, minor)):
         return None
     name = torch.cuda.get_device_name(index)
     fix = cuda_arch.install_fix((major, minor), platform.machine(), torch.__version__)
     return (f"GPU {index} ({name}, compute capability {major}.{minor}) has no kernels in torch {torch.__version__} "
-            f"(a CUDA {torch.version.cuda} build for {', '.join(f'{c // 10}.{c % 10}' for c in sorted(codes))}): its "
+            f"(a CUDA {torch.version.cuda} build for {', '.join(cuda_arch.dotted(c) for c in sorted(codes))}): its "
             f"first CUDA kernel would fail; install a build that has them in the ranks' environment ({fix}), or use "
             "an image holding one; ORCH_CUDA_ARCH_CHECK=off runs it anyway")  # fmt: skip
 
