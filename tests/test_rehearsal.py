@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import ROOT, orch
 
-from orchestrator.core import smoke
+from orchestrator.core import bnb, smoke
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError
 from orchestrator.launch import recipe as recipes
@@ -56,6 +56,7 @@ def batch_for(path, nodes: int, gpus: int, **flags):
         devices=gpus,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
         quantized=str(launch.settings.get("load_in_4bit", "false")).lower() == "true",
+        bitsandbytes=bnb.uses(launch.setting),  # as checks.rehearse hands it: the dry runs below find it cached
     ), plans
 
 
@@ -463,6 +464,18 @@ def handed(monkeypatch) -> list:
     monkeypatch.setattr(driver, "rehearse_batches", capture)
     monkeypatch.chdir(ROOT)
     return built
+
+
+@pytest.mark.unit
+def test_the_head_node_rehearses_without_bitsandbytes_unless_the_launch_uses_it(handed):
+    """As on nodes without the quant extra (core/bnb.py); a bitsandbytes optimizer or 4/8-bit loading keeps it."""
+    from orchestrator.node import exec as node_exec
+
+    base = {**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0", "ORCH_RUN_ID": "run-a"}
+    for words in ("", "optim=paged_adamw_8bit", "load_in_8bit=true"):
+        with pytest.raises(_Built):
+            node_exec.rehearse({**base, "TRL_OVERRIDES": words})
+    assert [b.bitsandbytes for b in handed] == [False, True, True]
 
 
 @pytest.mark.unit

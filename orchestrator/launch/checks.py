@@ -13,7 +13,7 @@ import re
 from typing import NamedTuple
 
 from orchestrator.core import attention as attention_names
-from orchestrator.core import memory, slots, trl_schema
+from orchestrator.core import bnb, memory, slots, trl_schema
 from orchestrator.core.accelerators import CUDA_CAPABILITY
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
@@ -72,17 +72,12 @@ def check_trl(launch: Launch) -> None:
 # What a setting needs on the nodes, which install uv.lock's orch[EXTRAS] as the recipe's setup names them
 # (scripts/node-setup.sh): (setting, the values that need it, extra, what it brings). This machine's rehearsal may find
 # the package installed (the dev extra has Trackio and bitsandbytes) or swap the setting off (Liger, vLLM: GPU-only).
-# BNB_OPTIMIZERS: transformers 5.17's bitsandbytes optimizers (trainer_optimizer._BITSANDBYTES_OPTIMIZERS; a test
-# compares them).
-BNB_OPTIMIZERS = (
-    "adamw_bnb_8bit adamw_8bit paged_adamw_32bit paged_adamw_8bit ademamix ademamix_8bit paged_ademamix_32bit "
-    "paged_ademamix_8bit lion_32bit lion_8bit paged_lion_32bit paged_lion_8bit rmsprop_bnb rmsprop_bnb_8bit "
-    "rmsprop_bnb_32bit"
-).split()
+BNB_OPTIMIZERS = bnb.OPTIMIZERS
 NEEDS = (  # values None: a boolean setting, on (overrides.truthy: true, 1, yes, as TRL's parser reads it)
     ("use_liger_kernel", None, "gpu", "Liger's kernels"),
     ("use_vllm", None, "vllm", "vLLM"),
     ("load_in_4bit", None, "quant", "bitsandbytes"),
+    ("load_in_8bit", None, "quant", "bitsandbytes"),
     ("optim", tuple(BNB_OPTIMIZERS), "quant", "bitsandbytes"),
     ("report_to", ("trackio",), "track", "Trackio"),
     ("attn_implementation", "hub", "gpu", "the Kernels Hub's loader (kernels)"),  # core/attention.may_need_hub
@@ -168,6 +163,7 @@ def rehearse(launch: Launch, checked: Checked) -> str:
         devices=launch.gpus_per_node,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
         quantized=quantized,
+        bitsandbytes=bnb.uses(launch.setting),
         capability=CUDA_CAPABILITY.get(str(launch.gpus.name).upper()) if launch.gpus and launch.gpus.name else None,
     )
     (outcomes,) = driver.rehearse_batches([batch], launch.recipe.workdir)

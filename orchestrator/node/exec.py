@@ -187,7 +187,7 @@ def smoke_env(env: Mapping[str, str], build: bool = True) -> dict[str, str]:
     """`orch node --recipe FILE --smoke`: the recipe pointed at its tiny model and data (built here unless `build` is
     False, offline, once; the build is atomic, so nodes sharing a cache may race), 8 steps unless TRL_OVERRIDES sets
     its schedule (smoke.SCHEDULE: max_steps, save_steps...), as `orch run --local --smoke` does."""
-    from orchestrator.core import overrides, smoke
+    from orchestrator.core import bnb, overrides, smoke
 
     settings, artifacts = _smoke_plan(env)
     if build:
@@ -203,6 +203,7 @@ def smoke_env(env: Mapping[str, str], build: bool = True) -> dict[str, str]:
         "VLLM_SERVER_NODES": "0",
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
+        **({} if bnb.uses(lambda key, default: words.get(key, settings.get(key, default))) else {bnb.ENV: "off"}),
     }
 
 
@@ -212,7 +213,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     to the head. Prints one line, or one `orch: error:` line and exits 2 (the setup, and the job, stop there)."""
     import platform
 
-    from orchestrator.core import accelerate_config, configs, cuda_arch, overrides, precision, smoke, torch_build
+    from orchestrator.core import accelerate_config, bnb, configs, cuda_arch, overrides, precision, smoke, torch_build
     from orchestrator.node import memory
     from orchestrator.node.env import run_env
     from orchestrator.node.plan import plan
@@ -254,6 +255,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
         devices=cluster.gpus_per_node,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
         quantized=overrides.truthy(settings.get("load_in_4bit", False)),
+        bitsandbytes=bnb.uses(settings.get),
         capability=capability,  # this node's GPUs, as the launch side reports its accelerator's
     )
     building = run_smoke is not None and not run_smoke.ready

@@ -101,6 +101,8 @@ class Batch(NamedTuple):
     """(model type, trainer, cache dir) of the tiny model and data the substitutions point at."""
     quantized: bool = False
     """load_in_4bit: the rehearsal quantises on CPU (orchestrator/rehearsal/role.py)."""
+    bitsandbytes: bool = True
+    """The launch may use bitsandbytes (core/bnb.uses); False: rehearsed as a node without it is (core/bnb.hide)."""
     capability: tuple[int, int] | None = None
     """The GPU's CUDA compute capability, which the fake CUDA reports (tf32 needs 8.0); None: DEFAULT_CAPABILITY."""
 
@@ -232,7 +234,8 @@ def _keyed(argv: list[str], substitute: list[str]) -> list[str]:
 
 def cache_key(batch: Batch, workdir: Path) -> str:
     digest = hashlib.sha256()
-    digest.update(json.dumps([batch.trainer, batch.devices, batch.smoke, batch.substitute, versions()]).encode())
+    digest.update(json.dumps([batch.trainer, batch.devices, batch.smoke, batch.substitute, batch.bitsandbytes,
+                              versions()]).encode())  # fmt: skip
     if batch.capability and tuple(batch.capability) != DEFAULT_CAPABILITY:  # the default's key is the unnamed GPU's
         digest.update(json.dumps(list(batch.capability)).encode())
     for role in batch.roles:
@@ -285,6 +288,7 @@ def _run(batches: list[Batch], workdir: Path, parallel: int) -> list[list[Outcom
                 "devices": b.devices,
                 "capability": list(b.capability or DEFAULT_CAPABILITY),
                 "smoke": list(b.smoke),
+                "bitsandbytes": b.bitsandbytes,
                 "roles": [
                     {"argv": list(r.argv), "env": dict(r.env), "role": r.role, "substitute": b.substitute}
                     for r in b.roles

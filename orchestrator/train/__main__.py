@@ -1,5 +1,12 @@
 """`python -m orchestrator.train <trainer> --config FILE [...]`: what `accelerate launch --module` runs on a node."""
 
-from orchestrator.train.entry import run
+import os
+
+from orchestrator.core import bnb
+
+if os.environ.get(bnb.ENV, "").strip().lower() == "off":  # a smoke run that uses none: as its nodes run (core/bnb.py)
+    bnb.hide()
+
+from orchestrator.train.entry import run  # noqa: E402
 
 run()

@@ -155,7 +155,7 @@ def _stop(backend: LocalBackend, record: Record, verb: str) -> str:
 
 def _smoke(launch: Launch, user_envs: dict[str, str], user_overrides: dict[str, str]):
     """The launch pointed at the tiny artifacts of the recipe's family (built later, after every check)."""
-    from orchestrator.core import smoke
+    from orchestrator.core import bnb, smoke
 
     artifacts = smoke.plan(str(launch.setting("model_name_or_path", "")), launch.recipe.trainer)
     envs = {
@@ -169,7 +169,10 @@ def _smoke(launch: Launch, user_envs: dict[str, str], user_overrides: dict[str, 
         print("[orch] smoke: no vLLM on CPU: every node trains and generates with the tiny model itself")
     # the recipe's overrides, then smoke's, then the user's key=value words
     trl = {**launch.overrides, **smoke.trl_overrides(artifacts, launch.settings), **user_overrides}
-    return launch.replace(envs=envs, overrides=trl), artifacts
+    smoked = launch.replace(envs=envs, overrides=trl)
+    if not bnb.uses(smoked.setting):  # the ranks run without it, as nodes without the quant extra do (core/bnb.py)
+        smoked = smoked.replace(envs={**envs, bnb.ENV: "off"})
+    return smoked, artifacts
 
 
 NOT_IDENTITY = ("ORCH_RESUME_CHANGED", "ORCH_MAX_COST", "ORCH_PRICE_PER_HOUR")
