@@ -41,5 +41,4 @@ def uses(setting: Callable[[str, object], object]) -> bool:
 
 def hide() -> None:
     """This process runs as if bitsandbytes were not installed (before anything imports it)."""
-    if "bitsandbytes" not in sys.modules or sys.modules["bitsandbytes"] is None:
-        sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+    sys.modules.setdefault("bitsandbytes", None)  # type: ignore[arg-type]  # None: the import system's "absent"

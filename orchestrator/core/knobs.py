@@ -118,6 +118,8 @@ KNOBS = {
     "ORCH_SHOW_NOTICES": ON_OFF,  # third-party notices the node hides (node/output.py NOTICES)
     # `orch node` trains the recipe's tiny model on synthetic data, built on the node (a CPU cluster, a first check)
     "ORCH_SMOKE": ON_OFF,
+    # off: the training processes run as if bitsandbytes were not installed (core/bnb.py; smoke runs set it)
+    "ORCH_BITSANDBYTES": ON_OFF,
     # the head node prints the run's summary from the rank reports when training ends (core/summary.py); the local
     # backend sets off and prints it itself, once every node is done
     "ORCH_SUMMARY": ON_OFF,

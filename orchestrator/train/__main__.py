@@ -3,8 +3,9 @@
 import os
 
 from orchestrator.core import bnb
+from orchestrator.core.knobs import knob
 
-if os.environ.get(bnb.ENV, "").strip().lower() == "off":  # a smoke run that uses none: as its nodes run (core/bnb.py)
+if knob(os.environ, bnb.ENV, "on") == "off":  # a smoke run that uses none: as its nodes run (core/bnb.py)
     bnb.hide()
 
 from orchestrator.train.entry import run  # noqa: E402
