@@ -103,6 +103,27 @@ def check_snapshot(name: str, text: str) -> None:
     assert text == path.read_text(), f"{name} changed; if intended, refresh with UPDATE_SNAPSHOT=1"
 
 
+class Rehearsed(Exception):
+    """Raised in place of a rehearsal by the `handed` fixture."""
+
+
+@pytest.fixture
+def handed(monkeypatch) -> list:
+    """The batches the launch side or the head node hands driver.rehearse_batches (replaced: it raises Rehearsed,
+    nothing is rehearsed), from this repository's recipes."""
+    from orchestrator.rehearsal import driver
+
+    built: list = []
+
+    def capture(batches, *args, **kwargs):
+        built.extend(batches)
+        raise Rehearsed
+
+    monkeypatch.setattr(driver, "rehearse_batches", capture)
+    monkeypatch.chdir(ROOT)
+    return built
+
+
 @pytest.fixture
 def project(tmp_path):
     """A scratch project: a copy of recipes/; runs write outputs/ and sky_jobs/ there, not in the repo."""

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, Rehearsed
 
 from orchestrator.core import bnb, smoke
 from orchestrator.launch import recipe as recipes
@@ -88,25 +88,14 @@ def test_smoke_runs_tell_their_ranks_off_unless_the_settings_use_it(monkeypatch,
 
 
 @pytest.mark.unit
-def test_the_launch_and_the_head_node_hand_the_rehearsal_whether_the_launch_uses_it(monkeypatch):
+def test_the_launch_and_the_head_node_hand_the_rehearsal_whether_the_launch_uses_it(handed):
     from orchestrator.core.accelerators import Gpus
     from orchestrator.launch import checks
-    from orchestrator.rehearsal import driver
 
-    handed = []
-
-    class Built(Exception):
-        pass
-
-    def capture(batches, *args, **kwargs):
-        handed.extend(batches)
-        raise Built
-
-    monkeypatch.setattr(driver, "rehearse_batches", capture)
     cases = (("phi3_dpo_fsdp", {}), ("phi3_dpo_fsdp", {"optim": "adamw_8bit"}), ("llama3_70b_qlora_fsdp", {}))
     for name, words in cases:
         recipe = recipes.load(str(ROOT / "recipes" / f"{name}.yaml"))
         launch = resolve(recipe, gpus=Gpus("H100", 8), trl_overrides=words)
-        with pytest.raises(Built):
+        with pytest.raises(Rehearsed):
             checks.rehearse(launch, checks.Checked(checks.previews(launch), None))
     assert [b.bitsandbytes for b in handed] == [False, True, True]

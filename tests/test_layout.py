@@ -88,9 +88,11 @@ def test_resolved_launch_is_typed_and_parsed_once(monkeypatch):
 RULES = {
     # room: (orch rooms it may import, third-party it may import)
     "core": ({"core"}, {"yaml", "jsonschema"}),  # jsonschema: recipes against SkyPilot's schema (core/sky_schema.py)
-    "node": ({"core", "node", "rehearsal.driver"}, set()),
+    # huggingface_hub: a model's config.json where its id names no model orch knows (node/model_config.py, lazily)
+    "node": ({"core", "node", "rehearsal.driver"}, {"huggingface_hub"}),
     "launch": (
-        {"core", "launch", "node.plan", "node.env", "node.script", "node.output", "node.procs", "rehearsal.driver"},
+        {"core", "launch", "node.plan", "node.env", "node.script", "node.output", "node.procs", "node.model_config",
+         "rehearsal.driver"},
         # pyarrow: only to read a --data .parquet file's first row (launch/data.py); huggingface_hub: `orch pull`, and
         # httpx, its HTTP client, whose connection errors `orch pull` names (launch/model_out.py)
         {"yaml", "sky", "pyarrow", "huggingface_hub", "httpx"},

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, orch
+from conftest import ROOT, Rehearsed, orch
 
 from orchestrator.core import bnb, smoke
 from orchestrator.core.accelerators import Gpus
@@ -393,12 +393,12 @@ def test_the_launchs_gpu_and_the_nodes_packages_are_what_the_owners_checks_see(p
 
     def capture(batches, *args, **kwargs):
         handed.extend(batches)
-        raise _Built
+        raise Rehearsed
 
     launch = resolve(recipes.load(str(path)), nodes=1, gpus=Gpus("T4", 4), envs={"GLOBAL_BATCH_SIZE": "64"})
     original, driver.rehearse_batches = driver.rehearse_batches, capture
     try:
-        with pytest.raises(_Built):
+        with pytest.raises(Rehearsed):
             checks.rehearse(launch, checks.Checked(previews(launch), None))
     finally:
         driver.rehearse_batches = original
@@ -447,25 +447,6 @@ def test_node_rehearses_in_setup_on_the_head_only():
     assert other.returncode == 0 and "node 1 leaves it to the head node" in other.stdout
 
 
-class _Built(Exception):
-    pass
-
-
-@pytest.fixture
-def handed(monkeypatch) -> list:
-    """The batches the head node hands driver.rehearse_batches (replaced: it raises _Built, nothing is rehearsed), from
-    this repository's recipes."""
-    built: list = []
-
-    def capture(batches, *args, **kwargs):
-        built.extend(batches)
-        raise _Built
-
-    monkeypatch.setattr(driver, "rehearse_batches", capture)
-    monkeypatch.chdir(ROOT)
-    return built
-
-
 @pytest.mark.unit
 def test_the_head_node_rehearses_without_bitsandbytes_unless_the_launch_uses_it(handed):
     """As on nodes without the quant extra (core/bnb.py); a bitsandbytes optimizer or 4/8-bit loading keeps it."""
@@ -473,7 +454,7 @@ def test_the_head_node_rehearses_without_bitsandbytes_unless_the_launch_uses_it(
 
     base = {**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0", "ORCH_RUN_ID": "run-a"}
     for words in ("", "optim=paged_adamw_8bit", "load_in_8bit=true"):
-        with pytest.raises(_Built):
+        with pytest.raises(Rehearsed):
             node_exec.rehearse({**base, "TRL_OVERRIDES": words})
     assert [b.bitsandbytes for b in handed] == [False, True, True]
 
@@ -489,7 +470,7 @@ def test_a_relaunch_or_a_new_cluster_on_the_same_home_finds_the_head_nodes_rehea
 
     def key(**changes: str) -> str:
         handed.clear()
-        with pytest.raises(_Built):
+        with pytest.raises(Rehearsed):
             node_exec.rehearse({**base, **changes})
         (batch,) = handed
         (head, *_) = batch.roles
@@ -532,7 +513,7 @@ def test_the_head_nodes_rehearsal_reports_its_own_gpus_compute_capability(handed
     for path, capability in ((f"{tmp_path}:/usr/bin:/bin", (7, 5)), ("/usr/bin:/bin", None)):
         monkeypatch.setenv("PATH", path)
         handed.clear()
-        with pytest.raises(_Built):
+        with pytest.raises(Rehearsed):
             node_exec.rehearse(env)
         assert [b.capability for b in handed] == [capability]
 

@@ -1,11 +1,13 @@
 """Facts about the model families orch's recipes use, as plain data (no transformers import).
 
-Used by smoke mode (which tiny architecture to build) and by checks on the launch side (which decoder layer
-FSDP must wrap). Matching is by the Hugging Face id's family name, case-insensitive.
+Used by smoke mode and the rehearsal (which tiny architecture to build) and by checks on the launch side (which
+decoder layer FSDP must wrap). A family is matched by the model's config.json `model_type` where it was read
+(node/model_config.py reads it), else by the Hugging Face id's family name, case-insensitive.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from orchestrator.core.errors import OrchError
@@ -69,12 +71,24 @@ def arch_of(model_id: str) -> Arch | None:
     return None
 
 
-def family_of(model_id: str) -> Family:
+def family_of(model_id: str, config: Mapping | None = None, where: str = "") -> Family:
+    """The model's family: by `config`'s model_type where its config.json was read (node/model_config.py reads it,
+    `where` names it), else by the id's name."""
+    known = ", ".join(f.model_type for f in FAMILIES)
+    if config is not None:
+        model_type = config.get("model_type")
+        for family in FAMILIES:
+            if family.model_type == model_type:
+                return family
+        raise OrchError(
+            f"model {model_id!r} is a {model_type} model (model_type in {where or 'its config.json'}); smoke mode and "
+            f"the rehearsal build tiny models of {known} only: train one of those, or launch it unrehearsed "
+            "(--no-rehearsal --env ORCH_REHEARSAL=off; not --smoke)"
+        )
     lowered = model_id.lower()
     for family in FAMILIES:
         if any(marker in lowered for marker in family.markers):
             return family
-    known = ", ".join(f.model_type for f in FAMILIES)
     raise OrchError(
         f"model {model_id!r} is not of a family orch knows ({known}); "
         "smoke mode and the FSDP wrap check need one: pick a recipe of a known family"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from orchestrator.core import home, trainers
 from orchestrator.core.errors import OrchError
-from orchestrator.core.models import family_of
+from orchestrator.core.models import Family, family_of
 
 BUILDER = "orchestrator.train.smoke_build"
 STEPS = 8
@@ -50,9 +50,10 @@ def cache_root(env: dict | os._Environ = os.environ) -> Path:
     return home.cache_dir(env) / "smoke"
 
 
-def plan(model_id: str, trainer: str, root: Path | None = None) -> SmokePlan:
-    """Pure apart from reading this file: where the artifacts for (model family, trainer) live."""
-    family = family_of(model_id)
+def plan(model_id: str, trainer: str, root: Path | None = None, family: Family | None = None) -> SmokePlan:
+    """Pure apart from reading this file: where the artifacts for (model family, trainer) live. `family`: the model's
+    as its config.json says (node/model_config.family), else by its name."""
+    family = family or family_of(model_id)
     builder = Path(__file__).resolve().parent.parent / "train" / "smoke_build.py"
     sources = Path(__file__).read_bytes() + builder.read_bytes() + Path(trainers.__file__).read_bytes()
     digest = hashlib.sha256(sources + f"{family.model_type}/{trainer}".encode()).hexdigest()

@@ -20,6 +20,7 @@ from orchestrator.core.knobs import knob
 from orchestrator.core.overrides import truthy
 from orchestrator.launch import preflight
 from orchestrator.launch.resolved import Launch
+from orchestrator.node import model_config
 from orchestrator.node.plan import NodePlan, plan
 
 PLACEHOLDER_TASK_ID = "RUN_ID"  # a valid run id (node/env.run_id) standing for the one the nodes get
@@ -152,10 +153,12 @@ def rehearse(launch: Launch, checked: Checked) -> str:
             "rehearsal: not here (load_in_4bit needs bitsandbytes: pip install '.[quant]' to rehearse on this "
             "machine); the head node rehearses in its setup, while the model downloads"
         )
-    try:
-        artifacts = smoke.plan(str(launch.setting("model_name_or_path", "")), launch.trainer)
-    except OrchError as exc:
-        return f"rehearsal: not run ({exc})"
+    model = str(launch.setting("model_name_or_path", ""))
+    try:  # a model_type without a tiny model is refused here; one neither its config.json nor its name says is not
+        family = model_config.family(model, launch.setting("model_revision"))
+    except model_config.Unknown as exc:
+        return f"rehearsal: not here ({exc}); the head node rehearses in its setup, where it reads config.json"
+    artifacts = smoke.plan(model, launch.trainer, family=family)
     batch = driver.Batch(
         trainer=launch.trainer,
         roles=[driver.Role(name, p.argv, p.env, p.role) for name, p in driver.roles(checked.plans)],

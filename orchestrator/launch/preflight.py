@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from orchestrator.core import accelerators, cuda_arch, fit, memory, models, parallel, precision
+from orchestrator.core import accelerators, cuda_arch, fit, memory, parallel, precision
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
 from orchestrator.core.load_memory import LoadMemory
 from orchestrator.core.overrides import effective, truthy
+from orchestrator.node import model_config
 
 # the rules live in core/fit.py, shared with the head node's check (node/memory.py)
 USABLE_FRACTION, HOST_USABLE_FRACTION = fit.USABLE_FRACTION, fit.HOST_USABLE_FRACTION
@@ -72,7 +73,7 @@ def check_gpu_at_load(loading: LoadMemory, gpu_name: str, bf16: bool = False) ->
     fit.check_gpu_at_load(loading, accelerators.memory_gib(gpu_name), gpu_name, bf16)
 
 
-def check_fsdp_wrap(accelerate_config: AccelerateConfig | Mapping, model_id: str) -> None:
+def check_fsdp_wrap(accelerate_config: AccelerateConfig | Mapping, model_id: str, revision: object = None) -> None:
     """The FSDP wrap class is the model's decoder layer (a wrong name wraps nothing, silently)."""
     accelerate_config = AccelerateConfig.of(accelerate_config)
     if not accelerate_config.fsdp:
@@ -81,8 +82,8 @@ def check_fsdp_wrap(accelerate_config: AccelerateConfig | Mapping, model_id: str
     if not wrap:
         return  # accelerate then wraps the model's _no_split_modules
     try:
-        family = models.family_of(model_id)
-    except OrchError:
+        family = model_config.family(model_id, revision)  # its config.json's model_type where it is read
+    except OrchError:  # the rehearsal says why
         return
     if wrap != family.decoder_layer:
         raise OrchError(
@@ -125,7 +126,7 @@ def run(launch, trainer_nodes: int, gpus: Gpus | None) -> memory.Estimate | None
     estimate when GPUs are named and the model size is known."""
     accel = launch.paired.accelerate
     model_id = str(launch.setting("model_name_or_path", ""))
-    check_fsdp_wrap(accel, model_id)
+    check_fsdp_wrap(accel, model_id, launch.setting("model_revision"))
     check_context_parallel(accel, launch.paired.trl, launch.overrides)
     check_sequence_parallel(accel)
     if gpus is None:

@@ -170,11 +170,21 @@ SMOKE_GLOBAL_BATCH = "16"  # as `orch run --local --smoke`
 def _smoke_plan(env: Mapping[str, str]) -> tuple[dict, SmokePlan]:
     """The recipe's TRL settings (with TRL_OVERRIDES) and where its smoke run's tiny model and data live: its model
     family and trainer (core/smoke.plan)."""
-    from orchestrator.core import configs, overrides, smoke
+    from orchestrator.core import configs, overrides
 
     paired = configs.load(env)
     settings = overrides.effective(paired.trl, overrides.loads(env.get("TRL_OVERRIDES", "")))
-    return settings, smoke.plan(str(settings.get("model_name_or_path", "")), env["TRL_TRAINER"])
+    return settings, _smoke(settings, env["TRL_TRAINER"])
+
+
+def _smoke(settings: Mapping, trainer: str) -> SmokePlan:
+    """The tiny model and data of the settings' model family (its config.json's model_type where it can be read:
+    node/model_config.py) and trainer."""
+    from orchestrator.core import smoke
+    from orchestrator.node import model_config
+
+    model = str(settings.get("model_name_or_path", ""))
+    return smoke.plan(model, trainer, family=model_config.family(model, settings.get("model_revision")))
 
 
 def smoke_artifacts(env: Mapping[str, str]) -> SmokePlan:
@@ -213,7 +223,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     to the head. Prints one line, or one `orch: error:` line and exits 2 (the setup, and the job, stop there)."""
     import platform
 
-    from orchestrator.core import accelerate_config, bnb, configs, cuda_arch, overrides, precision, smoke, torch_build
+    from orchestrator.core import accelerate_config, bnb, configs, cuda_arch, overrides, precision, torch_build
     from orchestrator.node import memory
     from orchestrator.node.env import run_env
     from orchestrator.node.plan import plan
@@ -247,7 +257,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     if knob(env, "ORCH_REHEARSAL", "on") == "off":
         print("[orch] rehearsal: skipped (ORCH_REHEARSAL=off)", flush=True)
         return 0
-    artifacts = run_smoke or smoke.plan(str(settings.get("model_name_or_path", "")), trainer)
+    artifacts = run_smoke or _smoke(settings, trainer)
     batch = driver.Batch(
         trainer=trainer,
         roles=[driver.Role(name, p.argv, p.env, p.role) for name, p in driver.roles(plans)],

@@ -156,8 +156,11 @@ def _stop(backend: LocalBackend, record: Record, verb: str) -> str:
 def _smoke(launch: Launch, user_envs: dict[str, str], user_overrides: dict[str, str]):
     """The launch pointed at the tiny artifacts of the recipe's family (built later, after every check)."""
     from orchestrator.core import bnb, smoke
+    from orchestrator.node import model_config
 
-    artifacts = smoke.plan(str(launch.setting("model_name_or_path", "")), launch.recipe.trainer)
+    model = str(launch.setting("model_name_or_path", ""))
+    family = model_config.family(model, launch.setting("model_revision"))  # its config.json's model_type, or its name
+    artifacts = smoke.plan(model, launch.recipe.trainer, family=family)
     envs = {
         **launch.envs,
         "GLOBAL_BATCH_SIZE": user_envs.get("GLOBAL_BATCH_SIZE", str(SMOKE_GLOBAL_BATCH)),

@@ -1,0 +1,184 @@
+"""A model's family from its own config.json (node/model_config.py): a user's own model directory or a fine-tune named
+for itself is rehearsed as what it is, on the laptop and on the head node, and a variant orch builds no tiny model of
+(a mixture of experts named like its dense family) is refused in one line instead of rehearsed as the dense model."""
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import Rehearsed, orch
+from hub_standin import Hub
+
+from orchestrator.core.errors import OrchError
+from orchestrator.node import model_config
+
+QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 24, "hidden_size": 896,
+         "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+         "tie_word_embeddings": True}  # fmt: skip  # Qwen2.5-0.5B's shape
+MOE = {**QWEN2, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 128}
+UNKNOWN_NAME = "open-thoughts/OpenThinker-7B"  # a Qwen2 fine-tune whose name says no family
+
+
+def model_dir(root: Path, name: str, config: dict | None) -> Path:
+    path = root / name
+    path.mkdir(parents=True)
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture
+def hub(tmp_path):
+    """The Hub with the Qwen2 fine-tune, a mixture of experts named Qwen3, a gated Qwen2 and a repo without a
+    config.json."""
+    root = tmp_path / "hub"
+    model_dir(root / "models", UNKNOWN_NAME, QWEN2)
+    model_dir(root / "models", "Qwen/Qwen3-30B-A3B", MOE)
+    model_dir(root / "models", "someone/gated-7b", QWEN2)
+    (model_dir(root / "models", "someone/weights-only", None) / "model.safetensors").write_bytes(b"")
+    with Hub(root, gated={"someone/gated-7b"}) as server:
+        yield server
+
+
+def point_at(endpoint: str, monkeypatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+
+
+@pytest.fixture
+def asks(hub, tmp_path, monkeypatch):
+    """model_config's lookups ask the stand-in Hub with an empty cache (huggingface_hub builds its file URLs from a
+    template made at its import, from HF_ENDPOINT), and no lookup is remembered between a test's calls."""
+    from huggingface_hub import constants
+
+    point_at(hub.endpoint, monkeypatch)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    model_config.read.cache_clear()
+    yield hub
+    model_config.read.cache_clear()
+
+
+@pytest.mark.unit
+def test_a_local_models_config_names_its_family_where_its_name_does_not(tmp_path):
+    model_config.read.cache_clear()
+    mine = model_dir(tmp_path, "my-sft-run/final", QWEN2)
+    assert model_config.family(str(mine)).model_type == "qwen2"
+    assert model_config.family(str(mine / "config.json")).model_type == "qwen2"  # the file itself
+    # a name that says qwen3, a config that says it is the mixture of experts: refused, not rehearsed as dense Qwen3
+    moe = model_dir(tmp_path, "Qwen3-30B-A3B", MOE)
+    with pytest.raises(OrchError) as refused:
+        model_config.family(str(moe))
+    assert not isinstance(refused.value, model_config.Unknown)
+    assert str(refused.value) == (
+        f"model '{moe}' is a qwen3_moe model (model_type in {moe}/config.json); smoke mode and the rehearsal build "
+        "tiny models of phi3, qwen3, qwen2, llama only: train one of those, or launch it unrehearsed (--no-rehearsal "
+        "--env ORCH_REHEARSAL=off; not --smoke)"
+    )
+    # a directory without config.json: its name, where it says; else why neither does
+    assert model_config.family(str(model_dir(tmp_path, "llama-ckpt", None))).model_type == "llama"
+    bare = model_dir(tmp_path, "ckpt", None)
+    with pytest.raises(model_config.Unknown, match=f"config.json not read, {bare} holds no config.json$"):
+        model_config.family(str(bare))
+
+
+@pytest.mark.unit
+def test_the_recipes_models_are_known_by_name_and_never_looked_up(monkeypatch):
+    import huggingface_hub
+
+    model_config.read.cache_clear()
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("looked up"))
+    for model, family in (("Qwen/Qwen2.5-0.5B-Instruct", "qwen2"), ("meta-llama/Llama-3.1-8B-Instruct", "llama"),
+                          ("microsoft/Phi-3-mini-4k-instruct", "phi3"), ("Qwen/Qwen3-8B", "qwen3")):  # fmt: skip
+        assert model_config.read(model) == model_config.Found(None)
+        assert model_config.family(model).model_type == family
+
+
+@pytest.mark.unit
+def test_a_hub_models_config_names_its_family_and_each_failure_says_why(asks, monkeypatch):
+    assert model_config.family(UNKNOWN_NAME).model_type == "qwen2"
+    assert f"GET /{UNKNOWN_NAME}/resolve/main/config.json" in asks.requests
+    with pytest.raises(OrchError, match=r"^model 'Qwen/Qwen3-30B-A3B' is a qwen3_moe model \(model_type in "
+                                        r"Qwen/Qwen3-30B-A3B's config.json\)"):  # fmt: skip
+        model_config.family("Qwen/Qwen3-30B-A3B")
+    why = {
+        "someone/gated-7b": "someone/gated-7b is gated (set HF_TOKEN, or pass --secret HF_TOKEN)",
+        "someone/weights-only": "someone/weights-only has no config.json",
+        "someone/not-there": "someone/not-there is not on the Hub, or is private (set HF_TOKEN)",
+        "/checkpoints/sft/final": "'/checkpoints/sft/final' is neither a local path nor a Hub id",  # a node's path
+    }
+    for model, reason in why.items():
+        with pytest.raises(model_config.Unknown) as unknown:
+            model_config.family(model)
+        said = "neither its name nor its config.json says which family (phi3, qwen3, qwen2, llama) it is of"
+        assert str(unknown.value) == f"model {model!r}: {said}: config.json not read, {reason}"
+    monkeypatch.setenv("HF_TOKEN", asks.token)
+    model_config.read.cache_clear()
+    assert model_config.family("someone/gated-7b").model_type == "qwen2"
+    # off the Hub: what the cache holds still says it; what it does not, says that
+    point_at("http://127.0.0.1:9", monkeypatch)
+    model_config.read.cache_clear()
+    assert model_config.family(UNKNOWN_NAME).model_type == "qwen2"
+    with pytest.raises(model_config.Unknown, match="config.json not read, (the Hub cannot be reached from here|no "
+                                                   "answer from the Hub)"):  # fmt: skip
+        model_config.family("someone/elsewhere-7b")
+
+
+@pytest.mark.unit
+def test_the_local_smoke_run_and_the_head_nodes_rehearsal_build_the_models_own_family(tmp_path, handed):
+    """`orch run --local --smoke` and `orch node --rehearse` (plain `sky launch` users get it too) on a user's own
+    model directory: its tiny model is a Qwen2, as config.json says; a mixture of experts stops both in one line."""
+    from orchestrator.core.accelerators import Gpus
+    from orchestrator.launch import recipe
+    from orchestrator.launch.backends import local_backend
+    from orchestrator.launch.resolved import resolve
+    from orchestrator.node import exec as node_exec
+
+    model_config.read.cache_clear()
+    mine, moe = model_dir(tmp_path, "my-sft-run", QWEN2), model_dir(tmp_path, "my-moe", MOE)
+    for model in (mine, moe):
+        launch = resolve(recipe.load("phi3_dpo_fsdp"), nodes=2, gpus=Gpus("CPU", 1),
+                         trl_overrides={"model_name_or_path": str(model)})  # fmt: skip
+        if model is moe:
+            with pytest.raises(OrchError, match="is a qwen3_moe model"):
+                local_backend._smoke(launch, {}, {})
+        else:
+            smoked, artifacts = local_backend._smoke(launch, {}, {})
+            assert artifacts.model_type == "qwen2" and smoked.setting("model_name_or_path") == f"{artifacts.dir}/model"
+
+    head = {"SKYPILOT_SETUP_NODE_IPS": "10.0.0.1\n10.0.0.2\n", "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": "8",
+            "SKYPILOT_SETUP_NODE_RANK": "0", "TRL_TRAINER": "dpo", "TRL_CONFIG": "recipes/trl/phi3_dpo.yaml",
+            "ACCELERATE_CONFIG": "recipes/accelerate/fsdp2_phi3.yaml", "GLOBAL_BATCH_SIZE": "64",
+            "CHECKPOINT_ROOT": "/checkpoints", "ORCH_MEMORY_CHECK": "off", "ORCH_PRECISION_CHECK": "off",
+            "ORCH_CUDA_ARCH_CHECK": "off"}  # fmt: skip
+    with pytest.raises(Rehearsed):
+        node_exec.rehearse({**head, "TRL_OVERRIDES": f"model_name_or_path={mine}"})
+    assert [b.smoke[0] for b in handed] == ["qwen2"]
+    with pytest.raises(OrchError, match="is a qwen3_moe model"):
+        node_exec.rehearse({**head, "TRL_OVERRIDES": f"model_name_or_path={moe}"})
+
+
+@pytest.mark.e2e  # dry runs whose rehearsal imports the training stack
+def test_orch_run_rehearses_a_hub_fine_tune_as_its_config_says_and_refuses_what_it_cannot_build(hub, project):
+    """The laptop reads config.json from the Hub: the fine-tune is rehearsed as the Qwen2 it is (before, the rehearsal
+    was skipped and the head node refused it once the cluster was up); the mixture of experts is refused before
+    anything is written; a model the laptop cannot look up is left to the head node's rehearsal, and says why."""
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(project / "hf"), "ORCH_DATA_CHECK": "off",
+           "ORCH_KERNEL_CHECK": "off", "ORCH_REHEARSAL": "on"}  # fmt: skip
+    argv = ["run", "qwen25_sft_ddp", "--dry-run", "--skip-optimizer"]
+    done = orch(*argv, f"model_name_or_path={UNKNOWN_NAME}", cwd=project, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "swapped here: tiny qwen2 model and data" in done.stdout
+    refused = orch(*argv, "model_name_or_path=Qwen/Qwen3-30B-A3B", cwd=project, env=env)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr[-2000:]
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith("orch: error: model 'Qwen/Qwen3-30B-A3B' is a qwen3_moe model (model_type in ")
+    assert not (project / "sky_jobs").exists()
+    gated = orch(*argv, "model_name_or_path=someone/gated-7b", cwd=project, env=env)
+    assert gated.returncode == 0, gated.stderr[-2000:]
+    assert "[orch] rehearsal: not here (model 'someone/gated-7b': neither its name nor its config.json says which " \
+        "family (phi3, qwen3, qwen2, llama) it is of: config.json not read, someone/gated-7b is gated (set HF_TOKEN, " \
+        "or pass --secret HF_TOKEN)); the head node rehearses in its setup, where it reads config.json" in gated.stdout
