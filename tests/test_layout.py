@@ -88,8 +88,9 @@ def test_resolved_launch_is_typed_and_parsed_once(monkeypatch):
 RULES = {
     # room: (orch rooms it may import, third-party it may import)
     "core": ({"core"}, {"yaml", "jsonschema"}),  # jsonschema: recipes against SkyPilot's schema (core/sky_schema.py)
-    # huggingface_hub: a model's config.json where its id names no model orch knows (node/model_config.py, lazily)
-    "node": ({"core", "node", "rehearsal.driver"}, {"huggingface_hub"}),
+    # huggingface_hub and httpx, its HTTP client: a model's config.json where its id names no model orch knows
+    # (node/model_config.py, lazily)
+    "node": ({"core", "node", "rehearsal.driver"}, {"huggingface_hub", "httpx"}),
     "launch": (
         {"core", "launch", "node.plan", "node.env", "node.script", "node.output", "node.procs", "node.model_config",
          "rehearsal.driver"},

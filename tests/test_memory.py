@@ -114,7 +114,13 @@ def test_the_parts_follow_the_libraries_dtypes():
     assert parts(seq_split=4)["activations"] == pytest.approx(parts()["activations"] / 4)
 
 
-def test_plan_reads_a_config_json_and_says_what_is_wrong(plan, tmp_path):
+def test_plan_reads_a_config_json_and_says_what_is_wrong(plan, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from orchestrator.node import model_config
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # an unknown id is looked up on the Hub: not from here
+    model_config.forget()
     config = tmp_path / "config.json"
     config.write_text('{"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, '
                       '"num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}')  # fmt: skip
@@ -122,7 +128,8 @@ def test_plan_reads_a_config_json_and_says_what_is_wrong(plan, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"{config}: 8.0B parameters, sft LoRA r16, 1 x 1024 tokens per GPU")
     for argv, message in (
-        (["some/unknown-model"], "orch has no shape for 'some/unknown-model'; give its config.json"),
+        (["some/unknown-model"], "orch has no shape for 'some/unknown-model' (the Hub cannot be reached from here "
+                                 "and its cache has no some/unknown-model); give its config.json"),
         ([str(config), "--gpus", "8"], "--strategy and --gpus go together"),
         ([str(config), "--batch", "0"], "--batch 0: give a positive whole number"),
     ):

@@ -3,6 +3,7 @@ for itself is rehearsed as what it is, on the laptop and on the head node, and a
 (a mixture of experts named like its dense family) is refused in one line instead of rehearsed as the dense model."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from orchestrator.node import model_config
 QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 24, "hidden_size": 896,
          "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
          "tie_word_embeddings": True}  # fmt: skip  # Qwen2.5-0.5B's shape
+BIG = {**QWEN2, "num_hidden_layers": 28, "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+       "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}  # Qwen2.5-7B's shape
 MOE = {**QWEN2, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 128}
 UNKNOWN_NAME = "open-thoughts/OpenThinker-7B"  # a Qwen2 fine-tune whose name says no family
 
@@ -29,12 +32,13 @@ def model_dir(root: Path, name: str, config: dict | None) -> Path:
 
 @pytest.fixture
 def hub(tmp_path):
-    """The Hub with the Qwen2 fine-tune, a mixture of experts named Qwen3, a gated Qwen2 and a repo without a
-    config.json."""
+    """The Hub with the Qwen2 fine-tune (7B), a mixture of experts named Qwen3, a gated and a public 0.5B Qwen2 named
+    for nothing, and a repo without a config.json."""
     root = tmp_path / "hub"
-    model_dir(root / "models", UNKNOWN_NAME, QWEN2)
+    model_dir(root / "models", UNKNOWN_NAME, BIG)
     model_dir(root / "models", "Qwen/Qwen3-30B-A3B", MOE)
     model_dir(root / "models", "someone/gated-7b", QWEN2)
+    model_dir(root / "models", "someone/small-sft", QWEN2)
     (model_dir(root / "models", "someone/weights-only", None) / "model.safetensors").write_bytes(b"")
     with Hub(root, gated={"someone/gated-7b"}) as server:
         yield server
@@ -57,14 +61,14 @@ def asks(hub, tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    model_config.read.cache_clear()
+    model_config.forget()
     yield hub
-    model_config.read.cache_clear()
+    model_config.forget()
 
 
 @pytest.mark.unit
 def test_a_local_models_config_names_its_family_where_its_name_does_not(tmp_path):
-    model_config.read.cache_clear()
+    model_config.forget()
     mine = model_dir(tmp_path, "my-sft-run/final", QWEN2)
     assert model_config.family(str(mine)).model_type == "qwen2"
     assert model_config.family(str(mine / "config.json")).model_type == "qwen2"  # the file itself
@@ -81,15 +85,19 @@ def test_a_local_models_config_names_its_family_where_its_name_does_not(tmp_path
     # a directory without config.json: its name, where it says; else why neither does
     assert model_config.family(str(model_dir(tmp_path, "llama-ckpt", None))).model_type == "llama"
     bare = model_dir(tmp_path, "ckpt", None)
-    with pytest.raises(model_config.Unknown, match=f"config.json not read, {bare} holds no config.json$"):
+    with pytest.raises(model_config.Unknown, match=f"config.json not read, {bare} is not a directory holding a "
+                                                   "config.json, nor one$"):  # fmt: skip
         model_config.family(str(bare))
+    weights = bare / "model.safetensors"
+    weights.write_bytes(b"\0" * 64)
+    assert model_config.read(str(weights)).config is None  # read as JSON only when it is a .json file
 
 
 @pytest.mark.unit
 def test_the_recipes_models_are_known_by_name_and_never_looked_up(monkeypatch):
     import huggingface_hub
 
-    model_config.read.cache_clear()
+    model_config.forget()
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("looked up"))
     for model, family in (("Qwen/Qwen2.5-0.5B-Instruct", "qwen2"), ("meta-llama/Llama-3.1-8B-Instruct", "llama"),
                           ("microsoft/Phi-3-mini-4k-instruct", "phi3"), ("Qwen/Qwen3-8B", "qwen3")):  # fmt: skip
@@ -115,12 +123,19 @@ def test_a_hub_models_config_names_its_family_and_each_failure_says_why(asks, mo
             model_config.family(model)
         said = "neither its name nor its config.json says which family (phi3, qwen3, qwen2, llama) it is of"
         assert str(unknown.value) == f"model {model!r}: {said}: config.json not read, {reason}"
+    # the head node's memory check, before the model downloads, estimates it from that config.json too
+    from orchestrator.core.accelerate_config import AccelerateConfig
+    from orchestrator.node import memory as node_memory
+
+    ddp = AccelerateConfig.of({"distributed_type": "MULTI_GPU"})
+    said = node_memory.check({"ORCH_DEVICE": "cpu"}, "sft", {"model_name_or_path": "someone/small-sft"}, ddp, 1, 1)
+    assert said.startswith("memory (DDP, 1 x 1): CPU processes; host memory at load: ~1.8 GiB"), said  # fp32
     monkeypatch.setenv("HF_TOKEN", asks.token)
-    model_config.read.cache_clear()
+    model_config.forget()
     assert model_config.family("someone/gated-7b").model_type == "qwen2"
     # off the Hub: what the cache holds still says it; what it does not, says that
     point_at("http://127.0.0.1:9", monkeypatch)
-    model_config.read.cache_clear()
+    model_config.forget()
     assert model_config.family(UNKNOWN_NAME).model_type == "qwen2"
     with pytest.raises(model_config.Unknown, match="config.json not read, (the Hub cannot be reached from here|no "
                                                    "answer from the Hub)"):  # fmt: skip
@@ -137,7 +152,7 @@ def test_the_local_smoke_run_and_the_head_nodes_rehearsal_build_the_models_own_f
     from orchestrator.launch.resolved import resolve
     from orchestrator.node import exec as node_exec
 
-    model_config.read.cache_clear()
+    model_config.forget()
     mine, moe = model_dir(tmp_path, "my-sft-run", QWEN2), model_dir(tmp_path, "my-moe", MOE)
     for model in (mine, moe):
         launch = resolve(recipe.load("phi3_dpo_fsdp"), nodes=2, gpus=Gpus("CPU", 1),
@@ -162,23 +177,44 @@ def test_the_local_smoke_run_and_the_head_nodes_rehearsal_build_the_models_own_f
 
 
 @pytest.mark.e2e  # dry runs whose rehearsal imports the training stack
-def test_orch_run_rehearses_a_hub_fine_tune_as_its_config_says_and_refuses_what_it_cannot_build(hub, project):
-    """The laptop reads config.json from the Hub: the fine-tune is rehearsed as the Qwen2 it is (before, the rehearsal
-    was skipped and the head node refused it once the cluster was up); the mixture of experts is refused before
-    anything is written; a model the laptop cannot look up is left to the head node's rehearsal, and says why."""
+def test_orch_run_checks_a_hub_fine_tune_as_its_config_says_and_refuses_what_it_cannot_build(hub, project):
+    """The laptop reads config.json from the Hub: the 7B fine-tune is refused on the recipe's L4s by the memory estimate
+    (before: no shape, launched) and, with LoRA, rehearsed as the Qwen2 it is (before: the rehearsal was skipped and
+    the head node refused it once the cluster was up); the mixture of experts is refused by both checks before anything
+    is written; a model the laptop cannot look up is left to the head node's rehearsal, and says why."""
     env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(project / "hf"), "ORCH_DATA_CHECK": "off",
            "ORCH_KERNEL_CHECK": "off", "ORCH_REHEARSAL": "on"}  # fmt: skip
     argv = ["run", "qwen25_sft_ddp", "--dry-run", "--skip-optimizer"]
-    done = orch(*argv, f"model_name_or_path={UNKNOWN_NAME}", cwd=project, env=env)
+
+    def refused(*words: str) -> str:
+        result = orch(*argv, *words, cwd=project, env=env)
+        assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr[-2000:]
+        (line,) = result.stderr.strip().splitlines()
+        return line
+
+    assert refused(f"model_name_or_path={UNKNOWN_NAME}").startswith(
+        "orch: error: 7.62B sft (full, 8 x 2048 tokens per device) needs ~")  # fmt: skip
+    done = orch(*argv, f"model_name_or_path={UNKNOWN_NAME}", "use_peft=true", "per_device_train_batch_size=2",
+                cwd=project, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"^memory: ~[\d.]+ GiB per GPU \(.*\) under DDP on 4 GPUs, .*each L4 has 24 GiB$", done.stdout,
+                     re.M), done.stdout  # fmt: skip
     assert "swapped here: tiny qwen2 model and data" in done.stdout
-    refused = orch(*argv, "model_name_or_path=Qwen/Qwen3-30B-A3B", cwd=project, env=env)
-    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr[-2000:]
-    (line,) = refused.stderr.strip().splitlines()
-    assert line.startswith("orch: error: model 'Qwen/Qwen3-30B-A3B' is a qwen3_moe model (model_type in ")
+    moe = "model_name_or_path=Qwen/Qwen3-30B-A3B"
+    assert refused(moe) == (
+        "orch: error: Qwen/Qwen3-30B-A3B's config.json: a config.json the memory estimate cannot read "
+        "(num_experts=128: a mixture of experts, and this estimate counts dense decoders only); --env "
+        "ORCH_MEMORY_CHECK=off launches without the estimate"
+    )
+    assert refused(moe, "--env", "ORCH_MEMORY_CHECK=off").startswith(
+        "orch: error: model 'Qwen/Qwen3-30B-A3B' is a qwen3_moe model (model_type in Qwen/Qwen3-30B-A3B's config.json)")
     assert not (project / "sky_jobs").exists()
     gated = orch(*argv, "model_name_or_path=someone/gated-7b", cwd=project, env=env)
     assert gated.returncode == 0, gated.stderr[-2000:]
     assert "[orch] rehearsal: not here (model 'someone/gated-7b': neither its name nor its config.json says which " \
         "family (phi3, qwen3, qwen2, llama) it is of: config.json not read, someone/gated-7b is gated (set HF_TOKEN, " \
         "or pass --secret HF_TOKEN)); the head node rehearses in its setup, where it reads config.json" in gated.stdout
+    assert "memory: not estimated" in gated.stdout
+    plan = orch("plan", UNKNOWN_NAME, "--peft", "lora", cwd=project, env=env)
+    assert plan.returncode == 0, plan.stderr
+    assert plan.stdout.startswith(f"{UNKNOWN_NAME}: 7.6B parameters, sft LoRA"), plan.stdout

@@ -16,6 +16,7 @@ examples:
   orch plan Qwen/Qwen3-8B --trainer grpo --batch 4 --vllm-colocate 0.3   # vLLM holds 0.3 of every GPU
   orch plan Qwen/Qwen3-8B --max-length 32768 --cp 2      # each sequence split over 2 GPUs (FSDP2's context parallelism)
   orch plan ./my-model/config.json --trainer dpo        # any decoder model's config.json
+  orch plan Qwen/Qwen2.5-7B-Instruct --peft lora         # any other Hub model: its config.json, read from the Hub
 
 The estimate (orchestrator/core/memory.py, docs/design.md) counts weights, gradients, optimizer states,
 activations, TRL's fused LM head, the reference model and the CUDA context; tests check it against published
@@ -32,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the strategy that fit, with SkyPilot's $/h where its catalog is on this machine.",
         epilog=EPILOG,
     )
-    parser.add_argument("model", help="Hugging Face id orch knows, or a model's config.json (or its directory)")
+    parser.add_argument("model", help="a Hugging Face model id (its config.json is read from the Hub), or a model's "
+                        "config.json (or its directory)")
     parser.add_argument("--trainer", default="sft", choices=trainers.TRAINERS, help="the TRL trainer (default: sft)")
     parser.add_argument("--max-length", type=int,
                         help="tokens per sequence (TRL's max_length: 1024); not for grpo/rloo, which keep prompts "
@@ -93,6 +95,7 @@ def main(args: argparse.Namespace) -> int:
     from orchestrator.core import fit as fit_rules
     from orchestrator.core.errors import OrchError
     from orchestrator.launch import preflight
+    from orchestrator.node import model_config
 
     for flag in ("max_length", "max_completion_length", "batch", "lora_r", "gpus_per_node", "max_nodes", "gpus", "cp",
                  "sp"):
@@ -142,11 +145,12 @@ def main(args: argparse.Namespace) -> int:
         if args.gpus and args.gpus % n:
             raise OrchError(f"--{flag} {n}: --gpus {args.gpus} is not a multiple of {n} (each sequence is split over "
                             f"{n} GPUs)")  # fmt: skip
-    arch = models.arch_of(args.model)
+    found = model_config.read(args.model)  # a Hub model's config.json (its cache first), a local one, or none
+    arch = models.arch_of(args.model, found.config, found.where)
     if arch is None:
         raise OrchError(
-            f"orch has no shape for {args.model!r}; give its config.json (or the directory holding it): "
-            f"orch plan path/to/config.json, known: {', '.join(sorted(models.KNOWN_ARCHS))}"
+            f"orch has no shape for {args.model!r} ({found.why}); give its config.json (or the directory holding "
+            f"it): orch plan path/to/config.json, known: {', '.join(sorted(models.KNOWN_ARCHS))}"
         )
     base = memory.Setup(
         arch=arch,

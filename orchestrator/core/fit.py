@@ -37,15 +37,17 @@ def lengths(trainer: str, max_length: int | str | None = None,
     return int(1024 if max_length is None else max_length), 0  # TRL's max_length
 
 
-def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConfig, gpus: int) -> memory.Setup | None:
+def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConfig, gpus: int,
+             config: Mapping | None = None, where: str = "") -> memory.Setup | None:  # fmt: skip
     """What the memory model needs, from the TRL settings the script will see and the Accelerate config (TRL's and
-    PEFT's defaults where they are silent) for `gpus` training processes; None when orch has no shape for the model."""
+    PEFT's defaults where they are silent) for `gpus` training processes; None when orch has no shape for the model.
+    `config`: the model's config.json where it was read (node/model_config.read; `where` names it)."""
 
     def setting(key: str, default=None):
         value = settings.get(key)
         return default if value is None else value
 
-    arch = models.arch_of(str(setting("model_name_or_path", "")))
+    arch = models.arch_of(str(setting("model_name_or_path", "")), config, where)
     if arch is None:
         return None
     asked = strategy.of(accel)

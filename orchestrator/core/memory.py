@@ -36,6 +36,10 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for Llama, Qwen, Mistral when none are named
 
 
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""How transformers' mixture-of-experts configs count their experts (Qwen2/3-MoE, Mixtral and GPT-OSS, DeepSeek-V3)."""
+
+
 @dataclass(frozen=True)
 class Arch:
     """A decoder-only transformer's shape, as its config.json gives it."""
@@ -89,6 +93,10 @@ class Arch:
                 raise ValueError(f"{key}={value!r} is not a whole number >= {low}")
             return value
 
+        for key in MOE_KEYS:  # a mixture of experts counted as one dense MLP per layer would be off by its experts
+            experts = text.get(key)
+            if isinstance(experts, int) and not isinstance(experts, bool) and experts > 1:
+                raise ValueError(f"{key}={experts}: a mixture of experts, and this estimate counts dense decoders only")
         heads = size("num_attention_heads")
         return cls(
             layers=size("num_hidden_layers"),

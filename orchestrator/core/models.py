@@ -52,8 +52,9 @@ KNOWN_ARCHS = {
 }
 
 
-def arch_of(model_id: str) -> Arch | None:
-    """A known model's shape, or the config.json of a local model directory; None when orch cannot know it."""
+def arch_of(model_id: str, config: Mapping | None = None, where: str = "") -> Arch | None:
+    """A known model's shape, else `config`'s (its config.json as node/model_config.py read it, from a local directory
+    or the Hub: `where`), else the config.json of a local model directory; None when orch cannot know it."""
     from pathlib import Path
 
     from orchestrator.core import files
@@ -62,13 +63,15 @@ def arch_of(model_id: str) -> Arch | None:
     if known is not None:
         return known
     path = Path(model_id)
-    config = path / "config.json" if path.is_dir() else path
-    if config.name.endswith(".json") and config.is_file():
-        try:
-            return Arch.from_config(files.load_json(config, "model config"))
-        except (KeyError, ValueError, TypeError) as exc:
-            raise OrchError(f"{config}: not a decoder model's config.json this estimate can read ({exc})") from None
-    return None
+    if config is None:
+        source = path / "config.json" if path.is_dir() else path
+        if not (source.name.endswith(".json") and source.is_file()):
+            return None
+        config, where = files.load_json(source, "model config"), str(source)
+    try:
+        return Arch.from_config(dict(config) if isinstance(config, Mapping) else config)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise OrchError(f"{where or model_id}: a config.json the memory estimate cannot read ({exc})") from None
 
 
 def family_of(model_id: str, config: Mapping | None = None, where: str = "") -> Family:

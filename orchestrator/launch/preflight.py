@@ -34,8 +34,15 @@ def check_process_split(total: int, nodes: int) -> None:
 
 
 def setup_of(launch, gpus: int) -> memory.Setup | None:
-    """core.fit.setup_of for a resolved launch (its TRL settings with the overrides)."""
-    return fit.setup_of(launch.trainer, launch.settings, launch.paired.accelerate, gpus)
+    """core.fit.setup_of for a resolved launch (its TRL settings with the overrides), with the model's config.json
+    where orch reads one (a model it does not know by name: node/model_config.read)."""
+    try:
+        found = model_config.read(str(launch.setting("model_name_or_path", "")), launch.setting("model_revision"))
+        return fit.setup_of(launch.trainer, launch.settings, launch.paired.accelerate, gpus, found.config, found.where)
+    except OrchError as exc:  # a config.json the estimate cannot read: refused unless the check is off
+        if memory_checked(launch):
+            raise OrchError(f"{exc}; --env ORCH_MEMORY_CHECK=off launches without the estimate") from None
+        return None
 
 
 def check_memory(setup: memory.Setup, gpu_name: str) -> memory.Estimate:

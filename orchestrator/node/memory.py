@@ -143,9 +143,12 @@ def check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object], 
 
 def _check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object], accel: AccelerateConfig,
            nodes: int, per_node: int) -> str:  # fmt: skip
-    try:
-        setup = fit.setup_of(trainer, settings, accel, nodes * per_node)
-    except OrchError as exc:  # a local model's config.json the estimate cannot read: training may still load it
+    from orchestrator.node import model_config
+
+    try:  # a model orch does not know by name: its config.json, a small file the download fetches anyway
+        found = model_config.read(str(settings.get("model_name_or_path", "")), settings.get("model_revision"))
+        setup = fit.setup_of(trainer, settings, accel, nodes * per_node, found.config, found.where)
+    except OrchError as exc:  # a config.json the estimate cannot read: training may still load it
         return f"memory: not checked ({exc})"
     if setup is None:
         return f"memory: not checked (orch has no shape for {settings.get('model_name_or_path')})"

@@ -44,7 +44,7 @@ def family(model_id: str, revision: object = None) -> models.Family:
     """The family of the model the TRL settings name (model_name_or_path, model_revision): by its config.json's
     model_type where it can be read, else by its name. An OrchError where config.json names a model_type orch builds no
     tiny model of; `Unknown` where neither says."""
-    found = read(model_id, None if revision in (None, "") else str(revision))
+    found = read(model_id, revision)
     if found.config is not None:
         return models.family_of(model_id, found.config, found.where)
     try:
@@ -57,15 +57,24 @@ def family(model_id: str, revision: object = None) -> models.Family:
                       f"of: config.json not read, {found.why}") from None  # fmt: skip
 
 
+def read(model_id: str, revision: object = None) -> Found:
+    """model_id's config.json: a local directory's (or a config.json path), or the Hub's at revision (TRL's
+    model_revision, as the settings hold it); none for a model orch knows by name. Read once per process."""
+    return _read(model_id, None if revision in (None, "") else str(revision))
+
+
+def forget() -> None:
+    """Read again at the next ask (tests)."""
+    _read.cache_clear()
+
+
 @functools.lru_cache(maxsize=32)
-def read(model_id: str, revision: str | None = None) -> Found:
-    """model_id's config.json: a local directory's (or a config.json path), or the Hub's at revision; none for a model
-    orch knows by name."""
+def _read(model_id: str, revision: str | None) -> Found:
     path = Path(model_id)
     if model_id and path.exists():
         config = path / "config.json" if path.is_dir() else path
-        if not config.is_file():
-            return Found(None, f"{path} holds no config.json")
+        if not (config.name.endswith(".json") and config.is_file()):
+            return Found(None, f"{path} is not a directory holding a config.json, nor one")
         loaded = files.load_json(config, "model config")
         if not isinstance(loaded, Mapping):
             raise OrchError(f"model config {config} is not a JSON object; point model_name_or_path at a model")
@@ -131,6 +140,19 @@ def _from_hub(model_id: str, revision: str | None) -> Found:
     for kind, reason in reasons:
         if isinstance(got, kind):
             return Found(None, reason)
-    said = " ".join(str(got).split())[:200]  # a failed link: huggingface_hub's closed client, httpx's errors
+    if _unreachable(got):
+        return Found(None, f"the Hub cannot be reached from here and its cache has no {model_id}{at}")
+    said = " ".join(str(got).split())[:200]
     return Found(None, f"no answer from the Hub ({type(got).__name__}: {said})")
 
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """The link to the Hub failed (not the Hub's answer): httpx's transport errors, and huggingface_hub 1.16's closed
+    client, which its retry raises in place of the connection's error (train/hub_link.CLOSED_CLIENT, the prefetch's
+    reading of the same)."""
+    import httpx
+
+    if isinstance(exc, RuntimeError):
+        return "Cannot send a request, as the client has been closed" in str(exc)
+    return isinstance(exc, (httpx.TransportError, ConnectionError, TimeoutError))
