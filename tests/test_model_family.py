@@ -12,6 +12,7 @@ from hub_standin import Hub
 
 from orchestrator.core.errors import OrchError
 from orchestrator.node import model_config
+from orchestrator.rehearsal import driver
 
 QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 24, "hidden_size": 896,
          "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
@@ -20,6 +21,12 @@ BIG = {**QWEN2, "num_hidden_layers": 28, "hidden_size": 3584, "intermediate_size
        "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}  # Qwen2.5-7B's shape
 MOE = {**QWEN2, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 128}
 UNKNOWN_NAME = "open-thoughts/OpenThinker-7B"  # a Qwen2 fine-tune whose name says no family
+NF4 = {"quant_method": "bitsandbytes", "load_in_4bit": True, "_load_in_4bit": True, "load_in_8bit": False,
+       "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8"}
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+            "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}
+BNB_4BIT = "unsloth/Meta-Llama-3.1-8B-Instruct-bnb-4bit"  # a pre-quantised checkpoint, as unsloth's QLoRA repos are
+GPTQ = "someone/Llama-3.1-8B-Instruct-GPTQ"
 
 
 def model_dir(root: Path, name: str, config: dict | None) -> Path:
@@ -33,13 +40,15 @@ def model_dir(root: Path, name: str, config: dict | None) -> Path:
 @pytest.fixture
 def hub(tmp_path):
     """The Hub with the Qwen2 fine-tune (7B), a mixture of experts named Qwen3, a gated and a public 0.5B Qwen2 named
-    for nothing, and a repo without a config.json."""
+    for nothing, a repo without a config.json, and a Llama 8B quantised with bitsandbytes and with GPTQ."""
     root = tmp_path / "hub"
     model_dir(root / "models", UNKNOWN_NAME, BIG)
     model_dir(root / "models", "Qwen/Qwen3-30B-A3B", MOE)
     model_dir(root / "models", "someone/gated-7b", QWEN2)
     model_dir(root / "models", "someone/small-sft", QWEN2)
     (model_dir(root / "models", "someone/weights-only", None) / "model.safetensors").write_bytes(b"")
+    model_dir(root / "models", BNB_4BIT, {**LLAMA_8B, "quantization_config": NF4})
+    model_dir(root / "models", GPTQ, {**LLAMA_8B, "quantization_config": {"quant_method": "gptq", "bits": 4}})
     with Hub(root, gated={"someone/gated-7b"}) as server:
         yield server
 
@@ -218,3 +227,87 @@ def test_orch_run_checks_a_hub_fine_tune_as_its_config_says_and_refuses_what_it_
     plan = orch("plan", UNKNOWN_NAME, "--peft", "lora", cwd=project, env=env)
     assert plan.returncode == 0, plan.stderr
     assert plan.stdout.startswith(f"{UNKNOWN_NAME}: 7.6B parameters, sft LoRA"), plan.stdout
+
+
+@pytest.mark.unit
+def test_a_quantised_checkpoint_is_counted_as_the_setting_that_loads_one_or_refused():
+    """A bitsandbytes checkpoint loads through the quantizer load_in_4bit/8bit uses: its memory is QLoRA's with an
+    adapter and not estimated without one (transformers refuses that; the rehearsal shows it); another method's is
+    refused, naming it."""
+    from orchestrator.core import fit, models
+    from orchestrator.core.accelerate_config import AccelerateConfig
+
+    four, gptq = {**LLAMA_8B, "quantization_config": NF4}, {**LLAMA_8B, "quantization_config": {"quant_method": "gptq"}}
+    assert models.quantized("m", four) == "load_in_4bit" and models.quantized("m", LLAMA_8B) is None
+    eight = {**LLAMA_8B, "quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}}
+    assert models.quantized("m", eight) == "load_in_8bit"
+    with pytest.raises(OrchError) as refused:
+        models.quantized("m", gptq)
+    assert str(refused.value).startswith(
+        "model 'm' is a gptq checkpoint (quantization_config in its config.json); orch rehearses and estimates "
+        "full-precision and bitsandbytes checkpoints only")  # fmt: skip
+    with pytest.raises(OrchError, match="is a gptq checkpoint"):
+        models.family_of("m", gptq)
+    ddp = AccelerateConfig.of({"distributed_type": "MULTI_GPU"})
+
+    def setup(config, **settings):
+        return fit.setup_of("sft", {"model_name_or_path": "m", **settings}, ddp, 8, config, "m's config.json")
+
+    assert setup(four, use_peft=True).method == "qlora" == setup(LLAMA_8B, use_peft=True, load_in_4bit=True).method
+    assert setup(LLAMA_8B, use_peft=True).method == "lora"
+    assert setup(four) is None and setup(gptq, use_peft=True) is None
+
+
+@pytest.mark.unit
+def test_the_head_node_rehearses_a_bitsandbytes_checkpoint_as_load_in_4bit_loads_it(tmp_path, handed):
+    from orchestrator.node import exec as node_exec
+
+    model_config.forget()
+    model = model_dir(tmp_path, "llama-8b-bnb", {**LLAMA_8B, "quantization_config": NF4})
+    head = {"SKYPILOT_SETUP_NODE_IPS": "10.0.0.1\n", "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": "8",
+            "SKYPILOT_SETUP_NODE_RANK": "0", "TRL_TRAINER": "sft", "TRL_CONFIG": "recipes/trl/llama3_sft_lora.yaml",
+            "ACCELERATE_CONFIG": "multi_gpu", "GLOBAL_BATCH_SIZE": "64", "CHECKPOINT_ROOT": "/checkpoints",
+            "ORCH_MEMORY_CHECK": "off", "ORCH_PRECISION_CHECK": "off", "ORCH_CUDA_ARCH_CHECK": "off",
+            "TRL_OVERRIDES": f"model_name_or_path={model}"}  # fmt: skip
+    for env in (head, {**head, "ORCH_SMOKE": "on"}):  # a smoke run trains the tiny model, unquantised
+        with pytest.raises(Rehearsed):
+            node_exec.rehearse(env)
+    (real, smoke) = handed
+    words = real.substitute
+    assert words[words.index("--load_in_4bit") + 1] == "true" and real.quantized and real.bitsandbytes
+    assert "--load_in_4bit" not in smoke.substitute and not smoke.quantized
+    assert "the checkpoint's bitsandbytes quantisation applied to it" in driver.swaps(real)
+
+
+@pytest.mark.e2e  # dry runs whose rehearsal imports the training stack and quantises on CPU
+def test_orch_run_rehearses_a_bitsandbytes_checkpoint_through_transformers_quantizer(hub, project):
+    """unsloth's QLoRA checkpoints: the QLoRA recipe trains one (rehearsed, its memory counted in 4 bits); full
+    fine-tuning of it is refused in transformers' own words; a recipe without the quant extra is told to add it; a
+    GPTQ checkpoint is refused, naming the method."""
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(project / "hf"), "ORCH_DATA_CHECK": "off",
+           "ORCH_KERNEL_CHECK": "off", "ORCH_REHEARSAL": "on", "HF_TOKEN": "hf_x"}  # fmt: skip
+    argv = ["run", "llama3_70b_qlora_fsdp", "--dry-run", "--skip-optimizer", "--secret", "HF_TOKEN"]
+    done = orch(*argv, f"model_name_or_path={BNB_4BIT}", cwd=project, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"^memory: ~[\d.]+ GiB per GPU \(frozen weights 0\.\d, ", done.stdout, re.M), done.stdout  # 4-bit
+    assert re.search(r"^\[orch\] rehearsed .*, \d+ Linear4bit base layers, ", done.stdout, re.M), done.stdout
+
+    def refused(*words: str) -> str:
+        result = orch(*words, cwd=project, env=env)
+        assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr[-2000:]
+        (line,) = result.stderr.strip().splitlines()
+        return line
+
+    assert refused(*argv, f"model_name_or_path={BNB_4BIT}", "use_peft=false", "load_in_4bit=false").endswith(
+        "would fail on its GPUs (trainer: ValueError: You cannot perform fine-tuning on purely quantized models. "
+        "Please attach trainable adapters on top of the quantized model to correctly perform fine-tuning. Please see: "
+        "https://huggingface.co/docs/transformers/peft for more details)")  # fmt: skip
+    lora = ["run", "llama3_sft_lora_ddp", "--dry-run", "--skip-optimizer", "--secret", "HF_TOKEN"]
+    assert refused(*lora, f"model_name_or_path={BNB_4BIT}") == (
+        f"orch: error: {BNB_4BIT} is a bitsandbytes-quantised checkpoint: the nodes get bitsandbytes with orch's quant "
+        "extra, which the recipe's setup does not install (train,gpu); add quant to the recipe's setup: bash "
+        "scripts/node-setup.sh train,gpu,quant")  # fmt: skip
+    assert refused(*argv, f"model_name_or_path={GPTQ}") == (
+        f"orch: error: model '{GPTQ}' is a gptq checkpoint (quantization_config in {GPTQ}'s config.json); orch "
+        "rehearses and estimates full-precision and bitsandbytes checkpoints only: train its unquantised original "
+        "(with use_peft and load_in_4bit for QLoRA)")  # fmt: skip

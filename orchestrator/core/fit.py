@@ -47,11 +47,18 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         value = settings.get(key)
         return default if value is None else value
 
-    arch = models.arch_of(str(setting("model_name_or_path", "")), config, where)
+    model = str(setting("model_name_or_path", ""))
+    arch = models.arch_of(model, config, where)
     if arch is None:
         return None
     asked = strategy.of(accel)
     peft = truthy(setting("use_peft", False))
+    try:  # a bitsandbytes checkpoint: counted as load_in_4bit/8bit loads it
+        prequantized = models.quantized(model, config, where)
+    except OrchError:  # another method: not estimated; the rehearsal refuses it (core/models.family_of)
+        return None
+    if prequantized and not peft:  # transformers refuses to train a quantised model without adapters: the rehearsal
+        return None
     targets = setting("lora_target_modules") or memory.PEFT_DEFAULT_TARGETS
     seq, completion = lengths(trainer, setting("max_length"), setting("max_completion_length"))
     vllm_share = 0.0
@@ -62,7 +69,8 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         arch=arch,
         trainer=trainer,
         beta=setting("beta"),
-        method=("qlora" if truthy(setting("load_in_4bit", False)) else "lora") if peft else "full",
+        method=("qlora" if truthy(setting("load_in_4bit", False)) or prequantized == "load_in_4bit" else "lora")
+        if peft else "full",
         strategy=asked.sharding,
         gpus=gpus,
         offload=asked.offload,

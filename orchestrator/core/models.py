@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from orchestrator.core.errors import OrchError
 from orchestrator.core.memory import Arch
+from orchestrator.core.overrides import truthy
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,27 @@ def arch_of(model_id: str, config: Mapping | None = None, where: str = "") -> Ar
         raise OrchError(f"{where or model_id}: a config.json the memory estimate cannot read ({exc})") from None
 
 
+def quantized(model_id: str, config: Mapping | None, where: str = "") -> str | None:
+    """The TRL setting a bitsandbytes-quantised checkpoint loads as (`load_in_4bit`, `load_in_8bit`: the same
+    quantizer of transformers', which the rehearsal then runs), None for a full-precision one; an OrchError for another
+    quantisation method (GPTQ, AWQ, FP8...), whose kernels the nodes do not install and whose weights the memory
+    estimate does not count."""
+    settings = (config or {}).get("quantization_config")
+    if not isinstance(settings, Mapping):
+        return None
+    method = str(settings.get("quant_method") or "").lower()
+    if method == "bitsandbytes":
+        eight = truthy(settings.get("load_in_8bit") or settings.get("_load_in_8bit") or False)
+        four = truthy(settings.get("load_in_4bit") or settings.get("_load_in_4bit") or False)
+        return "load_in_8bit" if eight and not four else "load_in_4bit"
+    source = where or "its config.json"
+    raise OrchError(
+        f"model {model_id!r} is a {method or 'quantised'} checkpoint (quantization_config in {source}); orch rehearses "
+        "and estimates full-precision and bitsandbytes checkpoints only: train its unquantised original (with use_peft "
+        "and load_in_4bit for QLoRA)"
+    )
+
+
 def family_of(model_id: str, config: Mapping | None = None, where: str = "") -> Family:
     """The model's family: by `config`'s model_type where its config.json was read (node/model_config.py reads it,
     `where` names it), else by the id's name."""
@@ -82,6 +104,7 @@ def family_of(model_id: str, config: Mapping | None = None, where: str = "") -> 
         model_type = config.get("model_type")
         for family in FAMILIES:
             if family.model_type == model_type:
+                quantized(model_id, config, where)  # one orch can rehearse
                 return family
         raise OrchError(
             f"model {model_id!r} is a {model_type} model (model_type in {where or 'its config.json'}); smoke mode and "

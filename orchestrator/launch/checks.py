@@ -105,6 +105,11 @@ def check_extras(launch: Launch) -> None:
     extras = node_extras(launch)
     if extras is None:
         return
+    if prequantized(launch) and "quant" not in extras:
+        raise OrchError(f"{launch.setting('model_name_or_path')} is a bitsandbytes-quantised checkpoint: the nodes get "
+                        "bitsandbytes with orch's quant extra, which the recipe's setup does not install "
+                        f"({','.join(extras)}); add quant to the recipe's setup: bash scripts/node-setup.sh "
+                        f"{','.join(extras)},quant")  # fmt: skip
     for key, values, extra, brings in NEEDS:
         value = launch.setting(key, "")
         words = [str(v) for v in value] if isinstance(value, list | tuple) else str(value).split()
@@ -121,6 +126,18 @@ def check_extras(launch: Launch) -> None:
             f"add {extra} to the recipe's setup: bash scripts/node-setup.sh {','.join(extras)},{extra}")
         raise OrchError(f"{key}={needs}: the nodes get {brings} with orch's {extra} extra, which the recipe's setup "
                         f"does not install ({','.join(extras)}); {how}, or drop {key}={needs}")  # fmt: skip
+
+
+def prequantized(launch: Launch) -> str | None:
+    """The TRL setting the launch's bitsandbytes-quantised checkpoint loads as (core/models.quantized), or None (and
+    for a smoke run on the nodes, which trains the tiny model in its place)."""
+    from orchestrator.core import models
+
+    if knob(launch.envs, "ORCH_SMOKE", "off") == "on":
+        return None
+    model = str(launch.setting("model_name_or_path", ""))
+    found = model_config.read(model, launch.setting("model_revision"))
+    return models.quantized(model, found.config, found.where)
 
 
 def check_output_dir(launch: Launch) -> None:
@@ -147,26 +164,29 @@ def rehearse(launch: Launch, checked: Checked) -> str:
             "rehearsal: not here (the training stack is not installed: pip install '.[train]' to rehearse on this "
             "machine); the head node rehearses in its setup, while the model downloads"
         )
-    quantized = truthy(launch.setting("load_in_4bit", False))
-    if quantized and not driver.importable("bitsandbytes"):
-        return (
-            "rehearsal: not here (load_in_4bit needs bitsandbytes: pip install '.[quant]' to rehearse on this "
-            "machine); the head node rehearses in its setup, while the model downloads"
-        )
     model = str(launch.setting("model_name_or_path", ""))
     try:  # a model_type without a tiny model is refused here; one neither its config.json nor its name says is not
         family = model_config.family(model, launch.setting("model_revision"))
     except model_config.Unknown as exc:
         return f"rehearsal: not here ({exc}); the head node rehearses in its setup, where it reads config.json"
+    loads = prequantized(launch)  # a bitsandbytes checkpoint: rehearsed as the setting that loads one like it
+    quantized = truthy(launch.setting("load_in_4bit", False)) or loads == "load_in_4bit"
+    if (quantized or loads) and not driver.importable("bitsandbytes"):
+        return (
+            f"rehearsal: not here ({'a bitsandbytes checkpoint' if loads else 'load_in_4bit'} needs bitsandbytes: "
+            "pip install '.[quant]' to rehearse on this machine); the head node rehearses in its setup, while the "
+            "model downloads"
+        )
     artifacts = smoke.plan(model, launch.trainer, family=family)
     batch = driver.Batch(
         trainer=launch.trainer,
         roles=[driver.Role(name, p.argv, p.env, p.role) for name, p in driver.roles(checked.plans)],
-        substitute=driver.substitutions(launch.trainer, launch.settings, artifacts.dir, driver.output_dir()),
+        substitute=driver.substitutions(launch.trainer, launch.settings, artifacts.dir, driver.output_dir(),
+                                        loads=loads),  # fmt: skip
         devices=launch.gpus_per_node,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
         quantized=quantized,
-        bitsandbytes=bnb.uses(launch.setting),
+        bitsandbytes=bnb.uses(launch.setting) or loads is not None,
         capability=CUDA_CAPABILITY.get(str(launch.gpus.name).upper()) if launch.gpus and launch.gpus.name else None,
     )
     (outcomes,) = driver.rehearse_batches([batch], launch.recipe.workdir)

@@ -187,6 +187,16 @@ def _smoke(settings: Mapping, trainer: str) -> SmokePlan:
     return smoke.plan(model, trainer, family=model_config.family(model, settings.get("model_revision")))
 
 
+def prequantized(settings: Mapping) -> str | None:
+    """The TRL setting the settings' bitsandbytes-quantised checkpoint loads as (core/models.quantized), or None."""
+    from orchestrator.core import models
+    from orchestrator.node import model_config
+
+    model = str(settings.get("model_name_or_path", ""))
+    found = model_config.read(model, settings.get("model_revision"))
+    return models.quantized(model, found.config, found.where)
+
+
 def smoke_artifacts(env: Mapping[str, str]) -> SmokePlan:
     """Where a smoke run's tiny model and data live (the recipe's model family, as TRL_OVERRIDES leave it, and its
     trainer)."""
@@ -258,14 +268,17 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
         print("[orch] rehearsal: skipped (ORCH_REHEARSAL=off)", flush=True)
         return 0
     artifacts = run_smoke or _smoke(settings, trainer)
+    # a bitsandbytes checkpoint (not in a smoke run, which trains the tiny model): rehearsed as the setting that loads
+    # one like it (core/models.quantized)
+    loads = None if run_smoke else prequantized(settings)
     batch = driver.Batch(
         trainer=trainer,
         roles=[driver.Role(name, p.argv, p.env, p.role) for name, p in driver.roles(plans)],
-        substitute=driver.substitutions(trainer, settings, artifacts.dir, driver.output_dir(), node=True),
+        substitute=driver.substitutions(trainer, settings, artifacts.dir, driver.output_dir(), node=True, loads=loads),
         devices=cluster.gpus_per_node,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
-        quantized=overrides.truthy(settings.get("load_in_4bit", False)),
-        bitsandbytes=bnb.uses(settings.get),
+        quantized=overrides.truthy(settings.get("load_in_4bit", False)) or loads == "load_in_4bit",
+        bitsandbytes=bnb.uses(settings.get) or loads is not None,
         capability=capability,  # this node's GPUs, as the launch side reports its accelerator's
     )
     building = run_smoke is not None and not run_smoke.ready

@@ -162,13 +162,16 @@ def roles(plans: list[NodePlan]) -> list[tuple[str, NodePlan]]:
 
 
 def substitutions(
-    trainer: str, settings: Mapping[str, object], smoke_dir: Path, output_dir: str, node: bool = False
+    trainer: str, settings: Mapping[str, object], smoke_dir: Path, output_dir: str, node: bool = False,
+    loads: str | None = None,
 ) -> list[str]:
     """TRL script arguments appended after orch's (later flags win) so the trainer builds here without GPU or
     network: the tiny model and data of the recipe's family, portable attention, no vLLM engine. The trackers of
     report_to are made, not started (role.trackers). `node`: rehearsed on the head node (`orch node --rehearse`),
     whose environment is the ranks': Liger or vLLM not installed there is a finding (the owners' checks say it), not
-    a swap; a laptop swaps them off (their GPU-only packages are the nodes' extras, launch/checks.check_extras)."""
+    a swap; a laptop swaps them off (their GPU-only packages are the nodes' extras, launch/checks.check_extras).
+    `loads`: the TRL setting a bitsandbytes-quantised checkpoint loads as (core/models.quantized), given to the tiny
+    model, which is not one, so transformers' quantizer and its training checks run as on the nodes."""
     words = [
         "--model_name_or_path", str(smoke_dir / "model"),
         "--dataset_name", str(smoke_dir / "data"),
@@ -176,6 +179,8 @@ def substitutions(
         "--dataset_test_split", "train",  # the smoke data's only split: an eval_strategy evaluates on it
         "--output_dir", output_dir,
     ]  # fmt: skip
+    if loads and not truthy(settings.get(loads, False)):
+        words += [f"--{loads}", "true"]
     if str(settings.get("attn_implementation") or "sdpa") not in PORTABLE_ATTENTION:
         words += ["--attn_implementation", "sdpa"]
     if truthy(settings.get("use_liger_kernel", False)) and not importable("liger_kernel") and not node:
@@ -203,6 +208,8 @@ def swaps(batch: Batch) -> list[str]:
         out.append("no vLLM engine")
     if "--precompute_ref_log_probs" in words:
         out.append("reference log-probs not precomputed")
+    if "--load_in_4bit" in words or "--load_in_8bit" in words:
+        out.append("the checkpoint's bitsandbytes quantisation applied to it")
     if batch.quantized:
         out.append("4-bit weights quantised on CPU")
     return out
