@@ -47,7 +47,7 @@ demo: install
 test: install
 	$(TEST_ENV) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-# The inner loop (60-90 s here, 2026-12-02): the unit and cli tiers (tests/conftest.py; what each tier means:
+# The inner loop (60-90 s here on 2026-12-02, 42-47 s on 2026-12-05): the unit and cli tiers (tests/conftest.py; what each tier means:
 # pyproject.toml), the fuzz harness at 300 examples (make test runs its 2000).
 test-fast: install
 	ORCH_FUZZ_EXAMPLES=300 $(TEST_ENV) $(PY) -m pytest -n $(PYTEST_WORKERS) --tier unit,cli -q -p no:cacheprovider $(PYTEST_ARGS)
