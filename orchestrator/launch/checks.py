@@ -131,13 +131,9 @@ def check_extras(launch: Launch) -> None:
 def prequantized(launch: Launch) -> str | None:
     """The TRL setting the launch's bitsandbytes-quantised checkpoint loads as (core/models.quantized), or None (and
     for a smoke run on the nodes, which trains the tiny model in its place)."""
-    from orchestrator.core import models
-
     if knob(launch.envs, "ORCH_SMOKE", "off") == "on":
         return None
-    model = str(launch.setting("model_name_or_path", ""))
-    found = model_config.read(model, launch.setting("model_revision"))
-    return models.quantized(model, found.config, found.where)
+    return model_config.loads_as(str(launch.setting("model_name_or_path", "")), launch.setting("model_revision"))
 
 
 def check_output_dir(launch: Launch) -> None:

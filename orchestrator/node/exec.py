@@ -187,16 +187,6 @@ def _smoke(settings: Mapping, trainer: str) -> SmokePlan:
     return smoke.plan(model, trainer, family=model_config.family(model, settings.get("model_revision")))
 
 
-def prequantized(settings: Mapping) -> str | None:
-    """The TRL setting the settings' bitsandbytes-quantised checkpoint loads as (core/models.quantized), or None."""
-    from orchestrator.core import models
-    from orchestrator.node import model_config
-
-    model = str(settings.get("model_name_or_path", ""))
-    found = model_config.read(model, settings.get("model_revision"))
-    return models.quantized(model, found.config, found.where)
-
-
 def smoke_artifacts(env: Mapping[str, str]) -> SmokePlan:
     """Where a smoke run's tiny model and data live (the recipe's model family, as TRL_OVERRIDES leave it, and its
     trainer)."""
@@ -234,7 +224,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     import platform
 
     from orchestrator.core import accelerate_config, bnb, configs, cuda_arch, overrides, precision, torch_build
-    from orchestrator.node import memory
+    from orchestrator.node import memory, model_config
     from orchestrator.node.env import run_env
     from orchestrator.node.plan import plan
     from orchestrator.rehearsal import driver
@@ -270,7 +260,8 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     artifacts = run_smoke or _smoke(settings, trainer)
     # a bitsandbytes checkpoint (not in a smoke run, which trains the tiny model): rehearsed as the setting that loads
     # one like it (core/models.quantized)
-    loads = None if run_smoke else prequantized(settings)
+    loads = None if run_smoke else model_config.loads_as(str(settings.get("model_name_or_path", "")),
+                                                         settings.get("model_revision"))  # fmt: skip
     batch = driver.Batch(
         trainer=trainer,
         roles=[driver.Role(name, p.argv, p.env, p.role) for name, p in driver.roles(plans)],

@@ -57,6 +57,14 @@ def family(model_id: str, revision: object = None) -> models.Family:
                       f"of: config.json not read, {found.why}") from None  # fmt: skip
 
 
+def loads_as(model_id: str, revision: object = None) -> str | None:
+    """The TRL setting the model's bitsandbytes-quantised checkpoint loads as (core/models.quantized: `load_in_4bit`,
+    `load_in_8bit`), None for a full-precision one or one whose config.json was not read; an OrchError for another
+    quantisation method."""
+    found = read(model_id, revision)
+    return models.quantized(model_id, found.config, found.where)
+
+
 def read(model_id: str, revision: object = None) -> Found:
     """model_id's config.json: a local directory's (or a config.json path), or the Hub's at revision (TRL's
     model_revision, as the settings hold it); none for a model orch knows by name. Read once per process."""
