@@ -54,23 +54,15 @@ KNOWN_ARCHS = {
 
 
 def arch_of(model_id: str, config: Mapping | None = None, where: str = "") -> Arch | None:
-    """A known model's shape, else `config`'s (its config.json as node/model_config.py read it, from a local directory
-    or the Hub: `where`), else the config.json of a local model directory; None when orch cannot know it."""
-    from pathlib import Path
-
-    from orchestrator.core import files
-
+    """A known model's shape, else `config`'s (its config.json as node/model_config.read read it, from a local
+    directory or the Hub: `where`); None when orch cannot know it."""
     known = KNOWN_ARCHS.get(model_id.lower())
     if known is not None:
         return known
-    path = Path(model_id)
     if config is None:
-        source = path / "config.json" if path.is_dir() else path
-        if not (source.name.endswith(".json") and source.is_file()):
-            return None
-        config, where = files.load_json(source, "model config"), str(source)
+        return None
     try:
-        return Arch.from_config(dict(config) if isinstance(config, Mapping) else config)
+        return Arch.from_config(dict(config))
     except (KeyError, ValueError, TypeError) as exc:
         raise OrchError(f"{where or model_id}: a config.json the memory estimate cannot read ({exc})") from None
 
