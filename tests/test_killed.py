@@ -82,6 +82,30 @@ def test_the_other_nodes_find_it_where_they_look_for_a_rank_that_left_early(tmp_
     assert _left_early(str(tmp_path), since=time.time() - 60) == line
 
 
+def test_the_local_run_names_the_node_whose_rank_left_not_the_first_node_to_exit(tmp_path):
+    """The node that sees the connection close finds the record and exits at once, often before the record's own
+    node has said so (CI once ended a run with node 0's gloo error this way): the local run's last line follows the
+    record to its node. A record of an earlier attempt, or of the node that failed first, changes nothing."""
+    import time
+
+    from orchestrator.core.home import early_exits, record_early_exit
+    from orchestrator.launch.backends.local import LocalResult, _root_cause
+
+    gloo = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:24980"
+    first = LocalResult(1, 0, error=gloo, codes=(1, -15))
+    since = time.time()
+    assert _root_cause(first, tmp_path, since) == first  # no record
+    line = cause(Killed(1, 9, "SIGKILL", 4242), 1, 3, 0, 1)
+    record_early_exit(str(tmp_path), 1, 1, line)
+    named = _root_cause(first, tmp_path, since)
+    assert (named.failed_node, named.returncode, named.error) == (1, 1, f"orch: error: {line}")  # stopped: its 1
+    assert _root_cause(LocalResult(1, 0, error=gloo, codes=(1, 1)), tmp_path, time.time() + 60).failed_node == 0
+    assert _root_cause(LocalResult(1, 1, error="x", codes=(143, 1)), tmp_path, since).error == "x"
+    (early_exits(tmp_path) / "rank1.json").write_text("[1, 2]")  # not a record: ignored, not a traceback
+    (early_exits(tmp_path) / "rank2.json").write_text(json.dumps({"node": 7, "error": "e", "time": time.time()}))
+    assert _root_cause(first, tmp_path, since) == first  # a node this run does not have
+
+
 STAND_IN = """
 import sys
 print(sys.argv[1] if len(sys.argv) > 1 else open({report!r}).read(), flush=True)

@@ -75,6 +75,23 @@ def early_exits(output_dir: str | Path) -> Path:
     return Path(output_dir) / "orch" / "early-exit"
 
 
+def first_early_exit(output_dir: str | Path, since: float) -> dict | None:
+    """The earliest record_early_exit record written at or after `since` (an earlier attempt's are not this one's),
+    or None: the rank whose leaving caused the network errors the other nodes then saw."""
+    import json
+
+    where = early_exits(output_dir)
+    found = []
+    for path in where.glob("rank*.json") if where.is_dir() else []:
+        try:
+            record = json.loads(path.read_text())
+            if isinstance(record, dict) and float(record.get("time", 0)) >= since:
+                found.append(record)
+        except (OSError, ValueError, TypeError):
+            continue
+    return min(found, key=lambda r: float(r.get("time", 0)), default=None)
+
+
 def own_tmp(home: Path) -> Path:
     """The TMPDIR of a node whose ORCH_HOME is `home`, where orch made both for the run and removes them with it (a
     local run's emulated nodes, launch/backends/local_nodes.py): such a node's launch needs no temporary directory of

@@ -23,7 +23,7 @@ from pathlib import Path
 from orchestrator.core import credentials, memory_fix
 from orchestrator.core.home import (
     SOCKET_TMPDIR,
-    early_exits,
+    first_early_exit,
     inductor_cache,
     orch_home,
     own_tmp,
@@ -273,21 +273,9 @@ def _left_early(output_dir: str, since: float) -> str:
     """The first rank that left before training ended in this attempt (train/entry.run records it), or ''."""
     if not output_dir:
         return ""
-    where = early_exits(output_dir)
     deadline = time.monotonic() + EARLY_WAIT
-    while True:
-        found = []
-        for path in where.glob("rank*.json") if where.is_dir() else []:
-            try:
-                record = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(record, dict) and float(record.get("time", 0)) >= since:  # not an earlier attempt's
-                found.append(record)
-        if found or time.monotonic() > deadline:
-            break
+    while (first := first_early_exit(output_dir, since)) is None and time.monotonic() <= deadline:
         time.sleep(0.5)
-    first = min(found, key=lambda r: r.get("time", 0), default=None)
     return str(first.get("error", "")) if first else ""
 
 

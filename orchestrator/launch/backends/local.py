@@ -8,6 +8,7 @@ between the processes (OMP_NUM_THREADS), since oversubscribed threads make a tin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from orchestrator.core import credentials
 from orchestrator.core.errors import OrchError
+from orchestrator.core.home import first_early_exit
 from orchestrator.core.knobs import knob
 from orchestrator.core.summary import stop_reason, summary
 from orchestrator.launch.backends import netns
@@ -40,6 +42,8 @@ class LocalResult:
     """Why a successful run stopped before its last step (the cost cap), from rank 0's report."""
     error: str = ""
     """The first real error line of the failing node (a Python exception, an orch error), not a launcher's summary."""
+    codes: tuple[int | None, ...] = ()
+    """Every node's exit code, by node rank."""
 
 
 TAIL_LINES = 15
@@ -165,7 +169,7 @@ def run_nodes(
         sink.write(f"  (node{failed}) {line}")
     sink.flush()
     code = procs[failed].returncode if not late else 1
-    return LocalResult(code or 1, failed, error=first_error(errors[failed]))
+    return LocalResult(code or 1, failed, error=first_error(errors[failed]), codes=tuple(p.returncode for p in procs))
 
 
 DEFAULT_EXIT_WAIT = 120.0
@@ -224,6 +228,19 @@ class _Tee:
                 stream.flush()
             except (OSError, ValueError):
                 pass
+
+
+def _root_cause(result: LocalResult, output_dir: Path, since: float) -> LocalResult:
+    """The node a rank that left early ran on, when one did (home.record_early_exit): the first node to exit is often
+    another, ended by the network error that rank's leaving caused (it quotes the record, as a cloud node's last line
+    does), and the record's node may still have been saying so when orch stopped it."""
+    early = first_early_exit(output_dir, since)
+    node = early.get("node") if early else None
+    if not isinstance(node, int) or node == result.failed_node or not 0 <= node < len(result.codes):
+        return result
+    code = result.codes[node]
+    code = code if code is not None and 0 < code < 128 else 1  # 1: what its launcher exits with once it recorded it
+    return dataclasses.replace(result, failed_node=node, returncode=code, error=f"orch: error: {early.get('error')}")
 
 
 def output_dir_of(launch, run_id: str) -> str:
@@ -296,7 +313,7 @@ def launch(
     print(f"[orch] output: {output_dir}", flush=True)
     if recipe.task.get("setup"):
         print("[orch] local: skipping the recipe's `setup:` (this environment is already installed)", flush=True)
-    started = time.monotonic()
+    started, launched = time.monotonic(), time.time()
     if network:
         print(f"[orch] network: node i in namespace {network.namespaces[0][:-1]}<i>, at {', '.join(network.ips)}",
               flush=True)  # fmt: skip
@@ -321,6 +338,7 @@ def launch(
                            secrets=(secrets or {}).values())  # fmt: skip
     elapsed = time.monotonic() - started
     if result.returncode != 0:
+        result = _root_cause(result, output_dir, since=launched)
         print(
             f"[orch] failed after {elapsed:.1f} s: node {result.failed_node} exited with code {result.returncode}"
             + (f": {result.error}" if result.error else f" (its log lines are prefixed (node{result.failed_node}))"),
