@@ -234,8 +234,8 @@ def _root_cause(result: LocalResult, output_dir: Path, since: float) -> LocalRes
     """The node a rank that left early ran on, when one did (home.record_early_exit): the first node to exit is often
     another, ended by the network error that rank's leaving caused (it quotes the record, as a cloud node's last line
     does), and the record's node may still have been saying so when orch stopped it."""
-    early = first_early_exit(output_dir, since)
-    node = early.get("node") if early else None
+    early = first_early_exit(output_dir, since) or {}
+    node = early.get("node")
     if not isinstance(node, int) or node == result.failed_node or not 0 <= node < len(result.codes):
         return result
     code = result.codes[node]
