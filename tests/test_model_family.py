@@ -223,7 +223,9 @@ def test_orch_run_checks_a_hub_fine_tune_as_its_config_says_and_refuses_what_it_
     assert "[orch] rehearsal: not here (model 'someone/gated-7b': neither its name nor its config.json says which " \
         "family (phi3, qwen3, qwen2, llama) it is of: config.json not read, someone/gated-7b is gated (set HF_TOKEN, " \
         "or pass --secret HF_TOKEN)); the head node rehearses in its setup, where it reads config.json" in gated.stdout
-    assert "memory: not estimated" in gated.stdout
+    assert "memory: not estimated (orch has no shape for someone/gated-7b, whose config.json was not read: " \
+        "someone/gated-7b is gated (set HF_TOKEN, or pass --secret HF_TOKEN); `orch plan path/to/config.json` reads " \
+        "one)" in gated.stdout
     plan = orch("plan", UNKNOWN_NAME, "--peft", "lora", cwd=project, env=env)
     assert plan.returncode == 0, plan.stderr
     assert plan.stdout.startswith(f"{UNKNOWN_NAME}: 7.6B parameters, sft LoRA"), plan.stdout
@@ -256,6 +258,13 @@ def test_a_quantised_checkpoint_is_counted_as_the_setting_that_loads_one_or_refu
     assert setup(four, use_peft=True).method == "qlora" == setup(LLAMA_8B, use_peft=True, load_in_4bit=True).method
     assert setup(LLAMA_8B, use_peft=True).method == "lora"
     assert setup(four) is None and setup(gptq, use_peft=True) is None
+    # and each None says why (the dry run's and the head node's memory lines)
+    assert fit.unestimated({"model_name_or_path": "m"}, four) == (
+        "m is a bitsandbytes checkpoint, which trains with adapters only (use_peft true)")  # fmt: skip
+    assert fit.unestimated({"model_name_or_path": "m", "use_peft": True}, gptq).startswith("model 'm' is a gptq ")
+    assert fit.unestimated({"model_name_or_path": "x/y"}, None, "", "offline") == (
+        "orch has no shape for x/y, whose config.json was not read: offline")  # fmt: skip
+    assert fit.unestimated({"model_name_or_path": "m", "use_peft": True}, four) == ""
 
 
 @pytest.mark.unit
@@ -277,6 +286,12 @@ def test_the_head_node_rehearses_a_bitsandbytes_checkpoint_as_load_in_4bit_loads
     assert words[words.index("--load_in_4bit") + 1] == "true" and real.quantized and real.bitsandbytes
     assert "--load_in_4bit" not in smoke.substitute and not smoke.quantized
     assert "the checkpoint's bitsandbytes quantisation applied to it" in driver.swaps(real)
+    from orchestrator.core.accelerate_config import AccelerateConfig
+    from orchestrator.node import memory
+
+    said = memory.check({}, "sft", {"model_name_or_path": str(model)}, AccelerateConfig.of({}), 1, 8)
+    assert said == f"memory: not checked ({model} is a bitsandbytes checkpoint, which trains with adapters only " \
+        "(use_peft true))", said  # its rehearsal then refuses the full fine-tune in transformers' words
 
 
 @pytest.mark.e2e  # dry runs whose rehearsal imports the training stack and quantises on CPU

@@ -37,6 +37,31 @@ def lengths(trainer: str, max_length: int | str | None = None,
     return int(1024 if max_length is None else max_length), 0  # TRL's max_length
 
 
+def _shape(settings: Mapping[str, object], config: Mapping | None, where: str) -> tuple[memory.Arch, str | None] | str:
+    """(the model's shape, the setting its bitsandbytes checkpoint loads as) or why setup_of gives None."""
+    model = str(settings.get("model_name_or_path") or "")
+    arch = models.arch_of(model, config, where)
+    if arch is None:
+        return f"orch has no shape for {model}"
+    try:  # a bitsandbytes checkpoint: counted as load_in_4bit/8bit loads it
+        prequantized = models.quantized(model, config, where)
+    except OrchError as exc:  # another method: not estimated; the rehearsal refuses it (core/models.family_of)
+        return str(exc).split(";")[0]
+    if prequantized and not truthy(settings.get("use_peft") or False):
+        # transformers refuses to train a quantised model without adapters, in its own words: the rehearsal's
+        return f"{model} is a bitsandbytes checkpoint, which trains with adapters only (use_peft true)"
+    return arch, prequantized
+
+
+def unestimated(settings: Mapping[str, object], config: Mapping | None = None, where: str = "", why: str = "") -> str:
+    """Why setup_of gives None for these settings and this config.json ('' where it does not); `why`: why no
+    config.json was read (node/model_config.Found.why)."""
+    shaped = _shape(settings, config, where)
+    if not isinstance(shaped, str):
+        return ""
+    return f"{shaped}, whose config.json was not read: {why}" if config is None and why else shaped
+
+
 def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConfig, gpus: int,
              config: Mapping | None = None, where: str = "") -> memory.Setup | None:  # fmt: skip
     """What the memory model needs, from the TRL settings the script will see and the Accelerate config (TRL's and
@@ -47,18 +72,12 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         value = settings.get(key)
         return default if value is None else value
 
-    model = str(setting("model_name_or_path", ""))
-    arch = models.arch_of(model, config, where)
-    if arch is None:
+    shaped = _shape(settings, config, where)
+    if isinstance(shaped, str):
         return None
+    arch, prequantized = shaped
     asked = strategy.of(accel)
     peft = truthy(setting("use_peft", False))
-    try:  # a bitsandbytes checkpoint: counted as load_in_4bit/8bit loads it
-        prequantized = models.quantized(model, config, where)
-    except OrchError:  # another method: not estimated; the rehearsal refuses it (core/models.family_of)
-        return None
-    if prequantized and not peft:  # transformers refuses to train a quantised model without adapters: the rehearsal
-        return None
     targets = setting("lora_target_modules") or memory.PEFT_DEFAULT_TARGETS
     seq, completion = lengths(trainer, setting("max_length"), setting("max_completion_length"))
     vllm_share = 0.0

@@ -56,7 +56,9 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
                                                        " (ORCH_MEMORY_CHECK=off: shown, not enforced)")
         )  # fmt: skip
     else:
-        print("memory: not estimated (orch has no shape for this model: `orch plan path/to/config.json` reads one)")
+        why = preflight.unestimated(launch) if launch.gpus is not None and launch.gpus.name else "no GPU named"
+        hint = "; `orch plan path/to/config.json` reads one" if why.startswith("orch has no shape") else ""
+        print(f"memory: not estimated ({why}{hint})")
     if ahead := precision.planned(checked.memory.setup if checked.memory else None):
         print(ahead)
     at_load = preflight.load_memory(launch, checked.memory)  # None where the line above says not estimated

@@ -45,6 +45,15 @@ def setup_of(launch, gpus: int) -> memory.Setup | None:
         return None
 
 
+def unestimated(launch) -> str:
+    """Why setup_of gave None for a launch (core.fit.unestimated; a config.json it could not read)."""
+    try:
+        found = model_config.read(str(launch.setting("model_name_or_path", "")), launch.setting("model_revision"))
+        return fit.unestimated(launch.settings, found.config, found.where, found.why)
+    except OrchError as exc:
+        return str(exc)
+
+
 def check_memory(setup: memory.Setup, gpu_name: str) -> memory.Estimate:
     """The estimate when it fits one `gpu_name` (the catalog's memory), else an error naming the fix (core.fit)."""
     return fit.check_gpu(setup, accelerators.memory_gib(gpu_name), gpu_name)

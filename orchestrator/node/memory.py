@@ -151,7 +151,7 @@ def _check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object],
     except OrchError as exc:  # a config.json the estimate cannot read: training may still load it
         return f"memory: not checked ({exc})"
     if setup is None:
-        return f"memory: not checked (orch has no shape for {settings.get('model_name_or_path')})"
+        return f"memory: not checked ({fit.unestimated(settings, found.config, found.where, found.why)})"
     loading = fit.at_load(setup, per_node, accel)
     on_gpus = knob(env, "ORCH_DEVICE", "gpu") != "cpu"
     gpu = gpu_memory() if on_gpus else None
