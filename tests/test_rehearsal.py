@@ -659,6 +659,7 @@ def test_the_rehearsal_calls_each_reward_function_in_the_nodes_environment(tmp_p
     found = orch(*argv, "dataset_streaming=true", env=ON)
     assert found.returncode == 0, found.stderr[-2000:]
     assert "reward functions called: accuracy_reward, final model" in found.stdout
+    assert "\nmemory: not estimated (CPU nodes: the estimate is of GPU memory)\n" in found.stdout  # not "no shape"
 
 
 def test_a_rehearsal_leaves_nothing_in_the_temporary_directory(tmp_path, monkeypatch):

@@ -56,7 +56,9 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
                                                        " (ORCH_MEMORY_CHECK=off: shown, not enforced)")
         )  # fmt: skip
     else:
-        why = preflight.unestimated(launch) if launch.gpus is not None and launch.gpus.name else "no GPU named"
+        gpu = launch.gpus.name if launch.gpus is not None else None
+        why = ("CPU nodes: the estimate is of GPU memory" if gpu == accelerators.CPU else
+               "no GPU named" if not gpu else preflight.unestimated(launch))  # fmt: skip
         hint = "; `orch plan path/to/config.json` reads one" if why.startswith("orch has no shape") else ""
         print(f"memory: not estimated ({why}{hint})")
     if ahead := precision.planned(checked.memory.setup if checked.memory else None):
