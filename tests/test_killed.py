@@ -171,3 +171,6 @@ def test_a_rank_the_oom_killer_ends_is_named_not_the_network_error_it_caused(pro
                      final), final  # fmt: skip
     assert "retryable" not in done.stdout and "orch exits 75" not in done.stdout
     assert "(node1) [orch] failed on node 1: accelerate exited with code 1: rank 1 (node 1) was killed" in done.stdout
+    output_dir = project / re.search(r"^\[orch\] output: (\S+)$", done.stdout, re.M).group(1)
+    record = json.loads((output_dir / "orch" / "early-exit" / "rank1.json").read_text())  # what the last line follows
+    assert record["node"] == 1 and record["error"] in final
