@@ -174,3 +174,4 @@ def test_a_rank_the_oom_killer_ends_is_named_not_the_network_error_it_caused(pro
     output_dir = project / re.search(r"^\[orch\] output: (\S+)$", done.stdout, re.M).group(1)
     record = json.loads((output_dir / "orch" / "early-exit" / "rank1.json").read_text())  # what the last line follows
     assert record["node"] == 1 and record["error"] in final
+    assert re.search(r"^\[orch\] last \d+ lines of node 1:$", done.stdout, re.M), done.stdout[-3000:]  # the same node's

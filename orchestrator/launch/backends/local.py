@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,11 +78,13 @@ def run_nodes(
     hold_fds: tuple[int, ...] = (),
     prefixes: list[list[str]] | None = None,
     secrets: Iterable[str] = (),
+    cause: Callable[[LocalResult], LocalResult] = lambda result: result,
 ) -> LocalResult:
     """Start one `bash -c run_script` per node env, each under a guard (orchestrator/launch/backends/guard.py) that
     ends the node's whole process tree when orch stops it or dies; return when all finish or the first one fails.
     hold_fds (the run lock) stay open in the guards, so they are held until the last node is gone; prefixes[i] runs
-    node i's guard (`ip netns exec NS` for --netns). Their output is masked: `secrets` and credential-named envs."""
+    node i's guard (`ip netns exec NS` for --netns). Their output is masked: `secrets` and credential-named envs.
+    `cause`: the failure to report, from the first node's to fail (`_root_cause`), whose last lines are shown."""
     sink = sink or sys.stdout
     mask = credentials.Mask([*secrets, *(credentials.from_env(envs[0]) if envs else [])])
     lock = threading.Lock()
@@ -163,13 +165,16 @@ def run_nodes(
             pump.join(timeout=5)
     if failed is None:
         return LocalResult(0, None)
-    # The failing node's last lines, together: interleaved with the others' they are hard to find.
-    sink.write(f"[orch] last {len(tails[failed])} lines of node {failed}:\n")
-    for line in tails[failed]:
-        sink.write(f"  (node{failed}) {line}")
-    sink.flush()
     code = procs[failed].returncode if not late else 1
-    return LocalResult(code or 1, failed, error=first_error(errors[failed]), codes=tuple(p.returncode for p in procs))
+    result = cause(LocalResult(code or 1, failed, error=first_error(errors[failed]),
+                               codes=tuple(p.returncode for p in procs)))  # fmt: skip
+    # The failing node's last lines, together: interleaved with the others' they are hard to find.
+    shown = result.failed_node if result.failed_node is not None else failed
+    sink.write(f"[orch] last {len(tails[shown])} lines of node {shown}:\n")
+    for line in tails[shown]:
+        sink.write(f"  (node{shown}) {line}")
+    sink.flush()
+    return result
 
 
 DEFAULT_EXIT_WAIT = 120.0
@@ -335,10 +340,10 @@ def launch(
         )
         prefixes = [network.prefix(i) for i in range(nodes)] if network else None
         result = run_nodes(str(recipe.task["run"]), node_env, workdir, _Tee(sys.stdout, log), hold_fds, prefixes,
-                           secrets=(secrets or {}).values())  # fmt: skip
+                           secrets=(secrets or {}).values(),
+                           cause=lambda first: _root_cause(first, output_dir, since=launched))  # fmt: skip
     elapsed = time.monotonic() - started
     if result.returncode != 0:
-        result = _root_cause(result, output_dir, since=launched)
         print(
             f"[orch] failed after {elapsed:.1f} s: node {result.failed_node} exited with code {result.returncode}"
             + (f": {result.error}" if result.error else f" (its log lines are prefixed (node{result.failed_node}))"),
