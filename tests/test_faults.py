@@ -242,6 +242,25 @@ def test_a_rank_that_exits_early_is_named_as_the_cause(project):
     assert sorted(r["step"] for r in rows if "loss" in r) == [1, 2], rows  # step 3's logging gathers from rank 1
 
 
+@pytest.mark.e2e
+def test_a_rank_that_raises_records_itself_where_the_other_nodes_look(project):
+    """Rank 1 raises a ValueError at step 3: it records itself in the run's early-exit directory (train/entry._raised),
+    so a node whose ranks then see only the connection close names it at once and exits 1, not 75, which a managed job
+    would recover on without limit (SkyPilot's recover_on_exit_codes) and hit the same bug again."""
+    fault = ROOT / "tests" / "fixtures" / "rank_fault"
+    done = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "--env", f"PYTHONPATH={fault}",
+                "--env", "ORCH_TEST_FAULT=raise", cwd=project, timeout=300)  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:]
+    final = done.stdout.strip().splitlines()[-1]
+    assert re.search(r"^\[orch\] failed after [\d.]+ s: node 1 exited with code 1: .*ValueError: a bug in the training "
+                     r"code at step 3$", final), done.stdout[-3000:]  # fmt: skip
+    assert "orch exits 75" not in done.stdout
+    output_dir = project / re.search(r"^\[orch\] output: (\S+)$", done.stdout, re.M).group(1)
+    record = json.loads((output_dir / "orch" / "early-exit" / "rank1.json").read_text())
+    assert record["error"] == "rank 1 (node 1) failed at step 3: ValueError: a bug in the training code at step 3"
+    assert not (output_dir / "orch" / "early-exit" / "rank0.json").exists()  # its network error is not a cause
+
+
 # ---------------------------------------------------------------- a node that never joins
 
 

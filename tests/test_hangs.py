@@ -336,7 +336,7 @@ def test_a_network_below_expectation_warns_or_stops(monkeypatch, capsys, mode):
 
 
 def test_retryable_failures_are_the_clusters():
-    from orchestrator.node.output import retryable
+    from orchestrator.core.errors import retryable
 
     for error in (
         "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error",

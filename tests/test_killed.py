@@ -101,6 +101,8 @@ def test_the_local_run_names_the_node_whose_rank_left_not_the_first_node_to_exit
     assert (named.failed_node, named.returncode, named.error) == (1, 1, f"orch: error: {line}")  # stopped: its 1
     assert _root_cause(LocalResult(1, 0, error=gloo, codes=(1, 1)), tmp_path, time.time() + 60).failed_node == 0
     assert _root_cause(LocalResult(1, 1, error="x", codes=(143, 1)), tmp_path, since).error == "x"
+    own = LocalResult(1, 0, error="orchestrator.train.divergence.Diverged: loss is nan at step 3", codes=(1, 1))
+    assert _root_cause(own, tmp_path, since) == own  # its own failure (all ranks diverge at once): not followed
     (early_exits(tmp_path) / "rank1.json").write_text("[1, 2]")  # not a record: ignored, not a traceback
     (early_exits(tmp_path) / "rank2.json").write_text(json.dumps({"node": 7, "error": "e", "time": time.time()}))
     assert _root_cause(first, tmp_path, since) == first  # a node this run does not have

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class OrchError(Exception):
     """A user-facing error. The CLI prints `orch: error: <message>` and exits with code 2."""
@@ -11,6 +13,23 @@ class OrchError(Exception):
 
 EXIT_RETRYABLE = 75  # EX_TEMPFAIL: a failure a rerun may not hit (a hang, a lost node, a network or NCCL error);
 # managed jobs recover on it (job_recovery.recover_on_exit_codes)
+
+
+# A rank's first error that says the cluster failed, not the recipe: the node exits 75 (retryable), and a managed job
+# recovers (job_recovery.recover_on_exit_codes). NCCL's and c10d's network failures, and a lost peer. Read from a node's
+# output (node/supervise.py, launch/job_end.py) and by a rank that raised (train/entry.run).
+RETRYABLE = re.compile(
+    r"NCCL (?:error|WARN)|nccl(?:System|Remote|Internal)Error|NCCL communicator was aborted|"
+    r"Watchdog caught collective operation timeout|DistNetworkError|DistStoreError|"
+    r"Connection (?:reset|closed) by peer|Broken pipe|ECONNRESET|No route to host|"
+    r"CUDA error: (?:an illegal memory access|uncorrectable ECC error|unspecified launch failure)|"
+    r"CUDA-capable device\(s\) is/are busy or unavailable"
+)
+
+
+def retryable(error: str) -> bool:
+    """Whether a node's first error is the cluster's failure (a rerun on another node may not hit it)."""
+    return bool(error) and bool(RETRYABLE.search(error))
 
 
 class RetryableError(OrchError):

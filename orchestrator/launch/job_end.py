@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from orchestrator.core.errors import EXIT_RETRYABLE
-from orchestrator.node.output import MAX_ERROR_LINES, STALLED, VERDICT, error_of, first_error, printable, retryable
+from orchestrator.core.errors import EXIT_RETRYABLE, retryable
+from orchestrator.node.output import MAX_ERROR_LINES, STALLED, VERDICT, error_of, first_error, printable
 
 # sky.exceptions.JobExitCode (SkyPilot 0.14): what tail_logs answers for the job it streamed
 SUCCEEDED, FAILED, NOT_FINISHED, NOT_FOUND, CANCELLED = 0, 100, 101, 102, 103

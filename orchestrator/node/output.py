@@ -10,15 +10,6 @@ ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*(?:Error|Exception|
 # what the launchers say after a rank failed: they quote nothing the user can act on
 SUMMARIES = ("ChildFailedError", "CalledProcessError", "SignalException", "DistBackendError: [", "orch: error: node")
 MAX_ERROR_LINES = 50
-# A rank's first error that says the cluster failed, not the recipe: the node exits 75 (retryable), and a managed job
-# recovers (job_recovery.recover_on_exit_codes). NCCL's and c10d's network failures, and a lost peer.
-RETRYABLE = re.compile(
-    r"NCCL (?:error|WARN)|nccl(?:System|Remote|Internal)Error|NCCL communicator was aborted|"
-    r"Watchdog caught collective operation timeout|DistNetworkError|DistStoreError|"
-    r"Connection (?:reset|closed) by peer|Broken pipe|ECONNRESET|No route to host|"
-    r"CUDA error: (?:an illegal memory access|uncorrectable ECC error|unspecified launch failure)|"
-    r"CUDA-capable device\(s\) is/are busy or unavailable"
-)
 
 
 # Third-party notices a user can do nothing about, each matched as a whole line: the node's relay hides them, says
@@ -68,11 +59,6 @@ def notice(line: str, cpu: bool, continuing: bool = False) -> bool:
     if continuing and CONTINUED.fullmatch(text):
         return True
     return any((cpu or not cpu_only) and pattern.fullmatch(text) for pattern, cpu_only in NOTICES)
-
-
-def retryable(error: str) -> bool:
-    """Whether a node's first error is the cluster's failure (a rerun on another node may not hit it)."""
-    return bool(error) and bool(RETRYABLE.search(error))
 
 
 def first_error(lines: list[str]) -> str:

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from orchestrator.core import credentials, memory_fix
+from orchestrator.core.errors import retryable
 from orchestrator.core.home import (
     SOCKET_TMPDIR,
     first_early_exit,
@@ -40,7 +41,6 @@ from orchestrator.node.output import (
     first_error,
     notice,
     printable,
-    retryable,
     verdict,
 )
 from orchestrator.node.procs import DEFAULT_GRACE, end_tree, subreaper

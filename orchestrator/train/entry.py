@@ -17,6 +17,7 @@ import it, never the launch side.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import os
@@ -28,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from orchestrator.core import final_model, lines, trainers
+from orchestrator.core.errors import retryable
 from orchestrator.core.home import record_early_exit, run_id
 from orchestrator.train import (
     cpu_deepspeed,
@@ -293,12 +295,13 @@ def run() -> None:
         if exc.code not in (0, None):
             raise
         code = exc.code or 0
+    except Exception as exc:
+        with contextlib.suppress(Exception):  # the rank's own error is what goes on
+            _raised(exc)
+        raise
     else:
         code = 0
-    rank = int(os.environ.get("RANK", "0"))
-    trainer = _AT.get("trainer")
-    step = trainer.state.global_step if trainer is not None else 0
-    node = node_of_process()[0]
+    rank, node, step = _where()
     line = (f"rank {rank} (node {node}) exited with code {code} at step {step}, before training ended (a sys.exit "
             "or return in the training code?): the other ranks then lose it in their next collective")  # fmt: skip
     if _AT.get("output_dir") is not None:
@@ -306,6 +309,29 @@ def run() -> None:
     print(f"orch: error: {line}", flush=True)
     sys.stdout.flush()
     os._exit(1)
+
+
+def _where() -> tuple[int, int, int]:
+    """(this rank, its node, the last optimizer step it finished)."""
+    trainer = _AT.get("trainer")
+    step = trainer.state.global_step if trainer is not None else 0
+    return int(os.environ.get("RANK", "0")), node_of_process()[0], step
+
+
+def _raised(exc: Exception) -> None:
+    """A rank that raised records itself where every node's launcher looks, as one that left early does: the ranks
+    of the other nodes then fail on its missing collectives with a network error, which alone reads as the cluster's
+    failure (exit 75: a managed job recovers on it, with no limit on recoveries, and would hit the same error again).
+    Not a network or GPU failure of its own (core/errors.RETRYABLE): that one stays the cluster's."""
+    kind, module = type(exc), type(exc).__module__
+    name = kind.__qualname__ if module in ("builtins", "__main__") else f"{module}.{kind.__qualname__}"
+    message = str(exc).strip().splitlines()
+    error = f"{name}: {message[0]}" if message else name  # the traceback's last line, as the node quotes it
+    if _AT.get("output_dir") is None or retryable(error):
+        return
+    rank, node, step = _where()
+    record_early_exit(_AT["output_dir"], rank, node, f"rank {rank} (node {node}) failed at step {step}: {error}",
+                      step=step)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.core import credentials
-from orchestrator.core.errors import OrchError
+from orchestrator.core.errors import OrchError, retryable
 from orchestrator.core.home import first_early_exit
 from orchestrator.core.knobs import knob
 from orchestrator.core.summary import stop_reason, summary
@@ -239,6 +239,8 @@ def _root_cause(result: LocalResult, output_dir: Path, since: float) -> LocalRes
     """The node a rank that left early ran on, when one did (home.record_early_exit): the first node to exit is often
     another, ended by the network error that rank's leaving caused (it quotes the record, as a cloud node's last line
     does), and the record's node may still have been saying so when orch stopped it."""
+    if not retryable(result.error):  # its own failure (every node's, when all ranks diverge at one step)
+        return result
     early = first_early_exit(output_dir, since) or {}
     node = early.get("node")
     if not isinstance(node, int) or node == result.failed_node or not 0 <= node < len(result.codes):
