@@ -76,19 +76,20 @@ def orch(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: float =
     )
 
 
-def supervised(rank: str, home: Path, env: dict | None = None, settings: dict | None = None,
-               node_rank: int = 0, tmpdir: str | None = None) -> subprocess.CompletedProcess:  # fmt: skip
-    """node/supervise.supervise() over a stand-in rank (`python -c RANK`), in a process of its own (it makes its
+def supervised(rank: str, home: Path, env: dict | None = None, settings: dict | None = None, node_rank: int = 0,
+               tmpdir: str | None = None, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:  # fmt: skip
+    """node/supervise.supervise() over a stand-in rank (`python -c RANK ARGS`), in a process of its own (it makes its
     process a child subreaper); the watchdog off, ORCH_HOME at `home`; `tmpdir`: that process's TMPDIR."""
     runner = (
         "import json, sys; from orchestrator.node.supervise import supervise; "
         "env = {'PATH': '/usr/bin:/bin', 'ORCH_WATCHDOG': 'off', 'ORCH_HOME': sys.argv[2], **json.loads(sys.argv[3])}; "
-        "sys.exit(supervise([sys.executable, '-c', sys.argv[1]], env, node_rank=int(sys.argv[5]), ips=('127.0.0.1',), "
+        "sys.exit(supervise([sys.executable, '-c', sys.argv[1], *sys.argv[6:]], env, node_rank=int(sys.argv[5]), "
+        "ips=('127.0.0.1',), "
         "probe_port=1, gpus=False, settings=json.loads(sys.argv[4])))"
     )
     import json
 
-    argv = [rank, str(home), json.dumps(env or {}), json.dumps(settings), str(node_rank)]
+    argv = [rank, str(home), json.dumps(env or {}), json.dumps(settings), str(node_rank), *args]
     return subprocess.run([sys.executable, "-c", runner, *argv], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TMPDIR": tmpdir} if tmpdir else None)  # fmt: skip
 

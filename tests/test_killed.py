@@ -177,3 +177,59 @@ def test_a_rank_the_oom_killer_ends_is_named_not_the_network_error_it_caused(pro
     record = json.loads((output_dir / "orch" / "early-exit" / "rank1.json").read_text())  # what the last line follows
     assert record["node"] == 1 and record["error"] in final
     assert re.search(r"^\[orch\] last \d+ lines of node 1:$", done.stdout, re.M), done.stdout[-3000:]  # the same node's
+
+
+@pytest.mark.unit
+def test_a_node_that_fails_the_retryable_way_again_and_again_without_progress_gives_up(tmp_path):
+    """SkyPilot 0.14 recovers a managed job on exit 75 without counting it against max_restarts_on_errors
+    (sky/jobs/recovery_strategy.py): a node's 75 for a failure that comes back every time (an NCCL setting wrong for
+    the cluster, a hang at the same step) would relaunch without end. node/retries.py: after ORCH_STUCK_RETRIES (3)
+    retryable exits in a row with no step beyond the best before, the node exits 1 and says why."""
+    from orchestrator.node import retries
+
+    def run(steps, env=None, node=0, out=None):
+        out = out or tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        return [retries.give_up(str(out), node, step, env or {}, now=1000.0 + i) for i, step in enumerate(steps)], out
+
+    said, out = run([None, None, None])  # NCCL's initialisation fails every time: no step at all
+    assert said[:2] == ["", ""] and said[2].startswith("node 0 failed the retryable way 3 times in a row without "
+                                                       "training a step at all: not retried again")  # fmt: skip
+    said, _ = run([5, 5, 5, 5])  # a hang the watchdog ends at the same step every time
+    assert said[:3] == ["", "", ""] and "without training a step beyond step 5" in said[3]
+    said, _ = run([5, 5, 9, 9, 9, 14])  # progress in between: each is a new start
+    assert not any(said)
+    said, out = run([5, 5], env={"ORCH_STUCK_RETRIES": "1"})
+    assert said[0] == "" and "ORCH_STUCK_RETRIES=1 allows more" in said[1]
+    other, _ = run([5, 5], node=1, out=out)  # each node counts its own
+    assert other == ["", ""]
+    assert retries.give_up("", 0, None, {}) == ""  # nowhere to count: the 75 stands
+    assert retries.output_dir_of(["accelerate", "launch", "--output_dir", "/ckpt/run"], "") == "/ckpt/run"
+    assert retries.output_dir_of(["--output_dir", "/ckpt/run"], "/reported") == "/reported"
+
+
+RETRYABLE_STAND_IN = """
+print("RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error",
+      flush=True)
+raise SystemExit(1)
+"""
+
+
+@pytest.mark.unit
+def test_the_node_exits_75_for_a_network_failure_until_it_keeps_coming_back(tmp_path):
+    """node/supervise.py over a stand-in rank that fails with NCCL's network error before any progress report: 75
+    twice, then exit 1 with a verdict that says why (what `orch run` and `orch logs` quote), its --output_dir read
+    from the launch's argv."""
+    from conftest import supervised
+
+    out = tmp_path / "ckpt" / "run"
+    codes, lasts = [], []
+    for _ in range(3):
+        done = supervised(RETRYABLE_STAND_IN, tmp_path / "home", args=("--output_dir", str(out)))
+        codes.append(done.returncode)
+        lasts.append(done.stdout.strip().splitlines()[-1])
+    assert codes == [75, 75, 1], lasts
+    assert "orch exits 75, retryable" in lasts[0]
+    assert lasts[2].startswith("[orch] failed on node 0: accelerate exited with code 1: orch: error: node 0 failed the "
+                               "retryable way 3 times in a row without training a step at all: not retried again")
+    assert lasts[2].endswith("remote process exited or there was a network error")
+    assert len(list((out / "orch" / "retryable").glob("node0-*.json"))) == 3

@@ -132,8 +132,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=DEFAULT_RESTARTS,
         metavar="N",
-        help="a managed job's restarts after a retryable failure, exit 75 (a hang, a lost node, a network or NCCL "
-        f"error), besides preemptions (job_recovery.max_restarts_on_errors; default {DEFAULT_RESTARTS})",
+        help="a managed job's restarts after a failed run, besides preemptions (job_recovery.max_restarts_on_errors; "
+        f"default {DEFAULT_RESTARTS}); a retryable failure, exit 75 (a hang, a lost node, a network or NCCL error), "
+        "restarts it without counting, until a node fails that way ORCH_STUCK_RETRIES (3) times in a row with no new "
+        "step",
     )
     cloud.add_argument("--cluster", metavar="NAME", help="cluster name (default: the run name)")
     cloud.add_argument("--idle-minutes", type=int, metavar="M", help="autostop the cluster after M idle minutes")

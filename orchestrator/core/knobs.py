@@ -92,6 +92,8 @@ KNOBS = {
     "ORCH_STALL_FIRST": SECONDS,
     "ORCH_STALL_BUSY": SECONDS,
     "ORCH_NETCHECK": (_choice("warn", "error", "off"), "warn, error or off"),
+    # retryable failures in a row with no step trained beyond the node's best before it gives up (node/retries.py)
+    "ORCH_STUCK_RETRIES": (_count, "a whole number >= 1"),
     # training whose gradients or loss stop being finite (train/divergence.py): stop there, or say so and go on
     "ORCH_NONFINITE": (_choice("stop", "warn"), "stop or warn"),
     "ORCH_MIN_BUS_GBPS": (_seconds, "a number of GB/s > 0"),

@@ -33,6 +33,7 @@ from orchestrator.core.home import (
     tmp_base,
 )
 from orchestrator.node import killed as kills
+from orchestrator.node import retries
 from orchestrator.node import stacks as stack_dump
 from orchestrator.node.output import (
     MAX_ERROR_LINES,
@@ -214,6 +215,10 @@ def supervise(
                 line = _stalled(reason, node_rank, progress_dir, peers, traces)
                 end_tree(STALL_GRACE, child)
                 say(line, sys.stderr)
+                seen = read_progress(progress_dir)
+                if stop := retries.give_up(_output_dir(seen, argv), node_rank, _last_step(seen), env):
+                    say(verdict(node_rank, 1, f"orch: error: {stop}: {line.removeprefix('orch: error: ')}"))
+                    return 1
                 return EXIT_STALLED
     except KeyboardInterrupt:
         stopped.append(signal.SIGINT)
@@ -257,6 +262,9 @@ def supervise(
         if settings is not None and (fix := memory_fix.advice(error, settings, env)):
             say(f"[orch] {fix}")  # before the failure line, which stays the last
         if retryable(error):  # the cluster's failure: exit 75, which a managed job recovers from
+            if stop := retries.give_up(retries.output_dir_of(argv, output_dir), node_rank, _last_step(last), env):
+                say(verdict(node_rank, code, f"orch: error: {stop}: {error}"))
+                return 1
             say(verdict(node_rank, code, error, exits=EXIT_STALLED))
             return EXIT_STALLED
         say(verdict(node_rank, code, error))
@@ -267,6 +275,17 @@ PROBE_EVERY = 10.0
 """Seconds between probes of the other nodes while a rank saves, evaluates or writes the final model."""
 EARLY_WAIT = 5.0
 """Seconds a failing node waits for another node's early-exit record to reach the shared output dir."""
+
+
+def _output_dir(ranks: Mapping[int, dict], argv: list[str]) -> str:
+    reported = next((r["output_dir"] for r in ranks.values() if r.get("output_dir")), "")
+    return retries.output_dir_of(argv, reported)
+
+
+def _last_step(ranks: Mapping[int, dict]) -> int | None:
+    """The furthest step a rank of this node reported (None before any report)."""
+    steps = [r["step"] for r in ranks.values() if isinstance(r.get("step"), int)]
+    return max(steps) if steps else None
 
 
 def _left_early(output_dir: str, since: float) -> str:
