@@ -393,6 +393,32 @@ def test_a_node_waits_at_the_barrier_beyond_as_long_as_its_own_setup_took(monkey
     assert f"(timeout 600 s{said})" in capsys.readouterr().out
 
 
+def test_a_node_that_never_joins_again_and_again_gives_up(monkeypatch, tmp_path):
+    """The barrier's retryable failure (exit 75) counts as node/retries.py counts the others: the third in a row, with
+    no step trained, exits 1 and says why (a firewall that never opens would restart a managed job without end)."""
+    from orchestrator.core.errors import NotRetried, RetryableError
+    from orchestrator.core.topology import Topology
+    from orchestrator.node import barrier
+    from orchestrator.node import exec as node_exec
+
+    def unreachable(*args):
+        raise RetryableError("node 1 could not reach the head at 10.0.0.1:29501 within 600 s")
+
+    monkeypatch.setattr(barrier, "worker_join", unreachable)
+    cluster = Topology(nodes=2, gpus_per_node=1, node_rank=1, node_ips=("10.0.0.1", "10.0.0.2"))
+    argv = ["accelerate", "launch", "--output_dir", str(tmp_path / "run")]
+    for _ in range(2):
+        with pytest.raises(RetryableError) as retried:
+            node_exec._barrier({}, cluster, 0.0, argv)
+        assert retried.value.exit_code == 75
+    with pytest.raises(NotRetried) as stopped:
+        node_exec._barrier({}, cluster, 0.0, argv)
+    assert stopped.value.exit_code == 1
+    assert str(stopped.value).startswith("node 1 failed the retryable way 3 times in a row without training a step "
+                                         "at all: not retried again")  # fmt: skip
+    assert str(stopped.value).endswith(": node 1 could not reach the head at 10.0.0.1:29501 within 600 s")
+
+
 def test_only_this_launchs_setup_lengthens_the_barrier():
     from orchestrator.node.exec import own_setup_seconds
 

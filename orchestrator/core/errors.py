@@ -38,6 +38,12 @@ class RetryableError(OrchError):
     exit_code = EXIT_RETRYABLE
 
 
+class NotRetried(OrchError):
+    """A retryable failure that came back too often to be retried again (node/retries.py): one line, exit code 1."""
+
+    exit_code = 1
+
+
 def closest(word: str, choices, cutoff: float = 0.5) -> str | None:
     """The choice nearest to a mistyped word, for "did you mean X?" (None when nothing is close)."""
     import difflib

@@ -8,10 +8,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from orchestrator.core.errors import OrchError
+from orchestrator.core.errors import NotRetried, OrchError, RetryableError
 from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, account_home, orch_home
 from orchestrator.core.knobs import env_port, knob
 from orchestrator.core.timeline import setup_times_file
@@ -50,7 +50,7 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
     topo = node_plan.topology
     check_torch(env, topo.gpus_per_node)
     times = setup_times(env)
-    _barrier(env, node_plan.cluster, own_setup_seconds(times, started))
+    _barrier(env, node_plan.cluster, own_setup_seconds(times, started), node_plan.argv)
     timeline = {**times, "node_started": started, "barrier_passed": time.time()}
     if node_plan.role == "vllm-server":
         print(f"[orch] node {topo.node_rank}: vLLM server for the trainers on {topo.nodes - 1} node(s)", flush=True)
@@ -340,7 +340,7 @@ def usable_cpus() -> int:
     return len(affinity(0)) if affinity else os.cpu_count() or 1
 
 
-def _barrier(env: Mapping[str, str], cluster: Topology, setup_seconds: float = 0.0) -> None:
+def _barrier(env: Mapping[str, str], cluster: Topology, setup_seconds: float = 0.0, argv: Sequence[str] = ()) -> None:
     """Every node of a multi-node run passes orch's barrier before starting accelerate (node/barrier.py). `orch run`
     starts each node's run with its setup (launch/resolved.fold_setup), so the nodes come to the barrier as
     their setups end: a node waits ORCH_RENDEZVOUS_TIMEOUT beyond as long as its own setup took (the others do the
@@ -359,8 +359,15 @@ def _barrier(env: Mapping[str, str], cluster: Topology, setup_seconds: float = 0
         flush=True,
     )
     timeout += extra
-    if cluster.node_rank == 0:
-        took = barrier.head_wait(cluster.nodes, port, timeout)
-    else:
-        took = barrier.worker_join(cluster.node_rank, cluster.head_ip, port, timeout)
+    try:
+        if cluster.node_rank == 0:
+            took = barrier.head_wait(cluster.nodes, port, timeout)
+        else:
+            took = barrier.worker_join(cluster.node_rank, cluster.head_ip, port, timeout)
+    except RetryableError as exc:  # exit 75, unless it keeps coming back (node/retries.py)
+        from orchestrator.node import retries
+
+        if stop := retries.give_up(retries.output_dir_of(argv, ""), cluster.node_rank, None, env):
+            raise NotRetried(f"{stop}: {exc}") from None
+        raise
     print(f"[orch] node {cluster.node_rank}: all {cluster.nodes} nodes joined in {took:.1f} s", flush=True)

@@ -6,16 +6,19 @@ not count such a recovery against max_restarts_on_errors (sky/jobs/recovery_stra
 a failure that is the cluster's and also certain to come back (an NCCL setting wrong for this cluster, a hang the
 watchdog ends at the same step every time) would relaunch until ORCH_MAX_COST stops it, or forever without a cap.
 
-So each retryable exit is recorded next to the checkpoints (`<output_dir>/orch/retryable/node<N>-<ms>.json`: when,
-and the last step a rank of this node reported, if any), and a node whose last ORCH_STUCK_RETRIES (3) retryable exits
-each trained no step beyond the best of the ones before exits 1 instead, saying why. Each node counts its own: a 75
-only comes from a node that recorded it, so the recoveries stop once each node that exits on its own has given up.
+So each retryable exit is recorded next to the checkpoints (`<output_dir>/orch/retryable/node<N>-<ms>-<random>.json`:
+when, and the last step a rank of this node reported, if any), and a node whose last ORCH_STUCK_RETRIES (3) retryable
+exits each trained no step beyond the best of the ones before exits 1 instead, saying why. The three retryable exits
+count: a failure the node's supervisor reads as the cluster's, a stall its watchdog ended (node/supervise.py) and a
+barrier never passed (node/exec._barrier). Each node counts its own: a 75 only comes from a node that recorded it, so
+the recoveries stop once each node that exits on its own has given up.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -47,7 +50,8 @@ def give_up(output_dir: str, node: int, step: int | None, env: Mapping[str, str]
     now = time.time() if now is None else now
     try:
         where.mkdir(parents=True, exist_ok=True)
-        (where / f"node{node}-{int(now * 1000)}.json").write_text(json.dumps({"time": now, "step": step}))
+        name = f"node{node}-{int(now * 1000)}-{uuid.uuid4().hex[:8]}.json"  # two exits never share one
+        (where / name).write_text(json.dumps({"time": now, "step": step}))
     except OSError:
         return ""
     events = []
