@@ -233,3 +233,29 @@ def test_the_node_exits_75_for_a_network_failure_until_it_keeps_coming_back(tmp_
                                "retryable way 3 times in a row without training a step at all: not retried again")
     assert lasts[2].endswith("remote process exited or there was a network error")
     assert len(list((out / "orch" / "retryable").glob("node0-*.json"))) == 3
+
+
+STALLING_STAND_IN = """
+import json, os, sys, time
+record = {{"rank": 0, "pid": os.getpid(), "step": 0, "phase": "load", "t": time.time(), "output_dir": {out!r}}}
+open(os.path.join(os.environ["ORCH_PROGRESS_DIR"], "rank0.json"), "w").write(json.dumps(record))
+time.sleep(120)
+"""
+
+
+@pytest.mark.unit
+def test_a_stall_the_watchdog_ends_counts_as_a_retryable_exit(tmp_path):
+    """The watchdog's stall (exit 75) goes through node/retries.py too: with ORCH_STUCK_RETRIES=1 the second stall at
+    the same step exits 1, its verdict quoting the stall."""
+    from conftest import supervised
+
+    out = tmp_path / "run"
+    env = {"ORCH_WATCHDOG": "on", "ORCH_STALL_FIRST": "2", "ORCH_STUCK_RETRIES": "1"}
+    first = supervised(STALLING_STAND_IN.format(out=str(out)), tmp_path / "home", env=env)
+    assert first.returncode == 75, first.stdout[-2000:] + first.stderr[-2000:]
+    second = supervised(STALLING_STAND_IN.format(out=str(out)), tmp_path / "home", env=env)
+    assert second.returncode == 1, second.stdout[-2000:] + second.stderr[-2000:]
+    last = second.stdout.strip().splitlines()[-1]
+    assert re.match(r"\[orch\] failed on node 0: accelerate exited with code \d+: orch: error: node 0 failed the "
+                    r"retryable way once without training a step beyond step 0: not retried again .*: "
+                    r"stalled on node 0", last), last  # fmt: skip

@@ -68,6 +68,7 @@ def give_up(output_dir: str, node: int, step: int | None, env: Mapping[str, str]
     if stuck < limit:
         return ""
     where_words = f"beyond step {best}" if best >= 0 else "at all"
-    return (f"node {node} failed the retryable way {stuck} times in a row without training a step {where_words}: not "
+    times = "once" if stuck == 1 else f"{stuck} times in a row"
+    return (f"node {node} failed the retryable way {times} without training a step {where_words}: not "
             f"retried again (SkyPilot's managed jobs recover on exit 75 without limit; ORCH_STUCK_RETRIES={limit} "
             f"allows more; its record: {where})")

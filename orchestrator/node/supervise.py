@@ -217,7 +217,9 @@ def supervise(
                 say(line, sys.stderr)
                 seen = read_progress(progress_dir)
                 if stop := retries.give_up(_output_dir(seen, argv), node_rank, _last_step(seen), env):
-                    say(verdict(node_rank, 1, f"orch: error: {stop}: {line.removeprefix('orch: error: ')}"))
+                    ended = child.wait()  # the watchdog ended it: a signal's code, as the verdict says it
+                    say(verdict(node_rank, ended if ended >= 0 else 128 - ended,
+                                f"orch: error: {stop}: {line.removeprefix('orch: error: ')}"))  # fmt: skip
                     return 1
                 return EXIT_STALLED
     except KeyboardInterrupt:
