@@ -203,8 +203,12 @@ def test_a_node_that_fails_the_retryable_way_again_and_again_without_progress_gi
     other, _ = run([5, 5], node=1, out=out)  # each node counts its own
     assert other == ["", ""]
     assert retries.give_up("", 0, None, {}) == ""  # nowhere to count: the 75 stands
-    assert retries.output_dir_of(["accelerate", "launch", "--output_dir", "/ckpt/run"], "") == "/ckpt/run"
-    assert retries.output_dir_of(["--output_dir", "/ckpt/run"], "/reported") == "/reported"
+    # where a rank failed before reporting its output dir, the node reads it from the ranks' argv (node/script.py)
+    from orchestrator.node.script import output_dir_in
+
+    assert output_dir_in(["accelerate", "launch", "--output_dir", "/ckpt/run"]) == "/ckpt/run"
+    assert output_dir_in(["--output_dir", "/theirs", "--output_dir", "/ckpt/run"]) == "/ckpt/run"  # the last wins
+    assert output_dir_in(["accelerate", "launch", "--output_dir"]) == ""
 
 
 RETRYABLE_STAND_IN = """

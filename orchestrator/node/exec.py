@@ -115,9 +115,9 @@ def summarise(argv: list[str], settings: Mapping[str, object]) -> None:
     from pathlib import Path
 
     from orchestrator.core.summary import summary
+    from orchestrator.node.script import output_dir_in
 
-    given = [argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--output_dir"]
-    where = given[-1] if given else settings.get("output_dir")
+    where = output_dir_in(argv) or settings.get("output_dir")
     if not where:
         return
     output_dir = Path(str(where))
@@ -366,8 +366,9 @@ def _barrier(env: Mapping[str, str], cluster: Topology, setup_seconds: float = 0
             took = barrier.worker_join(cluster.node_rank, cluster.head_ip, port, timeout)
     except RetryableError as exc:  # exit 75, unless it keeps coming back (node/retries.py)
         from orchestrator.node import retries
+        from orchestrator.node.script import output_dir_in
 
-        if stop := retries.give_up(retries.output_dir_of(argv, ""), cluster.node_rank, None, env):
+        if stop := retries.give_up(output_dir_in(argv), cluster.node_rank, None, env):
             raise NotRetried(f"{stop}: {exc}") from None
         raise
     print(f"[orch] node {cluster.node_rank}: all {cluster.nodes} nodes joined in {took:.1f} s", flush=True)

@@ -19,24 +19,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 from orchestrator.core.knobs import knob
 
 DEFAULT_LIMIT = 3
-
-
-def output_dir_of(argv: Sequence[str], reported: str) -> str:
-    """The run's output dir: as a rank reported it, else the launch's --output_dir (a rank that failed before its first
-    report: NCCL's initialisation), else ''."""
-    if reported:
-        return reported
-    words = list(argv)
-    for i, word in enumerate(words[:-1]):
-        if word == "--output_dir":
-            return words[i + 1]
-    return ""
 
 
 def give_up(output_dir: str, node: int, step: int | None, env: Mapping[str, str], now: float | None = None) -> str:

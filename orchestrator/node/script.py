@@ -7,7 +7,7 @@ global batch, the CPU switches), so orch's values win where both are given.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from orchestrator.core import overrides
 from orchestrator.core.errors import OrchError
@@ -19,6 +19,13 @@ TRAIN_MODULE = "orchestrator.train"
 def checkpoint_dir(root: str, task_id: str) -> str:
     """Where a run keeps its checkpoints and final model: one directory per task id under CHECKPOINT_ROOT."""
     return f"{root.rstrip('/')}/{task_id}"
+
+
+def output_dir_in(argv: Sequence[str]) -> str:
+    """The ranks' output dir as their argv gives it: its last --output_dir (TRL's parser lets a later flag win; orch's
+    CHECKPOINT_ROOT/<run id> comes last), '' where there is none (the TRL config's then)."""
+    given = [argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--output_dir"]
+    return given[-1] if given else ""
 
 
 def arguments(

@@ -45,6 +45,7 @@ from orchestrator.node.output import (
     verdict,
 )
 from orchestrator.node.procs import DEFAULT_GRACE, end_tree, subreaper
+from orchestrator.node.script import output_dir_in
 from orchestrator.node.watchdog import EXIT_STALLED, Bounds, Watchdog, hang_tools
 
 POLL = 1.0
@@ -216,7 +217,8 @@ def supervise(
                 end_tree(STALL_GRACE, child)
                 say(line, sys.stderr)
                 seen = read_progress(progress_dir)
-                if stop := retries.give_up(_output_dir(seen, argv), node_rank, _last_step(seen), env):
+                where = _reported_dir(seen) or output_dir_in(argv)  # a rank that never reported: its argv's
+                if stop := retries.give_up(where, node_rank, _last_step(seen), env):
                     ended = child.wait()  # the watchdog ended it: a signal's code, as the verdict says it
                     say(verdict(node_rank, ended if ended >= 0 else 128 - ended,
                                 f"orch: error: {stop}: {line.removeprefix('orch: error: ')}"))  # fmt: skip
@@ -231,7 +233,7 @@ def supervise(
         relay.thread.join(timeout=5)
         peers.close()
         last = read_progress(progress_dir)
-        output_dir = next((r["output_dir"] for r in last.values() if r.get("output_dir")), "")
+        output_dir = _reported_dir(last)
         shutil.rmtree(progress_dir, ignore_errors=True)
         if launch_tmp:
             shutil.rmtree(launch_tmp, ignore_errors=True)
@@ -264,7 +266,8 @@ def supervise(
         if settings is not None and (fix := memory_fix.advice(error, settings, env)):
             say(f"[orch] {fix}")  # before the failure line, which stays the last
         if retryable(error):  # the cluster's failure: exit 75, which a managed job recovers from
-            if stop := retries.give_up(retries.output_dir_of(argv, output_dir), node_rank, _last_step(last), env):
+            where = output_dir or output_dir_in(argv)  # a rank that failed before its first report: its argv's
+            if stop := retries.give_up(where, node_rank, _last_step(last), env):
                 say(verdict(node_rank, code, f"orch: error: {stop}: {error}"))
                 return 1
             say(verdict(node_rank, code, error, exits=EXIT_STALLED))
@@ -279,9 +282,9 @@ EARLY_WAIT = 5.0
 """Seconds a failing node waits for another node's early-exit record to reach the shared output dir."""
 
 
-def _output_dir(ranks: Mapping[int, dict], argv: list[str]) -> str:
-    reported = next((r["output_dir"] for r in ranks.values() if r.get("output_dir")), "")
-    return retries.output_dir_of(argv, reported)
+def _reported_dir(ranks: Mapping[int, dict]) -> str:
+    """The output dir this node's ranks reported (train/progress.py), '' before any did."""
+    return next((r["output_dir"] for r in ranks.values() if r.get("output_dir")), "")
 
 
 def _last_step(ranks: Mapping[int, dict]) -> int | None:
