@@ -108,6 +108,27 @@ def test_the_local_run_names_the_node_whose_rank_left_not_the_first_node_to_exit
     assert _root_cause(first, tmp_path, since) == first  # a node this run does not have
 
 
+def test_the_local_run_quotes_the_failing_nodes_verdict_not_its_first_error_line(tmp_path):
+    """A node's last line says what its supervisor made of its ranks' errors (node/output.verdict): a node that stopped
+    asking to be retried quotes why, after the network error its ranks printed first; a kill's cause is quoted bare
+    in it. The local run quotes the verdict, as a cloud run does (launch/job_end.py); without one, the first error."""
+    import io
+    import shlex
+
+    from orchestrator.launch.backends.local import run_nodes
+    from orchestrator.node.output import verdict
+
+    gloo = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:24980"
+    gave_up = f"orch: error: node 1 failed the retryable way 3 times in a row without training a step at all: {gloo}"
+    killed = cause(Killed(1, 9, "SIGKILL", 4242), 1, 3, 0, 1)
+    for said, quoted in ((gave_up, gave_up), (killed, f"orch: error: {killed}"), ("", gloo)):
+        last = shlex.quote(verdict(1, 1, said))
+        script = f'if [ "$NODE" = 1 ]; then echo {shlex.quote(gloo)}; echo {last}; exit 1; fi; sleep 30'
+        envs = [{"NODE": "0", "ORCH_STOP_GRACE": "2"}, {"NODE": "1", "ORCH_STOP_GRACE": "2"}]
+        result = run_nodes(script, envs, tmp_path, sink=io.StringIO())
+        assert (result.failed_node, result.error) == (1, quoted)
+
+
 STAND_IN = """
 import sys
 print(sys.argv[1] if len(sys.argv) > 1 else open({report!r}).read(), flush=True)

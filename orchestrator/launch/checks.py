@@ -166,7 +166,7 @@ def rehearse(launch: Launch, checked: Checked) -> str:
     except model_config.Unknown as exc:
         return f"rehearsal: not here ({exc}); the head node rehearses in its setup, where it reads config.json"
     loads = prequantized(launch)  # a bitsandbytes checkpoint: rehearsed as the setting that loads one like it
-    quantized = truthy(launch.setting("load_in_4bit", False)) or loads == "load_in_4bit"
+    quantized, bitsandbytes = driver.quantisation(launch.setting, loads)
     if (quantized or loads) and not driver.importable("bitsandbytes"):
         return (
             f"rehearsal: not here ({'a bitsandbytes checkpoint' if loads else 'load_in_4bit'} needs bitsandbytes: "
@@ -182,7 +182,7 @@ def rehearse(launch: Launch, checked: Checked) -> str:
         devices=launch.gpus_per_node,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
         quantized=quantized,
-        bitsandbytes=bnb.uses(launch.setting) or loads is not None,
+        bitsandbytes=bitsandbytes,
         capability=CUDA_CAPABILITY.get(str(launch.gpus.name).upper()) if launch.gpus and launch.gpus.name else None,
     )
     (outcomes,) = driver.rehearse_batches([batch], launch.recipe.workdir)

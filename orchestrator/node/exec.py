@@ -223,7 +223,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     to the head. Prints one line, or one `orch: error:` line and exits 2 (the setup, and the job, stop there)."""
     import platform
 
-    from orchestrator.core import accelerate_config, bnb, configs, cuda_arch, overrides, precision, torch_build
+    from orchestrator.core import accelerate_config, configs, cuda_arch, precision, torch_build
     from orchestrator.node import memory, model_config
     from orchestrator.node.env import run_env
     from orchestrator.node.plan import plan
@@ -262,14 +262,15 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     # one like it (core/models.quantized)
     loads = None if run_smoke else model_config.loads_as(str(settings.get("model_name_or_path", "")),
                                                          settings.get("model_revision"))  # fmt: skip
+    quantized, bitsandbytes = driver.quantisation(settings.get, loads)
     batch = driver.Batch(
         trainer=trainer,
         roles=[driver.Role(name, p.argv, p.env, p.role) for name, p in driver.roles(plans)],
         substitute=driver.substitutions(trainer, settings, artifacts.dir, driver.output_dir(), node=True, loads=loads),
         devices=cluster.gpus_per_node,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
-        quantized=overrides.truthy(settings.get("load_in_4bit", False)) or loads == "load_in_4bit",
-        bitsandbytes=bnb.uses(settings.get) or loads is not None,
+        quantized=quantized,
+        bitsandbytes=bitsandbytes,
         capability=capability,  # this node's GPUs, as the launch side reports its accelerator's
     )
     building = run_smoke is not None and not run_smoke.ready

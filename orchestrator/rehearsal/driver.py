@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from orchestrator.core import home, trainers
+from orchestrator.core import bnb, home, trainers
 from orchestrator.core.overrides import truthy
 from orchestrator.node.plan import NodePlan
 
@@ -105,6 +105,14 @@ class Batch(NamedTuple):
     """The launch may use bitsandbytes (core/bnb.uses); False: rehearsed as a node without it is (core/bnb.hide)."""
     capability: tuple[int, int] | None = None
     """The GPU's CUDA compute capability, which the fake CUDA reports (tf32 needs 8.0); None: DEFAULT_CAPABILITY."""
+
+
+def quantisation(setting, loads: str | None) -> tuple[bool, bool]:
+    """A Batch's (quantized, bitsandbytes) from the TRL settings (`setting(key, default)`: Launch.setting, dict.get)
+    and the setting a bitsandbytes-quantised checkpoint loads as (`loads`, core/models.quantized; None for another
+    model): the launch side and the head node rehearse the same way."""
+    quantized = truthy(setting("load_in_4bit", False)) or loads == "load_in_4bit"
+    return quantized, bnb.uses(setting) or loads is not None
 
 
 class Outcome(NamedTuple):

@@ -27,7 +27,7 @@ from orchestrator.core.knobs import knob
 from orchestrator.core.summary import stop_reason, summary
 from orchestrator.launch.backends import netns
 from orchestrator.launch.backends.local_nodes import free_ports, node_envs, node_scratch, threads_per_process
-from orchestrator.node.output import MAX_ERROR_LINES, error_of, first_error, printable
+from orchestrator.node.output import MAX_ERROR_LINES, VERDICT, error_of, first_error, printable
 from orchestrator.node.procs import DEFAULT_GRACE, stopped_group
 
 GUARD = "orchestrator.launch.backends.guard"
@@ -49,11 +49,15 @@ class LocalResult:
 TAIL_LINES = 15
 
 
-def _pump(stream, prefix: str, lock: threading.Lock, sink, tail: deque, errors: list[str], mask) -> None:
+def _pump(stream, prefix: str, lock: threading.Lock, sink, tail: deque, errors: list[str], verdicts: list[str],
+          mask) -> None:
     for line in iter(stream.readline, ""):
         line = mask(printable(line))  # run.log and the terminal never show a secret the nodes print
         tail.append(line)
-        if len(errors) < MAX_ERROR_LINES and (error := error_of(line)):
+        if (verdict := VERDICT.match(line.strip())) and (said := verdict.group("error")):
+            # the node's own reading of its failure (node/supervise.py), as an error line: a kill's cause is quoted bare
+            verdicts.append(error_of(said) or f"orch: error: {said}")
+        elif len(errors) < MAX_ERROR_LINES and (error := error_of(line)):
             errors.append(error)
         with lock:
             sink.write(prefix + line)
@@ -95,6 +99,7 @@ def run_nodes(
     pumps: list[threading.Thread] = []
     tails: list[deque] = []
     errors: list[list[str]] = []
+    verdicts: list[list[str]] = []
     grace = knob(envs[0] if envs else {}, "ORCH_STOP_GRACE", DEFAULT_GRACE)  # what the guards will wait
     watch, alive = os.pipe()  # orch holds `alive` (close-on-exec): its end closes when orch ends, however it ends
     try:
@@ -124,8 +129,11 @@ def run_nodes(
             procs.append(proc)
             tails.append(deque(maxlen=TAIL_LINES))
             errors.append([])
+            verdicts.append([])
             pump = threading.Thread(
-                target=_pump, args=(proc.stdout, f"(node{rank}) ", lock, sink, tails[-1], errors[-1], mask), daemon=True
+                target=_pump,
+                args=(proc.stdout, f"(node{rank}) ", lock, sink, tails[-1], errors[-1], verdicts[-1], mask),
+                daemon=True,
             )
             pump.start()
             pumps.append(pump)
@@ -166,7 +174,10 @@ def run_nodes(
     if failed is None:
         return LocalResult(0, None)
     code = procs[failed].returncode if not late else 1
-    result = cause(LocalResult(code or 1, failed, error=first_error(errors[failed]),
+    # The node's verdict, as a cloud run's last line quotes it (launch/job_end.py): what its supervisor made of its
+    # ranks' errors (a rank that left early, a node that stopped asking to be retried), else its first error line.
+    said = verdicts[failed][-1] if verdicts[failed] and not late else first_error(errors[failed])
+    result = cause(LocalResult(code or 1, failed, error=said,
                                codes=tuple(p.returncode for p in procs)))  # fmt: skip
     # The failing node's last lines, together: interleaved with the others' they are hard to find.
     shown = result.failed_node if result.failed_node is not None else failed
