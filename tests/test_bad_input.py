@@ -104,6 +104,18 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "use_liger_kernel=true"], "the nodes get Liger's kernels with orch's gpu extra"),
     (["run", "phi3_dpo_fsdp", "report_to=trackio"], "add --track, which installs it"),
     (["run", "phi3_dpo_fsdp", "output_dir=/data/mine"], "to CHECKPOINT_ROOT/<run>, /checkpoints/<run>, in place of"),
+    # an output_dir that is no directory of the run's own: the final model (README.md, config.json) would overwrite
+    # what is there, on any machine (a cloud launch without CHECKPOINT_ROOT, a local run), or this machine's files
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir="], "output_dir= is empty"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir=./"], "output_dir=./: the directory the run starts"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir=outputs/.."], "output_dir=outputs/..: the directory"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir=../.."], "output_dir=../..: above the directory"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir=~/"], "output_dir=~/: a home directory"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir=//"], "output_dir=//: the file system root"),
+    (["run", "phi3_dpo_fsdp", "--env", "CHECKPOINT_ROOT=", "output_dir=."], "output_dir=.: the directory the run"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir=recipes"],
+     "output_dir=recipes: recipes holds files no orch run made (accel_broken.yaml, "),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir=sky_jobs/corrupt.yaml"], "is a file, not a directory"),
     # GRPO's vLLM: a server the trainers would wait 240 s for on paid GPUs, or one that would serve nobody
     (["run", "qwen25_grpo_ddp", "vllm_mode=server"], "vllm_mode=server and no vLLM server to reach"),
     (["run", "qwen25_grpo_vllm_server", "vllm_mode=colocate"], "runs a vLLM server the trainers would not use"),

@@ -102,11 +102,29 @@ def test_overrides_reach_the_trl_script_after_config(node_env):
         ),
         ({"TRL_OVERRIDES": "gradient_accumulation_steps=4"}, r"derived from GLOBAL_BATCH_SIZE"),
         ({"ORCH_DEVICE": "tpu"}, r"ORCH_DEVICE='tpu': ORCH_DEVICE takes gpu or cpu"),
+        # `sky launch --env TRL_OVERRIDES=...` without CHECKPOINT_ROOT: the final model would go among the workdir's
+        # own files, or the home's
+        ({"TRL_OVERRIDES": "output_dir=."}, r"^output_dir=\.: the directory the run starts in"),
+        ({"TRL_OVERRIDES": "output_dir=~/"}, r"^output_dir=~/: a home directory"),
+        ({"TRL_OVERRIDES": "output_dir=/"}, r"^output_dir=/: the file system root"),
+        ({"TRL_OVERRIDES": "output_dir="}, r"^output_dir= is empty"),
     ],
 )
 def test_bad_node_env(node_env, extra, message):
     with pytest.raises(OrchError, match=message):
         node.plan(node_env(2, 8, 0, **extra), FSDP, DPO)
+
+
+def test_an_output_dir_is_checked_where_the_ranks_would_write_to_it(node_env):
+    """The TRL config's own output_dir is checked too; with CHECKPOINT_ROOT, orch's CHECKPOINT_ROOT/<run> replaces
+    whatever was given, so nothing is refused."""
+    with pytest.raises(OrchError, match=r"^output_dir=\.\./\.\.: above the directory the run starts in"):
+        node.plan(node_env(2, 8, 0), FSDP, {**DPO, "output_dir": "../.."})
+    env = node_env(2, 8, 0, CHECKPOINT_ROOT="/checkpoints", ORCH_RUN_ID="r-1", TRL_OVERRIDES="output_dir=.")
+    argv = node.plan(env, FSDP, {**DPO, "output_dir": "/"}).argv
+    assert argv[argv.index("--output_dir") + 1] == "/checkpoints/r-1"
+    for fine in ("outputs/x", "~/runs/x", "../runs/x", "/data/runs/x"):
+        node.plan(node_env(2, 8, 0, TRL_OVERRIDES=f"output_dir={fine}"), FSDP, DPO)
 
 
 def test_cli_print_reads_real_config_files(node_env):

@@ -129,15 +129,20 @@ def repo(project):
 @pytest.mark.parametrize(
     "output_dir, expected",
     [
-        (".", "--fresh: . is the current directory or holds it; orch never deletes it"),
-        ("", "--fresh: . is the current directory or holds it"),
-        ("..", "--fresh: .. is the current directory or holds it"),
+        (".", "output_dir=.: the directory the run starts in"),  # refused as a value (launch/checks.py), first
+        ("", "output_dir= is empty"),
+        ("..", "output_dir=..: above the directory the run starts in"),
+        (".git/..", "output_dir=.git/..: the directory the run starts in"),
+        ("notes.txt/..", "output_dir=notes.txt/..: the directory the run starts in"),
+        ("{repo}", "--fresh: {repo} is the current directory or holds it; orch never deletes it"),
+        ("{repo}/..", "--fresh: {repo}/.. is the current directory or holds it; orch never deletes it"),
         ("mine", "--fresh: mine carries no orch marker (.orch-run): it was made by hand or by an orch older than "
                  "markers; delete it by hand if you mean it (rm -r mine)"),
         ("linked", "--fresh: linked is a symbolic link"),
     ],
 )  # fmt: skip
 def test_fresh_never_deletes_what_orch_did_not_make(repo, output_dir, expected):
+    output_dir, expected = output_dir.format(repo=repo), expected.format(repo=repo)
     (repo / "mine").mkdir()
     (repo / "mine" / "model.safetensors").write_bytes(b"weights")
     (repo / "linked").symlink_to(repo / "mine")
@@ -160,13 +165,49 @@ def test_fresh_of_another_runs_directory_is_refused_and_a_users_orch_folder_is_k
     assert result.returncode == 2
     assert re.search(r"was made for run some-other-run, not qwen25_sft_ddp-\w+;", result.stderr), result.stderr
     assert (other / "checkpoint-4").is_dir()
-    # training into the current directory is the user's choice, but orch's reports never replace their own orch/
-    (repo / "orch").mkdir()
-    (repo / "orch" / "__init__.py").write_text("# the user's package\n")
-    result = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "1", "--smoke", "output_dir=.", cwd=repo)
+    # training into another run's directory is the user's choice (the ranks check its checkpoints' settings), but
+    # orch's reports never replace a folder of the user's named orch/
+    (other / "orch").mkdir()
+    (other / "orch" / "__init__.py").write_text("# the user's package\n")
+    result = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "1", "--smoke", "output_dir=outputs/shared",
+                  cwd=repo)  # fmt: skip
     assert result.returncode == 2
-    assert "orch: error: the run's reports directory: orch carries no orch marker" in result.stderr, result.stderr
-    assert (repo / "orch" / "__init__.py").read_text() == "# the user's package\n"
+    assert "orch: error: the run's reports directory: outputs/shared/orch carries no orch marker" in result.stderr, (
+        result.stderr)
+    assert (other / "orch" / "__init__.py").read_text() == "# the user's package\n"
+
+
+def test_a_run_never_writes_among_files_it_did_not_make(repo):
+    """The final model (README.md, config.json, model.safetensors, the tokenizer's files) goes to the top of
+    output_dir and transformers rotates checkpoint-* folders there: a directory holding anything else is refused
+    before anything is written, the repository itself above all (its README.md was overwritten by a model card)."""
+    (repo / "README.md").write_text("# my project\n")
+    (repo / "mine").mkdir()
+    (repo / "mine" / "checkpoint-4").mkdir()
+    before = _files(repo.parent)
+    refusals = ((".", "output_dir=.: the directory the run starts in"),
+                (str(repo), f"output_dir={repo}: {repo} is the current directory or holds it"),
+                ("mine", "output_dir=mine: mine holds files no orch run made (checkpoint-4/)"))  # fmt: skip
+    for output_dir, expected in refusals:
+        result = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "1", "--smoke", f"output_dir={output_dir}",
+                      cwd=repo)  # fmt: skip
+        assert result.returncode == 2, result.stdout + result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith(f"orch: error: {expected}"), line
+        assert _files(repo.parent) == before  # nothing written: no record, no lock, no model card
+
+
+@pytest.mark.e2e
+def test_a_run_takes_an_empty_directory_the_user_made_and_takes_it_again(repo):
+    """An empty directory the user made is taken, stays unmarked (orch never deletes it: --fresh refuses it), and
+    takes the run again, which resumes in it (its reports folder is orch's)."""
+    (repo / "empty").mkdir()
+    for steps in (1, 2):  # the second run resumes in it
+        result = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "1", "--smoke", "output_dir=empty",
+                      f"max_steps={steps}", cwd=repo)  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert "resuming from " in result.stdout and (repo / "empty" / "checkpoint-2").is_dir()
+    assert owned.marker_run(repo / "empty") is None
 
 
 def test_fresh_deletes_the_runs_own_directory_and_says_what(tmp_path, capsys):

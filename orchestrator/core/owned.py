@@ -109,6 +109,14 @@ def protected(also: tuple[Path, ...] = ()) -> set[Path]:
     return places
 
 
+def _protected_kind(real: Path, also: tuple[Path, ...]) -> str:
+    """The protected directory (`protected`) that resolved path `real` is or holds, in words ('' when none)."""
+    for place in protected(also):
+        if place == real or real in place.parents:
+            return "the current directory" if place == Path.cwd().resolve() else str(place)
+    return ""
+
+
 def why_not_removable(path: Path, run: str | None, also: tuple[Path, ...] = ()) -> str | None:
     """Why `remove` would refuse `path` (None: it would delete it, or there is nothing there). run None accepts any
     orch marker (a directory of orch's own reports, whatever run wrote them)."""
@@ -124,10 +132,8 @@ def why_not_removable(path: Path, run: str | None, also: tuple[Path, ...] = ()) 
     if not stat.S_ISDIR(info.st_mode):
         return f"{path} is not a directory; orch deletes only directories it made"
     real = path.resolve()
-    for place in protected(also):
-        if place == real or real in place.parents:
-            kind = "the current directory" if place == Path.cwd().resolve() else str(place)
-            return f"{path} is {kind} or holds it; orch never deletes it"
+    if kind := _protected_kind(real, also):
+        return f"{path} is {kind} or holds it; orch never deletes it"
     if os.path.lexists(real / ".git"):
         return f"{path} is a repository root ({real}/.git); orch never deletes one"
     owner = marker_run(path)
@@ -142,6 +148,34 @@ def why_not_removable(path: Path, run: str | None, also: tuple[Path, ...] = ()) 
             "or choose another directory"
         )
     return None
+
+
+def why_foreign(path: Path, also: tuple[Path, ...] = (), reports: str = "orch") -> str | None:
+    """Why a run may not write into directory `path` (None: it may): a run writes its final model (README.md,
+    config.json, model.safetensors, the tokenizer's files) at its top, where same-named files would be overwritten, and
+    transformers deletes older checkpoint-* folders there. A run may write into a directory that is not there yet, an
+    empty one, or one an orch run made or wrote into (its marker, or its `reports` folder's: a directory the user made
+    empty for a run stays unmarked, and orch's reports in it are marked; this run's resumes, another's is the user's
+    choice, which the ranks check against its checkpoints' settings); not into what `protected` lists, nor anything
+    else that holds files."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return None
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    real = path.resolve()
+    if kind := _protected_kind(real, also):
+        return f"{path} is {kind} or holds it"
+    if marker_run(real) is not None or marker_run(real / reports) is not None:
+        return None
+    try:
+        names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in os.scandir(real))
+    except OSError as exc:
+        return f"{path} cannot be read ({exc.strerror})"
+    if not names:
+        return None
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"{path} holds files no orch run made ({shown}) and no orch marker ({MARKER})"
 
 
 def remove(path: Path, run: str | None, what: str, also: tuple[Path, ...] = ()) -> bool:

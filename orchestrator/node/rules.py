@@ -12,6 +12,35 @@ from orchestrator.core.overrides import truthy
 from orchestrator.core.parallel import Sizes
 
 
+def check_output_dir(settings: Mapping, env: Mapping[str, str]) -> None:
+    """An output_dir (the TRL config's or an override) that names no directory of the run's own: empty, the file
+    system root, the directory the ranks start in (the repository; a node's workdir) or one above it, a home. The final
+    model (README.md, config.json, model.safetensors, the tokenizer's files) and transformers' checkpoint-* rotation
+    would land among that directory's own files. With CHECKPOINT_ROOT set, orch writes to CHECKPOINT_ROOT/<run>
+    instead (node/script.py). A local run also checks what the directory holds (core/owned.why_foreign)."""
+    import os.path
+
+    if "output_dir" not in settings or env.get("CHECKPOINT_ROOT", "").strip():
+        return
+    value = str(settings["output_dir"] if settings["output_dir"] is not None else "")
+    if not value.strip():
+        raise OrchError(
+            "output_dir= is empty: name the directory the run writes to (output_dir=outputs/my_run), or drop "
+            "output_dir= (orch then picks outputs/<run>, or CHECKPOINT_ROOT/<run> on a cluster)"
+        )
+    plain = os.path.normpath(value)
+    parts = plain.split("/")
+    if set(parts) <= {"", "."} or set(parts) <= {".."} or (plain.startswith("~") and "/" not in plain):
+        where = ("the file system root" if plain.startswith("/") else "a home directory" if plain.startswith("~")
+                 else "the directory the run starts in (the recipe's, on a node its workdir)" if plain == "."
+                 else "above the directory the run starts in")  # fmt: skip
+        raise OrchError(
+            f"output_dir={value}: {where}; the final model's files (README.md, config.json, model.safetensors, the "
+            "tokenizer's) and checkpoint-* folders would go among its own files: give the run a directory of its own "
+            "(output_dir=outputs/my_run), or drop output_dir="
+        )
+
+
 def check_final_model_is_written(accelerate_config: AccelerateConfig | Mapping, accel_path: str) -> None:
     """ZeRO-3 without 16-bit gathering on save writes only a DeepSpeed checkpoint, which transformers cannot load.
 

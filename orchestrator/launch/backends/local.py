@@ -268,7 +268,8 @@ def output_dir_of(launch, run_id: str) -> str:
     root = launch.envs.get("CHECKPOINT_ROOT", "").strip()
     if root:
         return checkpoint_dir(root, run_id)
-    return str(launch.overrides.get("output_dir", f"outputs/{run_id}"))
+    # ~ as the ranks read it (transformers' TrainingArguments expands it), not a folder named ~ in the workdir
+    return os.path.expanduser(str(launch.overrides.get("output_dir", f"outputs/{run_id}")))
 
 
 def forget(output_dir: Path, run_id: str, workdir: Path) -> None:
@@ -297,6 +298,12 @@ def prepare(resolved, run_id: str, fresh: bool, check_only: bool = False) -> Pat
     reports = output_dir / "orch"
     if fresh:  # the whole directory goes, reports included
         what, why = "--fresh", owned.why_not_removable(output_dir, run_id, also=(workdir,))
+    elif why := owned.why_foreign(output_dir, also=(workdir,)):  # the final model would land among others' files
+        given = resolved.overrides.get("output_dir") if "output_dir" in resolved.overrides else None
+        what = f"output_dir={given}" if given is not None else "the run's output directory"
+        why += ("; the final model's files (README.md, config.json, model.safetensors, the tokenizer's) would "
+                "overwrite same-named ones there and transformers deletes checkpoint-* folders in it: give the run a "
+                "new or empty directory (output_dir=outputs/my_run)")  # fmt: skip
     else:
         what, why = "the run's reports directory", owned.why_not_removable(reports, None, also=(workdir,))
     if why:
