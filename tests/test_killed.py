@@ -224,6 +224,14 @@ def test_a_node_that_fails_the_retryable_way_again_and_again_without_progress_gi
     other, _ = run([5, 5], node=1, out=out)  # each node counts its own
     assert other == ["", ""]
     assert retries.give_up("", 0, None, {}) == ""  # nowhere to count: the 75 stands
+    # one launch's exits count together: a managed job's recoveries keep SKYPILOT_TASK_ID; a launch by hand (a new
+    # task id, or a local rerun's new ORCH_RUN_TOKEN) starts its own count, and the first launch's goes on
+    managed = {"SKYPILOT_TASK_ID": "sky-managed-2026-12-06_run_7", "ORCH_STUCK_RETRIES": "2"}
+    by_hand = {**managed, "SKYPILOT_TASK_ID": "sky-2026-12-06-04-50_orch-x_3"}
+    out = tmp_path / "launches"
+    said = [retries.give_up(str(out), 0, None, env, now=2000.0 + i)
+            for i, env in enumerate((managed, managed, by_hand, by_hand, managed, {**by_hand, "ORCH_RUN_TOKEN": "t"}))]
+    assert [bool(s) for s in said] == [False, True, False, True, True, False], said
     # where a rank failed before reporting its output dir, the node reads it from the ranks' argv (node/script.py)
     from orchestrator.node.script import output_dir_in
 

@@ -12,6 +12,11 @@ exits each trained no step beyond the best of the ones before exits 1 instead, s
 count: a failure the node's supervisor reads as the cluster's, a stall its watchdog ended (node/supervise.py) and a
 barrier never passed (node/exec._barrier). Each node counts its own: a 75 only comes from a node that recorded it, so
 the recoveries stop once each node that exits on its own has given up.
+
+Only the exits of one launch count together: SkyPilot's recoveries of a managed job keep its SKYPILOT_TASK_ID
+(sky/jobs/controller.py sets it once for the job), while a launch by hand (`orch run --resume`, `sky launch` again, a
+local rerun: its own ORCH_RUN_TOKEN) gets a new one, and starts its own count: a person relaunching after a fix is
+not stopped by the earlier launch's failures.
 """
 
 from __future__ import annotations
@@ -36,18 +41,20 @@ def give_up(output_dir: str, node: int, step: int | None, env: Mapping[str, str]
         return ""
     where = Path(output_dir).expanduser() / "orch" / "retryable"  # ~/...: as TrainingArguments expands it
     now = time.time() if now is None else now
+    launch = launch_of(env)
     try:
         where.mkdir(parents=True, exist_ok=True)
         name = f"node{node}-{int(now * 1000)}-{uuid.uuid4().hex[:8]}.json"  # two exits never share one
-        (where / name).write_text(json.dumps({"time": now, "step": step}))
+        (where / name).write_text(json.dumps({"time": now, "step": step, "launch": launch}))
     except OSError:
         return ""
     events = []
     for path in where.glob(f"node{node}-*.json"):
         try:
             record = json.loads(path.read_text())
-            events.append((float(record["time"]), record.get("step")))
-        except (OSError, ValueError, TypeError, KeyError):
+            if record.get("launch", launch) == launch:  # a record from before launches were told apart: counted
+                events.append((float(record["time"]), record.get("step")))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
             continue
     best, stuck = -1, 0
     for _, reached in sorted(events):
@@ -60,3 +67,9 @@ def give_up(output_dir: str, node: int, step: int | None, env: Mapping[str, str]
     return (f"node {node} failed the retryable way {times} without training a step {where_words}: not "
             f"retried again (SkyPilot's managed jobs recover on exit 75 without limit; ORCH_STUCK_RETRIES={limit} "
             f"allows more; its record: {where})")
+
+
+def launch_of(env: Mapping[str, str]) -> str:
+    """The launch a node's exit belongs to: SkyPilot's task id (kept by a managed job's recoveries, new for a launch by
+    hand) and a local run's token (new at every `orch run --local`)."""
+    return f"{env.get('SKYPILOT_TASK_ID', '')}|{env.get('ORCH_RUN_TOKEN', '')}"
