@@ -69,7 +69,7 @@ def save_kernel(root: Path, repo: str, variant: str = "torch-cpu", archs: list[s
 
 class Hub:
     def __init__(self, root: Path, gated: set[str] = frozenset(), token: str = "hf_standin_token",
-                 trusted: set[str] = frozenset({"kernels-community"})):  # fmt: skip
+                 trusted: set[str] = frozenset({"kernels-community"}), port: int = 0):  # fmt: skip
         self.root, self.gated, self.token, self.trusted = root, set(gated), token, set(trusted)
         self.requests: list[str] = []
         self.hold, self.downloading = threading.Event(), threading.Event()
@@ -77,7 +77,7 @@ class Hub:
         self.drop = 0  # the next `drop` requests get their connection closed, no answer (a link that drops)
         self.unavailable = 0  # the next `unavailable` requests get 503 (the Hub's own failure)
         self.lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     @property

@@ -116,6 +116,11 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir=recipes"],
      "output_dir=recipes: recipes holds files no orch run made (accel_broken.yaml, "),
     (["run", "phi3_dpo_fsdp", "--local", "--smoke", "output_dir=sky_jobs/corrupt.yaml"], "is a file, not a directory"),
+    # a local run's model or data given as a path that is not here: the ranks would ask the Hub for it, after launch
+    (["run", "phi3_dpo_fsdp", "--local", "model_name_or_path=/nonexistent/m"],
+     "model_name_or_path=/nonexistent/m: no such file or directory here (/nonexistent/m), where a local run's ranks"),
+    (["run", "phi3_dpo_fsdp", "--local", "model_name_or_path=~/nonexistent-model"], "no such file or directory here"),
+    (["run", "phi3_dpo_fsdp", "--local", "dataset_name=./missing"], "dataset_name=./missing: no such file"),
     # GRPO's vLLM: a server the trainers would wait 240 s for on paid GPUs, or one that would serve nobody
     (["run", "qwen25_grpo_ddp", "vllm_mode=server"], "vllm_mode=server and no vLLM server to reach"),
     (["run", "qwen25_grpo_vllm_server", "vllm_mode=colocate"], "runs a vLLM server the trainers would not use"),

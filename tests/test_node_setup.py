@@ -730,6 +730,63 @@ def test_prefetch_quotes_a_refused_connection_not_the_hub_clients_closed_error(t
     assert "org/prefs: ConnectError: [Errno 111] Connection refused; trying again (3/3)" in refused.stdout
 
 
+RANK_LOAD = """
+import sys
+from orchestrator.train import hub_link
+print("mended", hub_link.mend_retries() if sys.argv[1] == "mend" else False, flush=True)
+from huggingface_hub import hf_hub_download
+try:
+    print("got", open(hf_hub_download("org/m", "config.json")).read(), flush=True)
+except Exception as exc:
+    print("failed", repr(hub_link.link_error(exc) or exc), flush=True)
+"""
+
+
+@pytest.mark.e2e  # ~5 s: the Hub comes up 2.5 s after the first try, which huggingface_hub's retry waits out
+@pytest.mark.parametrize("mend", ["mend", "as installed"])
+def test_a_rank_loads_from_a_hub_that_refused_its_first_connection(tmp_path, mend):
+    """A training rank loads its model's and dataset's files through huggingface_hub's retry, which 1.16 ends at
+    once on its closed client after a refused connection (a DNS or network blip ended the run; the rank quoted the
+    RuntimeError). train/entry mends it (hub_link.mend_retries): the retry reaches the Hub once it answers. The library
+    as installed is the control: it fails, while the bug is in it."""
+    import socket
+    import threading
+
+    from huggingface_hub import __version__ as hub_version
+
+    from orchestrator.train import hub_link
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    root = tmp_path / "hub"
+    (root / "models" / "org" / "m").mkdir(parents=True)
+    (root / "models" / "org" / "m" / "config.json").write_text('{"model_type": "qwen2"}')
+    servers: list = []
+
+    def later():
+        time.sleep(2.5)  # after the first try (its process starts, imports, asks): refused
+        servers.append(Hub(root, port=port).__enter__())
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HUB_DISABLE_XET="1")
+    starter = threading.Thread(target=later)
+    starter.start()
+    try:
+        done = subprocess.run([sys.executable, "-c", RANK_LOAD, mend], env=env, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+    finally:
+        starter.join()
+        for server in servers:
+            server.__exit__(None, None, None)
+    assert "'[Errno 111] Connection refused' thrown while requesting HEAD" in done.stderr, done.stderr[-2000:]
+    fixed = tuple(int(p) for p in hub_version.split(".")[:2]) >= hub_link.FIXED_IN
+    if mend == "mend" or fixed:
+        assert done.stdout.splitlines()[-1] == 'got {"model_type": "qwen2"}', done.stdout + done.stderr[-2000:]
+    else:
+        assert done.stdout.splitlines()[-1] == f"failed RuntimeError('{hub_link.CLOSED_CLIENT}.')", done.stdout
+
+
 def test_orch_pull_from_an_unreachable_hub_names_the_network_not_a_token(tmp_path):
     probe = ("from pathlib import Path; from orchestrator.launch import model_out; "
              f"model_out.download('org/model', Path({str(tmp_path / 'out')!r}))")  # fmt: skip
@@ -744,15 +801,16 @@ def test_orch_pull_from_an_unreachable_hub_names_the_network_not_a_token(tmp_pat
 
 
 def test_the_hub_clients_closed_retry_is_still_in_the_installed_huggingface_hub():
-    """The workaround above stays only while the bug does: a huggingface_hub that takes its client on each try (1.28+)
-    fails this, so that prefetch.CLOSED_CLIENT and its handling go."""
+    """The workaround above stays only while the bug does: a huggingface_hub that takes its client on each try (1.27+)
+    fails this, so that prefetch.CLOSED_CLIENT and its handling go, and hub_link.mend_retries with them."""
     import inspect
 
     from huggingface_hub.utils import _http
 
     source = inspect.getsource(_http._http_backoff_base)
     assert source.index("client = get_session()") < source.index("while True"), (
-        "huggingface_hub now opens its client on each try: drop prefetch.CLOSED_CLIENT and its handling"
+        "huggingface_hub now opens its client on each try: drop prefetch.CLOSED_CLIENT and its handling, and "
+        "hub_link.mend_retries"
     )
 
 

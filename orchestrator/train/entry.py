@@ -37,6 +37,7 @@ from orchestrator.train import (
     devices,
     fsdp_adapter,
     hub,
+    hub_link,
     loader_workers,
     loading,
     netcheck,
@@ -335,6 +336,7 @@ def _raised(exc: Exception) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    hub_link.mend_retries()  # before any request to the Hub: its retry after a refused connection works
     if cpu_deepspeed.wanted():  # before TRL's parser builds TrainingArguments, which may start DeepSpeed's comm
         cpu_deepspeed.skip_shm_comm()
     parsed = parse(sys.argv[1:] if argv is None else argv)

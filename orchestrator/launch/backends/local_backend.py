@@ -178,6 +178,19 @@ def _smoke(launch: Launch, user_envs: dict[str, str], user_overrides: dict[str, 
     return smoked, artifacts
 
 
+def _check_local_paths(launch: Launch) -> None:
+    """A model or dataset given as a path (/..., ./..., ../..., ~/...) that is not on this machine, where a local run's
+    ranks load it: they would take it for a Hub id and fail after the launch on the Hub's answer, or on its absence."""
+    for key in ("model_name_or_path", "dataset_name"):
+        value = str(launch.setting(key, "") or "")
+        if not value.startswith(("/", "./", "../", "~")):
+            continue
+        path = launch.recipe.workdir / os.path.expanduser(value)
+        if not path.exists():
+            raise OrchError(f"{key}={value}: no such file or directory here ({path}), where a local run's ranks load "
+                            "it; give an existing path, or a Hub id (org/name)")  # fmt: skip
+
+
 NOT_IDENTITY = ("ORCH_RESUME_CHANGED", "ORCH_MAX_COST", "ORCH_PRICE_PER_HOUR")
 """Envs that change how a run is resumed, capped or priced, never what it trains: not part of a local run's name."""
 
@@ -212,6 +225,8 @@ def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, 
     # The recipe's own consistency (memory is a GPU matter), batch math and env errors, before anything
     # starts: bad input builds no smoke model either.
     check(launch, task_id=run, device="cpu")
+    if artifacts is None:  # a smoke run's tiny model and data are built after the checks
+        _check_local_paths(launch)
     if options.local.netns and (why := netns.available()):
         raise OrchError(why)
     command = secrets.redacted_command(list(options.argv), secret_values.values())
