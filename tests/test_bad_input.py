@@ -121,6 +121,12 @@ BAD = [
      "model_name_or_path=/nonexistent/m: no such file or directory here (/nonexistent/m), where a local run's ranks"),
     (["run", "phi3_dpo_fsdp", "--local", "model_name_or_path=~/nonexistent-model"], "no such file or directory here"),
     (["run", "phi3_dpo_fsdp", "--local", "dataset_name=./missing"], "dataset_name=./missing: no such file"),
+    (["run", "phi3_dpo_fsdp", "--local", "model_name_or_path=./recipes/trl/phi3_dpo.yaml"],
+     "model_name_or_path=./recipes/trl/phi3_dpo.yaml is a file: transformers loads a model from a directory"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "dataset_name=./missing"], "dataset_name=./missing: no such file"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "dataset_name=./recipes/phi3_dpo_fsdp.yaml"],
+     "dataset_name=./recipes/phi3_dpo_fsdp.yaml is a file: TRL loads dataset_name as a Hub id or a directory of data "
+     "files; give the file with --data ./recipes/phi3_dpo_fsdp.yaml"),
     # GRPO's vLLM: a server the trainers would wait 240 s for on paid GPUs, or one that would serve nobody
     (["run", "qwen25_grpo_ddp", "vllm_mode=server"], "vllm_mode=server and no vLLM server to reach"),
     (["run", "qwen25_grpo_vllm_server", "vllm_mode=colocate"], "runs a vLLM server the trainers would not use"),

@@ -178,17 +178,28 @@ def _smoke(launch: Launch, user_envs: dict[str, str], user_overrides: dict[str, 
     return smoked, artifacts
 
 
-def _check_local_paths(launch: Launch) -> None:
+def _check_local_paths(launch: Launch, given: dict[str, str] | None = None) -> None:
     """A model or dataset given as a path (/..., ./..., ../..., ~/...) that is not on this machine, where a local run's
-    ranks load it: they would take it for a Hub id and fail after the launch on the Hub's answer, or on its absence."""
+    ranks load it: they would take it for a Hub id and fail after the launch on the Hub's answer, or on its absence. A
+    dataset_name that is one file: TRL's `load_dataset(dataset_name)` reads a Hub id or a directory, and said only
+    "Couldn't find any data file" after the launch. `given`: only these settings (the user's, in a smoke run)."""
     for key in ("model_name_or_path", "dataset_name"):
-        value = str(launch.setting(key, "") or "")
+        value = str((given.get(key, "") if given is not None else launch.setting(key, "")) or "")
         if not value.startswith(("/", "./", "../", "~")):
             continue
         path = launch.recipe.workdir / os.path.expanduser(value)
         if not path.exists():
             raise OrchError(f"{key}={value}: no such file or directory here ({path}), where a local run's ranks load "
                             "it; give an existing path, or a Hub id (org/name)")  # fmt: skip
+        if key == "model_name_or_path" and path.is_file():
+            raise OrchError(
+                f"model_name_or_path={value} is a file: transformers loads a model from a directory (config.json and "
+                f"the weights) or a Hub id; give the directory, {path.parent}"
+            )
+        if key == "dataset_name" and path.is_file():
+            raise OrchError(f"dataset_name={value} is a file: TRL loads dataset_name as a Hub id or a directory of "
+                            f"data files; give the file with --data {value} (its rows are checked against the "
+                            "trainer's columns first)")  # fmt: skip
 
 
 NOT_IDENTITY = ("ORCH_RESUME_CHANGED", "ORCH_MAX_COST", "ORCH_PRICE_PER_HOUR")
@@ -225,8 +236,8 @@ def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, 
     # The recipe's own consistency (memory is a GPU matter), batch math and env errors, before anything
     # starts: bad input builds no smoke model either.
     check(launch, task_id=run, device="cpu")
-    if artifacts is None:  # a smoke run's tiny model and data are built after the checks
-        _check_local_paths(launch)
+    # a smoke run's tiny model and data are built after the checks: only what the user gave is checked there
+    _check_local_paths(launch, user_overrides if artifacts is not None else None)
     if options.local.netns and (why := netns.available()):
         raise OrchError(why)
     command = secrets.redacted_command(list(options.argv), secret_values.values())
