@@ -104,7 +104,8 @@ def test_a_resume_from_a_checkpoint_without_a_trained_parameter_is_refused(tmp_p
     assert resumption._lost_parameters(trainer, old) == (
         "checkpoint-4 holds no weights for 2 of the 2 trained parameters (weight, ...), so a resume would train them "
         "again from their initialisation (FSDP checkpoints of a PEFT adapter saved before orch wrote the adapter into "
-        "them itself); start a new run in another output_dir (orch run --fresh deletes this one's)")
+        f"them itself); start a new run in another output_dir, or empty this one ({tmp_path}: `orch run --fresh` "
+        "deletes it when orch made it for this same run, rm -r otherwise)")
     assert resumption._lost_parameters(trainer, model_state(tmp_path / "checkpoint-8", ["weight", "bias"])) == ""
     with pytest.raises(SystemExit) as stopped:
         resumption._refuse(trainer.accelerator, "why")

@@ -91,7 +91,8 @@ def test_a_checkpoint_of_another_strategy_is_named_before_anything_loads(tmp_pat
     assert reshape.other_format(accelerator("NO", 1), ds, saved, now) == (
         "checkpoint-4 was saved by DeepSpeed on 2 x 1, and this run is DDP or a single process (1 x 1), which cannot "
         "load it: resume it with DeepSpeed (the shape it was saved on runs it), or start a new run in another "
-        "output_dir (orch run --fresh deletes this one's)")
+        f"output_dir, or empty this one ({ds.parent}: `orch run --fresh` deletes it when orch made it for this same "
+        "run, rm -r otherwise)")
     assert reshape.other_format(accelerator("DEEPSPEED", 1), fsdp, {}, now).startswith(
         "checkpoint-4 was saved by FSDP, and this run is DeepSpeed (1 x 1)")
     assert reshape.other_format(accelerator("FSDP", 1), tmp_path / "absent", saved, now) == ""  # not a traceback

@@ -346,8 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     loading.install()  # ranks fed by FSDP2's broadcast hold no copy of the model meanwhile
     fsdp_adapter.install()  # a PEFT adapter's FSDP2 checkpoints hold the adapter
     loader_workers.install()  # a DataLoader worker that cannot send a batch ends, and its rank with it
-    output_dir = Path(parsed.training_args.output_dir)
-    _AT["output_dir"] = output_dir
+    _AT["output_dir"] = output_dir = Path(parsed.training_args.output_dir)
     progress = Progress.from_env()
     if progress:
         progress.output_dir = str(output_dir.resolve())

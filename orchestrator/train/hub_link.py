@@ -46,7 +46,7 @@ def mend_retries() -> bool:
             client.__class__ = Reopening
         return client
 
-    factory.orch_mended = True  # type: ignore[attr-defined]
+    factory.orch_mended = True  # type: ignore[attr-defined] - a mark on the function, read back above
     huggingface_hub.set_client_factory(factory)
     return True
 

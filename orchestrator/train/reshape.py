@@ -27,6 +27,7 @@ from pathlib import Path
 
 from orchestrator.core import owned
 from orchestrator.core.errors import OrchError
+from orchestrator.train import run_config
 
 RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 
@@ -78,8 +79,8 @@ def other_format(acc, ckpt: Path, saved: dict, now: dict) -> str:
         return ""
     where = f" on {saved['nodes']} x {saved['per_node']}" if saved else ""
     return (f"{ckpt.name} was saved by {was}{where}, and this run is {runs} ({now['nodes']} x {now['per_node']}), "
-            f"which cannot load it: resume it with {was} (the shape it was saved on runs it), or start a new run in "
-            "another output_dir (orch run --fresh deletes this one's)")  # fmt: skip
+            f"which cannot load it: resume it with {was} (the shape it was saved on runs it), or "
+            f"{run_config.start_over(ckpt)}")  # fmt: skip
 
 
 def method(acc, ckpt: Path, saved_world: int | None) -> str:

@@ -40,8 +40,8 @@ def _lost_parameters(trainer, resume: Path) -> str:
         return ""
     return (f"{resume.name} holds no weights for {len(lost)} of the {len(names)} trained parameters "
             f"({lost[0] if lost else '...'}, ...), so a resume would train them again from their initialisation (FSDP "
-            "checkpoints of a PEFT adapter saved before orch wrote the adapter into them itself); start a new run in "
-            "another output_dir (orch run --fresh deletes this one's)")  # fmt: skip
+            f"checkpoints of a PEFT adapter saved before orch wrote the adapter into them itself); "
+            f"{run_config.start_over(resume)}")  # fmt: skip
 
 
 def _reshape(trainer, resume: Path, now: dict, output_dir: Path) -> str:

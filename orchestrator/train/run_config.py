@@ -105,8 +105,14 @@ def compare(ckpt: Path, now: dict, anyway: bool) -> list[str]:
         if not anyway:
             raise OrchError(
                 f"{ckpt.name} was trained with other settings: {words}{more}; to resume anyway set "
-                f"ORCH_RESUME_CHANGED=on (orch run --env ORCH_RESUME_CHANGED=on), or start a new run in another "
-                f"output_dir (orch run --fresh deletes this one's)"
+                f"ORCH_RESUME_CHANGED=on (orch run --env ORCH_RESUME_CHANGED=on), or {start_over(ckpt)}"
             )
         lines.append(f"[orch] resuming {ckpt.name} with changed settings (ORCH_RESUME_CHANGED=on): {words}{more}")
     return lines
+
+
+def start_over(ckpt: Path) -> str:
+    """The way out when a checkpoint cannot be resumed from: its output dir, which `orch run --fresh` deletes only when
+    orch made it for this same run (core/owned.py; an output_dir shared by runs of other settings is another's)."""
+    return (f"start a new run in another output_dir, or empty this one ({ckpt.parent}: `orch run --fresh` deletes it "
+            "when orch made it for this same run, rm -r otherwise)")
