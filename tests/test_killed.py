@@ -108,6 +108,7 @@ def test_the_local_run_names_the_node_whose_rank_left_not_the_first_node_to_exit
     assert _root_cause(first, tmp_path, since) == first  # a node this run does not have
 
 
+@pytest.mark.cli  # three runs of two bash nodes under their guards
 def test_the_local_run_quotes_the_failing_nodes_verdict_not_its_first_error_line(tmp_path):
     """A node's last line says what its supervisor made of its ranks' errors (node/output.verdict): a node that stopped
     asking to be retried quotes why, after the network error its ranks printed first; a kill's cause is quoted bare
@@ -247,7 +248,7 @@ raise SystemExit(1)
 """
 
 
-@pytest.mark.unit
+@pytest.mark.e2e  # three node launchers over a stand-in rank, ~3 s: make test, not the inner loop
 def test_the_node_exits_75_for_a_network_failure_until_it_keeps_coming_back(tmp_path):
     """node/supervise.py over a stand-in rank that fails with NCCL's network error before any progress report: 75
     twice, then exit 1 with a verdict that says why (what `orch run` and `orch logs` quote), its --output_dir read
@@ -276,7 +277,7 @@ time.sleep(120)
 """
 
 
-@pytest.mark.unit
+@pytest.mark.e2e  # two stalls the watchdog waits out, ~4.5 s: make test, not the inner loop
 def test_a_stall_the_watchdog_ends_counts_as_a_retryable_exit(tmp_path):
     """The watchdog's stall (exit 75) goes through node/retries.py too: with ORCH_STUCK_RETRIES=1 the second stall at
     the same step exits 1, its verdict quoting the stall."""
