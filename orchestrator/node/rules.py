@@ -20,9 +20,9 @@ def check_output_dir(settings: Mapping, env: Mapping[str, str]) -> None:
     instead (node/script.py). A local run also checks what the directory holds (core/owned.why_foreign)."""
     import os.path
 
-    if "output_dir" not in settings or env.get("CHECKPOINT_ROOT", "").strip():
-        return
-    value = str(settings["output_dir"] if settings["output_dir"] is not None else "")
+    if settings.get("output_dir") is None or env.get("CHECKPOINT_ROOT", "").strip():
+        return  # none given (`output_dir:` empty in YAML too): transformers' default, trainer_output
+    value = str(settings["output_dir"])
     if not value.strip():
         raise OrchError(
             "output_dir= is empty: name the directory the run writes to (output_dir=outputs/my_run), or drop "

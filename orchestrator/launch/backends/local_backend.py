@@ -194,7 +194,7 @@ def _check_local_paths(launch: Launch, given: dict[str, str] | None = None) -> N
         if key == "model_name_or_path" and path.is_file():
             raise OrchError(
                 f"model_name_or_path={value} is a file: transformers loads a model from a directory (config.json and "
-                f"the weights) or a Hub id; give the directory, {path.parent}"
+                "the weights) or a Hub id; give the model's directory"
             )
         if key == "dataset_name" and path.is_file():
             raise OrchError(f"dataset_name={value} is a file: TRL loads dataset_name as a Hub id or a directory of "
