@@ -207,6 +207,9 @@ def test_a_run_takes_an_empty_directory_the_user_made_and_takes_it_again(repo):
                       f"max_steps={steps}", cwd=repo)  # fmt: skip
         assert result.returncode == 0, result.stdout + result.stderr
     assert "resuming from " in result.stdout and (repo / "empty" / "checkpoint-2").is_dir()
+    # the first run's (max_steps is part of a run's name): said before the launch, as the ranks will compare them
+    assert re.search(r"^\[orch\] output: empty holds run qwen25_sft_ddp-\w+'s files: this run resumes from its "
+                     r"checkpoints where their settings match", result.stdout, re.M), result.stdout[:3000]
     assert owned.marker_run(repo / "empty") is None
 
 

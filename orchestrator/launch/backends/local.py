@@ -312,6 +312,10 @@ def prepare(resolved, run_id: str, fresh: bool, check_only: bool = False) -> Pat
         return output_dir
     if fresh:
         forget(output_dir, run_id, workdir)
+    elif (other := owned.marker_run(output_dir) or owned.marker_run(reports)) and other != run_id:
+        print(f"[orch] output: {output_dir} holds run {other}'s files: this run resumes from its checkpoints where "
+              "their settings match (its ranks compare them; ORCH_RESUME_CHANGED=on resumes anyway), and --fresh "
+              "leaves that directory alone", flush=True)  # fmt: skip
     owned.claim(output_dir, run_id)  # an existing directory orch did not make stays unmarked: --fresh refuses it
     owned.remove(reports, None, "the run's reports directory", also=(workdir,))
     owned.claim(reports, run_id)
