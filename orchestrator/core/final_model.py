@@ -12,6 +12,10 @@ FILES = (
 )  # fmt: skip
 
 
+WRITTEN = "the final model's files (README.md, config.json, model.safetensors, the tokenizer's)"
+"""In words, what a run writes at the top of its output_dir (refusals of an output_dir that is not the run's)."""
+
+
 def is_final_file(name: str) -> bool:
     return "/" not in name and any(fnmatch.fnmatch(name, pattern) for pattern in FILES)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from orchestrator.core import batch, trainers
+from orchestrator.core import batch, final_model, trainers
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import truthy
@@ -35,9 +35,8 @@ def check_output_dir(settings: Mapping, env: Mapping[str, str]) -> None:
                  else "the directory the run starts in (the recipe's, on a node its workdir)" if plain == "."
                  else "above the directory the run starts in")  # fmt: skip
         raise OrchError(
-            f"output_dir={value}: {where}; the final model's files (README.md, config.json, model.safetensors, the "
-            "tokenizer's) and checkpoint-* folders would go among its own files: give the run a directory of its own "
-            "(output_dir=outputs/my_run), or drop output_dir="
+            f"output_dir={value}: {where}; {final_model.WRITTEN} and checkpoint-* folders would go among its own "
+            "files: give the run a directory of its own (output_dir=outputs/my_run), or drop output_dir="
         )
 
 

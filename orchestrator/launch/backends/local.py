@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.core import credentials
+from orchestrator.core import credentials, final_model
 from orchestrator.core.errors import OrchError, retryable
 from orchestrator.core.home import first_early_exit
 from orchestrator.core.knobs import knob
@@ -299,11 +299,10 @@ def prepare(resolved, run_id: str, fresh: bool, check_only: bool = False) -> Pat
     if fresh:  # the whole directory goes, reports included
         what, why = "--fresh", owned.why_not_removable(output_dir, run_id, also=(workdir,))
     elif why := owned.why_foreign(output_dir, also=(workdir,)):  # the final model would land among others' files
-        given = resolved.overrides.get("output_dir") if "output_dir" in resolved.overrides else None
+        given = resolved.overrides.get("output_dir")
         what = f"output_dir={given}" if given is not None else "the run's output directory"
-        why += ("; the final model's files (README.md, config.json, model.safetensors, the tokenizer's) would "
-                "overwrite same-named ones there and transformers deletes checkpoint-* folders in it: give the run a "
-                "new or empty directory (output_dir=outputs/my_run)")  # fmt: skip
+        why += (f"; {final_model.WRITTEN} would overwrite same-named ones there and transformers deletes "
+                "checkpoint-* folders in it: give the run a new or empty directory (output_dir=outputs/my_run)")
     else:
         what, why = "the run's reports directory", owned.why_not_removable(reports, None, also=(workdir,))
     if why:

@@ -183,8 +183,9 @@ def _check_local_paths(launch: Launch, given: dict[str, str] | None = None) -> N
     ranks load it: they would take it for a Hub id and fail after the launch on the Hub's answer, or on its absence. A
     dataset_name that is one file: TRL's `load_dataset(dataset_name)` reads a Hub id or a directory, and said only
     "Couldn't find any data file" after the launch. `given`: only these settings (the user's, in a smoke run)."""
+    setting = given.get if given is not None else launch.setting
     for key in ("model_name_or_path", "dataset_name"):
-        value = str((given.get(key, "") if given is not None else launch.setting(key, "")) or "")
+        value = str(setting(key, "") or "")
         if not value.startswith(("/", "./", "../", "~")):
             continue
         path = launch.recipe.workdir / os.path.expanduser(value)
