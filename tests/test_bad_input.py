@@ -225,7 +225,8 @@ BAD = [
     (["logs", "zero"], "not a regular file"),
     (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", "latin1.jsonl"], "line 2 is not UTF-8 text"),
     (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", "corrupt.parquet"], "not a readable Parquet file"),
-    (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", "hello.jsonl"], "has column messages as str"),
+    (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", "hello.jsonl"],
+     "has column messages as a string (\"hello\")"),
     (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", "/dev/zero.jsonl"], "no such file"),
     (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", ""], "give a JSON Lines (.jsonl) or Parquet"),
     # a --data file is one split, train: an evaluation would look for `test` on the nodes, after the model loaded
@@ -341,9 +342,9 @@ def test_the_table_runs_through_the_installed_cli(bad_project):
 @pytest.mark.parametrize(
     "rows, message",
     [
-        ([{"messages": []}, {"prompt": "x", "answer": "y"}], "row 2 has no column completion (it has answer, prompt); "
-                                                              "TRL's sft trainer reads messages or text or prompt + "
-                                                              "completion, e.g. {\"messages\""),
+        ([{"messages": [{"role": "user", "content": "Hi"}]}, {"prompt": "x", "answer": "y"}],
+         "row 2 has no column completion (it has answer, prompt); TRL's sft trainer reads messages or text or prompt + "
+         "completion, e.g. {\"messages\""),
         (["not json"], "line 1 is not JSON"),
         ([], "the file holds no rows"),
     ],
@@ -429,3 +430,67 @@ def test_dashboard_of_a_run_whose_trackio_copies_are_damaged_says_so(project, mo
     assert "leaving out" in out.out and "file is not a database" in out.out
     assert out.err.count("orch: error:") == 1 and "no readable Trackio database" in out.err
     assert not (project / "cache" / "dashboards" / "r1" / "trackio").exists()
+
+
+_C = [{"role": "assistant", "content": "4"}]
+_M = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "trainer, rows, field, message",
+    [  # each refused row stopped the ranks after the launch before (TRL 1.16, measured by a local smoke run each)
+        ("dpo", [{"prompt": 1, "chosen": "b", "rejected": "c"}], "text", "row 1 has column prompt as a number (1)"),
+        ("dpo", [{"prompt": None, "chosen": "b", "rejected": "c"}], "text", "row 1 has column prompt as null, "),
+        ("dpo", [{"chosen": "b", "rejected": "c"}, {"chosen": _C, "rejected": _C}], "text",
+         "row 2 holds conversations where row 1 holds strings: TRL takes a dataset's format from its first row"),
+        ("dpo", [{"prompt": "2+2?", "chosen": _C, "rejected": _C}], "text",
+         "row 1 has prompt as a string and chosen, rejected as conversations; TRL reads a row as all strings or all"),
+        ("dpo", [{"chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b", "rejected": "c"}], "text",
+         "row 2 has chosen, prompt, rejected where row 1 has chosen, rejected: datasets gives a row a null"),
+        ("sft", [{"text": "hello"}, {"messages": _M}], "text", "row 2 has messages where row 1 has text"),
+        ("sft", [{"messages": []}], "text", "row 1 has column messages as an empty list, "),
+        ("sft", [{"messages": _M, "prompt": "x"}], "text", "row 1 has no column completion (it has messages, prompt)"),
+        ("sft", [{"content": "hello"}], "text", "row 1 has none of the columns TRL's sft trainer reads (it has "
+         "content); it reads messages or text or prompt + completion, e.g. {\"messages\": [{\"role\": \"user\", "
+         "\"content\": \"Hi\"}, {\"role\": \"assistant\", \"content\": \"Hello!\"}]}; dataset_text_field=COLUMN reads "
+         "another column as text"),
+        ("sft", [{"content": 3}], "content", "row 1 has column content as a number (3)"),
+        ("kto", [{"prompt": "a", "completion": "b", "label": "yes"}], "text", "has column label as a string (\"yes\")"),
+        ("grpo", [{"prompt": []}], "text", "row 1 has column prompt as an empty list"),
+        # what TRL reads, accepted: a pair's prompt in every row or none, unread columns as they come, a text column
+        ("dpo", [{"chosen": _C, "rejected": _C}, {"chosen": _C, "rejected": _C, "id": 2}], "text", None),
+        ("dpo", [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 2, "text", None),
+        ("sft", [{"content": "hello"}, {"content": "more", "source": None}], "content", None),
+        ("sft", [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d", "messages": None}], "text",
+         None),
+    ],
+)
+def test_a_data_row_trl_cannot_read_is_refused_by_what_is_wrong(tmp_path, trainer, rows, field, message):
+    """The class of --data rows TRL 1.16 cannot read (core/dataset_format.py): a column in another type, strings and
+    conversations in one row, and rows unlike the first (another column set, another kind), besides a missing column."""
+    import json
+
+    from orchestrator.core.errors import OrchError
+    from orchestrator.launch import data
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if message is None:
+        assert data.check(path, trainer, field) == len(rows)
+        return
+    with pytest.raises(OrchError) as refused:
+        data.check(path, trainer, field)
+    assert str(refused.value).startswith(f"--data {path}: ") and message in str(refused.value), refused.value
+
+
+def test_a_data_files_text_column_is_read_as_dataset_text_field_says(project):
+    """SFT reads a standard row's text from the column dataset_text_field names (TRL's SFTConfig): a --data file of
+    such rows was refused for lacking `text`; it is taken with the setting, and the refusal without it names it."""
+    (project / "notes.jsonl").write_text('{"body": "one note"}\n{"body": "another"}\n')
+    where = ["--gpus", "A100:8", "--dry-run", "--skip-optimizer"]
+    taken = orch("run", "qwen25_sft_ddp", *where, "--data", "notes.jsonl", "dataset_text_field=body", cwd=project)
+    assert taken.returncode == 0, taken.stderr
+    assert "[orch] data: notes.jsonl (2 rows) has the columns TRL's sft trainer reads" in taken.stdout
+    refused = orch("run", "qwen25_sft_ddp", *where, "--data", "notes.jsonl", cwd=project)
+    assert refused.returncode == 2 and "dataset_text_field=COLUMN reads another column as text" in refused.stderr

@@ -1,8 +1,9 @@
 """`orch run --data FILE`: the user's own rows, checked here before anything costs money, then handed to TRL.
 
 A JSON Lines or Parquet file in the trainer's format (TRL's dataset formats: conversational or standard). Every
-JSON Lines row is read (Parquet: its schema and first row, with pyarrow); the first row missing what the trainer
-needs gives one line naming the missing column and a row that would do. The file then travels as
+JSON Lines row is read (Parquet: its schema and first row, with pyarrow); the first row TRL could not read (a missing
+column, a value of another type, strings and conversations mixed, other columns or another format than the first
+row's: core/dataset_format.py) gives one line naming it and a row that would do. The file then travels as
 <dir>/train.<ext>: a SkyPilot file mount at DATA_MOUNT on a cloud, a link in orch's cache locally (a sample of its
 first rows with --smoke), and TRL loads it with `dataset_name=<dir>` (datasets infers the format and the split from
 the file name).
@@ -50,19 +51,23 @@ def _rows(path: Path):
         yield number, row
 
 
-def check(path: Path, trainer: str) -> int:
-    """The number of rows checked; an OrchError naming the first row without the trainer's columns."""
+def check(path: Path, trainer: str, text_field: str = "text") -> int:
+    """The number of rows checked; an OrchError naming the first row TRL could not read (text_field: SFT's
+    dataset_text_field)."""
     if path.suffix not in (".jsonl", ".parquet"):
         raise OrchError(f"--data {path}: give a JSON Lines (.jsonl) or Parquet (.parquet) file in the {trainer} format")
     if not path.exists():
         raise OrchError(f"--data {path}: no such file")
-    count = 0
+    count, first = 0, None
     for number, row in _rows(path):
         if not isinstance(row, dict):
             raise OrchError(f"--data {path}: line {number} is a JSON {type(row).__name__}, not an object")
-        wrong = dataset_format.missing(row, trainer)
+        wrong = dataset_format.missing(row, trainer, text_field)
+        if not wrong and first is not None:
+            wrong = dataset_format.unlike(row, first, trainer, text_field)
         if wrong:
             raise OrchError(f"--data {path}: row {number} {wrong}")
+        first = row if first is None else first
         count += 1
     if not count:
         raise OrchError(f"--data {path}: the file holds no rows")
@@ -91,18 +96,20 @@ def local_dir(path: Path, smoke: bool, cache: Path) -> Path:
     return out
 
 
-def use(file: str, trainer: str, local: bool, smoke: bool, user_overrides: dict[str, str]) -> Path:
-    """`orch run --data FILE`: checked here; TRL then reads it as dataset_name=<its directory> (a key=value word of
-    the user's, so it wins over the recipe's and smoke's)."""
+def use(file: str, launch, local: bool, smoke: bool, user_overrides: dict[str, str]):
+    """`orch run --data FILE`: checked here with the launch's settings (SFT's dataset_text_field); TRL then reads it
+    as dataset_name=<its directory>, a key=value word of the user's (added to `user_overrides`, so it wins over the
+    recipe's and smoke's). Returns (the file, the launch with it)."""
     from orchestrator.core.smoke import cache_root
 
     path = Path(file)
-    rows = check(path, trainer)
+    rows = check(path, launch.trainer, str(launch.setting("dataset_text_field", "text")))
     where = local_dir(path, smoke, cache_root().parent) if local else Path(DATA_MOUNT)
-    user_overrides.update(dataset_name=str(where), dataset_train_split="train")
+    given = {"dataset_name": str(where), "dataset_train_split": "train"}
+    user_overrides.update(given)
     kept = f"; the smoke run trains on its first {min(rows, SMOKE_ROWS)}" if smoke else ""
-    print(f"[orch] data: {path} ({rows} rows) has the columns TRL's {trainer} trainer reads{kept}", flush=True)
-    return path
+    print(f"[orch] data: {path} ({rows} rows) has the columns TRL's {launch.trainer} trainer reads{kept}", flush=True)
+    return path, launch.replace(overrides={**launch.overrides, **given})
 
 
 def check_launch(launch, smoke: bool) -> None:

@@ -33,6 +33,7 @@ def run(launch: Launch) -> str | None:
         "split": launch.setting("dataset_train_split", "train"),
         "model": str(launch.setting("model_name_or_path", "")),
         "trainer": launch.trainer,
+        "text_field": str(launch.setting("dataset_text_field", "text")),  # SFT's text column
         "chat_template_path": launch.setting("chat_template_path"),
         "assistant_only_loss": truthy(launch.setting("assistant_only_loss", False)),
     }

@@ -31,10 +31,11 @@ def _ids(encoded) -> list:
     return list(encoded[0]) if encoded and isinstance(encoded[0], list) else list(encoded)
 
 
-def _texts(row: dict, trainer: str) -> list:
-    """What TRL feeds the model for this row, by the trainer's dataset format (core/trainers.py): message lists or
+def _texts(row: dict, trainer: str, text_field: str = "text") -> list:
+    """What TRL feeds the model for this row, by the columns it reads (core/dataset_format.read): message lists or
     strings (a preference pair: chosen and rejected; a generating trainer: the prompt alone)."""
-    prompt = row.get("prompt")
+    columns = dataset_format.read(row, trainer, text_field) or ()
+    prompt = row.get("prompt") if "prompt" in columns else None
 
     def joined(completion):
         if prompt is None:
@@ -48,11 +49,9 @@ def _texts(row: dict, trainer: str) -> list:
         return [joined(row["chosen"]), joined(row["rejected"])]
     if shape == "prompt":
         return [prompt]
-    if "messages" in row:
-        return [row["messages"]]
-    if "text" in row:
-        return [row["text"]]
-    return [joined(row["completion"])]
+    if "completion" in columns:
+        return [joined(row["completion"])]
+    return [row[columns[0]]]  # SFT's messages or text field
 
 
 def _unreachable(name: str) -> str | None:
@@ -117,11 +116,12 @@ def check(request: dict) -> dict:
     evaluated = _eval_split(request)
     if evaluated:
         return evaluated
-    wrong = dataset_format.missing(row, trainer)
+    text_field = request.get("text_field") or "text"
+    wrong = dataset_format.missing(row, trainer, text_field)
     if wrong:
         return {"fatal": True, "error": f"dataset {name}: its first row {wrong}", "columns": sorted(row)}
     out = {"columns": sorted(row)}
-    texts = _texts(row, trainer)
+    texts = _texts(row, trainer, text_field)
     chat = any(dataset_format.conversational(t) for t in texts)
     out["conversational"] = chat
     try:

@@ -46,13 +46,12 @@ class LocalBackend:
         gpus = parse_gpus(options.gpus) if options.gpus is not None else None
         if gpus and gpus.name not in (None, CPU):
             raise OrchError(f"--gpus {options.gpus}: --local runs CPU processes; use --gpus CPU:{gpus.count}")
-        if request.data is not None:
-            from orchestrator.launch import data
-
-            data.use(request.data, request.recipe.trainer, True, options.local.smoke, request.overrides)
         launch = resolve(request.recipe, nodes=options.nodes, gpus=Gpus(CPU, gpus.count if gpus else 1),
                          envs=request.envs, trl_overrides=request.overrides, secrets=request.secrets)  # fmt: skip
         if request.data is not None:
+            from orchestrator.launch import data
+
+            launch = data.use(request.data, launch, True, options.local.smoke, request.overrides)[1]
             data.check_launch(launch, options.local.smoke)
         result, ran = _local_once(options, launch, request.envs, request.overrides, request.secrets)
         if result.returncode == 0 or not memory_fix.is_oom(result.error):

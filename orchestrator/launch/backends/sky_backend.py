@@ -51,17 +51,16 @@ class SkyBackend:
             envs.update(ORCH_DEVICE="cpu", ORCH_GPUS_PER_NODE=str(cpus))
             if options.local.smoke:
                 envs["ORCH_SMOKE"] = "on"
-        data_file = None
-        if request.data is not None:
-            from orchestrator.launch import data
-
-            data_file = data.use(request.data, request.recipe.trainer, False, False, request.overrides)
         launch = resolve(request.recipe, nodes=options.nodes, gpus=gpus, envs=envs,
                          trl_overrides=request.overrides, secrets=request.secrets)  # fmt: skip
         if launch.gpus is None or launch.gpus.name is None:
             example = f"--gpus A100:{gpus.count}" if gpus else "--gpus A100:8"
             raise OrchError(f"the recipe names no accelerator in resources.accelerators; give one, e.g. {example}")
-        if data_file is not None:
+        data_file = None
+        if request.data is not None:
+            from orchestrator.launch import data
+
+            data_file, launch = data.use(request.data, launch, False, False, request.overrides)
             data.check_launch(launch, options.local.smoke)
         return _launch(options, launch, request.envs, request.secrets, data_file)
 
