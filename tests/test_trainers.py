@@ -135,3 +135,28 @@ def test_orch_status_shows_the_trainers_first_measure_from_a_log_or_a_step_line(
               "rewards/digit/mean=0.5 | 41 tok/s | elapsed 0m09s | ETA 0m15s"  # fmt: skip
     assert progress.from_lines(printed)["metric"] == "reward=0.8125"
     assert "metric" not in progress.from_lines("[orch] step 3/8 loss=0.5 learning_rate=5e-07 | 41 tok/s")
+
+
+def test_the_rows_trl_drops_are_named_by_each_trainers_rule_and_only_where_rows_are_counted():
+    """train/kept.py: TRL's own rule for the rows it leaves out, per trainer, with the run's settings; nothing said
+    where the split is streamed (no length), where SFT packs rows into sequences, or where nothing was left out."""
+    from types import SimpleNamespace
+
+    from orchestrator.train import kept
+
+    args = SimpleNamespace(max_length=512, truncation_mode="keep_end", packing=False)
+    sft = kept.judge("sft", 10, 7, args)
+    assert kept.line("sft", sft) == (
+        "[orch] data: TRL's sft trainer kept 7 of 10 training rows (3 left out, 30%): it drops each row left with no "
+        "token to learn from once cut to max_length=512 (truncation_mode=keep_end: a prompt or other turns that fill "
+        "it, or no completion)"
+    )
+    assert kept.judge("reward", 4, 1, args)["why"] == "each pair whose chosen or rejected is longer than max_length=512"
+    assert kept.judge("grpo", 4, 3, args)["why"] == "rows it cannot use"  # no rule known: said as such
+    assert kept.line("dpo", kept.judge("dpo", 5, 5, args)) is None
+    assert kept.judge("sft", 10, 3, SimpleNamespace(max_length=64, packing=True)) is None
+    assert kept.judge("dpo", None, 3, args) is None and kept.judge("dpo", 3, None, args) is None
+    with pytest.raises(ValueError, match=r"^TRL's kto trainer kept none of the 1,200 training rows: it drops each row "
+                                         r"whose prompt alone fills max_length=512; raise max_length"):  # fmt: skip
+        kept.judge("kto", 1200, 0, args)
+    assert kept.count(iter([])) is None and kept.count([1, 2]) == 2

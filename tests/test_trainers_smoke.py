@@ -208,6 +208,34 @@ def test_copied_template_runs_on_the_users_own_file(project):
     assert (dataset / "train.jsonl").read_text().splitlines() == mine.read_text().splitlines()[:128]
 
 
+def test_the_rows_trl_leaves_out_are_counted_and_an_empty_split_is_refused(project):
+    """TRL's DPO trainer drops a row whose prompt alone fills max_length, without a word: the run says how many rows
+    it trained on (rank 0's line, the summary, the rank report), and a split left empty is one line naming the
+    setting, where torch said `num_samples should be a positive integer value, but got num_samples=0`."""
+    long = "Think about this long question on arithmetic and numbers first. " * 6
+
+    def rows(prompts):
+        pair = {"chosen": [{"role": "assistant", "content": "4"}], "rejected": [{"role": "assistant", "content": "5"}]}
+        return "".join(json.dumps({"prompt": [{"role": "user", "content": q}], **pair}) + "\n" for q in prompts)
+
+    (project / "some.jsonl").write_text(rows([f"{long}{i}+2?" if i % 3 == 0 else f"{i}+2?" for i in range(24)]))
+    (project / "all.jsonl").write_text(rows([f"{long}{i}+2?" for i in range(8)]))
+    why = "each row whose prompt alone fills max_length=64 (truncation_mode=keep_start; keep_end keeps them)"
+    some = orch("run", "phi3_dpo_fsdp", "--local", "--smoke", "--data", "some.jsonl", cwd=project)
+    assert some.returncode == 0, some.stdout[-3000:]
+    assert f"(node0) [orch] data: TRL's dpo trainer kept 16 of 24 training rows (8 left out, 33%): it drops {why}\n" \
+        in some.stdout  # fmt: skip
+    assert f"\n[orch] data: trained on 16 of the split's 24 rows; TRL's dpo trainer left out 8: {why}\n" in some.stdout
+    (report,) = (project / "outputs").glob("*/orch/rank0.json")
+    assert json.loads(report.read_text())["rows"] == {"given": 24, "kept": 16, "why": why}
+    empty = orch("run", "phi3_dpo_fsdp", "--local", "--smoke", "--data", "all.jsonl", cwd=project)
+    assert empty.returncode == 1
+    assert empty.stdout.strip().splitlines()[-1].endswith(
+        f"exited with code 1: ValueError: TRL's dpo trainer kept none of the 8 training rows: it drops {why}; raise "
+        "max_length, or give shorter rows"
+    ), empty.stdout[-2000:]
+
+
 def run_watching_a_secret(project: Path, env: dict, secret: str, *args: str):
     """`orch *args`; once its training processes are up, every process of the run and every command line on the
     machine is read: (the run's result, whether the secret reached the nodes' environment, command lines seen)."""

@@ -154,6 +154,11 @@ def summary(output_dir: Path) -> list[str]:
             "data-parallel ranks x "
             f"{head['gradient_accumulation_steps']} accumulation)"
         )
+    rows = head.get("rows") or {}
+    if rows.get("why"):  # TRL left rows of the training split out (train/kept.py)
+        out = rows["given"] - rows["kept"]
+        lines.append(f"[orch] data: trained on {rows['kept']:,} of the split's {rows['given']:,} rows; TRL's "
+                     f"{head.get('trainer')} trainer left out {out:,}: {rows['why']}")  # fmt: skip
     if head.get("stopped"):
         lines.append(f"[orch] stopped early at step {head['optimizer_steps']}: {head['stopped']}")
     log = output_dir / "orch" / "log.jsonl"

@@ -56,6 +56,9 @@ class TrainerSpec:
     min_micro_batch_why: str = ""
     smoke_overrides: Mapping[str, str] = field(default_factory=dict)
     """TRL arguments a smoke run adds for this trainer (core/smoke.py sets the shared ones)."""
+    drops: str = ""
+    """Which rows TRL 1.16's trainer leaves out of the training split as it prepares it (`{max_length}` and
+    `{truncation_mode}` filled in from its settings): train/kept.py says how many and refuses a split left empty."""
     metrics: tuple[str, ...] = ()
     """TRL's own log keys that say how this trainer's training goes besides the loss (TRL 1.16's names; `*` stands
     for one path part, a reward function's name): each step line and the run's summary show them."""
@@ -101,10 +104,14 @@ SPECS: dict[str, TrainerSpec] = {
             {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
             smoke_overrides={"max_length": "64", "packing": "false", "padding_free": "false"},
             metrics=("mean_token_accuracy",),
+            drops="each row left with no token to learn from once cut to max_length={max_length} "
+                  "(truncation_mode={truncation_mode}: a prompt or other turns that fill it, or no completion)",
         ),
         TrainerSpec(
             "dpo", "DPOTrainer", "preference", (("chosen", "rejected"),), _PAIR, rows_per_sample=2,
             reference="always", smoke_overrides={"max_length": "64"}, metrics=("rewards/accuracies", "rewards/margins"),
+            drops="each row whose prompt alone fills max_length={max_length} (truncation_mode=keep_start; keep_end "
+                  "keeps them)",
         ),
         TrainerSpec(
             "kto", "KTOTrainer", "unpaired", (("prompt", "completion", "label"),),
@@ -112,10 +119,12 @@ SPECS: dict[str, TrainerSpec] = {
             reference="always", min_micro_batch=2,
             min_micro_batch_why="its KL baseline pairs mismatched samples of one micro-batch",
             smoke_overrides={"max_length": "64", "per_device_train_batch_size": "2"}, metrics=("rewards/margins", "kl"),
+            drops="each row whose prompt alone fills max_length={max_length}",
         ),
         TrainerSpec(
             "reward", "RewardTrainer", "preference", (("chosen", "rejected"),), _PAIR, rows_per_sample=2,
             fused_head=False, smoke_overrides={"max_length": "64"}, metrics=("accuracy", "margin"),
+            drops="each pair whose chosen or rejected is longer than max_length={max_length}",
         ),
         TrainerSpec(
             "grpo", "GRPOTrainer", "prompt", (("prompt",),), {"prompt": [{"role": "user", "content": "What is 2+2?"}]},

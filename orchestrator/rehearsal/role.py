@@ -124,7 +124,7 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
     )
     if script[:2] != ["-m", "orchestrator.train"] and script[0] != "orchestrator.train":
         raise ValueError(f"the node would run {script[0]}, not orch's training entry")
-    from orchestrator.train import checkpoints, entry
+    from orchestrator.train import checkpoints, entry, ran
 
     args = script[1:] if script[0] == "orchestrator.train" else script[2:]
     said = io.StringIO()  # argparse prints what it refuses, then exits 2: the finding is that line, not "SystemExit: 2"
@@ -162,7 +162,7 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
             facts["rewards"] = call_rewards(trainer)
     if acc.ddp_handler is not None and acc.distributed_type.value in ("MULTI_GPU", "MULTI_CPU"):  # as DDP will get it
         facts["ddp_find_unused_parameters"] = bool(acc.ddp_handler.find_unused_parameters)
-    adapter = entry.adapter_facts(trainer.model)  # PEFT: an adapter trains, the base stays frozen (4-bit: QLoRA)
+    adapter = ran.adapter_facts(trainer.model)  # PEFT: an adapter trains, the base stays frozen (4-bit: QLoRA)
     if adapter:
         facts["trainable_params"], facts["linear4bit"] = adapter["trainable_params"], adapter["linear4bit"]
     if acc.parallelism_config is not None:

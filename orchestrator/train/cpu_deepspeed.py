@@ -10,7 +10,7 @@ builder), so leaving it out also keeps the CPU run closer to the GPU one.
 The switch is DeepSpeed's own: `build_shm_op` builds only ops marked compatible in `deepspeed.ops.__compatible_ops__`,
 a dict DeepSpeed keeps as one object so that edits to it persist (its comment). CPU Adam (ZeRO offload) is another
 op and still builds when a recipe offloads. The rank report reads back whether the live comm backend holds the op
-(`train/entry.strategy_facts`: shm_comm).
+(`train/ran.strategy_facts`: shm_comm).
 """
 
 from __future__ import annotations

@@ -38,10 +38,11 @@ from orchestrator.train import (
     fsdp_adapter,
     hub,
     hub_link,
+    kept,
     loader_workers,
     loading,
     netcheck,
-    precision,
+    ran,
     resumption,
     run_config,
     tracking,
@@ -131,86 +132,12 @@ def build(parsed: Parsed, callbacks: list, *mixins: type, memory: loading.HostMe
     from transformers.trainer_callback import PrinterCallback
 
     trainer.orch_load_dtype = load_dtype(trainer.model)  # the final model's dtype (train/checkpoints.load_dtype)
+    trainer.orch_rows_given = kept.count(dataset[script_args.dataset_train_split])  # the split as loaded
     trainer.remove_callback(PrinterCallback)  # OrchCallback prints the step lines; full metrics in orch/log.jsonl
     return trainer
 
 
 # ---------------------------------------------------------------- the training process
-
-
-def _reference_facts(trainer, sharded) -> dict:
-    """DPO/KTO's frozen reference model (prepared by TRL): how many of its parameters `sharded(p)` holds."""
-    ref = getattr(trainer, "ref_model", None)
-    if ref is None:
-        return {}
-    params = list(ref.parameters())
-    return {"ref_sharded_params": sum(map(sharded, params)), "ref_params": len(params)}
-
-
-def strategy_facts(trainer) -> dict:
-    """What sharding really ran, read from the trained model and the engine, never from a config: FSDP's version,
-    how many parameters are DTensors (sharded by fully_shard) and the state dict type; DeepSpeed's ZeRO stage and
-    how many parameters ZeRO-3 partitioned; DDP's find_unused_parameters."""
-    from accelerate.utils import DistributedType
-
-    acc = trainer.accelerator
-    params = list(trainer.model.parameters())
-    if acc.distributed_type == DistributedType.FSDP:
-        from torch.distributed.tensor import DTensor
-
-        plugin = acc.state.fsdp_plugin
-        facts = {
-            "fsdp_version": plugin.fsdp_version,
-            "sharded_params": sum(isinstance(p, DTensor) for p in params),
-            "params": len(params),
-            "state_dict_type": str(plugin.state_dict_type).rsplit(".", 1)[-1],
-        }
-        return {**facts, **_reference_facts(trainer, lambda p: isinstance(p, DTensor))}
-    if acc.distributed_type == DistributedType.DEEPSPEED:
-        engine = acc.deepspeed_engine_wrapped.engine if acc.deepspeed_engine_wrapped else trainer.model_wrapped
-        facts = {
-            "zero_stage": int(engine.zero_optimization_stage()),
-            "sharded_params": sum(hasattr(p, "ds_tensor") for p in params),
-            "params": len(params),
-        }
-        if acc.device.type == "cpu":  # the shared-memory op of DeepSpeed's CPU comm (train/cpu_deepspeed.py)
-            facts["shm_comm"] = cpu_deepspeed.shm_comm_built()
-        parallelism = getattr(acc, "parallelism_config", None)  # the live accelerator's, as the ranks built it
-        if parallelism is not None and (parallelism.sp_size or 1) > 1:
-            facts["sp_size"] = int(parallelism.sp_size)
-        return {**facts, **_reference_facts(trainer, lambda p: hasattr(p, "ds_tensor"))}
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(trainer.model_wrapped, DistributedDataParallel):  # DDP: whether it searched for unused parameters
-        # at every step (transformers turns it on for any model that is not a PreTrainedModel, a PeftModel included)
-        return {"ddp_find_unused_parameters": bool(trainer.model_wrapped.find_unused_parameters)}
-    return {}
-
-
-def adapter_facts(model) -> dict | None:
-    """PEFT, read from the trained model: how many parameters trained, of how many, and how many of its linear
-    layers are bitsandbytes 4-bit ones (QLoRA); None when every parameter trained."""
-    params = list(model.parameters())
-    trainable = sum(p.numel() for p in params if p.requires_grad)
-    total = sum(p.numel() for p in params)
-    if trainable == total:
-        return None
-    return {"trainable_params": trainable, "params": total, "linear4bit": precision.linear4bit(model)}
-
-
-def recompute_facts(model) -> dict | None:
-    """Activation checkpointing, read from the trained model: its decoder layers (transformers' GradientCheckpointing
-    Layer), those whose gradient_checkpointing flag is on (transformers' gradient checkpointing) and torch's
-    CheckpointWrapper modules (FSDP's activation checkpointing, which accelerate wraps around each layer); None when
-    the backward recomputes nothing."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    modules = list(model.modules())
-    layers = [m for m in modules if isinstance(m, GradientCheckpointingLayer)]
-    flagged = sum(bool(getattr(m, "gradient_checkpointing", False)) for m in layers)
-    wrapped = sum(isinstance(m, CheckpointWrapper) for m in modules)  # FSDP2 renames its class (FSDPCheckpointWrapper)
-    return {"layers": len(layers), "transformers": flagged, "fsdp": wrapped} if flagged or wrapped else None
 
 
 def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | None, strategy: dict) -> dict:
@@ -229,14 +156,15 @@ def _report(trainer, callback: OrchCallback, resume: Path | None, final: dict | 
         "world_size": acc.num_processes,
         "distributed_type": acc.distributed_type.value,
         "strategy": strategy,
-        "adapter": adapter_facts(trainer.model),
+        "adapter": ran.adapter_facts(trainer.model),
         "precision": callback.precision,  # the first step's compute dtype and what its optimizer updated
-        "recompute": recompute_facts(trainer.model),
+        "recompute": ran.recompute_facts(trainer.model),
         "backend": dist().get_backend() if dist() else None,
         "device": str(acc.device),
         # the attention the model's layers call, as transformers resolved it (a recipe's kernel can fall back)
         "attention": getattr(getattr(acc.unwrap_model(trainer.model), "config", None), "_attn_implementation", None),
         "train_dataset": type(trainer.train_dataset).__name__,  # IterableDataset where dataset_streaming streamed it
+        "rows": trainer.orch_rows,  # the split's rows and those TRL kept (train/kept.py)
         "local_samples": int(local.item()),
         "total_samples": int(total.item()) // sharing,
         "data_parallel_ranks": acc.num_processes // sharing,
@@ -361,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     _AT["trainer"] = trainer
     callback.timeline["model_loaded"] = time.time()
     acc = trainer.accelerator
+    kept.read_back(parsed.trainer, trainer, acc.is_main_process)  # the rows TRL left out: said, or an empty split
     if hub.repo() and acc.is_main_process:
         hub.prepare(hub.repo())
     node, nodes = node_of_process()
@@ -383,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
             callback.tracker.copy_to(output_dir)
     if progress:
         progress.busy("final")
-    strategy = strategy_facts(trainer)  # before the final save gathers
+    strategy = ran.strategy_facts(trainer)  # before the final save gathers
     final = save_final_model(trainer, parsed.training_args.output_dir)
     _print_final(final)
     report = _report(trainer, callback, Path(resume) if resume else None, final, strategy)
