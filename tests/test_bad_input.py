@@ -229,6 +229,12 @@ BAD = [
      "has column messages as a string (\"hello\")"),
     (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", "/dev/zero.jsonl"], "no such file"),
     (["run", "qwen25_sft_ddp", "--local", "--smoke", "--data", ""], "give a JSON Lines (.jsonl) or Parquet"),
+    # transformers' own Hub push: the whole output_dir at every save; orch pushes the final model (--push-to-hub)
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "push_to_hub=true", "hub_model_id=me/dpo"],
+     "push_to_hub=true: transformers would upload the whole output_dir (orch's reports included) at every save; orch "
+     "pushes the final model, its token checked before training: drop push_to_hub and pass --push-to-hub me/dpo "
+     "--secret HF_TOKEN"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "push_to_hub=1"], "pass --push-to-hub OWNER/NAME --secret HF_TOKEN"),
     # a --data file is one split, train: an evaluation would look for `test` on the nodes, after the model loaded
     (["run", "qwen25_sft_ddp", "--data", "chat.jsonl", "eval_strategy=steps"], "--data gives one split, train, and "
      "eval_strategy=steps evaluates on dataset_test_split=test: add dataset_test_split=train"),

@@ -293,3 +293,32 @@ def test_a_stall_the_watchdog_ends_counts_as_a_retryable_exit(tmp_path):
     assert re.match(r"\[orch\] failed on node 0: accelerate exited with code \d+: orch: error: node 0 failed the "
                     r"retryable way once without training a step beyond step 0: not retried again .*: "
                     r"stalled on node 0", last), last  # fmt: skip
+
+
+@pytest.mark.unit
+def test_a_traceback_s_last_line_is_quoted_whatever_its_class_is_called():
+    """Python prints an exception of another package with its module, and not every class name ends in Error: the
+    node and the local run quoted nothing for huggingface_hub's OfflineModeIsEnabled (push_to_hub offline), pyarrow's
+    ArrowInvalid (a JSON file datasets cannot parse), a network timeout or Triton's OutOfResources; log lines that
+    name a module are not errors."""
+    from orchestrator.node.output import error_of
+
+    for line in [
+        "[rank0]: huggingface_hub.errors.OfflineModeIsEnabled: Cannot reach https://huggingface.co/api/repos/create",
+        "pyarrow.lib.ArrowInvalid: JSON parse error: Column(/chosen) changed from string to array in row 1",
+        "requests.exceptions.ReadTimeout: HTTPSConnectionPool(host='huggingface.co', port=443): Read timed out.",
+        "triton.runtime.errors.OutOfResources: out of resource: shared memory, Required: 131072, Hardware limit: 1013",
+        "KeyboardInterrupt: stopped",
+        "[rank1]: ValueError: text input must be of type `str`",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+    ]:
+        assert error_of(line) == line.removeprefix("[rank0]: ").removeprefix("[rank1]: "), line
+    for line in [
+        "torch.distributed.elastic.multiprocessing.api: [WARNING] Sending process 12 closing signal SIGTERM",
+        "[2026-12-06 07:14:47,752] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.",
+        "E1206 07:31:36.952000 31203 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1)",
+        "  File \"/work/main/orchestrator/train/entry.py\", line 118, in build",
+        "e.g. Foo: not a class",
+        "/x/trl/trainer/dpo_trainer.py:12: UserWarning: a warning, printed",
+    ]:
+        assert error_of(line) == "", line

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import re
 
-# `ValueError: ...`, `torch.OutOfMemoryError: ...`, `[rank1]: RuntimeError: ...`, `orch: error: ...`
-ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)|orch: error): .*\S)")
+# A traceback's last line, `ValueError: ...`, `torch.OutOfMemoryError: ...`, `[rank1]: RuntimeError: ...`, and a
+# class of another package whatever its name ends with, which Python prints with its module (`huggingface_hub.errors.
+# OfflineModeIsEnabled: ...`, `pyarrow.lib.ArrowInvalid: ...`, `requests.exceptions.ReadTimeout: ...`,
+# `triton.runtime.errors.OutOfResources: ...`); and orch's own `orch: error: ...`
+ERROR = re.compile(
+    r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*\.[A-Z]\w*|"
+    r"KeyboardInterrupt|StopIteration|orch: error): .*\S)"
+)
 # what the launchers say after a rank failed: they quote nothing the user can act on
 SUMMARIES = ("ChildFailedError", "CalledProcessError", "SignalException", "DistBackendError: [", "orch: error: node")
 MAX_ERROR_LINES = 50

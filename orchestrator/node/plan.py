@@ -129,6 +129,7 @@ def plan(
     accelerate_config = AccelerateConfig.of(accelerate_config, f"Accelerate config {recipe.accel_path}")
     accelerate_schema.check_config(accelerate_config.raw, recipe.accel_path)
     rules.check_output_dir(settings, env)
+    rules.check_hub_push(settings)
     rules.check_final_model_is_written(accelerate_config, recipe.accel_path)
     rules.check_reference_model_loading(recipe.trainer, accelerate_config, settings, recipe.accel_path)
     rules.check_recomputed_dropout(accelerate_config, settings, recipe.accel_path)

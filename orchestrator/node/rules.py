@@ -40,6 +40,22 @@ def check_output_dir(settings: Mapping, env: Mapping[str, str]) -> None:
         )
 
 
+def check_hub_push(settings: Mapping) -> None:
+    """transformers' own push (push_to_hub, a TRL config's or an override): rank 0 would upload the whole output_dir
+    at every save, orch's reports and Trackio copies included, and create the repo as the trainer is built, which the
+    rehearsal (offline) cannot. orch pushes the final model alone, after checking the token before training
+    (train/hub.py): the fix names it, with the repo the settings give."""
+    if not truthy(settings.get("push_to_hub", False)):
+        return
+    repo = str(settings.get("hub_model_id") or "OWNER/NAME")
+    raise OrchError(
+        "push_to_hub=true: transformers would upload the whole output_dir (orch's reports included) at every save; "
+        "orch pushes the final model, its token checked before training: drop push_to_hub and pass "
+        f"--push-to-hub {repo} --secret HF_TOKEN (with plain sky launch: --env ORCH_PUSH_TO_HUB={repo} --secret "
+        "HF_TOKEN)"
+    )
+
+
 def check_final_model_is_written(accelerate_config: AccelerateConfig | Mapping, accel_path: str) -> None:
     """ZeRO-3 without 16-bit gathering on save writes only a DeepSpeed checkpoint, which transformers cannot load.
 
