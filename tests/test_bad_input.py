@@ -235,6 +235,13 @@ BAD = [
      "pushes the final model, its token checked before training: drop push_to_hub and pass --push-to-hub me/dpo "
      "--secret HF_TOKEN"),
     (["run", "phi3_dpo_fsdp", "--dry-run", "push_to_hub=1"], "pass --push-to-hub OWNER/NAME --secret HF_TOKEN"),
+    # resume_from_checkpoint that holds no checkpoint: the ranks stopped on FileNotFoundError after the model loaded
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "resume_from_checkpoint=outputs/nope/checkpoint-4"],
+     "resume_from_checkpoint=outputs/nope/checkpoint-4: no such directory"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "resume_from_checkpoint=hello.jsonl"],
+     "resume_from_checkpoint=hello.jsonl: not a directory"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "resume_from_checkpoint=recipes"],
+     "resume_from_checkpoint=recipes: a directory without trainer_state.json"),
     # a --data file is one split, train: an evaluation would look for `test` on the nodes, after the model loaded
     (["run", "qwen25_sft_ddp", "--data", "chat.jsonl", "eval_strategy=steps"], "--data gives one split, train, and "
      "eval_strategy=steps evaluates on dataset_test_split=test: add dataset_test_split=train"),
@@ -500,3 +507,24 @@ def test_a_data_files_text_column_is_read_as_dataset_text_field_says(project):
     assert "[orch] data: notes.jsonl (2 rows) has the columns TRL's sft trainer reads" in taken.stdout
     refused = orch("run", "qwen25_sft_ddp", *where, "--data", "notes.jsonl", cwd=project)
     assert refused.returncode == 2 and "dataset_text_field=COLUMN reads another column as text" in refused.stderr
+
+
+@pytest.mark.unit
+def test_every_rank_refuses_a_resume_from_checkpoint_that_holds_none(tmp_path, capsys):
+    """On a cloud node the path is the node's: each rank judges it (train/resumption.py) before transformers reads
+    its trainer_state.json; rank 0 says why, every rank exits 2."""
+    from types import SimpleNamespace
+
+    from orchestrator.train import resumption
+
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(is_main_process=True))
+    gone = tmp_path / "checkpoint-4"
+    with pytest.raises(SystemExit) as ended:
+        resumption.checkpoint(trainer, None, str(gone), tmp_path)
+    assert ended.value.code == 2
+    assert capsys.readouterr().out == (
+        f"orch: error: resume_from_checkpoint={gone}: no such directory ({gone}), not a"
+        " checkpoint transformers resumes from (a checkpoint-N directory with trainer_state.json); orch resumes "
+        "from output_dir's newest complete checkpoint by itself: drop resume_from_checkpoint, or give a checkpoint's "
+        "directory\n"
+    )

@@ -80,6 +80,18 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(project):
     assert "(node1) [orch] tracking node 1 in Trackio project 'qwen25_sft_ddp'" in rerun.stdout
     assert "(continuing from step 4)" in rerun.stdout
 
+    # TRL's resume_from_checkpoint: another output_dir trains on from the checkpoint given, at the same losses
+    elsewhere = project / "elsewhere"
+    given = orch(*COMMAND, f"output_dir={elsewhere}", f"resume_from_checkpoint={output_dir / 'checkpoint-4'}",
+                 cwd=project)  # fmt: skip
+    assert given.returncode == 0, given.stdout[-3000:]
+    assert f"(node0) [orch] rank 0/2: distributed_type=MULTI_CPU device=cpu:0 backend=gloo resuming from {output_dir}/" \
+        "checkpoint-4\n" in given.stdout, given.stdout[-3000:]  # fmt: skip
+    resumed = loss_log(elsewhere)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(expected[step], abs=1e-4), step
+
     # the TRL config edited between runs: resuming checkpoint-8 is refused on the node, naming the change, until
     # ORCH_RESUME_CHANGED=on (which keeps the run: the same output dir) resumes it and says so (issue 30, item 7)
     assert json.loads((output_dir / "checkpoint-8" / "orch_config.json").read_text())["shape"] == {

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import NoReturn
 
+from orchestrator.core import resume_from
 from orchestrator.core.errors import OrchError
 from orchestrator.core.home import run_id
 from orchestrator.core.knobs import knob
@@ -66,6 +67,8 @@ def checkpoint(trainer, callback, given: str | None, output_dir: Path) -> Path |
     after the checks above; None for a run from step 0. Sets callback.reshaped."""
     acc = trainer.accelerator
     resume = Path(given) if given else None
+    if resume is not None and (why := resume_from.problem(str(given), resume)):
+        _refuse(acc, why)
     if resume is None:
         node = node_of_process()[0]
         mine = node if acc.is_local_main_process else None  # node-local mains re-hash their share

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from orchestrator.core import resume_from
 from orchestrator.core.errors import OrchError
 from orchestrator.launch.records import Record, RunState
 
@@ -200,6 +201,9 @@ def _check_local_paths(launch: Launch, given: dict[str, str] | None = None) -> N
             raise OrchError(f"dataset_name={value} is a file: TRL loads dataset_name as a Hub id or a directory of "
                             f"data files; give the file with --data {value} (its rows are checked against the "
                             "trainer's columns first)")  # fmt: skip
+    resume = str(setting("resume_from_checkpoint", "") or "")  # read by the ranks as given, relative or not
+    if resume and (why := resume_from.problem(resume, launch.recipe.workdir / os.path.expanduser(resume))):
+        raise OrchError(why)
 
 
 NOT_IDENTITY = ("ORCH_RESUME_CHANGED", "ORCH_MAX_COST", "ORCH_PRICE_PER_HOUR")
