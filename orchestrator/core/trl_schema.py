@@ -169,7 +169,8 @@ def check_config_keys(trainer: str, config: Mapping, path: str) -> None:
     for key, value in config.items():
         if key not in known and key not in CONFIG_ONLY_KEYS:
             hint = did_you_mean(str(key), known, cutoff=0.6)
-            raise OrchError(f"TRL config {path}: {trainer} has no argument {key!r}; {hint}({_stack()})")
+            raise OrchError(f"TRL config {path}: {trainer} has no argument {key!r}; {hint}`trl {trainer} --help` lists "
+                            f"them ({_stack()})")  # fmt: skip
         if key in SECRET_ARGUMENTS and value:
             raise OrchError(
                 f"TRL config {path}: {key} holds a credential that would travel in files and argv; delete it and "
