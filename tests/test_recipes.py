@@ -183,6 +183,34 @@ def test_assistant_only_loss_is_checked_against_the_models_own_chat_template(tmp
     assert "fatal" not in accepted and accepted["conversational"] is True, accepted
 
 
+@pytest.mark.e2e
+def test_the_data_check_says_when_trl_would_drop_the_first_row_not_truncate_it(project):
+    """DPO drops a row whose prompt alone fills max_length (with truncation_mode=keep_start, TRL's default) where SFT
+    truncates: the one-row line says which, with the prompt's own tokens as TRL's filter counts them."""
+    import json
+
+    from orchestrator.core import smoke
+
+    tiny = smoke.plan("microsoft/Phi-3-mini-4k-instruct", "dpo")
+    smoke.ensure(tiny)
+    pairs = project / "pairs"
+    pairs.mkdir()
+    row = {"prompt": [{"role": "user", "content": "Tell me a long story. " * 40}],
+           "chosen": [{"role": "assistant", "content": "Once."}], "rejected": [{"role": "assistant", "content": "No."}]}
+    (pairs / "train.jsonl").write_text(json.dumps(row) + "\n")
+    argv = ["run", "phi3_dpo_fsdp", "--dry-run", "--skip-optimizer", "--no-rehearsal", f"dataset_name={pairs}",
+            f"model_name_or_path={tiny.dir / 'model'}", "max_length=64"]  # fmt: skip
+    env = {"ORCH_DATA_CHECK": "on", "HF_HUB_OFFLINE": "1"}
+    for extra, said in (([], r"its prompt alone is [\d,]+ tokens with the chat template: TRL's dpo trainer drops a "
+                             r"row whose prompt fills max_length 64"),
+                        (["truncation_mode=keep_end"], r"[\d,]+ tokens with the chat template: max_length 64 truncates "
+                                                       r"it \(\d+% cut\)")):  # fmt: skip
+        result = orch(*argv, *extra, cwd=project, env=env)
+        assert result.returncode == 0, result.stderr
+        line = next(x for x in result.stdout.splitlines() if x.startswith("[orch] data: "))
+        assert re.fullmatch(rf"\[orch\] data: {pairs}, first row: chosen, prompt, rejected; {said}", line), line
+
+
 @pytest.mark.unit
 def test_a_datasets_mixture_replaces_dataset_name_in_the_data_check(monkeypatch):
     """TRL's scripts load a `datasets:` mixture in place of dataset_name: the one-row check of dataset_name would judge

@@ -85,8 +85,8 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(project):
     given = orch(*COMMAND, f"output_dir={elsewhere}", f"resume_from_checkpoint={output_dir / 'checkpoint-4'}",
                  cwd=project)  # fmt: skip
     assert given.returncode == 0, given.stdout[-3000:]
-    assert f"(node0) [orch] rank 0/2: distributed_type=MULTI_CPU device=cpu:0 backend=gloo resuming from {output_dir}/" \
-        "checkpoint-4\n" in given.stdout, given.stdout[-3000:]  # fmt: skip
+    said = f"(node0) [orch] rank 0/2: distributed_type=MULTI_CPU device=cpu:0 backend=gloo resuming from {output_dir}/"
+    assert f"{said}checkpoint-4\n" in given.stdout, given.stdout[-3000:]
     resumed = loss_log(elsewhere)
     assert sorted(resumed) == [5, 6, 7, 8]
     for step, loss in resumed.items():

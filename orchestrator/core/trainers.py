@@ -56,6 +56,10 @@ class TrainerSpec:
     min_micro_batch_why: str = ""
     smoke_overrides: Mapping[str, str] = field(default_factory=dict)
     """TRL arguments a smoke run adds for this trainer (core/smoke.py sets the shared ones)."""
+    drops_by: str = ""
+    """What TRL 1.16's filter measures against max_length: "prompt" (a prompt alone that fills it; DPO only with
+    truncation_mode=keep_start), "pair" (chosen or rejected longer than it); "" where it truncates instead. The
+    one-row data check says whether the first row would be dropped (launch/datacheck.py)."""
     drops: str = ""
     """Which rows TRL 1.16's trainer leaves out of the training split as it prepares it (`{max_length}` and
     `{truncation_mode}` filled in from its settings): train/kept.py says how many and refuses a split left empty."""
@@ -111,7 +115,7 @@ SPECS: dict[str, TrainerSpec] = {
             "dpo", "DPOTrainer", "preference", (("chosen", "rejected"),), _PAIR, rows_per_sample=2,
             reference="always", smoke_overrides={"max_length": "64"}, metrics=("rewards/accuracies", "rewards/margins"),
             drops="each row whose prompt alone fills max_length={max_length} (truncation_mode=keep_start; keep_end "
-                  "keeps them)",
+                  "keeps them)", drops_by="prompt",
         ),
         TrainerSpec(
             "kto", "KTOTrainer", "unpaired", (("prompt", "completion", "label"),),
@@ -119,12 +123,12 @@ SPECS: dict[str, TrainerSpec] = {
             reference="always", min_micro_batch=2,
             min_micro_batch_why="its KL baseline pairs mismatched samples of one micro-batch",
             smoke_overrides={"max_length": "64", "per_device_train_batch_size": "2"}, metrics=("rewards/margins", "kl"),
-            drops="each row whose prompt alone fills max_length={max_length}",
+            drops="each row whose prompt alone fills max_length={max_length}", drops_by="prompt",
         ),
         TrainerSpec(
             "reward", "RewardTrainer", "preference", (("chosen", "rejected"),), _PAIR, rows_per_sample=2,
             fused_head=False, smoke_overrides={"max_length": "64"}, metrics=("accuracy", "margin"),
-            drops="each pair whose chosen or rejected is longer than max_length={max_length}",
+            drops="each pair whose chosen or rejected is longer than max_length={max_length}", drops_by="pair",
         ),
         TrainerSpec(
             "grpo", "GRPOTrainer", "prompt", (("prompt",),), {"prompt": [{"role": "user", "content": "What is 2+2?"}]},

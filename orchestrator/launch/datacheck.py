@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+from orchestrator.core import trainers
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
 from orchestrator.core.overrides import truthy
@@ -58,6 +59,15 @@ def run(launch: Launch) -> str | None:
         return f"{text}; {result['note']}"
     tokens = result["tokens"]
     shaped = "with the chat template" if result["conversational"] else "as text"
+    spec = trainers.spec(launch.trainer)
+    prompt = result.get("prompt_tokens")
+    keeps = str(launch.setting("truncation_mode", "keep_start")) == "keep_end"
+    if max_length and prompt is not None and prompt >= int(max_length) and not keeps:
+        return (f"{text}; its prompt alone is {prompt:,} tokens {shaped}: TRL's {launch.trainer} trainer drops a row "
+                f"whose prompt fills max_length {max_length}")  # fmt: skip
+    if max_length and spec.drops_by == "pair" and tokens > int(max_length):
+        return (f"{text}; {tokens:,} tokens {shaped}: TRL's {launch.trainer} trainer drops such a pair (max_length "
+                f"{max_length})")  # fmt: skip
     if max_length and tokens > int(max_length):
         cut = 100 * (tokens - int(max_length)) / tokens
         return f"{text}; {tokens:,} tokens {shaped}: max_length {max_length} truncates it ({cut:.0f}% cut)"

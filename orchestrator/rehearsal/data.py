@@ -150,13 +150,14 @@ def check(request: dict) -> dict:
             except ValueError as exc:
                 return {**out, "fatal": True, "error": f"assistant_only_loss=true with {request['model']}'s chat "
                         f"template: {_why(exc)}; set chat_template_path to a template with generation markers"}
-    lengths = []
-    for text in texts:
+    def tokens(text, prompt: bool = False) -> int:
         if dataset_format.conversational(text):
-            lengths.append(len(_ids(tokenizer.apply_chat_template(text, tokenize=True))))
-        else:
-            lengths.append(len(_ids(tokenizer(str(text))["input_ids"])))
-    out["tokens"] = max(lengths)
+            return len(_ids(tokenizer.apply_chat_template(text, tokenize=True, add_generation_prompt=prompt)))
+        return len(_ids(tokenizer(str(text))["input_ids"]))
+
+    out["tokens"] = max(map(tokens, texts))
+    if trainers.spec(trainer).drops_by == "prompt" and row.get("prompt") is not None:  # as TRL's filter counts it
+        out["prompt_tokens"] = tokens(row["prompt"], prompt=True)
     return out
 
 
