@@ -386,6 +386,32 @@ def test_a_parquet_data_file_is_checked_too(project):
         "label" in result.stderr  # fmt: skip
 
 
+@pytest.mark.unit
+def test_every_row_of_a_parquet_file_is_checked_for_what_its_schema_allows(tmp_path, monkeypatch):
+    """A Parquet schema types every row as the first, but a null or an empty list may lie in any row (TRL stops on
+    them after the launch): the columns TRL reads are scanned in batches, the row named. The count said is the
+    file's, and a smoke run's sample holds its first 128 rows (it said 1 row, and linked the whole file)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from orchestrator.core.errors import OrchError
+    from orchestrator.launch import data
+
+    turn = [{"role": "user", "content": "2+2?"}]
+    rows = {"prompt": [turn] * 300, "chosen": [turn] * 300, "rejected": [turn] * 300, "note": [None] * 300}
+    pq.write_table(pa.table(rows), tmp_path / "ok.parquet", row_group_size=100)
+    assert data.check(tmp_path / "ok.parquet", "dpo") == 300  # an unread column may be null
+    for value, said in ((None, "null"), ([], "an empty list")):
+        bad = dict(rows, rejected=[turn] * 250 + [value] + [turn] * 49)
+        pq.write_table(pa.table(bad), tmp_path / "bad.parquet", row_group_size=100)
+        with pytest.raises(OrchError) as refused:
+            data.check(tmp_path / "bad.parquet", "dpo")
+        assert str(refused.value) == (f"--data {tmp_path / 'bad.parquet'}: row 251 has column rejected as {said}, "
+                                      "which TRL's dpo trainer cannot read")  # fmt: skip
+    sample = data.local_dir(tmp_path / "ok.parquet", True, tmp_path / "cache") / "train.parquet"
+    assert pq.read_table(sample).num_rows == data.SMOKE_ROWS and not sample.is_symlink()
+
+
 def test_dashboard_of_an_untracked_run_says_how_to_track_it(project):
     from orchestrator.launch import records
 

@@ -67,8 +67,7 @@ def missing(row: dict, trainer: str, text_field: str = "text") -> str | None:
         return f"has no {named} {has}; TRL's {trainer} trainer reads {reads}"
     wrong = next((c for c in columns if not _typed(c, row[c], text_field)), None)
     if wrong is not None:
-        return (f"has column {wrong} as {_kind(row[wrong])}, which TRL's {trainer} trainer cannot read; it reads "
-                f"{reads}")  # fmt: skip
+        return unreadable(wrong, row[wrong], trainer, reads)
     kinds = {c: conversational(row[c]) for c in columns if c in TEXTUAL}
     if len(set(kinds.values())) > 1:
         chats = [c for c, chat in kinds.items() if chat]
@@ -78,6 +77,12 @@ def missing(row: dict, trainer: str, text_field: str = "text") -> str | None:
         return (f"has {strings} and {chat}; TRL reads a row as all strings or all "
                 f"conversations: give its columns one kind, e.g. {example}")  # fmt: skip
     return None
+
+
+def unreadable(column: str, value, trainer: str, reads: str = "") -> str:
+    """The line for a column whose value TRL cannot read (`reads`: what it reads, as `missing` words it)."""
+    said = f"has column {column} as {_kind(value)}, which TRL's {trainer} trainer cannot read"
+    return f"{said}; it reads {reads}" if reads else said
 
 
 def shape(row: dict, trainer: str, text_field: str = "text") -> tuple[tuple[str, ...], bool]:

@@ -1,9 +1,10 @@
 """`orch run --data FILE`: the user's own rows, checked here before anything costs money, then handed to TRL.
 
 A JSON Lines or Parquet file in the trainer's format (TRL's dataset formats: conversational or standard). Every
-JSON Lines row is read (Parquet: its schema and first row, with pyarrow); the first row TRL could not read (a missing
-column, a value of another type, strings and conversations mixed, other columns or another format than the first
-row's: core/dataset_format.py) gives one line naming it and a row that would do. The file then travels as
+JSON Lines row is read (Parquet: its first row, then the columns TRL reads of every row for a null or an empty list,
+with pyarrow: its schema types every row alike); the first row TRL could not read (a missing column, a value of
+another type, strings and conversations mixed, other columns or another format than the first row's:
+core/dataset_format.py) gives one line naming it and a row that would do. The file then travels as
 <dir>/train.<ext>: a SkyPilot file mount at DATA_MOUNT on a cloud, a link in orch's cache locally (a sample of its
 first rows with --smoke), and TRL loads it with `dataset_name=<dir>` (datasets infers the format and the split from
 the file name).
@@ -23,19 +24,26 @@ DATA_MOUNT = "/orch-data"
 SMOKE_ROWS = 128
 
 
+def _parquet(path: Path, batch_size: int, columns: list[str] | None = None):
+    """The file's record batches, read by pyarrow; a corrupt or truncated file is one OrchError."""
+    import pyarrow.parquet as pq
+
+    files.open_regular(path, "--data").close()  # a regular file (pyarrow's own reader must open it by path: given
+    try:  # a Python file object its threads abort the interpreter at exit)
+        yield from pq.ParquetFile(str(path)).iter_batches(batch_size=batch_size, columns=columns)
+    except Exception as exc:  # pyarrow's ArrowInvalid, OSError...
+        reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise OrchError(f"--data {path}: not a readable Parquet file ({reason}); write it again") from None
+
+
 def _rows(path: Path):
     """(line number, row) of a JSON Lines file, or of a Parquet file's first row."""
     if path.suffix == ".parquet":
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet  # noqa: F401
         except ImportError:
             raise OrchError(f"--data {path}: reading Parquet here needs pyarrow (pip install pyarrow)") from None
-        files.open_regular(path, "--data").close()  # a regular file (pyarrow's own reader must open it by path:
-        try:  # given a Python file object its threads abort the interpreter at exit)
-            first = next(pq.ParquetFile(str(path)).iter_batches(batch_size=1), None)
-        except Exception as exc:  # pyarrow's ArrowInvalid, OSError...: a corrupt or truncated file
-            reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
-            raise OrchError(f"--data {path}: not a readable Parquet file ({reason}); write it again") from None
+        first = next(_parquet(path, 1), None)
         for row in first.to_pylist() if first is not None else []:
             yield 1, row
         return
@@ -51,6 +59,29 @@ def _rows(path: Path):
         yield number, row
 
 
+def _parquet_rest(path: Path, columns: tuple[str, ...], trainer: str) -> int:
+    """A Parquet file's rows (its schema types every row as the first, checked already): the first that holds a null
+    or an empty list in a column TRL reads is one OrchError; else the number of rows. Read in batches of the columns
+    TRL reads, never the whole file at once."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    seen = 0
+    for batch in _parquet(path, 65536, list(columns)):
+        for name in columns:
+            column = batch.column(name)
+            bad = pc.is_null(column)
+            if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+                bad = pc.or_(bad, pc.fill_null(pc.equal(pc.list_value_length(column), 0), False))
+            at = pc.index(bad, True).as_py()
+            if at >= 0:
+                value = column[at].as_py()
+                raise OrchError(f"--data {path}: row {seen + at + 1} "
+                                f"{dataset_format.unreadable(name, value, trainer)}")  # fmt: skip
+        seen += batch.num_rows
+    return seen
+
+
 def check(path: Path, trainer: str, text_field: str = "text") -> int:
     """The number of rows checked; an OrchError naming the first row TRL could not read (text_field: SFT's
     dataset_text_field)."""
@@ -59,7 +90,7 @@ def check(path: Path, trainer: str, text_field: str = "text") -> int:
     if not path.exists():
         raise OrchError(f"--data {path}: no such file")
     count, first = 0, None
-    for number, row in _rows(path):
+    for number, row in _rows(path):  # a Parquet file: its first row
         if not isinstance(row, dict):
             raise OrchError(f"--data {path}: line {number} is a JSON {type(row).__name__}, not an object")
         wrong = dataset_format.missing(row, trainer, text_field)
@@ -71,6 +102,8 @@ def check(path: Path, trainer: str, text_field: str = "text") -> int:
         count += 1
     if not count:
         raise OrchError(f"--data {path}: the file holds no rows")
+    if path.suffix == ".parquet" and first is not None:
+        return _parquet_rest(path, dataset_format.read(first, trainer, text_field) or (), trainer)
     return count
 
 
@@ -90,6 +123,11 @@ def local_dir(path: Path, smoke: bool, cache: Path) -> Path:
                 if line.strip() and kept < SMOKE_ROWS:
                     dst.write(line if line.endswith("\n") else line + "\n")
                     kept += 1
+    elif smoke:  # Parquet: its first rows, as pyarrow reads them
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_batches([next(_parquet(path, SMOKE_ROWS))]), str(tmp))
     else:
         os.symlink(path.resolve(), tmp)
     os.replace(tmp, target)
