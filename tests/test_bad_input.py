@@ -242,6 +242,9 @@ BAD = [
      "resume_from_checkpoint=hello.jsonl: not a directory"),
     (["run", "phi3_dpo_fsdp", "--local", "--smoke", "resume_from_checkpoint=recipes"],
      "resume_from_checkpoint=recipes: a directory without trainer_state.json"),
+    # a path a cloud run's nodes read from the uploaded workdir, which it is not in (launch/node_paths.py)
+    (["run", "phi3_dpo_fsdp", "--dry-run", "model_name_or_path=./merged"],
+     "model_name_or_path=./merged: no such file or directory in the workdir"),
     # a --data file is one split, train: an evaluation would look for `test` on the nodes, after the model loaded
     (["run", "qwen25_sft_ddp", "--data", "chat.jsonl", "eval_strategy=steps"], "--data gives one split, train, and "
      "eval_strategy=steps evaluates on dataset_test_split=test: add dataset_test_split=train"),

@@ -1060,3 +1060,47 @@ def test_a_nodes_verdict_is_read_back_as_it_was_written():
             match = VERDICT.match(verdict(3, 1, error, exits))
             assert match and match["node"] == "3" and match["code"] == "1", (error, exits)
             assert (match["error"] or "", match["exits"]) == (error, None if exits is None else "75")
+
+
+@pytest.mark.unit
+def test_a_path_the_nodes_read_must_lie_in_the_upload(project, monkeypatch):
+    """A cloud run's ranks read a relative model, dataset, chat template or checkpoint from the workdir SkyPilot
+    uploaded (launch/node_paths.py): one written as a path that is missing, outside the workdir or left out of the
+    upload stopped the nodes after provisioning (the rehearsal swaps model and data, so it could not tell)."""
+    from orchestrator.core.errors import OrchError
+    from orchestrator.launch import node_paths
+    from orchestrator.launch import recipe as recipes
+    from orchestrator.launch.resolved import resolve
+
+    monkeypatch.chdir(project)
+    (project / ".skyignore").write_text("# local runs\noutputs/\n/build/*.tmp\n")
+    for folder in ("outputs/run-1/checkpoint-4", "models/mine", "build/x.tmp"):
+        (project / folder).mkdir(parents=True)
+    (project / "chat.jinja").write_text("{{ messages }}")
+    phi3 = recipes.load("recipes/phi3_dpo_fsdp.yaml")
+
+    def judged(**settings):
+        return node_paths.check(resolve(phi3, trl_overrides=settings))
+
+    refused = {
+        "model_name_or_path=./mine": "model_name_or_path=./mine: no such file or directory in the workdir",
+        "model_name_or_path=outputs/run-1/checkpoint-4": "model_name_or_path=outputs/run-1/checkpoint-4: outputs is "
+        "left out of the workdir's upload (.skyignore: outputs), so the nodes would not have it",
+        "resume_from_checkpoint=./build/x.tmp": "build/x.tmp is left out of the workdir's upload (.skyignore: "
+        "build/*.tmp)",
+        "dataset_name=../elsewhere": f"dataset_name=../elsewhere: outside the workdir ({project}), which is all "
+        "SkyPilot uploads to the nodes",
+        "chat_template_path=chats.jinja": "chat_template_path=chats.jinja: no such file or directory in the workdir",
+    }
+    for given, said in refused.items():
+        key, value = given.split("=", 1)
+        with pytest.raises(OrchError, match=re.escape(said)):
+            judged(**{key: value})
+    # in the upload, a Hub id, a path of the nodes' own (a mount, the image) or their home: taken
+    assert judged(model_name_or_path="./models/mine", chat_template_path="chat.jinja") == []
+    assert judged(model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", dataset_name="trl-lib/Capybara") == []
+    assert judged(resume_from_checkpoint="/checkpoints/run/checkpoint-8", model_name_or_path="~/merged") == []
+    assert judged(model_name_or_path=str(project / "models" / "mine")) == [
+        f"[orch] note: model_name_or_path={project / 'models' / 'mine'} is a path on this machine and under none of "
+        "the task's mounts: the nodes read it from their own disks"
+    ]

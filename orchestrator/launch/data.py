@@ -146,7 +146,8 @@ def use(file: str, launch, local: bool, smoke: bool, user_overrides: dict[str, s
     given = {"dataset_name": str(where), "dataset_train_split": "train"}
     user_overrides.update(given)
     kept = f"; the smoke run trains on its first {min(rows, SMOKE_ROWS)}" if smoke else ""
-    print(f"[orch] data: {path} ({rows} rows) has the columns TRL's {launch.trainer} trainer reads{kept}", flush=True)
+    counted = f"{rows:,} row{'s' if rows != 1 else ''}"
+    print(f"[orch] data: {path} ({counted}) has the columns TRL's {launch.trainer} trainer reads{kept}", flush=True)
     return path, launch.replace(overrides={**launch.overrides, **given})
 
 

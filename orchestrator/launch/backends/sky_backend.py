@@ -219,6 +219,10 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         envs = {**{k: v for k, v in launch.envs.items() if k != "CHECKPOINT_BUCKET"}, "CHECKPOINT_ROOT": root}
         launch = launch.replace(envs=envs, mounts={**launch.mounts, **dropped})
     check_output_dir(launch)
+    from orchestrator.launch import node_paths
+
+    for note in node_paths.check(launch):  # what the nodes read as paths lies in the upload
+        print(note, flush=True)
     bucket, note = launch.envs.get("CHECKPOINT_BUCKET", ""), ""
     if "CHECKPOINT_BUCKET" not in user_envs and storage.shipped_bucket(bucket):
         mine = storage.personal_bucket(launch.recipe.name, storage.user_id())
