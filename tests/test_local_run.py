@@ -63,6 +63,12 @@ def check_demo_run(result, project: Path) -> None:
     assert re.search(r"\[orch\] step 8/8 loss=\d", out)
     logged = [json.loads(x) for x in (output_dir / "orch" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "loss" in r] == list(range(1, 9))
+    # it trains: the smoke pairs (an answer over a refusal) are learnt in 8 steps, so a pipeline whose optimizer,
+    # gradients or reference model did not work would show here (DPO's loss stays at log 2 = 0.6931 then)
+    losses = [r for r in logged if "loss" in r]
+    first, last = losses[0], losses[-1]
+    assert first["loss"] == pytest.approx(0.6931, abs=1e-3) and last["loss"] < 0.4, (first, last)
+    assert last["rewards/accuracies"] >= 0.9 and last["rewards/margins"] > 0.5, last
     assert not verify(output_dir / "checkpoint-8", node=0) and not verify(output_dir / "checkpoint-8", node=1)
     shards = sorted(p.name for p in (output_dir / "checkpoint-8" / "pytorch_model_fsdp_0").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]  # one shard per rank: a sharded checkpoint

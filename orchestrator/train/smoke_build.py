@@ -43,10 +43,11 @@ def _rows(trainer: str, rng: random.Random) -> list[dict]:
     rows = []
     for _ in range(ROWS):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        wrong = (a + b + rng.randint(1, 9)) % 19
         prompt = [{"role": "user", "content": f"What is {a} plus {b}?"}]
         good = [{"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]
-        bad = [{"role": "assistant", "content": f"{a} plus {b} is {wrong}."}]
+        # a refusal, which a tiny model learns to rank below the answer in a few steps: a smoke run's preference
+        # loss falls and its reward accuracy rises (a wrong sum, one token apart, did not move in 8 steps)
+        bad = [{"role": "assistant", "content": "I cannot answer that."}]
         shape = trainers.spec(trainer).format  # one row builder per TRL dataset format, not per trainer
         if shape == "conversation":
             rows.append({"messages": prompt + good})
