@@ -675,3 +675,28 @@ def test_a_rehearsal_leaves_nothing_in_the_temporary_directory(tmp_path, monkeyp
     assert [o.ok for o in outcomes] == [True] * len(outcomes) and not outcomes[0].facts["cached"]
     left = sorted(p.name for p in temporary.iterdir())
     assert [name for name in left if not name.startswith("torchinductor_")] == [], left  # torch.compile's, shared
+
+
+@pytest.mark.e2e
+def test_a_data_file_is_rehearsed_with_its_own_rows_and_the_reward_functions_read_them(project):
+    """With --data the rehearsal builds the trainer on the file's first rows (TRL prepares them as on the nodes) and
+    calls the reward functions on its first row: GRPO's accuracy_reward reads `solution`, which rows of prompts alone
+    lack; that stopped the first step on the nodes (`TypeError: accuracy_reward() missing 1 required positional
+    argument: 'solution'`), after provisioning, since the rehearsal read the smoke data."""
+    import json
+
+    ask = {"prompt": [{"role": "user", "content": "What is 2 plus 2?"}]}
+    (project / "asked.jsonl").write_text(json.dumps(ask) + "\n")
+    (project / "solved.jsonl").write_text(json.dumps({**ask, "solution": "$4$"}) + "\n")
+    argv = ["run", "qwen25_grpo_ddp", "--gpus", "A100:8", "--dry-run", "--skip-optimizer", "--data"]
+    refused = orch(*argv, "asked.jsonl", cwd=project, env={**ON, "ORCH_DATA_CHECK": "off"})
+    assert refused.returncode == 2, refused.stdout[-2000:]
+    assert refused.stderr.strip() == (
+        "orch: error: rehearsal of qwen25_grpo_ddp: the head (node 0) would fail on its GPUs (reward functions: "
+        "TypeError: accuracy_reward() missing 1 required positional argument: 'solution'); a reward function reads a "
+        "column the rows lack: give it in every row (accuracy_reward reads `solution`)"
+    )
+    taken = orch(*argv, "solved.jsonl", cwd=project, env={**ON, "ORCH_DATA_CHECK": "off"})
+    assert taken.returncode == 0, taken.stderr
+    assert re.search(r"reward functions called: accuracy_reward, .*swapped here: tiny qwen2 model, the --data file's "
+                     r"first rows", taken.stdout), taken.stdout[-2000:]  # fmt: skip

@@ -174,11 +174,13 @@ def rehearse(launch: Launch, checked: Checked) -> str:
             "model downloads"
         )
     artifacts = smoke.plan(model, launch.trainer, family=family)
+    from orchestrator.launch import data
+
     batch = driver.Batch(
         trainer=launch.trainer,
         roles=[driver.Role(name, p.argv, p.env, p.role) for name, p in driver.roles(checked.plans)],
         substitute=driver.substitutions(launch.trainer, launch.settings, artifacts.dir, driver.output_dir(),
-                                        loads=loads),  # fmt: skip
+                                        loads=loads, data_dir=data.sample_of(launch)),  # fmt: skip
         devices=launch.gpus_per_node,
         smoke=(artifacts.model_type, artifacts.trainer, str(artifacts.dir)),
         quantized=quantized,

@@ -181,6 +181,15 @@ def mount(launch, path: Path):
     return launch.replace(mounts={**launch.mounts, f"{DATA_MOUNT}/train{path.suffix}": str(source)})
 
 
+def sample_of(launch) -> Path | None:
+    """The first rows of the launch's --data file (its mount's source), as a smoke run trains on them: the rehearsal
+    builds the trainer on them. None without a --data file."""
+    from orchestrator.core.smoke import cache_root
+
+    source = next((v for k, v in launch.mounts.items() if k.startswith(f"{DATA_MOUNT}/") and v), None)
+    return local_dir(Path(source), True, cache_root().parent) if source else None
+
+
 def stage(path: Path) -> Path:
     """The file under orch's cache as data/staged/<hash>/train.<ext>: a plain path, made atomically."""
     import shutil

@@ -65,6 +65,8 @@ FIXES = (
     (r"You need to (install|have) `\S+` in order to use",
      "the nodes install uv.lock's orch[train] (and the recipe's extras), which does not have it: put the package in "
      "pyproject.toml's train extra, then `make lock`, or choose another optim"),
+    (r"missing \d+ required positional argument",
+     "a reward function reads a column the rows lack: give it in every row (accuracy_reward reads `solution`)"),
     (r"min_lr or min_lr_rate should be set",
      "set lr_scheduler_kwargs='{\"min_lr_rate\": 0.1}' (a JSON object: min_lr or min_lr_rate), or another "
      "lr_scheduler_type"),
@@ -171,7 +173,7 @@ def roles(plans: list[NodePlan]) -> list[tuple[str, NodePlan]]:
 
 def substitutions(
     trainer: str, settings: Mapping[str, object], smoke_dir: Path, output_dir: str, node: bool = False,
-    loads: str | None = None,
+    loads: str | None = None, data_dir: Path | None = None,
 ) -> list[str]:
     """TRL script arguments appended after orch's (later flags win) so the trainer builds here without GPU or
     network: the tiny model and data of the recipe's family, portable attention, no vLLM engine. The trackers of
@@ -179,10 +181,11 @@ def substitutions(
     whose environment is the ranks': Liger or vLLM not installed there is a finding (the owners' checks say it), not
     a swap; a laptop swaps them off (their GPU-only packages are the nodes' extras, launch/checks.check_extras).
     `loads`: the TRL setting a bitsandbytes-quantised checkpoint loads as (core/models.quantized), given to the tiny
-    model, which is not one, so transformers' quantizer and its training checks run as on the nodes."""
+    model, which is not one, so transformers' quantizer and its training checks run as on the nodes. `data_dir`: a
+    --data file's first rows in place of the smoke data (TRL prepares them, the reward functions read them)."""
     words = [
         "--model_name_or_path", str(smoke_dir / "model"),
-        "--dataset_name", str(smoke_dir / "data"),
+        "--dataset_name", str(data_dir or smoke_dir / "data"),
         "--dataset_train_split", "train",
         "--dataset_test_split", "train",  # the smoke data's only split: an eval_strategy evaluates on it
         "--output_dir", output_dir,
@@ -206,8 +209,9 @@ def substitutions(
 
 def swaps(batch: Batch) -> list[str]:
     """What the rehearsal ran in place of what needs a GPU or the network, in words."""
-    out = [f"tiny {batch.smoke[0]} model and data"]
     words = batch.substitute
+    own = words[words.index("--dataset_name") + 1] != str(Path(batch.smoke[2]) / "data")
+    out = [f"tiny {batch.smoke[0]} model" + (", the --data file's first rows" if own else " and data")]
     if "--attn_implementation" in words:
         out.append("SDPA attention")
     if "--use_liger_kernel" in words:
@@ -360,14 +364,8 @@ def roles_batch(
     return Batch(trainer, roles_, substitute, devices, smoke or ("", trainer, ""))
 
 
-def rehearse_roles(
-    trainer: str,
-    roles_: list[Role],
-    substitute: list[str],
-    devices: int,
-    workdir: Path = Path("."),
-    smoke: tuple[str, str, str] | None = None,
-) -> list[Outcome]:
+def rehearse_roles(trainer: str, roles_: list[Role], substitute: list[str], devices: int, workdir: Path = Path("."),
+                   smoke: tuple[str, str, str] | None = None) -> list[Outcome]:  # fmt: skip
     """The roles of one launch (smoke: the tiny artifacts the substitutions name, built when missing)."""
     return rehearse_batches([roles_batch(trainer, roles_, substitute, devices, smoke)], workdir)[0]
 
