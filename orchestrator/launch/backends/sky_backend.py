@@ -221,8 +221,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
     check_output_dir(launch)
     from orchestrator.launch import node_paths
 
-    for note in node_paths.check(launch):  # what the nodes read as paths lies in the upload
-        print(note, flush=True)
+    notes = node_paths.check(launch)  # what the nodes read as paths lies in the upload; said once every check passed
     bucket, note = launch.envs.get("CHECKPOINT_BUCKET", ""), ""
     if "CHECKPOINT_BUCKET" not in user_envs and storage.shipped_bucket(bucket):
         mine = storage.personal_bucket(launch.recipe.name, storage.user_id())
@@ -260,12 +259,10 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
     # the run's name keys its checkpoints on every node (node/env.run_id): the same at each `orch run --resume`; set
     # after the checks and the rehearsal, which see checks.PLACEHOLDER_TASK_ID (their cache outlives one run's name)
     launch = launch.replace(envs={**launch.envs, "ORCH_RUN_ID": run})
+    for line in [*notes, note] if note else notes:
+        print(line, flush=True)
     if flags.dry_run:
-        if note:
-            print(note, flush=True)
         return dryrun.show(launch, checked, flags.skip_optimizer, rehearsal)
-    if note:
-        print(note, flush=True)
     print(f"[orch] {rehearsal}", flush=True)
     sky.to_task(task, secret_values)  # SkyPilot's own validation, before anything is asked or written
     if not flags.yes:
