@@ -13,6 +13,7 @@ the launch on `'NoneType' object has no attribute 'endswith'` or `You need to sp
 
 from __future__ import annotations
 
+import functools
 import json
 
 from orchestrator.core import trainers
@@ -27,11 +28,21 @@ def needs(trainer: str) -> str:
     return trainers.spec(trainer).needs()
 
 
-def _sets(trainer: str, text_field: str, tried: bool = True) -> list[tuple[str, ...]]:
+@functools.cache
+def _sets(trainer: str, text_field: str, tried: bool = True) -> tuple[tuple[str, ...], ...]:
     """The trainer's column sets, with SFT's `text` named as dataset_text_field says; `tried`: in the order TRL tries
-    them (a prompt first: SFT reads a row with a prompt as prompt + completion), else in the spec's."""
+    them (a prompt first: SFT reads a row with a prompt as prompt + completion), else in the spec's. Asked once per row
+    of a --data file: made once."""
     sets = [tuple(text_field if c == "text" else c for c in s) for s in trainers.spec(trainer).columns]
-    return sorted(sets, key=lambda s: s[0] != "prompt") if tried else sets
+    return tuple(sorted(sets, key=lambda s: s[0] != "prompt") if tried else sets)
+
+
+def _reads(trainer: str, text_field: str) -> str:
+    """What the trainer reads, in words, with a row that would do (the end of every refusal's line)."""
+    spec = trainers.spec(trainer)
+    optional = "".join(f" (and {c}, where every row has one)" for c in OPTIONAL.get(spec.format, ()))
+    listed = " or ".join(" + ".join(s) for s in _sets(trainer, text_field, tried=False))
+    return f"{listed}{optional}, e.g. {json.dumps(dict(spec.example))}"
 
 
 def read(row: dict, trainer: str, text_field: str = "text") -> tuple[str, ...] | None:
@@ -44,39 +55,47 @@ def read(row: dict, trainer: str, text_field: str = "text") -> tuple[str, ...] |
     return (*chosen, *extra)
 
 
+Shape = tuple[tuple[str, ...], bool]
+"""A row's columns TRL reads, in its order (rows with the same columns read them in the same order), and whether it is
+conversational: every row of a dataset needs its first row's."""
+
+
 def missing(row: dict, trainer: str, text_field: str = "text") -> str | None:
-    """None when TRL can read the row, else what is wrong: "has no column X (it has ...); TRL's ..." or a column in a
-    type TRL cannot read, or strings and conversations mixed in one row."""
-    spec = trainers.spec(trainer)
-    example = json.dumps(dict(spec.example))
+    """None when TRL can read the row, else what is wrong (`judge`)."""
+    return judge(row, trainer, text_field)[0]
+
+
+def judge(row: dict, trainer: str, text_field: str = "text") -> tuple[str | None, Shape]:
+    """(None when TRL can read the row, else what is wrong: "has no column X (it has ...); TRL's ..." or a column in a
+    type TRL cannot read, or strings and conversations mixed in one row; the row's Shape). The line is built only for
+    a row that has one: a --data file's every row comes here."""
     sets = _sets(trainer, text_field)
-    optional = "".join(f" (and {c}, where every row has one)" for c in OPTIONAL.get(spec.format, ()))
-    field = f"; dataset_text_field=COLUMN reads another column as {text_field}" if (text_field,) in sets else ""
-    listed = " or ".join(" + ".join(s) for s in _sets(trainer, text_field, tried=False))
-    reads = f"{listed}{optional}, e.g. {example}"
     columns = read(row, trainer, text_field)
     lacking = [c for c in columns or () if c not in row]
-    has = f"(it has {', '.join(sorted(row)) or 'none'})"
-    if columns is None and not any(set(s) & row.keys() for s in sets):
-        return f"has none of the columns TRL's {trainer} trainer reads {has}; it reads {reads}{field}"
     if columns is None or lacking:
+        has = f"(it has {', '.join(sorted(row)) or 'none'})"
+        if columns is None and not any(set(s) & row.keys() for s in sets):
+            field = f"; dataset_text_field=COLUMN reads another column as {text_field}" if (text_field,) in sets else ""
+            reads = _reads(trainer, text_field)
+            return f"has none of the columns TRL's {trainer} trainer reads {has}; it reads {reads}{field}", ((), False)
         if columns is None:
             best = max(sets, key=lambda s: len(set(s) & row.keys()))
             lacking = [c for c in best if c not in row]
         named = f"column{'s' if len(lacking) > 1 else ''} {', '.join(lacking)}"
-        return f"has no {named} {has}; TRL's {trainer} trainer reads {reads}"
-    wrong = next((c for c in columns if not _typed(c, row[c], text_field)), None)
-    if wrong is not None:
-        return unreadable(wrong, row[wrong], trainer, reads)
+        return f"has no {named} {has}; TRL's {trainer} trainer reads {_reads(trainer, text_field)}", ((), False)
     kinds = {c: conversational(row[c]) for c in columns if c in TEXTUAL}
+    wrong = next((c for c in columns if not _typed(c, row[c], text_field, kinds.get(c))), None)
+    if wrong is not None:
+        return unreadable(wrong, row[wrong], trainer, _reads(trainer, text_field)), ((), False)
     if len(set(kinds.values())) > 1:
         chats = [c for c, chat in kinds.items() if chat]
         texts = [c for c, chat in kinds.items() if not chat]
         strings = f"{', '.join(texts)} as {'strings' if len(texts) > 1 else 'a string'}"
         chat = f"{', '.join(chats)} as {'conversations' if len(chats) > 1 else 'a conversation'}"
+        example = json.dumps(dict(trainers.spec(trainer).example))
         return (f"has {strings} and {chat}; TRL reads a row as all strings or all "
-                f"conversations: give its columns one kind, e.g. {example}")  # fmt: skip
-    return None
+                f"conversations: give its columns one kind, e.g. {example}"), ((), False)  # fmt: skip
+    return None, (columns, any(kinds.values()))
 
 
 def unreadable(column: str, value, trainer: str, reads: str = "") -> str:
@@ -85,18 +104,13 @@ def unreadable(column: str, value, trainer: str, reads: str = "") -> str:
     return f"{said}; it reads {reads}" if reads else said
 
 
-def shape(row: dict, trainer: str, text_field: str = "text") -> tuple[tuple[str, ...], bool]:
-    """(the columns TRL reads, conversational) of a row `missing` accepted: every row of a dataset needs its first's."""
-    columns = read(row, trainer, text_field) or ()
-    return tuple(sorted(columns)), any(conversational(row[c]) for c in columns if c in TEXTUAL)
-
-
-def unlike(row: dict, first: dict, trainer: str, text_field: str = "text") -> str | None:
-    """Why TRL cannot read `row` in a dataset whose first row is `first` (both accepted by `missing`), or None."""
-    (columns, chat), (first_columns, first_chat) = shape(row, trainer, text_field), shape(first, trainer, text_field)
+def unlike(seen: Shape, first: Shape) -> str | None:
+    """Why TRL cannot read a row of Shape `seen` in a dataset whose first row's is `first`, or None."""
+    (columns, chat), (first_columns, first_chat) = seen, first
     if columns != first_columns:
-        return (f"has {', '.join(columns)} where row 1 has {', '.join(first_columns)}: datasets gives a row a null "
-                "for a column another row has, which TRL cannot read; give every row the same columns")  # fmt: skip
+        now, then = ", ".join(sorted(columns)), ", ".join(sorted(first_columns))
+        return (f"has {now} where row 1 has {then}: datasets gives a row a null for a column another row has, which "
+                "TRL cannot read; give every row the same columns")  # fmt: skip
     if chat != first_chat:
         kind = {True: "conversations", False: "strings"}
         return (f"holds {kind[chat]} where row 1 holds {kind[first_chat]}: TRL takes a dataset's format from its "
@@ -104,17 +118,18 @@ def unlike(row: dict, first: dict, trainer: str, text_field: str = "text") -> st
     return None
 
 
-def _typed(column: str, value, text_field: str = "text") -> bool:
+def _typed(column: str, value, text_field: str = "text", chat: bool | None = None) -> bool:
     """A column's value in a type TRL's trainers read: `messages` a conversation, the text field a string, `label` a
     bool, the rest (prompt, completion, chosen, rejected, ...) a string or a conversation (an empty list is neither:
-    TRL's is_conversational reads its first message, IndexError)."""
+    TRL's is_conversational reads its first message, IndexError). `chat`: conversational(value), where known."""
+    chat = conversational(value) if chat is None and column not in (text_field, "label") else chat
     if column == "messages":  # a list of messages, not empty (TRL's is_conversational reads its first)
-        return conversational(value)
+        return bool(chat)
     if column == text_field:
         return isinstance(value, str)
     if column == "label":
         return isinstance(value, bool)
-    return isinstance(value, str) or conversational(value)
+    return isinstance(value, str) or bool(chat)
 
 
 def _kind(value) -> str:

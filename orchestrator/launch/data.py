@@ -89,21 +89,21 @@ def check(path: Path, trainer: str, text_field: str = "text") -> int:
         raise OrchError(f"--data {path}: give a JSON Lines (.jsonl) or Parquet (.parquet) file in the {trainer} format")
     if not path.exists():
         raise OrchError(f"--data {path}: no such file")
-    count, first = 0, None
+    count, first = 0, None  # first: row 1's dataset_format.Shape, which every row needs
     for number, row in _rows(path):  # a Parquet file: its first row
         if not isinstance(row, dict):
             raise OrchError(f"--data {path}: line {number} is a JSON {type(row).__name__}, not an object")
-        wrong = dataset_format.missing(row, trainer, text_field)
-        if not wrong and first is not None:
-            wrong = dataset_format.unlike(row, first, trainer, text_field)
+        wrong, seen = dataset_format.judge(row, trainer, text_field)
+        if not wrong:
+            first = first or seen
+            wrong = dataset_format.unlike(seen, first)
         if wrong:
             raise OrchError(f"--data {path}: row {number} {wrong}")
-        first = row if first is None else first
         count += 1
-    if not count:
+    if first is None:
         raise OrchError(f"--data {path}: the file holds no rows")
-    if path.suffix == ".parquet" and first is not None:
-        return _parquet_rest(path, dataset_format.read(first, trainer, text_field) or (), trainer)
+    if path.suffix == ".parquet":
+        return _parquet_rest(path, first[0], trainer)
     return count
 
 
