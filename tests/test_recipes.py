@@ -251,6 +251,13 @@ def test_an_evaluation_split_the_dataset_lacks_is_refused_before_launch(tmp_path
     }
     accepted = check("train")
     assert "fatal" not in accepted and accepted["columns"] == ["messages"], accepted
+    trained = datacheck.check({"dataset": str(data), "config": None, "split": "validation", "trainer": "sft",
+                               "model": str(tmp_path / "none")})  # fmt: skip
+    assert trained == {
+        "fatal": True,
+        "error": f"dataset {data}: dataset_train_split=validation: ValueError: Bad split: validation. Available "
+        "splits: ['train']; set dataset_train_split to one of them",
+    }
 
 
 @pytest.mark.e2e

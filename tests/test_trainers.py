@@ -160,3 +160,17 @@ def test_the_rows_trl_drops_are_named_by_each_trainers_rule_and_only_where_rows_
                                          r"whose prompt alone fills max_length=512; raise max_length"):  # fmt: skip
         kept.judge("kto", 1200, 0, args)
     assert kept.count(iter([])) is None and kept.count([1, 2]) == 2
+
+
+def test_a_split_the_dataset_lacks_is_named_with_the_setting_and_the_splits_it_has():
+    """TRL's scripts index the loaded dataset by dataset_train_split / dataset_test_split: a missing one stopped the
+    ranks on `KeyError: 'validation'`; train/entry.split names the setting, the splits there are and the fix."""
+    from datasets import Dataset, DatasetDict
+
+    from orchestrator.train import entry
+
+    loaded = DatasetDict({"train": Dataset.from_dict({"text": ["a"]}), "test": Dataset.from_dict({"text": ["b"]})})
+    assert entry.split(loaded, "test", "dataset_test_split")["text"] == ["b"]
+    said = r"^dataset_train_split=validation: the dataset has no such split \(its splits: train, test\); set "
+    with pytest.raises(ValueError, match=said + "dataset_train_split to one of them$"):
+        entry.split(loaded, "validation", "dataset_train_split")

@@ -110,6 +110,9 @@ def check(request: dict) -> dict:
     except StopIteration:
         return {"fatal": True, "error": f"dataset {name} has no rows in split {request.get('split')}"}
     except (FileNotFoundError, ValueError) as exc:  # no such dataset or split (datasets' DatasetNotFoundError too)
+        if str(exc).startswith("Bad split"):
+            return {"fatal": True, "error": f"dataset {name}: dataset_train_split={request.get('split')}: {_why(exc)}; "
+                                            "set dataset_train_split to one of them"}  # fmt: skip
         return {"fatal": True, "error": f"dataset {name}: {_why(exc)}"}
     except Exception as exc:  # noqa: BLE001 - network, auth: the laptop may not reach the Hub; not the run's fault
         return {"fatal": False, "error": f"could not stream a row of {name} ({_why(exc)})"}

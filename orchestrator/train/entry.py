@@ -91,6 +91,16 @@ def trainer_class(trainer_name: str, *mixins: type) -> type:
     return type(f"Orch{base.__name__}", (*mixins, OrchTrainerMixin, base), {"orch_trainer_name": trainer_name})
 
 
+def split(dataset, name: str, setting: str):
+    """dataset[name], or a ValueError naming the splits the dataset has (TRL's scripts index it: `KeyError:
+    'validation'` said nothing of which setting or which splits)."""
+    if name in dataset:
+        return dataset[name]
+    have = ", ".join(dataset) or "none"
+    raise ValueError(f"{setting}={name}: the dataset has no such split (its splits: {have}); set {setting} to one of "
+                     "them")
+
+
 def build(parsed: Parsed, callbacks: list, *mixins: type, memory: loading.HostMemory | None = None):
     """The trainer TRL's script for `parsed.trainer` would build (model loaded by the trainer from its id)."""
     import trl
@@ -118,8 +128,9 @@ def build(parsed: Parsed, callbacks: list, *mixins: type, memory: loading.HostMe
         trainer = trainer_class(parsed.trainer, *mixins)(
             model=model_args.model_name_or_path,
             args=training_args,
-            train_dataset=dataset[script_args.dataset_train_split],
-            eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+            train_dataset=split(dataset, script_args.dataset_train_split, "dataset_train_split"),
+            eval_dataset=split(dataset, script_args.dataset_test_split, "dataset_test_split")
+            if training_args.eval_strategy != "no" else None,
             peft_config=trl.get_peft_config(model_args),
             quantization_config=trl.get_quantization_config(model_args),  # load_in_4bit: QLoRA, as TRL's scripts do
             callbacks=callbacks,
@@ -132,7 +143,8 @@ def build(parsed: Parsed, callbacks: list, *mixins: type, memory: loading.HostMe
     from transformers.trainer_callback import PrinterCallback
 
     trainer.orch_load_dtype = load_dtype(trainer.model)  # the final model's dtype (train/checkpoints.load_dtype)
-    trainer.orch_rows_given = kept.count(dataset[script_args.dataset_train_split])  # the split as loaded
+    train_split = split(dataset, script_args.dataset_train_split, "dataset_train_split")
+    trainer.orch_rows_given = kept.count(train_split)  # the split as loaded
     trainer.remove_callback(PrinterCallback)  # OrchCallback prints the step lines; full metrics in orch/log.jsonl
     return trainer
 
