@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -1104,3 +1105,57 @@ def test_a_path_the_nodes_read_must_lie_in_the_upload(project, monkeypatch):
         f"[orch] note: model_name_or_path={project / 'models' / 'mine'} is a path on this machine and under none of "
         "the task's mounts: the nodes read it from their own disks"
     ]
+
+
+@pytest.mark.unit
+def test_what_the_upload_takes_is_asked_of_rsync_with_skypilots_filter(project, monkeypatch, tmp_path_factory):
+    """SkyPilot uploads the workdir with rsync and a dir-merge filter (every folder's .gitignore, .git/info/exclude;
+    or .skyignore) and copies a link as a link: rsync itself is asked (node_paths.uploaded), so a file a nested
+    .gitignore leaves out, a pattern in .git/info/exclude, or a folder that is a link to outside the workdir is refused,
+    and a top-level pattern anchored with / does not refuse a folder of that name deeper down."""
+    from orchestrator.core.errors import OrchError
+    from orchestrator.launch import node_paths
+    from orchestrator.launch import recipe as recipes
+    from orchestrator.launch.resolved import resolve
+
+    monkeypatch.chdir(project)
+    (project / ".gitignore").write_text("/outputs\n")
+    (project / ".git" / "info").mkdir(parents=True)
+    (project / ".git" / "info" / "exclude").write_text("scratch/\n")
+    for folder in ("data/chats", "data/raw", "scratch/model", "recipes/outputs/model"):
+        (project / folder).mkdir(parents=True)
+    (project / "data" / "chats" / "train.jsonl").write_text("{}\n")
+    (project / "data" / "chats" / "huge.jsonl").write_text("{}\n")
+    (project / "data" / "chats" / ".gitignore").write_text("huge.*\n")
+    (project / "data" / "raw" / "train.jsonl").write_text("{}\n")
+    (project / "recipes" / "outputs" / "model" / "config.json").write_text("{}")
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    (elsewhere / "config.json").write_text("{}")
+    (project / "linked").symlink_to(elsewhere)
+    (project / "inside").symlink_to(project / "data" / "raw")
+    phi3 = recipes.load("recipes/phi3_dpo_fsdp.yaml")
+
+    def judged(**settings):
+        return node_paths.check(resolve(phi3, trl_overrides=settings))
+
+    refused = {
+        "dataset_name=data/chats": "data/chats/huge.jsonl is left out of the workdir's upload (SkyPilot's rsync, by "
+        "the .gitignore of each folder and .git/info/exclude)",
+        "model_name_or_path=./scratch/model": "scratch/model is left out of the workdir's upload (SkyPilot's rsync",
+        "model_name_or_path=./linked": f"linked is left out of the workdir's upload (a link to {elsewhere}, outside "
+        "it: SkyPilot's rsync copies the link, not what it names)",
+    }
+    for given, said in refused.items():
+        key, value = given.split("=", 1)
+        with pytest.raises(OrchError, match=re.escape(said)):
+            judged(**{key: value})
+    assert judged(dataset_name="data/raw", model_name_or_path="./recipes/outputs/model") == []
+    assert judged(dataset_name="./inside") == []  # a link within the workdir: its target is uploaded too
+    assert node_paths.uploaded(project, Path("data/raw")) == ()
+    from sky.utils import command_runner  # the filter is SkyPilot's: an upgrade that changes it fails here
+
+    assert node_paths.RSYNC_FILTER == {
+        ".skyignore": shlex.split(command_runner.RSYNC_FILTER_SKYIGNORE)[0],
+        ".gitignore": shlex.split(command_runner.RSYNC_FILTER_GITIGNORE)[0],
+    }
+    assert node_paths.GIT_EXCLUDE == command_runner.GIT_EXCLUDE

@@ -4,7 +4,10 @@ On a node the ranks start in the workdir SkyPilot uploaded (the recipe's, this c
 model_name_or_path, dataset_name, chat_template_path, resume_from_checkpoint or reward model is read from the upload:
 one written as a path (./, ../, a .jinja template) that is not in the workdir, lies outside it, or lies under a
 folder the upload leaves out (.skyignore, else .gitignore: outputs/ holds local runs) stopped the nodes after
-provisioning (the rehearsal swaps the model and data for tiny ones, so it could not tell). A value that is not written
+provisioning (the rehearsal swaps the model and data for tiny ones, so it could not tell). What the upload takes is
+asked of rsync itself, with the filter SkyPilot's command runner gives it (`.skyignore`, else every folder's
+`.gitignore` and .git/info/exclude, merged as rsync merges them; a symlink copied as a link): a file a nested
+.gitignore leaves out, or a folder that is a link to elsewhere, arrives missing or dangling. A value that is not written
 as a path and is not in the workdir is a Hub id. An absolute path is the nodes' own (an image's, a mount's): one that
 lies on this machine and under none of the task's mounts is said in a note, not refused.
 """
@@ -13,11 +16,17 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 from orchestrator.core.errors import OrchError
 from orchestrator.launch.resolved import Launch
 
+# what SkyPilot's command runner gives rsync for a workdir upload (sky/utils/command_runner.py's RSYNC_FILTER_SKYIGNORE,
+# RSYNC_FILTER_GITIGNORE, GIT_EXCLUDE; tests/test_sky_backend.py compares them with the installed SkyPilot's)
+RSYNC_FILTER = {".skyignore": "--filter=dir-merge,- .skyignore", ".gitignore": "--filter=dir-merge,- .gitignore"}
+GIT_EXCLUDE = ".git/info/exclude"
 READ = ("model_name_or_path", "dataset_name", "chat_template_path", "resume_from_checkpoint",
         "reward_model_name_or_path")  # fmt: skip
 
@@ -57,12 +66,58 @@ def check(launch: Launch) -> list[str]:
         if not local.exists():
             raise OrchError(f"{key}={value}: no such file or directory in the workdir ({local.resolve()}), which "
                             "SkyPilot uploads to every node; give an existing path or a Hub id (org/name)")  # fmt: skip
-        if hit := _left_out(parts, patterns):
-            where, pattern = hit
-            raise OrchError(f"{key}={value}: {where} is left out of the workdir's upload ({ignore_file}: {pattern}), "
-                            "so the nodes would not have it: move it elsewhere in the workdir, or into a bucket the "
-                            "task mounts")  # fmt: skip
+        hit, asked = _left_out(parts, patterns), uploaded(workdir, Path(rel))
+        if asked is None:  # no rsync here: git's rules in their simple form
+            asked = (hit[0], "") if hit else ()
+        if asked:
+            where, why = asked if not hit or asked[1].startswith("a link") else (hit[0], f"{ignore_file}: {hit[1]}")
+            raise OrchError(f"{key}={value}: {where} is left out of the workdir's upload ({why}), so the nodes "
+                            "would not have it: move it elsewhere in the workdir, or into a bucket the task "
+                            "mounts")  # fmt: skip
     return notes
+
+
+def uploaded(workdir: Path, rel: Path) -> tuple[str, ...] | None:
+    """(the first path under `rel` that SkyPilot's rsync of the workdir leaves out or sends as a link to outside it,
+    why), or () when the nodes get all of it: rsync itself lists `rel` with the filter SkyPilot's command runner
+    passes, against the files here. None where rsync cannot tell (not installed: SkyPilot's upload fails there too)."""
+    if shutil.which("rsync") is None:
+        return None
+    src = workdir.resolve()
+    skyignore = (src / ".skyignore").exists()
+    argv = ["rsync", "-r", "-l", "-8", "--list-only", RSYNC_FILTER[".skyignore" if skyignore else ".gitignore"]]
+    if not skyignore and (src / GIT_EXCLUDE).exists():
+        argv.append(f"--exclude-from={src / GIT_EXCLUDE}")
+    # after the ignore rules (the first rule that matches wins): `rel`'s folders, `rel` and all under it; nothing else
+    argv += [f"--include=/{'/'.join(rel.parts[:n])}/" for n in range(1, len(rel.parts))]
+    argv += [f"--include=/{rel.as_posix()}", f"--include=/{rel.as_posix()}/***", "--exclude=*", f"{src}/"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        return None
+    listed = {}
+    for line in done.stdout.splitlines():
+        fields = line.split(None, 4)
+        if len(fields) == 5:
+            listed[fields[4].partition(" -> ")[0]] = fields[0][0]
+    rules = ".skyignore" if skyignore else "the .gitignore of each folder and .git/info/exclude"
+    for path in _here(src, rel):
+        kind = listed.get(path.as_posix())
+        if kind is None:
+            return path.as_posix(), f"SkyPilot's rsync, by {rules}"
+        real = (src / path).resolve()
+        if kind == "l" and real != src and src not in real.parents:
+            return path.as_posix(), f"a link to {real}, outside it: SkyPilot's rsync copies the link, not what it names"
+    return ()
+
+
+def _here(src: Path, rel: Path) -> list[Path]:
+    """`rel` and, for a folder, what lies under it (a link not followed), relative to `src`."""
+    paths = [rel]
+    if (src / rel).is_dir() and not (src / rel).is_symlink():
+        for top, dirs, files in os.walk(src / rel):
+            dirs.sort()
+            paths += [Path(top, name).relative_to(src) for name in sorted(dirs) + sorted(files)]
+    return paths
 
 
 def _left_out(parts: tuple[str, ...], patterns: list[str]) -> tuple[str, str] | None:
