@@ -93,6 +93,12 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "learning_rate=fast"], "learning_rate takes a number"),
     (["run", "phi3_dpo_fsdp", "bf16=maybe"], "bf16 takes true or false"),
     (["run", "phi3_dpo_fsdp", "max_steps="], "max_steps takes an integer"),
+    # a dict argument TRL's config reads as JSON when it starts with {: the ranks stopped on JSONDecodeError
+    (["run", "qwen25_sft_ddp", "--local", "--smoke", "lr_scheduler_kwargs={min_lr:1e-6}"],
+     "lr_scheduler_kwargs takes a JSON object, keys and strings in double quotes"),
+    (["run", "phi3_dpo_fsdp", "model_init_kwargs=[1]"], "model_init_kwargs takes a JSON object"),
+    (["run", "phi3_dpo_fsdp", "deepspeed={zero: 3}"], "deepspeed takes a JSON object, keys and strings in double "
+     "quotes ('{\"key\": 1}': quote it whole for the shell) or a JSON file's path"),
     (["run", "phi3_dpo_fsdp", "loss_type=sigmoid,ipo"], "loss_type takes a list of sigmoid"),
     (["run", "qwen25_grpo_ddp", "loss_type=ppo"], "loss_type takes one of grpo"),
     (["run", "qwen25_kto_ddp", "loss_type=sigmoid"], "loss_type takes one of kto"),
@@ -336,6 +342,7 @@ def test_bad_input(bad_project, monkeypatch, capsys, argv, message):
     assert code == 2, out.out + out.err
     assert len(lines) == 1 and lines[0].startswith("orch: error: "), out.err
     assert message in lines[0], lines[0]
+    assert out.out == "", out.out  # a refused launch says its one line, no note before it
     for value in ("hf_v4lue", "s3cr3t-value", "abcdefghijklmnop"):  # a secret's value is never echoed
         assert value not in out.out + out.err
     assert _tree(bad_project) == before  # nothing written
@@ -557,3 +564,23 @@ def test_every_rank_refuses_a_resume_from_checkpoint_that_holds_none(tmp_path, c
         "from output_dir's newest complete checkpoint by itself: drop resume_from_checkpoint, or give a checkpoint's "
         "directory\n"
     )
+
+
+@pytest.mark.unit
+def test_a_dict_argument_takes_a_json_object_or_where_the_owner_reads_one_a_file():
+    """TRL's and transformers' configs read a dict argument given as text with json.loads when it starts with { (their
+    _VALID_DICT_FIELDS, snapshotted as kind "dict", or "dict|file" where the help names a JSON file): checked here,
+    from a key=value word and from a TRL config file's value."""
+    from orchestrator.core import trl_schema
+    from orchestrator.core.errors import OrchError
+
+    assert trl_schema.fields("sft")["lr_scheduler_kwargs"] == "dict"
+    assert trl_schema.fields("dpo")["fsdp_config"] == "dict|file"
+    trl_schema.check("sft", {"lr_scheduler_kwargs": '{"min_lr": 1e-6}', "fsdp_config": "fsdp.json",
+                             "model_init_kwargs": "none", "deepspeed": '{"zero_optimization": {"stage": 3}}'})
+    trl_schema.check_config_keys("sft", {"lr_scheduler_kwargs": {"min_lr": 1e-6}, "deepspeed": "ds.json"}, "c.yaml")
+    for bad in ("{min_lr: 1e-6}", "[1]", "min_lr=1e-6", '{"a": 1'):
+        with pytest.raises(OrchError, match="lr_scheduler_kwargs takes a JSON object"):
+            trl_schema.check("sft", {"lr_scheduler_kwargs": bad})
+    with pytest.raises(OrchError, match=r"^TRL config c.yaml: gradient_checkpointing_kwargs: \[1\]: "):
+        trl_schema.check_config_keys("sft", {"gradient_checkpointing_kwargs": [1]}, "c.yaml")

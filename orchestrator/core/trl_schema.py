@@ -71,6 +71,8 @@ def _kind_ok(kind: object, value: object) -> bool:
         return text in [str(c) for c in kind] or (text in ("None", "none") and None in kind)
     if text in ("None", "none", "null") and kind not in ("bool",):
         return True  # Optional fields take None; TRL's own parser decides for the rest
+    if kind in ("dict", "dict|file"):  # the config's __post_init__ reads a value that starts with { as JSON
+        return isinstance(_json_object(text), dict) if text.startswith("{") or kind == "dict" else True
     try:
         if kind == "int":
             int(text)
@@ -81,6 +83,13 @@ def _kind_ok(kind: object, value: object) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _json_object(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 # orch's own bounds where TRL and transformers accept a value that cannot train (a negative step count, a zero
@@ -127,7 +136,9 @@ def _describe(kind: object) -> str:
         return f"a list of {', '.join(map(str, kind['list']))}"
     if isinstance(kind, list):
         return f"one of {', '.join(map(str, kind))}"
-    return {"int": "an integer", "float": "a number", "bool": "true or false"}.get(str(kind), f"a {kind}")
+    json_object = """a JSON object, keys and strings in double quotes ('{"key": 1}': quote it whole for the shell)"""
+    return {"int": "an integer", "float": "a number", "bool": "true or false", "dict": json_object,
+            "dict|file": f"{json_object} or a JSON file's path"}.get(str(kind), f"a {kind}")  # fmt: skip
 
 
 def check(trainer: str, overrides: Mapping[str, str], source: str = "override") -> None:
@@ -153,7 +164,7 @@ def check(trainer: str, overrides: Mapping[str, str], source: str = "override") 
 
 def _value_ok(kind: object, value: object) -> bool:
     """A TRL config file's value (as YAML typed it) fits the argument's kind."""
-    if value is None or kind in ("str", "list"):
+    if value is None or kind in ("str", "list") or (kind in ("dict", "dict|file") and isinstance(value, dict)):
         return True
     if isinstance(kind, dict):  # a list whose items have choices
         return _kind_ok(kind, value)

@@ -137,7 +137,7 @@ def local_dir(path: Path, smoke: bool, cache: Path) -> Path:
 def use(file: str, launch, local: bool, smoke: bool, user_overrides: dict[str, str]):
     """`orch run --data FILE`: checked here with the launch's settings (SFT's dataset_text_field); TRL then reads it
     as dataset_name=<its directory>, a key=value word of the user's (added to `user_overrides`, so it wins over the
-    recipe's and smoke's). Returns (the file, the launch with it)."""
+    recipe's and smoke's). Returns (the file, the launch with it, the line to say once every check passed)."""
     from orchestrator.core.smoke import cache_root
 
     path = Path(file)
@@ -147,8 +147,8 @@ def use(file: str, launch, local: bool, smoke: bool, user_overrides: dict[str, s
     user_overrides.update(given)
     kept = f"; the smoke run trains on its first {min(rows, SMOKE_ROWS)}" if smoke else ""
     counted = f"{rows:,} row{'s' if rows != 1 else ''}"
-    print(f"[orch] data: {path} ({counted}) has the columns TRL's {launch.trainer} trainer reads{kept}", flush=True)
-    return path, launch.replace(overrides={**launch.overrides, **given})
+    line = f"[orch] data: {path} ({counted}) has the columns TRL's {launch.trainer} trainer reads{kept}"
+    return path, launch.replace(overrides={**launch.overrides, **given}), line
 
 
 def check_launch(launch, smoke: bool) -> None:

@@ -108,6 +108,10 @@ def generate_trl() -> dict[str, dict[str, object]]:
                         kind = list(choices)
                     elif choices and kind == "list":
                         kind = {"list": list(choices)}
+                    if kind == "str" and f.name in getattr(dtype, "_VALID_DICT_FIELDS", ()):
+                        # the config's __post_init__ reads a value that starts with { as JSON; some take a file too
+                        file = "path to a json" in str((f.metadata or {}).get("help", "")).lower()
+                        kind = "dict|file" if file else "dict"
                     names[f.name] = kind
         out[trainer] = dict(sorted(names.items()))
     import yaml

@@ -49,12 +49,14 @@ class LocalBackend:
             raise OrchError(f"--gpus {options.gpus}: --local runs CPU processes; use --gpus CPU:{gpus.count}")
         launch = resolve(request.recipe, nodes=options.nodes, gpus=Gpus(CPU, gpus.count if gpus else 1),
                          envs=request.envs, trl_overrides=request.overrides, secrets=request.secrets)  # fmt: skip
+        said = []  # lines said once every check passed
         if request.data is not None:
             from orchestrator.launch import data
 
-            launch = data.use(request.data, launch, True, options.local.smoke, request.overrides)[1]
+            _, launch, line = data.use(request.data, launch, True, options.local.smoke, request.overrides)
             data.check_launch(launch, options.local.smoke)
-        result, ran = _local_once(options, launch, request.envs, request.overrides, request.secrets)
+            said.append(line)
+        result, ran = _local_once(options, launch, request.envs, request.overrides, request.secrets, said)
         if result.returncode == 0 or not memory_fix.is_oom(result.error):
             return result.returncode
         fix = memory_fix.propose(ran.settings, ran.envs)
@@ -210,7 +212,8 @@ NOT_IDENTITY = ("ORCH_RESUME_CHANGED", "ORCH_MAX_COST", "ORCH_PRICE_PER_HOUR")
 """Envs that change how a run is resumed, capped or priced, never what it trains: not part of a local run's name."""
 
 
-def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, secret_values: dict[str, str]):
+def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, secret_values: dict[str, str],
+                said: list[str] | None = None):  # fmt: skip
     import contextlib
     import hashlib
     import json
@@ -222,11 +225,11 @@ def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, 
     from orchestrator.launch.checks import check
 
     recipe = launch.recipe
-    artifacts = None
+    artifacts, notes = None, list(said or [])  # said once every check passed: a refused launch says one line only
     if options.local.smoke:
         launch, artifacts = _smoke(launch, user_envs, user_overrides)
     elif "model_name_or_path" not in user_overrides:
-        print("[orch] note: --local without --smoke trains the recipe's real model on this machine's CPU")
+        notes.append("[orch] note: --local without --smoke trains the recipe's real model on this machine's CPU")
     # Stable for the same resolved task at any shape: rerunning a command, with other --nodes or --gpus too, finds
     # (and resumes from) its checkpoints; the node reshards them where the world size changed (train/reshape.py).
     same = launch.replace(envs={k: v for k, v in launch.envs.items() if k not in NOT_IDENTITY})  # the same run
@@ -236,7 +239,7 @@ def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, 
     root = "" if "output_dir" in user_overrides else "outputs"
     launch = launch.replace(envs={**launch.envs, "CHECKPOINT_ROOT": root})
     if recipe.task.get("file_mounts"):
-        print("[orch] local: the recipe's file_mounts are not mounted; checkpoints go to outputs/")
+        notes.append("[orch] local: the recipe's file_mounts are not mounted; checkpoints go to outputs/")
     # The recipe's own consistency (memory is a GPU matter), batch math and env errors, before anything
     # starts: bad input builds no smoke model either.
     check(launch, task_id=run, device="cpu")
@@ -249,6 +252,8 @@ def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, 
     storage.check_writable(recipe.workdir / output_dir, "output_dir")
     local.prepare(launch, run, fresh=options.local.fresh, check_only=True)  # --fresh deletes only what orch made for it
     lock = runlock.acquire(run, recipe.workdir / output_dir, command)  # one owner; refused while another lives
+    for note in notes:
+        print(note, flush=True)
     try:
         local.prepare(launch, run, fresh=options.local.fresh)
         if artifacts is not None:

@@ -56,13 +56,14 @@ class SkyBackend:
         if launch.gpus is None or launch.gpus.name is None:
             example = f"--gpus A100:{gpus.count}" if gpus else "--gpus A100:8"
             raise OrchError(f"the recipe names no accelerator in resources.accelerators; give one, e.g. {example}")
-        data_file = None
+        data_file, said = None, []
         if request.data is not None:
             from orchestrator.launch import data
 
-            data_file, launch = data.use(request.data, launch, False, False, request.overrides)
+            data_file, launch, line = data.use(request.data, launch, False, False, request.overrides)
             data.check_launch(launch, options.local.smoke)
-        return _launch(options, launch, request.envs, request.secrets, data_file)
+            said.append(line)
+        return _launch(options, launch, request.envs, request.secrets, data_file, said)
 
     # ------------------------------------------------------------ the runs it recorded
 
@@ -202,7 +203,7 @@ class SkyBackend:
 
 
 def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secret_values: dict[str, str],
-            data_file=None) -> int:  # fmt: skip
+            data_file=None, said: list[str] | None = None) -> int:  # fmt: skip
     from orchestrator.launch import placement, records, secrets, storage
     from orchestrator.launch.backends import sky
     from orchestrator.launch.checks import check, check_output_dir, rehearse
@@ -221,7 +222,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
     check_output_dir(launch)
     from orchestrator.launch import node_paths
 
-    notes = node_paths.check(launch)  # what the nodes read as paths lies in the upload; said once every check passed
+    notes = [*(said or []), *node_paths.check(launch)]  # the data, what the nodes read: said once every check passed
     bucket, note = launch.envs.get("CHECKPOINT_BUCKET", ""), ""
     if "CHECKPOINT_BUCKET" not in user_envs and storage.shipped_bucket(bucket):
         mine = storage.personal_bucket(launch.recipe.name, storage.user_id())
