@@ -93,6 +93,12 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "learning_rate=fast"], "learning_rate takes a number"),
     (["run", "phi3_dpo_fsdp", "bf16=maybe"], "bf16 takes true or false"),
     (["run", "phi3_dpo_fsdp", "max_steps="], "max_steps takes an integer"),
+    # a choice TRL's parser enforces from an Enum (optim, lr_scheduler_type, save_strategy): the ranks stopped on
+    # argparse's `invalid choice` after the launch; YAML's unquoted no is false, which no choice is
+    (["run", "phi3_dpo_fsdp", "optim=adamw"], "optim=adamw: did you mean adamw_torch? optim takes one of adamw_torch,"),
+    (["run", "qwen25_sft_ddp", "--local", "--smoke", "save_strategy=step"], "did you mean steps? save_strategy takes"),
+    (["run", "eval_no"], "eval_strategy: False (YAML reads an unquoted no or yes as false or true: write \"no\"): "
+     "eval_strategy takes one of no, steps, epoch"),
     # a dict argument TRL's config reads as JSON when it starts with {: the ranks stopped on JSONDecodeError
     (["run", "qwen25_sft_ddp", "--local", "--smoke", "lr_scheduler_kwargs={min_lr:1e-6}"],
      "lr_scheduler_kwargs takes a JSON object, keys and strings in double quotes"),
@@ -276,6 +282,9 @@ def bad_project(project):
     (recipes / "trl" / "beta_high.yaml").write_text(
         re.sub(r"^beta:.*$", "beta: high", (recipes / "trl" / "phi3_dpo.yaml").read_text(), count=1, flags=re.M))
     (recipes / "beta_high.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/beta_high.yaml"))
+    dpo = (recipes / "trl" / "phi3_dpo.yaml").read_text()
+    (recipes / "trl" / "eval_no.yaml").write_text(dpo + "eval_strategy: no\n")
+    (recipes / "eval_no.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/eval_no.yaml"))
     (recipes / "trl" / "binary.yaml").write_bytes(b"\xff\xfe\x00binary" + os.urandom(32))
     (recipes / "trl_binary.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/binary.yaml"))
     (recipes / "trl" / "listed.yaml").write_text("- beta\n")

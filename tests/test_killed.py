@@ -311,6 +311,9 @@ def test_a_traceback_s_last_line_is_quoted_whatever_its_class_is_called():
         "KeyboardInterrupt: stopped",
         "[rank1]: ValueError: text input must be of type `str`",
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+        # argparse's own line (TRL's parser on a rank: plain `sky launch` with a bad TRL_OVERRIDES); the line after
+        # it, `CalledProcessError: Command [...] returned non-zero exit status 2`, was quoted instead
+        "__main__.py: error: argument --optim: invalid choice: 'adamw' (choose from 'adamw_torch', 'sgd')",
     ]:
         assert error_of(line) == line.removeprefix("[rank0]: ").removeprefix("[rank1]: "), line
     for line in [
@@ -319,6 +322,7 @@ def test_a_traceback_s_last_line_is_quoted_whatever_its_class_is_called():
         "E1206 07:31:36.952000 31203 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1)",
         "  File \"/work/main/orchestrator/train/entry.py\", line 118, in build",
         "e.g. Foo: not a class",
+        "a note: error: in words, not a program's",
         "/x/trl/trainer/dpo_trainer.py:12: UserWarning: a warning, printed",
     ]:
         assert error_of(line) == "", line

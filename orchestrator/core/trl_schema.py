@@ -131,6 +131,16 @@ def out_of_range(key: str, kind: object, value: object) -> str:
     return ""
 
 
+def _nearest(kind: object, value: object) -> str:
+    """`did you mean X? ` for a mistyped choice, else "": the first in the owner's order that begins with it
+    (optim=adamw: adamw_torch), else the nearest by spelling."""
+    if not isinstance(kind, list):
+        return ""
+    choices, text = [str(c) for c in kind], str(value).strip()
+    started = next((c for c in choices if text and c.startswith(text)), None)
+    return f"did you mean {started}? " if started else did_you_mean(text, choices, cutoff=0.6)
+
+
 def _describe(kind: object) -> str:
     if isinstance(kind, dict):
         return f"a list of {', '.join(map(str, kind['list']))}"
@@ -157,7 +167,7 @@ def check(trainer: str, overrides: Mapping[str, str], source: str = "override") 
                 f"`trl {trainer} --help` lists them ({_stack()})"
             )
         if not _kind_ok(known[key], str(value)):
-            raise OrchError(f"{source} {key}={value}: {key} takes {_describe(known[key])}")
+            raise OrchError(f"{source} {key}={value}: {_nearest(known[key], value)}{key} takes {_describe(known[key])}")
         if why := out_of_range(key, known[key], value):
             raise OrchError(f"{source} {key}={value}: {why}")
 
@@ -188,7 +198,12 @@ def check_config_keys(trainer: str, config: Mapping, path: str) -> None:
                 f"pass --secret {SECRET_ARGUMENTS[key]}"
             )
         if key in known and not _value_ok(known[key], value):
-            raise OrchError(f"TRL config {path}: {key}: {value!r}: {key} takes {_describe(known[key])}")
+            kind = known[key]
+            choices = {str(c) for c in kind} if isinstance(kind, list) else set()
+            yaml_bool = isinstance(value, bool) and bool({"no", "yes"} & choices)
+            said = ' (YAML reads an unquoted no or yes as false or true: write "no")' if yaml_bool else ""
+            raise OrchError(f"TRL config {path}: {key}: {value!r}{said}: {_nearest(known[key], value)}{key} takes "
+                            f"{_describe(known[key])}")  # fmt: skip
         if key in known and (why := out_of_range(str(key), known[key], value)):
             raise OrchError(f"TRL config {path}: {key}: {value!r}: {why}")
 

@@ -8,10 +8,11 @@ import re
 # A traceback's last line, `ValueError: ...`, `torch.OutOfMemoryError: ...`, `[rank1]: RuntimeError: ...`, and a
 # class of another package whatever its name ends with, which Python prints with its module (`huggingface_hub.errors.
 # OfflineModeIsEnabled: ...`, `pyarrow.lib.ArrowInvalid: ...`, `requests.exceptions.ReadTimeout: ...`,
-# `triton.runtime.errors.OutOfResources: ...`); and orch's own `orch: error: ...`
+# `triton.runtime.errors.OutOfResources: ...`); argparse's `<prog>: error: ...` (TRL's parser on a rank); and orch's
+# own `orch: error: ...`
 ERROR = re.compile(
     r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*\.[A-Z]\w*|"
-    r"KeyboardInterrupt|StopIteration|orch: error): .*\S)"
+    r"KeyboardInterrupt|StopIteration|[\w.-]+: error): .*\S)"
 )
 # what the launchers say after a rank failed: they quote nothing the user can act on
 SUMMARIES = ("ChildFailedError", "CalledProcessError", "SignalException", "DistBackendError: [", "orch: error: node")

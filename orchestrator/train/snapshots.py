@@ -97,13 +97,17 @@ def generate_trl() -> dict[str, dict[str, object]]:
     }
     for trainer in trainer_scripts():
         parser = importlib.import_module(f"trl.scripts.{trainer}").make_parser()
+        # the choices the parser itself enforces (HfArgumentParser makes them from an Enum in a Union with str too:
+        # optim, lr_scheduler_type, save_strategy...), which the type hints alone give as a str
+        enforced = {a.dest: [str(getattr(c, "value", c)) for c in a.choices] for a in parser._actions if a.choices}
         names: dict[str, object] = {}
         for dtype in parser.dataclass_types:
             hints = typing.get_type_hints(dtype)
             for f in dataclasses.fields(dtype):
                 if f.init:
                     kind = _kind(hints.get(f.name, str))
-                    choices = (f.metadata or {}).get("choices") or help_choices((f.metadata or {}).get("help", ""))
+                    choices = ((f.metadata or {}).get("choices") or enforced.get(f.name)
+                               or help_choices((f.metadata or {}).get("help", "")))  # fmt: skip
                     if choices and kind == "str":
                         kind = list(choices)
                     elif choices and kind == "list":
