@@ -1152,6 +1152,9 @@ def test_what_the_upload_takes_is_asked_of_rsync_with_skypilots_filter(project, 
     assert judged(dataset_name="data/raw", model_name_or_path="./recipes/outputs/model") == []
     assert judged(dataset_name="./inside") == []  # a link within the workdir: its target is uploaded too
     assert node_paths.uploaded(project, Path("data/raw")) == ()
+    (project / "data" / "v[1]").mkdir()  # a name rsync would read as a pattern: escaped
+    (project / "data" / "v[1]" / "train.jsonl").write_text("{}\n")
+    assert node_paths.uploaded(project, Path("data/v[1]")) == ()
     from sky.utils import command_runner  # the filter is SkyPilot's: an upgrade that changes it fails here
 
     assert node_paths.RSYNC_FILTER == {

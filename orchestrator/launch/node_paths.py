@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -88,9 +89,11 @@ def uploaded(workdir: Path, rel: Path) -> tuple[str, ...] | None:
     argv = ["rsync", "-r", "-l", "-8", "--list-only", RSYNC_FILTER[".skyignore" if skyignore else ".gitignore"]]
     if not skyignore and (src / GIT_EXCLUDE).exists():
         argv.append(f"--exclude-from={src / GIT_EXCLUDE}")
-    # after the ignore rules (the first rule that matches wins): `rel`'s folders, `rel` and all under it; nothing else
-    argv += [f"--include=/{'/'.join(rel.parts[:n])}/" for n in range(1, len(rel.parts))]
-    argv += [f"--include=/{rel.as_posix()}", f"--include=/{rel.as_posix()}/***", "--exclude=*", f"{src}/"]
+    # after the ignore rules (the first rule that matches wins): `rel`'s folders, `rel` and all under it; nothing else.
+    # A name's own wildcard characters are escaped, as rsync reads a backslash where a pattern holds a wildcard
+    parts = [re.sub(r"([*?\[\\])", r"\\\1", part) for part in rel.parts]
+    argv += [f"--include=/{'/'.join(parts[:n])}/" for n in range(1, len(parts))]
+    argv += [f"--include=/{'/'.join(parts)}", f"--include=/{'/'.join(parts)}/***", "--exclude=*", f"{src}/"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         return None
