@@ -326,3 +326,13 @@ def test_orch_run_rehearses_a_bitsandbytes_checkpoint_through_transformers_quant
         f"orch: error: model '{GPTQ}' is a gptq checkpoint (quantization_config in {GPTQ}'s config.json); orch "
         "rehearses and estimates full-precision and bitsandbytes checkpoints only: train its unquantised original "
         "(with use_peft and load_in_4bit for QLoRA)")  # fmt: skip
+
+
+@pytest.mark.unit
+def test_a_config_without_a_decoders_field_names_the_field():
+    """A config.json the estimate cannot read says which field it lacks, not a KeyError's repr."""
+    from orchestrator.core import models
+
+    with pytest.raises(OrchError, match=r"^mine/config.json: a config.json the memory estimate cannot read \(it has no "
+                                        r"\w+, which a decoder's config gives\)$"):  # fmt: skip
+        models.arch_of("mine", {"model_type": "llama"}, where="mine/config.json")

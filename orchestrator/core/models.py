@@ -63,7 +63,10 @@ def arch_of(model_id: str, config: Mapping | None = None, where: str = "") -> Ar
         return None
     try:
         return Arch.from_config(dict(config))
-    except (KeyError, ValueError, TypeError) as exc:
+    except KeyError as exc:
+        raise OrchError(f"{where or model_id}: a config.json the memory estimate cannot read (it has no "
+                        f"{exc.args[0]}, which a decoder's config gives)") from None  # fmt: skip
+    except (ValueError, TypeError) as exc:
         raise OrchError(f"{where or model_id}: a config.json the memory estimate cannot read ({exc})") from None
 
 
