@@ -262,6 +262,11 @@ BAD = [
      "eval_strategy=steps evaluates on dataset_test_split=test: add dataset_test_split=train"),
     (["run", "qwen25_sft_ddp", "--local", "--data", "chat.jsonl", "eval_strategy=epoch", "dataset_test_split=dev"],
      "eval_strategy=epoch evaluates on dataset_test_split=dev"),
+    (["run", "qwen25_sft_ddp", "--local", "--data", "chat.jsonl", "dataset_name=org/other"], "--data chat.jsonl and "
+     "dataset_name=org/other: --data is the dataset TRL reads, as dataset_name=<its folder> and its one split, train: "
+     "drop dataset_name=, or drop --data"),
+    (["run", "qwen25_sft_ddp", "--data", "chat.jsonl", "dataset_train_split=validation"], "and "
+     "dataset_train_split=validation: --data is the dataset TRL reads"),
     (["run", "qwen25_sft_ddp", "--data", "chat.jsonl", 'datasets=[{"path": "org/a"}]'], "set a `datasets` mixture, "
      "which TRL loads in its place: remove `datasets`, or drop --data"),
 ]

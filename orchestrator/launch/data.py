@@ -141,6 +141,11 @@ def use(file: str, launch, local: bool, smoke: bool, user_overrides: dict[str, s
     from orchestrator.core.smoke import cache_root
 
     path = Path(file)
+    for key, wanted in (("dataset_name", None), ("dataset_train_split", "train")):
+        if key in user_overrides and user_overrides[key] != wanted:
+            raise OrchError(f"--data {file} and {key}={user_overrides[key]}: --data is the dataset TRL reads, as "
+                            f"dataset_name=<its folder> and its one split, train: drop {key}=, or drop "
+                            "--data")  # fmt: skip
     rows = check(path, launch.trainer, str(launch.setting("dataset_text_field", "text")))
     where = local_dir(path, smoke, cache_root().parent) if local else Path(DATA_MOUNT)
     given = {"dataset_name": str(where), "dataset_train_split": "train"}
