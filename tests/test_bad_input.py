@@ -174,6 +174,12 @@ BAD = [
     # Accelerate config blocks and values of the wrong type: one line naming the key (core/accelerate_config.py)
     (["run", "accel_listed", "--dry-run"], "fsdp_config must be a mapping of settings, not a list"),
     (["run", "accel_stage", "--local", "--smoke"], "deepspeed_config.zero_stage='x' is not a whole number"),
+    # a value accelerate's parser or FSDP plugin would refuse in the trainer's constructor (KeyError: 'SHARDED'), or
+    # take for another (fsdp_version 3 ran FSDP1's code: KeyError: 'TRUE')
+    (["run", "accel_dict_type", "--local", "--smoke"], "fsdp_config.fsdp_state_dict_type: 'SHARDED' is not one "
+     "accelerate takes; did you mean SHARDED_STATE_DICT? use one of FULL_STATE_DICT, LOCAL_STATE_DICT, "
+     "SHARDED_STATE_DICT"),
+    (["run", "accel_v3", "--dry-run"], "fsdp_config.fsdp_version: 3 is not one accelerate takes; use one of 1, 2"),
     # records and runs
     (["logs", LONG], "no run"),
     (["cancel", "nope"], "no run 'nope'"),
@@ -300,6 +306,12 @@ def bad_project(project):
     (recipes / "accelerate" / "listed.yaml").write_text("distributed_type: FSDP\nfsdp_config: [1]\n")
     accel = phi3.replace("recipes/accelerate/fsdp2_phi3.yaml", "recipes/accelerate/listed.yaml")
     (recipes / "accel_listed.yaml").write_text(accel)
+    fsdp2 = (recipes / "accelerate" / "fsdp2_phi3.yaml").read_text()
+    edits = {"dict_type": ("SHARDED_STATE_DICT", "SHARDED"), "v3": ("fsdp_version: 2", "fsdp_version: 3")}
+    for name, edit in edits.items():
+        (recipes / "accelerate" / f"{name}.yaml").write_text(fsdp2.replace(*edit))
+        (recipes / f"accel_{name}.yaml").write_text(phi3.replace("recipes/accelerate/fsdp2_phi3.yaml",
+                                                                 f"recipes/accelerate/{name}.yaml"))  # fmt: skip
     (recipes / "accelerate" / "stage.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: x}")
     accel = phi3.replace("recipes/accelerate/fsdp2_phi3.yaml", "recipes/accelerate/stage.yaml")
     (recipes / "accel_stage.yaml").write_text(accel)

@@ -78,6 +78,14 @@ def copies(project):
     assert orch("cp", "qwen25_sft_ddp", "sft_zero3", cwd=project).returncode == 0
     edit_env(project / "recipes" / "sft_zero3.yaml", ACCELERATE_CONFIG="zero3")  # a strategy swapped in
     made["sft_zero3"] = 1
+    # FSDP2 with CPU offload: DPO's reference model is sharded as the trainer is built, and CPUOffloadPolicy pins its
+    # shards (refused on a CPU build, "Cannot access accelerator device", until the rehearsal's fake GPU pinned none)
+    assert orch("cp", "phi3_dpo_fsdp", "dpo_offload", cwd=project).returncode == 0
+    offload = project / "recipes" / "accelerate" / "dpo_offload.yaml"
+    config = yaml.safe_load(offload.read_text())
+    config["fsdp_config"]["fsdp_offload_params"] = True
+    offload.write_text(yaml.safe_dump(config))
+    made["dpo_offload"] = 2
     return made
 
 

@@ -40,9 +40,12 @@ def check_config(config: Mapping, path: str) -> None:
                 "accelerate refuses the file"
             )
     arguments = set(known["launch_arguments"])
+    for key, value in config.items():
+        _check_value(key, key, value, path)
     for block, prefix in BLOCKS.items():
-        for key in config.get(block) or {}:
+        for key, value in (config.get(block) or {}).items():
             name = key if key.startswith(prefix) else prefix + key
+            _check_value(name, f"{block}.{key}", value, path)
             if name not in arguments:
                 hint = did_you_mean(name, arguments, cutoff=0.75)
                 raise OrchError(
@@ -55,6 +58,27 @@ def check_config(config: Mapping, path: str) -> None:
                         else "remove it"
                     )
                 )
+
+
+ENUMS = ("fsdp_sharding_strategy", "fsdp_auto_wrap_policy", "fsdp_backward_prefetch", "fsdp_state_dict_type")
+"""FSDP settings accelerate's plugin looks up in torch's enums: by name, any case, or by number (1 = the first)."""
+
+
+def _check_value(name: str, where: str, value, path: str) -> None:
+    """A value accelerate takes for launch argument `name` (its parser's choices, the FSDP enum names), else one line
+    naming them: a config file's values skip the parser's choices, and the plugin failed in the trainer's constructor
+    (`KeyError: 'SHARDED'`) or took fsdp_version 3 for FSDP1 (`KeyError: 'TRUE'`)."""
+    allowed = schema().get("choices", {}).get(name)
+    if allowed is None or value is None or isinstance(value, (dict, list)):
+        return
+    text = str(value).strip()
+    if text.lower() in {c.lower() for c in allowed}:
+        return
+    if name in ENUMS and text.isdigit() and 1 <= int(text) <= len(allowed):
+        return
+    hint = did_you_mean(text.upper() if name in ENUMS else text, allowed, cutoff=0.6, begins=True)
+    raise OrchError(f"Accelerate config {path}: {where}: {value!r} is not one accelerate takes; {hint}use one of "
+                    f"{', '.join(allowed)}")  # fmt: skip
 
 
 def render(data: dict) -> str:

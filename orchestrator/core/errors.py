@@ -52,7 +52,10 @@ def closest(word: str, choices, cutoff: float = 0.5) -> str | None:
     return match[0] if match else None
 
 
-def did_you_mean(word: str, choices, cutoff: float = 0.5) -> str:
-    """`did you mean X? ` for the choice nearest to a mistyped word, or "" when nothing is close."""
-    close = closest(word, choices, cutoff)
+def did_you_mean(word: str, choices, cutoff: float = 0.5, begins: bool = False) -> str:
+    """`did you mean X? ` for the choice nearest to a mistyped word, or "" when nothing is close. With `begins`, the
+    first choice (in their order) that begins with the word comes first: a value cut short (optim=adamw: adamw_torch,
+    SHARDED: SHARDED_STATE_DICT), which spelling alone matched to another or to none."""
+    started = next((c for c in choices if word and str(c).startswith(word)), None) if begins else None
+    close = started or closest(word, choices, cutoff)
     return f"did you mean {close}? " if close else ""

@@ -132,13 +132,10 @@ def out_of_range(key: str, kind: object, value: object) -> str:
 
 
 def _nearest(kind: object, value: object) -> str:
-    """`did you mean X? ` for a mistyped choice, else "": the first in the owner's order that begins with it
-    (optim=adamw: adamw_torch), else the nearest by spelling."""
+    """`did you mean X? ` for a mistyped choice (optim=adamw: adamw_torch), else ""."""
     if not isinstance(kind, list):
         return ""
-    choices, text = [str(c) for c in kind], str(value).strip()
-    started = next((c for c in choices if text and c.startswith(text)), None)
-    return f"did you mean {started}? " if started else did_you_mean(text, choices, cutoff=0.6)
+    return did_you_mean(str(value).strip(), [str(c) for c in kind], cutoff=0.6, begins=True)
 
 
 def _describe(kind: object) -> str:

@@ -9,7 +9,8 @@ def cuda(devices: int) -> None:
     """CUDA reported present, as on the node: enough for accelerate and transformers to take the GPU path.
 
     Nothing runs a kernel: the trainer is built, never trained, and a module moved to a CUDA device stays where
-    it is (the trainer, accelerate's prepare_model for a reference model, ...); dtype changes still apply.
+    it is (the trainer, accelerate's prepare_model for a reference model, ...); dtype changes still apply; a tensor
+    pinned stays as it is.
     """
     import torch
 
@@ -23,6 +24,9 @@ def cuda(devices: int) -> None:
 
     torch.nn.Module.to = to
     torch.nn.Module.cuda = lambda self, device=None: self
+    # pinned host memory needs the accelerator's driver (a CPU build: "Cannot access accelerator device when none is
+    # available"): FSDP2's CPUOffloadPolicy pins each sharded parameter as a DPO reference model is prepared
+    torch.Tensor.pin_memory = lambda self, *a, **k: self
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: devices
     torch.cuda.set_device = lambda *a, **k: None

@@ -133,9 +133,16 @@ def generate_accelerate() -> dict:
 
     from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import constants
     from accelerate.utils import launch as launch_utils
 
-    dests = {action.dest for action in launch_command_parser()._actions if action.dest != "help"}
+    actions = launch_command_parser()._actions
+    dests = {action.dest for action in actions if action.dest != "help"}
+    # the values accelerate takes: its parser's choices (a config file's values skip them), and the FSDP names its
+    # plugin looks up in torch's enums (a name not there was `KeyError: 'SHARDED'` in the trainer's constructor)
+    choices = {a.dest: [str(c) for c in a.choices] for a in actions if a.choices}
+    for name in ("sharding_strategy", "auto_wrap_policy", "backward_prefetch", "state_dict_type"):
+        choices[f"fsdp_{name}"] = list(getattr(constants, f"FSDP_{name.upper()}"))
     # Attributes the env builders read that are no parser option (e.g. fsdp_ignored_modules from a config file).
     source = inspect.getsource(launch_utils)
     read = set(re.findall(r"\bargs\.([a-z_][a-z0-9_]*)", source))
@@ -144,6 +151,7 @@ def generate_accelerate() -> dict:
         "versions": {"accelerate": importlib.metadata.version("accelerate")},
         "config_fields": sorted(f.name for f in dataclasses.fields(ClusterConfig)),
         "launch_arguments": sorted(dests | read),
+        "choices": dict(sorted(choices.items())),
     }
 
 
