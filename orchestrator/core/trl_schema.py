@@ -198,7 +198,8 @@ def check_config_keys(trainer: str, config: Mapping, path: str) -> None:
             kind = known[key]
             choices = {str(c) for c in kind} if isinstance(kind, list) else set()
             yaml_bool = isinstance(value, bool) and bool({"no", "yes"} & choices)
-            said = ' (YAML reads an unquoted no or yes as false or true: write "no")' if yaml_bool else ""
+            word = "yes" if value else "no"
+            said = f' (YAML reads an unquoted no or yes as false or true: write "{word}")' if yaml_bool else ""
             raise OrchError(f"TRL config {path}: {key}: {value!r}{said}: {_nearest(known[key], value)}{key} takes "
                             f"{_describe(known[key])}")  # fmt: skip
         if key in known and (why := out_of_range(str(key), known[key], value)):
