@@ -93,6 +93,12 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "learning_rate=fast"], "learning_rate takes a number"),
     (["run", "phi3_dpo_fsdp", "bf16=maybe"], "bf16 takes true or false"),
     (["run", "phi3_dpo_fsdp", "max_steps="], "max_steps takes an integer"),
+    # a misspelt orch knob: the cost cap it meant was never applied
+    (["run", "phi3_dpo_fsdp", "--env", "ORCH_MAX_COSTS=5"], "--env ORCH_MAX_COSTS: orch reads no variable "
+     "ORCH_MAX_COSTS; did you mean ORCH_MAX_COST?"),
+    (["run", "phi3_dpo_fsdp", "--local", "--smoke", "--env", "ORCH_REHEARSALS=off"], "did you mean ORCH_REHEARSAL?"),
+    (["run", "knob_typo", "--local", "--smoke"], "recipes/knob_typo.yaml: envs.ORCH_WATCHDOGG: orch reads no variable "
+     "ORCH_WATCHDOGG; did you mean ORCH_WATCHDOG?"),
     # a choice TRL's parser enforces from an Enum (optim, lr_scheduler_type, save_strategy): the ranks stopped on
     # argparse's `invalid choice` after the launch; YAML's unquoted no is false, which no choice is
     (["run", "phi3_dpo_fsdp", "optim=adamw"], "optim=adamw: did you mean adamw_torch? optim takes one of adamw_torch,"),
@@ -293,6 +299,8 @@ def bad_project(project):
     (recipes / "trl" / "beta_high.yaml").write_text(
         re.sub(r"^beta:.*$", "beta: high", (recipes / "trl" / "phi3_dpo.yaml").read_text(), count=1, flags=re.M))
     (recipes / "beta_high.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/beta_high.yaml"))
+    (recipes / "knob_typo.yaml").write_text(phi3.replace("  MAIN_PROCESS_PORT: 29500\n",
+                                                         "  MAIN_PROCESS_PORT: 29500\n  ORCH_WATCHDOGG: 'off'\n"))
     dpo = (recipes / "trl" / "phi3_dpo.yaml").read_text()
     (recipes / "trl" / "eval_no.yaml").write_text(dpo + "eval_strategy: no\n")
     (recipes / "eval_no.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/eval_no.yaml"))

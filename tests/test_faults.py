@@ -230,7 +230,7 @@ def test_a_rank_that_exits_early_is_named_as_the_cause(project):
 
     fault = ROOT / "tests" / "fixtures" / "rank_fault"
     done = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "--track", "--env",
-                f"PYTHONPATH={fault}", "--env", "ORCH_TEST_FAULT=exit", cwd=project, timeout=300)  # fmt: skip
+                f"PYTHONPATH={fault}", "--env", "TEST_RANK_FAULT=exit", cwd=project, timeout=300)  # fmt: skip
     assert done.returncode != 0
     final = done.stdout.strip().splitlines()[-1]
     assert "rank 1 (node 1) exited with code 0 at step 3, before training ended" in final, done.stdout[-3000:]
@@ -249,7 +249,7 @@ def test_a_rank_that_raises_records_itself_where_the_other_nodes_look(project):
     would recover on without limit (SkyPilot's recover_on_exit_codes) and hit the same bug again."""
     fault = ROOT / "tests" / "fixtures" / "rank_fault"
     done = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "--env", f"PYTHONPATH={fault}",
-                "--env", "ORCH_TEST_FAULT=raise", cwd=project, timeout=300)  # fmt: skip
+                "--env", "TEST_RANK_FAULT=raise", cwd=project, timeout=300)  # fmt: skip
     assert done.returncode == 1, done.stdout[-3000:]
     final = done.stdout.strip().splitlines()[-1]
     assert re.search(r"^\[orch\] failed after [\d.]+ s: node 1 exited with code 1: .*ValueError: a bug in the training "

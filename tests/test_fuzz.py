@@ -95,7 +95,7 @@ GOOD = {
 }  # fmt: skip
 GOOD_OVERRIDES = ["learning_rate=1e-5", "max_steps=10", "beta=0.2", "logging_steps=5", "seed=3",
                   "gradient_accumulation_steps=2", "bf16=true", "max_length=512"]  # fmt: skip
-GOOD_ENVS = ["GLOBAL_BATCH_SIZE=128", "ORCH_STALL_TIMEOUT=600", "MAIN_PROCESS_PORT=29600", "DDP_TIMEOUT=1800",
+GOOD_ENVS = ["GLOBAL_BATCH_SIZE=128", "ORCH_STALL_FLOOR=600", "MAIN_PROCESS_PORT=29600", "DDP_TIMEOUT=1800",
              "CHECKPOINT_BUCKET=my-bucket-1", "ORCH_NETCHECK=warn"]  # fmt: skip
 
 

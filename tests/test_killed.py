@@ -183,7 +183,7 @@ def test_a_rank_the_oom_killer_ends_is_named_not_the_network_error_it_caused(pro
     before = set(fault.memory_cgroup().glob(groups))
     try:
         done = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "--env", f"PYTHONPATH={FAULT}",
-                    "--env", "ORCH_TEST_FAULT=oom", cwd=project, timeout=300)  # fmt: skip
+                    "--env", "TEST_RANK_FAULT=oom", cwd=project, timeout=300)  # fmt: skip
     finally:
         for group in set(fault.memory_cgroup().glob(groups)) - before:
             group.rmdir()

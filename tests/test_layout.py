@@ -363,3 +363,24 @@ def test_pre_commit_runs_the_environments_own_ruff_and_mypy():
     hooks = [hook for repo in yaml.safe_load(config.read_text())["repos"] for hook in repo["hooks"]]
     assert {h["id"]: h["entry"].split()[0] for h in hooks} == {"ruff": ".venv/bin/ruff", "mypy": ".venv/bin/mypy"}
     assert all(h["language"] == "system" for h in hooks)
+
+
+def test_every_orch_variable_orch_reads_is_registered():
+    """core/knobs.py's KNOBS and OTHER are every ORCH_ variable orch reads (in the package, its scripts, recipes and
+    examples): --env and a recipe's envs refuse any other ORCH_ name, so an unregistered one would be refused, and a
+    misspelt knob (ORCH_MAX_COSTS=5) was dropped without a word. ORCH_DATA, ORCH_KERNEL and ORCH_WARM tag a check's
+    stdout line; they are no variable."""
+    import re
+
+    from orchestrator.core.knobs import KNOBS, OTHER
+
+    tags = {"ORCH_DATA", "ORCH_KERNEL", "ORCH_WARM"}
+    found: dict[str, str] = {}
+    for folder in ("orchestrator", "scripts", "recipes", "examples"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_file() and path.suffix in (".py", ".sh", ".yaml", ".sbatch", ".md", ""):
+                for name in re.findall(r"(?<![A-Z0-9_])ORCH_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")):
+                    found.setdefault(name, str(path.relative_to(ROOT)))
+    unknown = {name: where for name, where in found.items() if name not in {*KNOBS, *OTHER, *tags}}
+    assert not unknown, unknown
+    assert not [name for name in OTHER if name not in found], "OTHER names a variable nothing reads"

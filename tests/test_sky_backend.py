@@ -919,7 +919,7 @@ def test_orch_run_sends_and_records_the_setup_inside_the_run(in_project, fake, c
 
 FAILED_JOB = (ROOT / "tests" / "fixtures" / "sky_logs" / "failed_job.log").read_text()
 """A real SkyPilot stream of a failed job, as `tail_logs(follow=True)` gave it to orch on the Slurm bed (2026-11-29):
-rank 1 left training at step 3 (tests/fixtures/rank_fault, ORCH_TEST_FAULT=exit), node 1's verdict names it, the head
+rank 1 left training at step 3 (tests/fixtures/rank_fault, TEST_RANK_FAULT=exit), node 1's verdict names it, the head
 node's rank saw a reset connection and was then cancelled by Slurm before its own verdict; SkyPilot ends with its job
 driver's `Job 1 failed with return code list: [143]`."""
 RANK1_LEFT = ("orch: error: rank 1 (node 1) exited with code 0 at step 3, before training ended (a sys.exit or return "

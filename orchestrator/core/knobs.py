@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from orchestrator.core.errors import OrchError
+from orchestrator.core.errors import OrchError, did_you_mean
 
 
 def _seconds(raw: str) -> float:
@@ -134,6 +134,31 @@ KNOBS = {
     "ORCH_LAUNCHED_AT": (_time, "a Unix time in seconds"),
     "ORCH_PRICES": (_prices, 'a JSON object of "<cloud>/<region>": price in dollars per hour'),
 }
+
+
+# orch's other variables, read as they are (paths, ports, ids) or set by orch itself for its own processes: with KNOBS,
+# every ORCH_ name orch reads (tests/test_layout.py greps the package, scripts and recipes for others)
+OTHER = {
+    "ORCH_HOME": "the node's orch home (~/.orch)", "ORCH_VENV": "the environment node-setup.sh makes",
+    "ORCH_CACHE_DIR": "orch's cache (smoke models, rehearsals)", "ORCH_SCRATCH_DIR": "room for resharded checkpoints",
+    "ORCH_BARRIER_PORT": "orch's barrier port (MAIN_PROCESS_PORT + 1)",
+    "ORCH_GPUS_PER_NODE": "processes per node where no GPU is counted (CPU nodes)",
+    "ORCH_SMOKE_GLOBAL_BATCH": "a smoke run's global batch", "ORCH_SKIP_SETUP": "examples/slurm: skip the setup",
+    "ORCH_SKIP_PREFETCH": "node-setup.sh: no model download", "ORCH_DEBUG": "the rehearsal's tracebacks",
+    "ORCH_RECIPE": "the default recipe", "ORCH_RUN_ID": "set by orch: the run's name, keying its checkpoints",
+    "ORCH_RUN_TOKEN": "set by orch: one attempt's id", "ORCH_NODE_PID": "set by orch node",
+    "ORCH_NODE_WORKDIR": "set by orch's CLI", "ORCH_PROGRESS_DIR": "set by orch node",
+    "ORCH_TIMELINE": "set by orch node",
+}  # fmt: skip
+
+
+def check_name(name: str, where: str) -> None:
+    """A task variable in orch's namespace is one orch reads: a misspelt knob (ORCH_MAX_COST with an S) would be dropped
+    without a word, the cap it meant never applied."""
+    if name.startswith("ORCH_") and name not in KNOBS and name not in OTHER:
+        close = did_you_mean(name.removeprefix("ORCH_"), [k.removeprefix("ORCH_") for k in (*KNOBS, *OTHER)], 0.7)
+        hint = close.replace("did you mean ", "did you mean ORCH_")
+        raise OrchError(f"{where}: orch reads no variable {name}; {hint}orch's knobs are core/knobs.py's KNOBS")
 
 
 def knob(env: Mapping[str, str], name: str, default=None):

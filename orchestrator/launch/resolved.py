@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
-from orchestrator.core import configs, credentials, overrides, trl_schema
+from orchestrator.core import configs, credentials, knobs, overrides, trl_schema
 from orchestrator.core.accelerators import CPU, Gpus
 from orchestrator.core.errors import OrchError
 from orchestrator.launch.recipe import Recipe
@@ -152,6 +152,7 @@ def parse_env_assignments(words: Iterable[str], environ: Mapping[str, str] = os.
         key, sep, value = word.partition("=")
         if not _ENV_NAME.match(key):
             raise OrchError(f"--env {key!r}: not an environment variable name (letters, digits, _)")
+        knobs.check_name(key, f"--env {key}")
         if not sep:
             if key not in environ:
                 raise OrchError(f"--env {key}: {key} is not set here; give a value with --env {key}=VALUE")
@@ -181,6 +182,7 @@ def resolve(
         raise OrchError(f"--nodes {nodes}: orch launches at most {MAX_NODES} nodes in one run")
     task_envs = {**recipe.envs, **(envs or {})}
     for key, value in recipe.envs.items():  # a recipe is a file people share: no credential in it either
+        knobs.check_name(key, f"{recipe.path}: envs.{key}")
         if why := credentials.looks_secret(key, str(value)):
             raise OrchError(f"{recipe.path}: envs.{key}: {why}; move it to the recipe's `secrets:` as "
                             f"`{key}: null` and pass --secret {key} (never written)")  # fmt: skip
