@@ -618,3 +618,24 @@ def test_a_dict_argument_takes_a_json_object_or_where_the_owner_reads_one_a_file
             trl_schema.check("sft", {"lr_scheduler_kwargs": bad})
     with pytest.raises(OrchError, match=r"^TRL config c.yaml: gradient_checkpointing_kwargs: \[1\]: "):
         trl_schema.check_config_keys("sft", {"gradient_checkpointing_kwargs": [1]}, "c.yaml")
+
+
+@pytest.mark.unit
+def test_an_env_name_one_slip_from_a_variable_orch_reads_gets_a_note():
+    """`--env GLOBAL_BATCH=32` reached the task and nothing read it (GLOBAL_BATCH_SIZE kept the recipe's): a note
+    names the variable meant; a name of the user's own code (NCCL_DEBUG, WANDB_PROJECT) gets none. READ_ENVS are
+    names orch's code reads."""
+    from conftest import ROOT
+
+    from orchestrator.launch import recipe as recipes
+    from orchestrator.launch.resolved import READ_ENVS, env_notes
+
+    phi3 = recipes.load(str(ROOT / "recipes" / "phi3_dpo_fsdp.yaml"))
+    given = {"GLOBAL_BATCH": "32", "NCCL_DEBUG": "INFO", "CHECKPOINT_BUCKETS": "b", "WANDB_PROJECT": "p"}
+    assert env_notes(given, phi3) == [
+        "[orch] note: --env GLOBAL_BATCH is read by nothing orch or the recipe knows; did you mean GLOBAL_BATCH_SIZE?",
+        "[orch] note: --env CHECKPOINT_BUCKETS is read by nothing orch or the recipe knows; did you mean "
+        "CHECKPOINT_BUCKET?",
+    ]
+    source = "".join(p.read_text() for p in (ROOT / "orchestrator").rglob("*.py") if p.name != "resolved.py")
+    assert [name for name in READ_ENVS if f'"{name}"' not in source] == []

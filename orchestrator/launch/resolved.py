@@ -165,6 +165,28 @@ def parse_env_assignments(words: Iterable[str], environ: Mapping[str, str] = os.
     return out
 
 
+# the recipe variables orch reads that carry no ORCH_ prefix (node/plan.py's list, the cost estimate's, the bucket's)
+READ_ENVS = ("TRL_TRAINER", "TRL_CONFIG", "ACCELERATE_CONFIG", "GLOBAL_BATCH_SIZE", "TRL_OVERRIDES",
+             "MAIN_PROCESS_PORT", "VLLM_SERVER_NODES", "VLLM_SERVER_PORT", "CHECKPOINT_ROOT", "CHECKPOINT_BUCKET",
+             "DDP_TIMEOUT", "EXPECTED_GPU_HOURS")  # fmt: skip
+
+
+def env_notes(user_envs: Mapping[str, str], recipe: Recipe) -> list[str]:
+    """A note for each --env name that neither orch nor the recipe reads but is one letter or word from one orch reads
+    (GLOBAL_BATCH for GLOBAL_BATCH_SIZE): the task gets it, nothing uses it. A note, not a refusal: any other name
+    may be the user's own code's."""
+    from orchestrator.core.errors import closest
+
+    notes = []
+    for key in user_envs:
+        if key in READ_ENVS or key in recipe.envs or key.startswith("ORCH_"):
+            continue
+        near = closest(key, READ_ENVS, cutoff=0.8)
+        if near:
+            notes.append(f"[orch] note: --env {key} is read by nothing orch or the recipe knows; did you mean {near}?")
+    return notes
+
+
 def resolve(
     recipe: Recipe,
     *,

@@ -35,7 +35,7 @@ class LocalBackend:
         from orchestrator.core.accelerators import parse as parse_gpus
         from orchestrator.core.knobs import check_knobs
         from orchestrator.launch.backends import SkyOptions
-        from orchestrator.launch.resolved import resolve
+        from orchestrator.launch.resolved import env_notes, resolve
 
         options = request.options
         given = [f.name for f in dataclasses.fields(SkyOptions)
@@ -49,7 +49,7 @@ class LocalBackend:
             raise OrchError(f"--gpus {options.gpus}: --local runs CPU processes; use --gpus CPU:{gpus.count}")
         launch = resolve(request.recipe, nodes=options.nodes, gpus=Gpus(CPU, gpus.count if gpus else 1),
                          envs=request.envs, trl_overrides=request.overrides, secrets=request.secrets)  # fmt: skip
-        said = []  # lines said once every check passed
+        said = env_notes(request.envs, launch.recipe)  # lines said once every check passed
         if request.data is not None:
             from orchestrator.launch import data
 

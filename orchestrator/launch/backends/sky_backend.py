@@ -32,7 +32,7 @@ class SkyBackend:
     def run(self, request: RunRequest) -> int:
         from orchestrator.core.accelerators import parse as parse_gpus
         from orchestrator.launch import placement
-        from orchestrator.launch.resolved import resolve
+        from orchestrator.launch.resolved import env_notes, resolve
 
         options = request.options
         if any(getattr(options.local, name) for name in LOCAL_ONLY):
@@ -56,7 +56,7 @@ class SkyBackend:
         if launch.gpus is None or launch.gpus.name is None:
             example = f"--gpus A100:{gpus.count}" if gpus else "--gpus A100:8"
             raise OrchError(f"the recipe names no accelerator in resources.accelerators; give one, e.g. {example}")
-        data_file, said = None, []
+        data_file, said = None, env_notes(request.envs, launch.recipe)
         if request.data is not None:
             from orchestrator.launch import data
 
