@@ -93,6 +93,12 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "learning_rate=fast"], "learning_rate takes a number"),
     (["run", "phi3_dpo_fsdp", "bf16=maybe"], "bf16 takes true or false"),
     (["run", "phi3_dpo_fsdp", "max_steps="], "max_steps takes an integer"),
+    # a strategy or device from TRL's arguments beside the Accelerate config's: a DDP recipe ran FSDP unknown to orch's
+    # estimate and summary; use_cpu on GPU nodes trained on their CPUs (the rehearsal said MULTI_CPU)
+    (["run", "qwen25_sft_ddp", "--dry-run", "fsdp=full_shard"], "fsdp=full_shard: TRL's fsdp argument sets a strategy "
+     "beside the Accelerate config's (multi_gpu)"),
+    (["run", "phi3_dpo_fsdp", "deepspeed=ds.json"], "drop deepspeed= and choose the strategy there"),
+    (["run", "qwen25_sft_ddp", "use_cpu=true"], "use_cpu=true: the training processes would run on the nodes' CPUs"),
     # a misspelt orch knob: the cost cap it meant was never applied
     (["run", "phi3_dpo_fsdp", "--env", "ORCH_MAX_COSTS=5"], "--env ORCH_MAX_COSTS: orch reads no variable "
      "ORCH_MAX_COSTS; did you mean ORCH_MAX_COST?"),

@@ -130,6 +130,7 @@ def plan(
     accelerate_schema.check_config(accelerate_config.raw, recipe.accel_path)
     rules.check_output_dir(settings, env)
     rules.check_hub_push(settings)
+    rules.check_strategy_settings(settings, recipe.device, recipe.accel_path)
     rules.check_final_model_is_written(accelerate_config, recipe.accel_path)
     rules.check_reference_model_loading(recipe.trainer, accelerate_config, settings, recipe.accel_path)
     rules.check_recomputed_dropout(accelerate_config, settings, recipe.accel_path)

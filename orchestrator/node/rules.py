@@ -56,6 +56,22 @@ def check_hub_push(settings: Mapping) -> None:
     )
 
 
+def check_strategy_settings(settings: Mapping, device: str, accel_path: str) -> None:
+    """The strategy and the device come from the Accelerate config and the node, not from TRL's arguments: transformers'
+    own `fsdp` / `deepspeed` turn the recipe's strategy into another (a DDP recipe ran FSDP), which orch's memory
+    estimate, resharding and summary do not know; `use_cpu=true` on GPU nodes trains on their CPUs while the GPUs
+    idle (the rehearsal said MULTI_CPU). orch sets use_cpu itself where the processes are CPUs."""
+    for key in ("fsdp", "deepspeed"):
+        value = settings.get(key)
+        if value not in (None, "", [], False) and str(value).strip().lower() not in ("", "none", "false", "[]"):
+            raise OrchError(f"{key}={value}: TRL's {key} argument sets a strategy beside the Accelerate config's "
+                            f"({accel_path}), which orch plans, checks and reports by; drop {key}= and choose the "
+                            "strategy there (ACCELERATE_CONFIG=fsdp2, zero3 or a file of yours)")  # fmt: skip
+    if device != "cpu" and truthy(settings.get("use_cpu", False)):
+        raise OrchError("use_cpu=true: the training processes would run on the nodes' CPUs while their GPUs idle; "
+                        "drop use_cpu (orch sets it for --local runs and CPU nodes)")  # fmt: skip
+
+
 def check_final_model_is_written(accelerate_config: AccelerateConfig | Mapping, accel_path: str) -> None:
     """ZeRO-3 without 16-bit gathering on save writes only a DeepSpeed checkpoint, which transformers cannot load.
 
