@@ -645,3 +645,30 @@ def test_an_env_name_one_slip_from_a_variable_orch_reads_gets_a_note():
     ]
     source = "".join(p.read_text() for p in (ROOT / "orchestrator").rglob("*.py") if p.name != "resolved.py")
     assert [name for name in READ_ENVS if f'"{name}"' not in source] == []
+
+
+@pytest.mark.unit
+def test_what_the_owners_code_would_run_must_be_the_strategy_orch_planned():
+    """checks._not_as_planned, after every rehearsal of a GPU launch: the distributed type and ZeRO stage the
+    rehearsed trainer reports, against the Accelerate config's strategy (a DDP recipe that TRL's own fsdp argument
+    turned into FSDP, GPU nodes that use_cpu turned into CPU processes, a DeepSpeed JSON at another stage)."""
+    from conftest import ROOT
+
+    from orchestrator.core.accelerators import Gpus
+    from orchestrator.launch import recipe as recipes
+    from orchestrator.launch.checks import _not_as_planned
+    from orchestrator.launch.resolved import resolve
+
+    def judged(name, **facts):
+        launch = resolve(recipes.load(str(ROOT / "recipes" / f"{name}.yaml")), gpus=Gpus("H100", 8))
+        return _not_as_planned(launch, facts)
+
+    assert judged("qwen25_sft_ddp", distributed_type="MULTI_GPU") is None
+    assert judged("phi3_dpo_fsdp", distributed_type="FSDP") is None
+    assert judged("qwen25_dpo_zero2", distributed_type="DEEPSPEED", zero_stage=2) is None
+    assert judged("qwen25_sft_ddp", distributed_type="FSDP").startswith(
+        "the owners' code would run FSDP where the Accelerate config (multi_gpu) plans ddp")
+    assert "would run MULTI_CPU" in judged("phi3_dpo_fsdp", distributed_type="MULTI_CPU")
+    assert "would run MULTI_GPU" in judged("qwen25_dpo_zero2", distributed_type="MULTI_GPU")
+    assert judged("qwen25_dpo_zero2", distributed_type="DEEPSPEED", zero_stage=3).startswith(
+        "DeepSpeed would run ZeRO-3 where the Accelerate config (zero2) plans zero2")

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from orchestrator.core import attention as attention_names
 from orchestrator.core import bnb, memory, slots, trl_schema
-from orchestrator.core.accelerators import CUDA_CAPABILITY
+from orchestrator.core.accelerators import CPU, CUDA_CAPABILITY
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
 from orchestrator.core.overrides import truthy
@@ -195,7 +195,29 @@ def rehearse(launch: Launch, checked: Checked) -> str:
                 f"rehearsal of {launch.recipe.name}: the {outcome.role} would fail on its GPUs ({outcome.stage}: "
                 f"{outcome.error})" + (f"; {fix}" if fix else "")
             )
+    if launch.gpus is not None and launch.gpus.name != CPU and (why := _not_as_planned(launch, outcomes[0].facts)):
+        raise OrchError(f"rehearsal of {launch.recipe.name}: {why}")
     return driver.summary(outcomes, launch.total_gpus, batch)
+
+
+def _not_as_planned(launch: Launch, facts: dict) -> str | None:
+    """What the owners' code made of the launch, against the strategy orch planned, checked and will report by (the
+    Accelerate config's): one that differs ran where nobody looked (TRL's own fsdp argument turned a DDP recipe into
+    FSDP; use_cpu=true trained GPU nodes on their CPUs), or None."""
+    from orchestrator.core import strategy
+
+    planned = strategy.of(launch.paired.accelerate)
+    ran = str(facts.get("distributed_type", ""))
+    expected = {"fsdp": "FSDP", "ddp": None}.get(planned.sharding, "DEEPSPEED")
+    if ran == "MULTI_CPU" or (expected and ran != expected) or (not expected and ran in ("FSDP", "DEEPSPEED")):
+        return (f"the owners' code would run {ran} where the Accelerate config ({launch.envs['ACCELERATE_CONFIG']}) "
+                f"plans {planned.label}, by which orch estimated memory and will reshard and report; set the strategy "
+                "in the Accelerate config alone")  # fmt: skip
+    stage = facts.get("zero_stage")
+    if planned.kind.startswith("zero") and stage is not None and f"zero{stage}" != planned.kind:
+        return (f"DeepSpeed would run ZeRO-{stage} where the Accelerate config ({launch.envs['ACCELERATE_CONFIG']}) "
+                f"plans {planned.label}: make its zero_stage and the DeepSpeed JSON's zero_optimization.stage agree")
+    return None
 
 
 def check(launch: Launch, task_id: str = PLACEHOLDER_TASK_ID, device: str = "gpu") -> Checked:
