@@ -672,3 +672,19 @@ def test_what_the_owners_code_would_run_must_be_the_strategy_orch_planned():
     assert "would run MULTI_GPU" in judged("qwen25_dpo_zero2", distributed_type="MULTI_GPU")
     assert judged("qwen25_dpo_zero2", distributed_type="DEEPSPEED", zero_stage=3).startswith(
         "DeepSpeed would run ZeRO-3 where the Accelerate config (zero2) plans zero2")
+
+
+@pytest.mark.unit
+def test_a_local_run_that_cannot_fit_this_machine_is_refused_before_a_process_starts(tmp_path):
+    """`--local --nodes 64` (a cloud command with --local added) started 64 launchers and ranks (~51 GiB measured at
+    0.8 GiB a smoke node): refused when even the measured floor exceeds MemAvailable, never a run that fits."""
+    from orchestrator.core.errors import OrchError
+    from orchestrator.launch.backends.local_backend import _fits_here
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    4194304 kB\n")
+    _fits_here(2, 2, meminfo)  # 2 x (0.22 + 2 x 0.5) = 2.4 GiB of 4
+    with pytest.raises(OrchError, match=r"^--local: 8 emulated node\(s\) x 1 process\(es\) hold 5\.8 GiB at least .* "
+                                        r"this machine has 4\.0 GiB available: use fewer --nodes"):  # fmt: skip
+        _fits_here(8, 1, meminfo)
+    _fits_here(64, 8, tmp_path / "absent")  # nothing to judge by: not refused

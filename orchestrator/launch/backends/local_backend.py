@@ -5,6 +5,7 @@ lock, progress and logs from the run's output dir, cancel and down by SIGTERM to
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -208,6 +209,29 @@ def _check_local_paths(launch: Launch, given: dict[str, str] | None = None) -> N
         raise OrchError(why)
 
 
+# What an emulated node holds at least, measured (2026-12-06, a 2-node smoke run's resident sets): its accelerate
+# launcher 0.23 GiB, each training process 0.53 GiB with the stack imported and a tiny model; a real model adds its own.
+NODE_GIB, RANK_GIB = 0.22, 0.5
+
+
+def _fits_here(nodes: int, per_node: int, meminfo: Path = Path("/proc/meminfo")) -> None:
+    """Every emulated node is processes of this machine: `--local --nodes 64` (a cloud command with --local added)
+    started 64 launchers and ranks, ~51 GiB, and the kernel's OOM killer chose among this machine's processes. Refused
+    when even the floor above exceeds the memory available now (never a run that would fit)."""
+    try:
+        found = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo.read_text(), re.M)
+    except OSError:
+        return
+    if found is None:
+        return
+    available = int(found.group(1)) / 2**20
+    floor = nodes * (NODE_GIB + RANK_GIB * per_node)
+    if floor > available:
+        raise OrchError(f"--local: {nodes} emulated node(s) x {per_node} process(es) hold {floor:.1f} GiB at least "
+                        f"(a launcher {NODE_GIB} GiB a node, {RANK_GIB} GiB a training process), and this machine has "
+                        f"{available:.1f} GiB available: use fewer --nodes or processes (--gpus CPU:N)")  # fmt: skip
+
+
 NOT_IDENTITY = ("ORCH_RESUME_CHANGED", "ORCH_MAX_COST", "ORCH_PRICE_PER_HOUR")
 """Envs that change how a run is resumed, capped or priced, never what it trains: not part of a local run's name."""
 
@@ -247,6 +271,7 @@ def _local_once(options: RunOptions, launch: Launch, user_envs, user_overrides, 
     _check_local_paths(launch, user_overrides if artifacts is not None else None)
     if options.local.netns and (why := netns.available()):
         raise OrchError(why)
+    _fits_here(launch.nodes, launch.gpus_per_node)
     command = secrets.redacted_command(list(options.argv), secret_values.values())
     output_dir = local.output_dir_of(launch, run)
     storage.check_writable(recipe.workdir / output_dir, "output_dir")
