@@ -71,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="K=V",
-        help="set a task env (repeatable), over the recipe's envs; `--env K` takes K from your environment",
+        help="set a task env (repeatable), over the recipe's envs; `--env K` takes K from your environment. An ORCH_ "
+        "name must be one of orch's knobs (a misspelt one is refused, not dropped)",
     )
     p.add_argument(
         "--secret",
