@@ -670,6 +670,9 @@ def test_what_the_owners_code_would_run_must_be_the_strategy_orch_planned():
         "the owners' code would run FSDP where the Accelerate config (multi_gpu) plans ddp")
     assert "would run MULTI_CPU" in judged("phi3_dpo_fsdp", distributed_type="MULTI_CPU")
     assert "would run MULTI_GPU" in judged("qwen25_dpo_zero2", distributed_type="MULTI_GPU")
+    assert judged("qwen25_sft_ddp", distributed_type="MULTI_GPU", device="cuda") is None
+    assert judged("qwen25_sft_ddp", distributed_type="MULTI_GPU", device="cpu").startswith(
+        "the training processes would run on the cpu device, not the GPUs")
     assert judged("qwen25_dpo_zero2", distributed_type="DEEPSPEED", zero_stage=3).startswith(
         "DeepSpeed would run ZeRO-3 where the Accelerate config (zero2) plans zero2")
 

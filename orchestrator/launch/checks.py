@@ -213,6 +213,9 @@ def _not_as_planned(launch: Launch, facts: dict) -> str | None:
         return (f"the owners' code would run {ran} where the Accelerate config ({launch.envs['ACCELERATE_CONFIG']}) "
                 f"plans {planned.label}, by which orch estimated memory and will reshard and report; set the strategy "
                 "in the Accelerate config alone")  # fmt: skip
+    if facts.get("device", "cuda") != "cuda":
+        return (f"the training processes would run on the {facts['device']} device, not the GPUs (the Accelerate "
+                f"config {launch.envs['ACCELERATE_CONFIG']}'s use_cpu, or TRL's use_cpu): drop it")
     stage = facts.get("zero_stage")
     if planned.kind.startswith("zero") and stage is not None and f"zero{stage}" != planned.kind:
         return (f"DeepSpeed would run ZeRO-{stage} where the Accelerate config ({launch.envs['ACCELERATE_CONFIG']}) "

@@ -153,6 +153,7 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
             unscale(acc.scaler, trainer.model)
     facts = {
         "distributed_type": acc.distributed_type.value,
+        "device": acc.device.type,  # cuda, as the fake GPU reports it, unless a setting asks for the CPU
         "num_processes": acc.num_processes,
         "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
         "per_device_train_batch_size": trainer.args.per_device_train_batch_size,
