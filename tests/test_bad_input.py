@@ -673,6 +673,10 @@ def test_what_the_owners_code_would_run_must_be_the_strategy_orch_planned():
     assert judged("qwen25_sft_ddp", distributed_type="MULTI_GPU", device="cuda") is None
     assert judged("qwen25_sft_ddp", distributed_type="MULTI_GPU", device="cpu").startswith(
         "the training processes would run on the cpu device, not the GPUs")
+    stage_in_json = resolve(recipes.load(str(ROOT / "recipes" / "qwen25_dpo_zero2.yaml")), gpus=Gpus("H100", 8))
+    stage_in_json = stage_in_json.replace(paired=stage_in_json.paired._replace(
+        accelerate={"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "ds.json"}}))
+    assert _not_as_planned(stage_in_json, {"distributed_type": "DEEPSPEED", "zero_stage": 3}) is None  # its JSON says
     assert judged("qwen25_dpo_zero2", distributed_type="DEEPSPEED", zero_stage=3).startswith(
         "DeepSpeed would run ZeRO-3 where the Accelerate config (zero2) plans zero2")
 

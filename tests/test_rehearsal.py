@@ -216,6 +216,18 @@ def test_dry_run_prints_the_rehearsal_and_reuses_it(matrix, recipe):
     assert line.endswith("(cached)")
 
 
+@pytest.mark.parametrize("copy", ["zero3_json", "dpo_offload", "sft_profile"])
+def test_a_dry_run_of_an_edited_copy_runs_the_strategy_it_plans(matrix, copy):
+    """The edited copies through `orch run --dry-run` (the matrix rehearsed them: cached), where the rehearsed
+    trainer's strategy is compared with the plan's (checks._not_as_planned): a DeepSpeed JSON holds the stage the
+    Accelerate config leaves unsaid, and was taken for a mismatch before the comparison knew it."""
+    _, _, _, project = matrix
+    result = orch("run", copy, "--gpus", "H100:8", "--nodes", "2", "--dry-run", "--skip-optimizer",
+                  "--secret", "HF_TOKEN=x", cwd=project, env=ON)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "(cached)" in next(x for x in result.stdout.splitlines() if "rehearsed" in x)
+
+
 # ---------------------------------------------------------------- the GPU-fixes findings, reintroduced in copies
 
 

@@ -217,7 +217,8 @@ def _not_as_planned(launch: Launch, facts: dict) -> str | None:
         return (f"the training processes would run on the {facts['device']} device, not the GPUs (the Accelerate "
                 f"config {launch.envs['ACCELERATE_CONFIG']}'s use_cpu, or TRL's use_cpu): drop it")
     stage = facts.get("zero_stage")
-    if planned.kind.startswith("zero") and stage is not None and f"zero{stage}" != planned.kind:
+    known = planned.kind.startswith("zero") and planned.kind[4:].isdigit()  # zero?: the stage is in a DeepSpeed JSON
+    if known and stage is not None and f"zero{stage}" != planned.kind:
         return (f"DeepSpeed would run ZeRO-{stage} where the Accelerate config ({launch.envs['ACCELERATE_CONFIG']}) "
                 f"plans {planned.label}: make its zero_stage and the DeepSpeed JSON's zero_optimization.stage agree")
     return None
