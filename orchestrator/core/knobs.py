@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from orchestrator.core.errors import OrchError, did_you_mean
+from orchestrator.core.errors import OrchError, closest
 
 
 def _seconds(raw: str) -> float:
@@ -156,8 +156,8 @@ def check_name(name: str, where: str) -> None:
     """A task variable in orch's namespace is one orch reads: a misspelt knob (ORCH_MAX_COST with an S) would be dropped
     without a word, the cap it meant never applied."""
     if name.startswith("ORCH_") and name not in KNOBS and name not in OTHER:
-        close = did_you_mean(name.removeprefix("ORCH_"), [k.removeprefix("ORCH_") for k in (*KNOBS, *OTHER)], 0.7)
-        hint = close.replace("did you mean ", "did you mean ORCH_")
+        near = closest(name.removeprefix("ORCH_"), [k.removeprefix("ORCH_") for k in (*KNOBS, *OTHER)], 0.7)
+        hint = f"did you mean ORCH_{near}? " if near else ""  # the names' common prefix left out of the likeness
         raise OrchError(f"{where}: orch reads no variable {name}; {hint}orch's knobs are core/knobs.py's KNOBS")
 
 

@@ -18,7 +18,7 @@ from types import MappingProxyType
 
 from orchestrator.core import configs, credentials, knobs, overrides, trl_schema
 from orchestrator.core.accelerators import CPU, Gpus
-from orchestrator.core.errors import OrchError
+from orchestrator.core.errors import OrchError, closest
 from orchestrator.launch.recipe import Recipe
 
 MAX_NODES = 16384
@@ -175,8 +175,6 @@ def env_notes(user_envs: Mapping[str, str], recipe: Recipe) -> list[str]:
     """A note for each --env name that neither orch nor the recipe reads but is one letter or word from one orch reads
     (GLOBAL_BATCH for GLOBAL_BATCH_SIZE): the task gets it, nothing uses it. A note, not a refusal: any other name
     may be the user's own code's."""
-    from orchestrator.core.errors import closest
-
     notes = []
     for key in user_envs:
         if key in READ_ENVS or key in recipe.envs or key.startswith("ORCH_"):

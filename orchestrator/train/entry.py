@@ -119,6 +119,9 @@ def build(parsed: Parsed, callbacks: list, *mixins: type, memory: loading.HostMe
     else:
         dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config,
                                streaming=script_args.dataset_streaming)  # fmt: skip
+    train_split = split(dataset, script_args.dataset_train_split, "dataset_train_split")
+    evaluated = training_args.eval_strategy != "no"
+    eval_split = split(dataset, script_args.dataset_test_split, "dataset_test_split") if evaluated else None
     kwargs = {}
     if trainers.spec(parsed.trainer).generates:  # GRPO, RLOO: the policy's completions are scored
         kwargs["reward_funcs"] = _reward_funcs(script_args.reward_funcs) + (
@@ -128,9 +131,8 @@ def build(parsed: Parsed, callbacks: list, *mixins: type, memory: loading.HostMe
         trainer = trainer_class(parsed.trainer, *mixins)(
             model=model_args.model_name_or_path,
             args=training_args,
-            train_dataset=split(dataset, script_args.dataset_train_split, "dataset_train_split"),
-            eval_dataset=split(dataset, script_args.dataset_test_split, "dataset_test_split")
-            if training_args.eval_strategy != "no" else None,
+            train_dataset=train_split,
+            eval_dataset=eval_split,
             peft_config=trl.get_peft_config(model_args),
             quantization_config=trl.get_quantization_config(model_args),  # load_in_4bit: QLoRA, as TRL's scripts do
             callbacks=callbacks,
@@ -143,7 +145,6 @@ def build(parsed: Parsed, callbacks: list, *mixins: type, memory: loading.HostMe
     from transformers.trainer_callback import PrinterCallback
 
     trainer.orch_load_dtype = load_dtype(trainer.model)  # the final model's dtype (train/checkpoints.load_dtype)
-    train_split = split(dataset, script_args.dataset_train_split, "dataset_train_split")
     trainer.orch_rows_given = kept.count(train_split)  # the split as loaded
     trainer.remove_callback(PrinterCallback)  # OrchCallback prints the step lines; full metrics in orch/log.jsonl
     return trainer

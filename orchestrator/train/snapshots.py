@@ -141,8 +141,8 @@ def generate_accelerate() -> dict:
     # the values accelerate takes: its parser's choices (a config file's values skip them), and the FSDP names its
     # plugin looks up in torch's enums (a name not there was `KeyError: 'SHARDED'` in the trainer's constructor)
     choices = {a.dest: [str(c) for c in a.choices] for a in actions if a.choices}
-    for name in ("sharding_strategy", "auto_wrap_policy", "backward_prefetch", "state_dict_type"):
-        choices[f"fsdp_{name}"] = list(getattr(constants, f"FSDP_{name.upper()}"))
+    for name in accelerate_schema.ENUMS:  # fsdp_state_dict_type: constants.FSDP_STATE_DICT_TYPE
+        choices[name] = list(getattr(constants, name.upper()))
     # Attributes the env builders read that are no parser option (e.g. fsdp_ignored_modules from a config file).
     source = inspect.getsource(launch_utils)
     read = set(re.findall(r"\bargs\.([a-z_][a-z0-9_]*)", source))
