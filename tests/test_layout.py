@@ -378,6 +378,8 @@ def test_every_orch_variable_orch_reads_is_registered():
     found: dict[str, str] = {}
     for folder in ("orchestrator", "scripts", "recipes", "examples"):
         for path in (ROOT / folder).rglob("*"):
+            if path == ROOT / "orchestrator" / "core" / "knobs.py":  # the registry itself reads none of them
+                continue
             if path.is_file() and path.suffix in (".py", ".sh", ".yaml", ".sbatch", ".md", ""):
                 for name in re.findall(r"(?<![A-Z0-9_])ORCH_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")):
                     found.setdefault(name, str(path.relative_to(ROOT)))
