@@ -634,6 +634,26 @@ def test_a_node_swaps_off_only_what_it_has_installed(tmp_path):
     assert refused.fix().startswith("the nodes get vLLM with orch's vllm extra (the recipe's setup: bash ")
 
 
+@pytest.mark.unit
+def test_every_optimizer_package_transformers_asks_for_gets_the_lock_fix():
+    """Each message transformers' optimizer lookup raises for a package uv.lock lacks (read from its source, so a new
+    optimizer or a reworded message is met here) gets the fix that names the train extra; two of them are a
+    ValueError saying `Please install` (grokadamw, adamw_anyprecision)."""
+    import inspect
+
+    from transformers import trainer_optimizer
+
+    source = inspect.getsource(trainer_optimizer)
+    pattern = r'raise (ValueError|ImportError)\(\s*"((?:You need to (?:install|have)|Please install)[^"]*)"'
+    asked = re.findall(pattern, source)
+    assert len(asked) >= 8 and ("ValueError", "Please install grokadamw with `pip install grokadamw`") in asked
+    for kind, message in asked:
+        outcome = driver.Outcome("head (node 0)", False, {}, "optimizer (optim)", f"{kind}: {message}")
+        assert outcome.fix(), message
+        if "bitsandbytes" not in message:
+            assert "put the package in pyproject.toml's train extra" in outcome.fix(), message
+
+
 def test_without_the_training_stack_the_laptop_says_so(monkeypatch):
     from orchestrator.launch import checks
 

@@ -62,7 +62,7 @@ FIXES = (
      "train,quant), or choose another optim"),
     (r"--tf32 requires Ampere or a newer GPU arch",
      "TF32 needs compute capability 8.0 or more (A100, A10G, L4, L40S, H100; not T4 or V100): set tf32=false"),
-    (r"You need to (install|have) `\S+` in order to use",
+    (r"You need to (install|have) `\S+` in order to use|ValueError: Please install \S",
      "the nodes install uv.lock's orch[train] (and the recipe's extras), which does not have it: put the package in "
      "pyproject.toml's train extra, then `make lock`, or choose another optim"),
     (r"missing \d+ required positional argument",
