@@ -117,7 +117,21 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "model_init_kwargs=[1]"], "model_init_kwargs takes a JSON object"),
     (["run", "phi3_dpo_fsdp", "deepspeed={zero: 3}"], "deepspeed takes a JSON object, keys and strings in double "
      "quotes ('{\"key\": 1}': quote it whole for the shell) or a JSON file's path"),
-    (["run", "phi3_dpo_fsdp", "loss_type=sigmoid,ipo"], "loss_type takes a list of sigmoid"),
+    (["run", "phi3_dpo_fsdp", "loss_type=sigmoid,ipo"], "loss_type=sigmoid,ipo: separate the items with spaces and "
+     "quote the whole for the shell: loss_type='sigmoid ipo'; loss_type takes a list of sigmoid"),
+    (["run", "phi3_dpo_fsdp", "loss_type=[sigmoid, ipox]"], "loss_type=[sigmoid, ipox]: loss_type takes a list of"),
+    # values a trainer compares only as it trains (if/elif/else raise in TRL's trainer: core/train/snapshots.py), or
+    # only where vLLM runs: the ranks stopped after the model loaded, GRPO's after its first generation
+    (["run", "qwen25_grpo_ddp", "importance_sampling_level=seq"], "importance_sampling_level takes one of token, "
+     "sequence"),
+    (["run", "qwen25_grpo_ddp", "multi_objective_aggregation=sum"], "takes one of sum_then_normalize, normalize_then"),
+    (["run", "qwen25_grpo_ddp", "vllm_mode=servr"], "did you mean server? vllm_mode takes one of server, colocate"),
+    (["run", "qwen25_rloo_ddp", "vllm_model_impl=hf"], "vllm_model_impl takes one of transformers, vllm"),
+    (["run", "phi3_dpo_fsdp", "f_divergence_type=kl"], "f_divergence_type takes one of reverse_kl, forward_kl"),
+    # TRL's help says scale_rewards takes False, which only a YAML config gives: the command line's false is the text
+    (["run", "qwen25_grpo_ddp", "scale_rewards=false"], "scale_rewards=false: on the command line TRL keeps false as "
+     "text, which its trainer refuses at the first step (only a YAML config's scale_rewards: false means none): write "
+     "scale_rewards=none; scale_rewards takes one of group, none, batch"),
     (["run", "qwen25_grpo_ddp", "loss_type=ppo"], "loss_type takes one of grpo"),
     (["run", "qwen25_kto_ddp", "loss_type=sigmoid"], "loss_type takes one of kto"),
     (["run", "qwen25_sft_ddp", "loss_type=dpo"], "loss_type takes one of nll"),

@@ -104,6 +104,61 @@ def test_trl_argument_list_matches_installed_trl():
     )
 
 
+def test_the_values_a_trainer_checks_only_as_it_trains_are_read_from_its_if_elif_raise_chains():
+    """TRL compares some string arguments only in its loss or its reward scaling (GRPO's importance_sampling_level,
+    DPO's f_divergence_type): `if x.a == "p": ... elif x.a in ("q", "r"): ... else: raise` gives p, q, r. A chain with
+    no raise, a chain over two attributes and a conditional check (`if x.a not in ...: raise`) give nothing; an
+    `elif` is not read again as a chain of its own; two chains over one attribute give what both take."""
+    from orchestrator.train.snapshots import raised_choices
+
+    source = """
+def loss(self):
+    if self.level == "token":
+        pass
+    elif self.level == "sequence" or self.level == "group":
+        pass
+    elif self.level in ("seq", "tok"):
+        pass
+    else:
+        raise ValueError(self.level)
+    if self.level in ["token", "sequence", "group"]:
+        pass
+    elif self.level == "x":
+        pass
+    else:
+        raise ValueError("twice")
+    if self.mode == "a":
+        pass
+    elif self.mode == "b":
+        pass
+    if self.mixed == "a":
+        pass
+    elif self.other == "b":
+        pass
+    else:
+        raise ValueError()
+    if self.once not in ["a", "b"]:
+        raise ValueError()
+"""
+    assert raised_choices(source) == {"level": ["token", "sequence", "group"]}
+
+
+def test_a_choice_trl_maps_from_a_yaml_bool_is_taken_from_a_config_and_named_on_the_command_line():
+    """GRPOConfig's __post_init__ turns scale_rewards: false into none; the command line's `--scale_rewards false`
+    stays the text 'false', which the trainer refuses at its first step (measured with TRL's own parser)."""
+    from orchestrator.core import trl_schema
+    from orchestrator.core.errors import OrchError
+
+    trl_schema.check_config_keys("grpo", {"scale_rewards": False, "importance_sampling_level": "sequence"}, "c.yaml")
+    with pytest.raises(OrchError, match=r"scale_rewards: 'maybe': scale_rewards takes one of group, none, batch"):
+        trl_schema.check_config_keys("grpo", {"scale_rewards": "maybe"}, "c.yaml")
+    trl_schema.check("grpo", {"scale_rewards": "none", "vllm_mode": "server"})
+    with pytest.raises(OrchError, match=r"write scale_rewards=group; "):
+        trl_schema.check("grpo", {"scale_rewards": "yes"})
+    with pytest.raises(OrchError, match=r"vllm_mode takes one of server, colocate"):
+        trl_schema.check_config_keys("rloo", {"vllm_mode": True}, "c.yaml")  # no mapping: a bool is refused
+
+
 def test_every_registered_trainer_and_each_strategy_orch_supports_has_a_recipe():
     """Each trainer of the registry, PEFT and QLoRA, every sharding strategy (DDP, FSDP2, ZeRO-1/2/3, offload, context
     and sequence parallelism), the three model families and a vLLM server: at least one recipe each."""

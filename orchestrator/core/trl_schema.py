@@ -138,6 +138,32 @@ def _nearest(kind: object, value: object) -> str:
     return did_you_mean(str(value).strip(), [str(c) for c in kind], cutoff=0.6, begins=True)
 
 
+def _bool_spellings(trainer: str, key: str) -> dict[str, str]:
+    """What a config's __post_init__ makes of a YAML true/false for a choice field (GRPO's scale_rewards: false is
+    none); a command line's `--scale_rewards false` stays the text 'false', which the trainer refuses as it trains."""
+    return _schema().get("bool_spellings", {}).get(trainer, {}).get(key, {})
+
+
+def _said_bool(trainer: str, key: str, value: object) -> str:
+    word = str(value).strip().lower()
+    word = "true" if word in _TRUE else "false" if word in _FALSE else word
+    if not (choice := _bool_spellings(trainer, key).get(word)):
+        return ""
+    return (f"on the command line TRL keeps {value} as text, which its trainer refuses at the first step (only a "
+            f"YAML config's {key}: {word} means {choice}): write {key}={choice}; ")  # fmt: skip
+
+
+def _said_list(key: str, kind: object, value: object) -> str:
+    """How to write a list whose items are right but whose separators are not (`loss_type=sigmoid,ipo` or
+    `[sigmoid, ipo]`: the node splits an override's words on spaces, so that was one unknown item)."""
+    import re
+
+    items = [item for item in re.split(r"[\s,\[\]'\"]+", str(value)) if item]
+    if not isinstance(kind, dict) or not items or not _kind_ok(kind, " ".join(items)):
+        return ""
+    return f"separate the items with spaces and quote the whole for the shell: {key}='{' '.join(items)}'; "
+
+
 def _describe(kind: object) -> str:
     if isinstance(kind, dict):
         return f"a list of {', '.join(map(str, kind['list']))}"
@@ -164,7 +190,8 @@ def check(trainer: str, overrides: Mapping[str, str], source: str = "override") 
                 f"`trl {trainer} --help` lists them ({_stack()})"
             )
         if not _kind_ok(known[key], str(value)):
-            raise OrchError(f"{source} {key}={value}: {_nearest(known[key], value)}{key} takes {_describe(known[key])}")
+            said = _said_bool(trainer, key, value) or _said_list(key, known[key], value) or _nearest(known[key], value)
+            raise OrchError(f"{source} {key}={value}: {said}{key} takes {_describe(known[key])}")
         if why := out_of_range(key, known[key], value):
             raise OrchError(f"{source} {key}={value}: {why}")
 
@@ -194,7 +221,8 @@ def check_config_keys(trainer: str, config: Mapping, path: str) -> None:
                 f"TRL config {path}: {key} holds a credential that would travel in files and argv; delete it and "
                 f"pass --secret {SECRET_ARGUMENTS[key]}"
             )
-        if key in known and not _value_ok(known[key], value):
+        spelled = isinstance(value, bool) and str(value).lower() in _bool_spellings(trainer, str(key))
+        if key in known and not spelled and not _value_ok(known[key], value):
             kind = known[key]
             choices = {str(c) for c in kind} if isinstance(kind, list) else set()
             yaml_bool = isinstance(value, bool) and bool({"no", "yes"} & choices)

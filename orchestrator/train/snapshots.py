@@ -1,8 +1,9 @@
 """Snapshots of the training stack for the launch side, which never imports it: `python -m orchestrator.train.snapshots`
 (or `make snapshots`) regenerates both and tests fail when they drift from the installed versions.
 
-- core/trl_args.json: each TRL trainer's arguments (from TRL's own parsers), TRL's Accelerate profiles, the
-  trl / transformers / accelerate versions;
+- core/trl_args.json: each TRL trainer's arguments (from TRL's own parsers, with the choices its trainer checks only
+  as it trains, read from the trainer's source), TRL's Accelerate profiles, the trl / transformers / accelerate
+  versions;
 - core/accelerate_args.json: what `accelerate launch` reads from a config (ClusterConfig, the launch parser,
   the env builders of accelerate.utils.launch).
 - core/torch_cuda.json: torch's own tables of its release's CUDA builds (the compute capabilities each has kernels
@@ -54,18 +55,85 @@ def _kind(tp) -> object:
     return "str"
 
 
-_VALUES = re.compile(r"(?:Possible|Supported|Valid) values are:?\s*(.+?)\.(?:\s|$)")
+_VALUES = re.compile(r"(?:(?:Possible|Supported|Valid) (?:values|options) are:?|Must be one of)\s*(.+?)\.(?:\s|$)")
+_QUOTED = r"`'([A-Za-z0-9_.-]+)'`|'([A-Za-z0-9_.-]+)'|`([A-Za-z0-9_.-]+)`"
 
 
 def help_choices(help_text: str) -> list[str]:
-    """The values a field's help lists ("Possible values are: `'sigmoid'`, `'hinge'` ..."): TRL checks some of them
-    only at the first loss computation (DPO's loss_type), so the launch side needs the list."""
+    """The values a field's help lists ("Possible values are: `'sigmoid'`, `'hinge'` ...", "Must be one of `'server'`
+    or `'colocate'`"): TRL checks some of them only at the first loss computation (DPO's loss_type) or only where
+    vLLM runs (vllm_mode), so the launch side needs the list."""
     match = _VALUES.search(help_text or "")
     if not match:
         return []
     segment = match.group(1)
-    rest = re.sub(r"`?'[A-Za-z0-9_.-]+'`?|\band\b|\bor\b|[\s,]", "", segment)
-    return re.findall(r"'([A-Za-z0-9_.-]+)'", segment) if not rest else []  # a plain list, nothing else
+    rest = re.sub(_QUOTED + r"|\band\b|\bor\b|[\s,]", "", segment)
+    found = ["".join(groups) for groups in re.findall(_QUOTED, segment)]
+    return found if not rest else []  # a plain list, nothing else
+
+
+def _compared(test) -> tuple[str, list[str]] | None:
+    """(attribute, values) of `x.attr == "v"`, `x.attr in ("v", "w")` or an `or` of them; None for anything else."""
+    import ast
+
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
+        parts = [_compared(value) for value in test.values]
+        if all(parts) and len({name for name, _ in parts}) == 1:  # type: ignore[misc]
+            return parts[0][0], [v for _, values in parts for v in values]  # type: ignore[index,union-attr]
+        return None
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.left, ast.Attribute)):
+        return None
+    op, right = test.ops[0], test.comparators[0]
+    if isinstance(op, ast.Eq) and isinstance(right, ast.Constant) and isinstance(right.value, str):
+        return test.left.attr, [right.value]
+    if isinstance(op, ast.In) and isinstance(right, (ast.List, ast.Tuple, ast.Set)):
+        if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in right.elts):
+            return test.left.attr, [e.value for e in right.elts]  # type: ignore[attr-defined]
+    return None
+
+
+def raised_choices(source: str) -> dict[str, list[str]]:
+    """The values a trainer's own `if x.attr == "a": ... elif x.attr in ("b", "c"): ... else: raise` chains take,
+    per attribute: TRL checks GRPO's importance_sampling_level, scale_rewards, multi_objective_aggregation and DPO's
+    f_divergence_type this way only as it trains (after the model loaded, for GRPO after the first generation), so a
+    mistyped value reached the nodes. A field in several such chains takes what every chain takes."""
+    import ast
+
+    out: dict[str, list[str]] = {}
+    ifs = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.If)]
+    elifs = {id(node.orelse[0]) for node in ifs if len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If)}
+    for node in ifs:
+        if id(node) in elifs:  # a chain is read from its first `if`
+            continue
+        tests, last = [node.test], node
+        while len(last.orelse) == 1 and isinstance(last.orelse[0], ast.If):
+            last = last.orelse[0]
+            tests.append(last.test)
+        compared = [_compared(test) for test in tests]
+        if len(tests) < 2 or not (last.orelse and isinstance(last.orelse[-1], ast.Raise)) or not all(compared):
+            continue
+        names = {name for name, _ in compared}  # type: ignore[misc]
+        if len(names) == 1:
+            name, values = names.pop(), [v for _, vs in compared for v in vs]  # type: ignore[misc]
+            out[name] = [v for v in out.get(name, values) if v in values]
+    return out
+
+
+def bool_spellings(config: type, name: str, choices: list) -> dict[str, str]:
+    """The choice a config's __post_init__ makes of a YAML true/false for a field (GRPO's scale_rewards: false means
+    none). Only a config file gives a bool: on the command line `--scale_rewards false` stays the text 'false'."""
+    import tempfile
+
+    out = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for value in (True, False):
+            try:
+                made = getattr(config(output_dir=scratch, use_cpu=True, bf16=False, **{name: value}), name)
+            except Exception:  # noqa: BLE001 - the config refuses a bool: no spelling to record
+                continue
+            if made in choices:
+                out[str(value).lower()] = made
+    return out
 
 
 def trainer_scripts() -> list[str]:
@@ -86,6 +154,21 @@ def trainer_scripts() -> list[str]:
     return sorted(names)
 
 
+def _trainer_checks(config: type) -> dict[str, list[str]]:
+    """raised_choices of the trainer a TRL config belongs to (trl/trainer/grpo_config.py: grpo_trainer.py)."""
+    import importlib
+    import inspect
+
+    module = config.__module__
+    if not module.startswith("trl.") or not module.endswith("_config"):
+        return {}
+    try:
+        trainer = importlib.import_module(module.removesuffix("_config") + "_trainer")
+    except ImportError:
+        return {}
+    return raised_choices(inspect.getsource(trainer))
+
+
 def generate_trl() -> dict[str, dict[str, object]]:
     import dataclasses
     import importlib
@@ -95,6 +178,7 @@ def generate_trl() -> dict[str, dict[str, object]]:
     out: dict[str, dict[str, object]] = {
         "versions": {p: importlib.metadata.version(p) for p in ("trl", "transformers", "accelerate")}
     }
+    spellings: dict[str, dict[str, dict[str, str]]] = {}
     for trainer in trainer_scripts():
         parser = importlib.import_module(f"trl.scripts.{trainer}").make_parser()
         # the choices the parser itself enforces (HfArgumentParser makes them from an Enum in a Union with str too:
@@ -103,6 +187,7 @@ def generate_trl() -> dict[str, dict[str, object]]:
         names: dict[str, object] = {}
         for dtype in parser.dataclass_types:
             hints = typing.get_type_hints(dtype)
+            checked = _trainer_checks(dtype)
             for f in dataclasses.fields(dtype):
                 if f.init:
                     kind = _kind(hints.get(f.name, str))
@@ -112,12 +197,17 @@ def generate_trl() -> dict[str, dict[str, object]]:
                         kind = list(choices)
                     elif choices and kind == "list":
                         kind = {"list": list(choices)}
+                    if kind == "str" and f.name in checked:
+                        kind = checked[f.name]
+                        if spelled := bool_spellings(dtype, f.name, kind):
+                            spellings.setdefault(trainer, {})[f.name] = spelled
                     if kind == "str" and f.name in getattr(dtype, "_VALID_DICT_FIELDS", ()):
                         # the config's __post_init__ reads a value that starts with { as JSON; some take a file too
                         file = "path to a json" in str((f.metadata or {}).get("help", "")).lower()
                         kind = "dict|file" if file else "dict"
                     names[f.name] = kind
         out[trainer] = dict(sorted(names.items()))
+    out["bool_spellings"] = spellings  # type: ignore[assignment]
     import yaml
 
     folder = Path(importlib.import_module("trl").__file__).parent / "accelerate_configs"
