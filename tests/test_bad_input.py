@@ -220,6 +220,10 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "--dry-run", "logging_steps=-5"], "logging_steps must be more than 0"),
     (["run", "phi3_dpo_fsdp", "--dry-run", "max_steps=0"], "max_steps takes -1 (train by epochs) or at least 1"),
     (["run", "qwen25_sft_ddp", "--local", "--smoke", "learning_rate=-1e-5"], "learning_rate must be at least 0"),
+    # the sampler's bounds, checked by transformers' logits processors and vLLM only at the first generation
+    (["run", "qwen25_grpo_ddp", "--dry-run", "top_k=-1"], "top_k must be at least 0"),
+    (["run", "qwen25_grpo_ddp", "--dry-run", "min_p=1.5"], "min_p must be at most 1"),
+    (["run", "qwen25_rloo_ddp", "--dry-run", "repetition_penalty=0"], "repetition_penalty must be more than 0"),
     (["run", "phi3_dpo_fsdp", "--dry-run", "--nodes", "2", "--env", "MAIN_PROCESS_PORT=65535"], "(65536)"),
     (["run", "phi3_dpo_fsdp", "--dry-run", "--env", "ORCH_BARRIER_PORT=29500"], "is MAIN_PROCESS_PORT's port too"),
     (["run", "phi3_dpo_fsdp", "--dry-run", "--env", "CHECKPOINT_ROOT=/checkpoints/../../etc"], "with '..'"),

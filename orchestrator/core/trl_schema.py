@@ -97,14 +97,18 @@ def _json_object(text: str) -> object:
 # the rehearsal. Every float must be finite: nan and inf pass every parser and poison the first step.
 RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     **dict.fromkeys(("learning_rate", "beta", "weight_decay", "max_grad_norm", "warmup_steps", "seed",
-                     "dataloader_num_workers", "label_smoothing_factor", "epsilon", "lora_dropout"), (0, None, True)),
+                     "dataloader_num_workers", "label_smoothing_factor", "epsilon", "epsilon_high", "lora_dropout",
+                     "top_k"), (0, None, True)),
     **dict.fromkeys(("max_length", "max_prompt_length", "max_completion_length", "max_seq_length",
                      "gradient_accumulation_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
                      "num_generations", "lora_r", "save_total_limit", "num_iterations", "steps_per_generation"),
                     (1, None, True)),
-    **dict.fromkeys(("logging_steps", "save_steps", "eval_steps", "num_train_epochs", "temperature", "lora_alpha"),
-                    (0, None, False)),
+    **dict.fromkeys(("logging_steps", "save_steps", "eval_steps", "num_train_epochs", "temperature", "lora_alpha",
+                     "repetition_penalty"), (0, None, False)),
+    # the sampler's own bounds, which transformers' logits processors and vLLM's SamplingParams check only when the
+    # first completions are generated (GRPO, RLOO: after the model and the vLLM engine loaded)
     "warmup_ratio": (0, 1, True),
+    "min_p": (0, 1, True),
     "top_p": (0, 1, False),
 }  # fmt: skip
 
