@@ -179,6 +179,10 @@ def generate_trl() -> dict[str, dict[str, object]]:
         "versions": {p: importlib.metadata.version(p) for p in ("trl", "transformers", "accelerate")}
     }
     spellings: dict[str, dict[str, dict[str, str]]] = {}
+    import torch._inductor
+
+    # torch.compile checks its mode when accelerate compiles the model, in train(): after the model loaded
+    compile_modes = {"torch_compile_mode": list(torch._inductor.list_mode_options())}
     for trainer in trainer_scripts():
         parser = importlib.import_module(f"trl.scripts.{trainer}").make_parser()
         # the choices the parser itself enforces (HfArgumentParser makes them from an Enum in a Union with str too:
@@ -187,7 +191,7 @@ def generate_trl() -> dict[str, dict[str, object]]:
         names: dict[str, object] = {}
         for dtype in parser.dataclass_types:
             hints = typing.get_type_hints(dtype)
-            checked = _trainer_checks(dtype)
+            checked = {**_trainer_checks(dtype), **compile_modes}
             for f in dataclasses.fields(dtype):
                 if f.init:
                     kind = _kind(hints.get(f.name, str))
