@@ -353,6 +353,27 @@ def test_lora_dropout_under_fsdp2_activation_checkpointing_is_refused(node_env):
     node.plan({**env, "TRL_OVERRIDES": "lora_dropout=0.05"}, off, trl)
 
 
+def test_an_accelerate_config_that_hides_gpus_from_the_processes_is_refused(node_env):
+    """A config's gpu_ids becomes CUDA_VISIBLE_DEVICES (accelerate.utils.launch), beside orch's one process per GPU:
+    with '0,1' on an 8-GPU node, ranks 2-7 would find no GPU of their own. Every GPU, in any order, or all: taken."""
+    from orchestrator.core import configs
+
+    env = node_env(2, 8, 1, TRL_TRAINER="dpo", TRL_CONFIG="recipes/trl/phi3_dpo.yaml",
+                   ACCELERATE_CONFIG="recipes/accelerate/fsdp2_phi3.yaml", GLOBAL_BATCH_SIZE="64")  # fmt: skip
+    accel, trl, _ = configs.load(env)
+    for ids in (None, "all", "0,1,2,3,4,5,6,7", "7,6,5,4,3,2,1,0"):
+        node.plan(env, {**accel.raw, "gpu_ids": ids}, trl)
+    for ids in ("0,1", "1,2,3,4,5,6,7,8", "0"):
+        with pytest.raises(OrchError, match=rf"gpu_ids: '{ids}' is not every GPU of the node \(0-7\): accelerate"):
+            node.plan(env, {**accel.raw, "gpu_ids": ids}, trl)
+    from orchestrator.core import accelerate_schema
+
+    with pytest.raises(OrchError, match=r"dynamo_config.dynamo_mode: 'fast' is not one accelerate takes; use one of "
+                                        r"default, lite, reduce-overhead"):  # torch.compile's modes, not the parser's
+        accelerate_schema.check_config({"dynamo_config": {"dynamo_mode": "fast"}}, "a.yaml")
+    accelerate_schema.check_config({"dynamo_config": {"dynamo_backend": "INDUCTOR", "mode": "max-autotune"}}, "a.yaml")
+
+
 def test_packed_rows_under_ulysses_need_flash_attention(node_env):
     """Ulysses drops the attention mask (DeepSpeed's ulysses_sp.py): packed or padding-free rows on SDPA attend across
     documents silently, so orch refuses them, and a model attention DeepSpeed would refuse on the GPUs."""

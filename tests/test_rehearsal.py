@@ -654,6 +654,19 @@ def test_every_optimizer_package_transformers_asks_for_gets_the_lock_fix():
             assert "put the package in pyproject.toml's train extra" in outcome.fix(), message
 
 
+@pytest.mark.unit
+def test_an_fp8_launch_without_an_fp8_backend_names_the_lock_fix():
+    """`accelerate launch` refuses mixed_precision: fp8 where no FP8 backend is installed, on the laptop and on the
+    nodes alike (uv.lock has none): the fix names the extra, not 'this machine'."""
+    lock = (ROOT / "uv.lock").read_text()
+    assert not any(f'name = "{p}"' in lock for p in ("torchao", "transformer-engine", "msamp"))
+    refused = driver.Outcome("head (node 0)", False, {}, "accelerate launch", "RuntimeError: FP8 is not available on "
+                             "this machine. Please ensure that either Transformer Engine, MSAMP or torchao is "
+                             "installed.")  # fmt: skip
+    assert refused.fix().startswith("the nodes install uv.lock's orch[train] and the recipe's extras, which have no "
+                                    "FP8 backend (torchao, Transformer Engine, MS-AMP)")  # fmt: skip
+
+
 def test_without_the_training_stack_the_laptop_says_so(monkeypatch):
     from orchestrator.launch import checks
 

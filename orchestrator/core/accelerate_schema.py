@@ -19,7 +19,8 @@ from pathlib import Path
 from orchestrator.core.errors import OrchError, did_you_mean
 
 SCHEMA = Path(__file__).parent / "accelerate_args.json"
-BLOCKS = {"deepspeed_config": "", "fsdp_config": "fsdp_", "parallelism_config": "parallelism_config_"}
+BLOCKS = {"deepspeed_config": "", "fsdp_config": "fsdp_", "parallelism_config": "parallelism_config_",
+          "dynamo_config": "dynamo_", "fp8_config": "fp8_"}
 """Config blocks whose keys become launch arguments, and the prefix accelerate adds to a key that lacks it."""
 
 

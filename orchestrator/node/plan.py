@@ -134,6 +134,7 @@ def plan(
     rules.check_final_model_is_written(accelerate_config, recipe.accel_path)
     rules.check_reference_model_loading(recipe.trainer, accelerate_config, settings, recipe.accel_path)
     rules.check_recomputed_dropout(accelerate_config, settings, recipe.accel_path)
+    rules.check_gpu_ids(accelerate_config, cluster.gpus_per_node, recipe.accel_path)
 
     # A vLLM server node (GRPO, VLLM_SERVER_NODES=1) does not train: the others form the training job.
     serving = vllm.server_nodes(env, cluster, recipe.trainer)

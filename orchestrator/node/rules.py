@@ -72,6 +72,22 @@ def check_strategy_settings(settings: Mapping, device: str, accel_path: str) -> 
                         "drop use_cpu (orch sets it for --local runs and CPU nodes)")  # fmt: skip
 
 
+def check_gpu_ids(accelerate_config: AccelerateConfig | Mapping, gpus_per_node: int, accel_path: str) -> None:
+    """orch runs one process per GPU of a node (`--num_processes`); an Accelerate config's gpu_ids, which no launch
+    argument of orch's replaces, becomes CUDA_VISIBLE_DEVICES: fewer GPUs than processes, and a process past them
+    fails on its first CUDA call ('invalid device ordinal'), after the launch."""
+    value = AccelerateConfig.of(accelerate_config, accel_path).raw.get("gpu_ids")
+    if value is None or str(value).strip().lower() in ("", "all"):
+        return
+    ids = [part.strip() for part in str(value).split(",")]
+    if sorted(ids) == [str(i) for i in range(gpus_per_node)]:
+        return  # every GPU of the node, in any order
+    raise OrchError(f"{accel_path}: gpu_ids: {value!r} is not every GPU of the node (0-{gpus_per_node - 1}): "
+                    "accelerate makes it CUDA_VISIBLE_DEVICES, and orch starts one process per GPU of the node, so a "
+                    "process would find no GPU of its own at its first CUDA call; delete gpu_ids (or set it to all) "
+                    "and choose the GPUs with --gpus")  # fmt: skip
+
+
 def check_final_model_is_written(accelerate_config: AccelerateConfig | Mapping, accel_path: str) -> None:
     """ZeRO-3 without 16-bit gathering on save writes only a DeepSpeed checkpoint, which transformers cannot load.
 

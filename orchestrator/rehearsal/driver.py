@@ -65,6 +65,10 @@ FIXES = (
     (r"You need to (install|have) `\S+` in order to use|ValueError: Please install \S",
      "the nodes install uv.lock's orch[train] (and the recipe's extras), which does not have it: put the package in "
      "pyproject.toml's train extra, then `make lock`, or choose another optim"),
+    (r"FP8 is not available on this machine",
+     "the nodes install uv.lock's orch[train] and the recipe's extras, which have no FP8 backend (torchao, "
+     "Transformer Engine, MS-AMP): put one in pyproject.toml's train extra, then `make lock`, or set "
+     "mixed_precision: bf16"),
     (r"missing \d+ required positional argument",
      "a reward function reads a column the rows lack: give it in every row (accuracy_reward reads `solution`)"),
     (r"min_lr or min_lr_rate should be set",

@@ -237,6 +237,10 @@ def generate_accelerate() -> dict:
     choices = {a.dest: [str(c) for c in a.choices] for a in actions if a.choices}
     for name in accelerate_schema.ENUMS:  # fsdp_state_dict_type: constants.FSDP_STATE_DICT_TYPE
         choices[name] = list(getattr(constants, name.upper()))
+    import torch._inductor
+
+    # a config's dynamo_mode skips the parser's three and reaches torch.compile, which takes its own modes
+    choices["dynamo_mode"] = list(torch._inductor.list_mode_options())
     # Attributes the env builders read that are no parser option (e.g. fsdp_ignored_modules from a config file).
     source = inspect.getsource(launch_utils)
     read = set(re.findall(r"\bargs\.([a-z_][a-z0-9_]*)", source))
