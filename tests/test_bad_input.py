@@ -227,6 +227,10 @@ BAD = [
     (["run", "qwen25_rloo_ddp", "--dry-run", "repetition_penalty=0"], "repetition_penalty must be more than 0"),
     (["run", "phi3_dpo_fsdp", "--dry-run", "--nodes", "2", "--env", "MAIN_PROCESS_PORT=65535"], "(65536)"),
     (["run", "phi3_dpo_fsdp", "--dry-run", "--env", "ORCH_BARRIER_PORT=29500"], "is MAIN_PROCESS_PORT's port too"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "--env", "MAIN_PROCESS_PORT=22"], "MAIN_PROCESS_PORT is 22, where every "
+     "SkyPilot node runs sshd"),
+    (["run", "phi3_dpo_fsdp", "--dry-run", "--env", "MAIN_PROCESS_PORT=6379"], "ORCH_BARRIER_PORT (unset: "
+     "MAIN_PROCESS_PORT + 1) is 6380, where every SkyPilot node runs SkyPilot's Ray head"),
     (["run", "phi3_dpo_fsdp", "--dry-run", "--env", "CHECKPOINT_ROOT=/checkpoints/../../etc"], "with '..'"),
     (["run", "phi3_dpo_fsdp", "--local", "--smoke", "--down"], "--down: for SkyPilot launches, not --local"),
     (["run", "phi3_dpo_fsdp", "--local", "--smoke", "--idle-minutes", "5"], "--idle-minutes: for SkyPilot"),

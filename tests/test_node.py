@@ -481,3 +481,22 @@ def test_a_local_runs_ports_are_distinct_and_free():
         assert len(set(ports)) == 40, ports
     with socket.socket() as sock:  # released: a node can listen on each
         sock.bind(("127.0.0.1", ports[0]))
+
+
+def test_a_local_run_passes_over_the_ports_skypilots_nodes_hold(monkeypatch):
+    """46590 (SkyPilot's skylet) lies in Linux's ephemeral range: a local run given it would be refused by its own
+    nodes (knobs.NODE_PORTS), so free_ports holds it and picks another."""
+    import socket
+
+    from orchestrator.core import knobs
+    from orchestrator.launch.backends import local_nodes
+
+    answers = iter([46590, 22, 40001, 40002])
+
+    class Picked(socket.socket):
+        def getsockname(self):
+            return ("127.0.0.1", next(answers))
+
+    monkeypatch.setattr(local_nodes.socket, "socket", Picked)
+    assert local_nodes.free_ports(2) == [40001, 40002]
+    assert 46590 in knobs.NODE_PORTS and 22 in knobs.NODE_PORTS

@@ -4,6 +4,7 @@ and never lets that memory pass a task or a schema it has not checked."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -181,3 +182,19 @@ def test_a_recipe_with_skypilots_gpus_alias_is_read_as_its_accelerators(tmp_path
     recipe = recipes.load(str(path))
     assert recipe.task["resources"]["accelerators"] == "A100:8" and "gpus" not in recipe.task["resources"]
     assert recipe.gpus is not None and recipe.gpus == recipes.load("phi3_dpo_fsdp").gpus
+
+
+def test_the_ports_orch_keeps_off_are_the_ones_skypilots_nodes_hold():
+    """knobs.NODE_PORTS (refused for MAIN_PROCESS_PORT, the barrier and a vLLM server; passed over by a local run's
+    free ports) against SkyPilot's own constants and its `ray start` templates."""
+    import re
+
+    from sky.skylet import constants
+
+    from orchestrator.core import knobs
+
+    templates = "".join(p.read_text() for p in (Path(constants.__file__).parents[1] / "templates").glob("*.j2"))
+    object_manager = {int(port) for port in re.findall(r"--object-manager-port=(\d+)", templates)}
+    assert set(knobs.NODE_PORTS) == {22, constants.SKY_REMOTE_RAY_PORT, constants.SKY_REMOTE_RAY_DASHBOARD_PORT,
+                                     constants.SKYLET_GRPC_PORT, *object_manager}  # fmt: skip
+    assert object_manager == {8076}

@@ -210,8 +210,23 @@ def ports(env: Mapping[str, str]) -> dict[str, int]:
     for name, port in found.items():
         if port in taken:
             raise OrchError(f"{name}={port} is {taken[port]}'s port too: give each its own")
+        if port in NODE_PORTS:
+            who = name if env.get(name, "").strip() else f"{name} (unset: MAIN_PROCESS_PORT + 1)"
+            raise OrchError(f"{who} is {port}, where every SkyPilot node runs {NODE_PORTS[port]}: the node's listener "
+                            "would fail to bind after the launch; choose a free port (accelerate's default "
+                            "MAIN_PROCESS_PORT is 29500)")  # fmt: skip
         taken[port] = name
     return found
+
+
+NODE_PORTS = {
+    22: "sshd (SkyPilot reaches its nodes over SSH)",
+    6380: "SkyPilot's Ray head (sky.skylet.constants.SKY_REMOTE_RAY_PORT)",
+    8076: "Ray's object manager (SkyPilot's `ray start --object-manager-port`)",
+    8266: "SkyPilot's Ray dashboard (SKY_REMOTE_RAY_DASHBOARD_PORT)",
+    46590: "SkyPilot's skylet (SKYLET_GRPC_PORT)",
+}
+"""Ports SkyPilot's own services hold on its nodes (a test reads SkyPilot's constants)."""
 
 
 def env_port(env: Mapping[str, str], name: str, default: int) -> str:

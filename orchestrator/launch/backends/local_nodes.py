@@ -19,13 +19,17 @@ from orchestrator.launch import runlock
 def free_ports(count: int) -> list[int]:
     """`count` distinct TCP ports nothing listens on now, for the emulated nodes' rendezvous and barrier. All are held
     until every one is picked: a port taken and released at once may be the kernel's next answer too (measured: the
-    barrier's port once equalled MAIN_PROCESS_PORT, which the nodes refuse)."""
+    barrier's port once equalled MAIN_PROCESS_PORT, which the nodes refuse). SkyPilot's own ports (knobs.NODE_PORTS,
+    46590 lies in Linux's ephemeral range), which the nodes refuse too, are held and passed over."""
+    from orchestrator.core.knobs import NODE_PORTS
+
     with contextlib.ExitStack() as held:
-        ports = []
-        for _ in range(count):
+        ports: list[int] = []
+        while len(ports) < count:
             sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
+            if (port := sock.getsockname()[1]) not in NODE_PORTS:
+                ports.append(port)
         return ports
 
 
