@@ -103,6 +103,11 @@ BAD = [
     (["run", "phi3_dpo_fsdp", "--env", "ORCH_MAX_COSTS=5"], "--env ORCH_MAX_COSTS: orch reads no variable "
      "ORCH_MAX_COSTS; did you mean ORCH_MAX_COST?"),
     (["run", "phi3_dpo_fsdp", "--local", "--smoke", "--env", "ORCH_REHEARSALS=off"], "did you mean ORCH_REHEARSAL?"),
+    # SkyPilot's candidate accelerators: orch plans one type (processes per node, batch, memory); --gpus picks it
+    (["run", "candidates", "--dry-run"], "resources.accelerators ['A100:8', 'H100:8']: orch plans one accelerator "
+     "type (processes per node, the global batch, the memory check): name one, for example A100:8, and pass another "
+     "with --gpus"),
+    (["run", "candidates", "--gpus", "8"], "resources.accelerators ['A100:8', 'H100:8']: orch plans one"),
     (["run", "knob_typo", "--local", "--smoke"], "recipes/knob_typo.yaml: envs.ORCH_WATCHDOGG: orch reads no variable "
      "ORCH_WATCHDOGG; did you mean ORCH_WATCHDOG?"),
     # a choice TRL's parser enforces from an Enum (optim, lr_scheduler_type, save_strategy): the ranks stopped on
@@ -328,6 +333,7 @@ def bad_project(project):
     (recipes / "trl" / "beta_high.yaml").write_text(
         re.sub(r"^beta:.*$", "beta: high", (recipes / "trl" / "phi3_dpo.yaml").read_text(), count=1, flags=re.M))
     (recipes / "beta_high.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/beta_high.yaml"))
+    (recipes / "candidates.yaml").write_text(phi3.replace("accelerators: A100:8", "accelerators: [A100:8, H100:8]"))
     (recipes / "knob_typo.yaml").write_text(phi3.replace("  MAIN_PROCESS_PORT: 29500\n",
                                                          "  MAIN_PROCESS_PORT: 29500\n  ORCH_WATCHDOGG: 'off'\n"))
     dpo = (recipes / "trl" / "phi3_dpo.yaml").read_text()
@@ -511,6 +517,15 @@ def test_ls_lists_every_broken_recipe_with_its_reason(bad_project, monkeypatch, 
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert "uses a YAML alias" in rows["bomb"] and "not a regular file" in rows["fifo"]
     assert "num_nodes: 'abc'" in rows["nodes_abc"] and "phi3_dpo_fsdp" in rows
+    assert "A100:8|H100:8" in rows["candidates"] and "broken" not in rows["candidates"]  # `orch run --gpus` picks one
+
+
+def test_a_recipe_with_candidate_accelerators_runs_on_the_one_gpus_names(bad_project, monkeypatch, capsys):
+    monkeypatch.chdir(bad_project)
+    monkeypatch.setenv("SKYPILOT_DISABLE_LOCAL_API_SERVER", "1")
+    monkeypatch.setenv("ORCH_DATA_CHECK", "off")
+    assert cli.main(["run", "candidates", "--gpus", "H100:8", "--dry-run", "--skip-optimizer"]) == 0
+    assert "\n  accelerators: H100:8\n" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name, value", [("ORCH_STOP_GRACE", "abc"), ("ORCH_REHEARSAL", "maybe"),

@@ -111,15 +111,19 @@ def from_resources(value) -> Gpus | None:
     """A task's `resources.accelerators` (`A100:8` or `{A100: 8}`), or None when it names none."""
     if value is None:
         return None
-    if isinstance(value, dict):
+    if isinstance(value, (list, tuple, set)) and len(value) == 1:
+        (value,) = value
+    if isinstance(value, (dict, list, tuple, set)):  # SkyPilot's candidates: any of them (a set), in order (a list)
         if len(value) != 1:
-            raise OrchError(f"resources.accelerators {value!r}: name one accelerator type, for example A100:8")
-        ((name, count),) = value.items()
+            raise OrchError(f"resources.accelerators {value!r}: orch plans one accelerator type (processes per node, "
+                            "the global batch, the memory check): name one, for example A100:8, and pass another "
+                            "with --gpus")  # fmt: skip
+        ((name, count),) = value.items()  # type: ignore[union-attr]
         value = f"{name}:{count}"
-    return parse(str(value))
+    return parse(str(value), "resources.accelerators")
 
 
-def parse(value: str) -> Gpus:
+def parse(value: str, flag: str = "--gpus") -> Gpus:
     """`A100:8`, `A100` (1 device), `8` (count only), `CPU:2` (CPU processes per node), `none` (CPU nodes: one process
     each, as SkyPilot's `--gpus none`)."""
     text = value.strip()
@@ -130,13 +134,13 @@ def parse(value: str) -> Gpus:
     if not sep:
         name, count_text = (None, text) if text.isdigit() or text.lstrip("-").isdigit() else (text, "1")
     if name is not None and not name:
-        raise OrchError(f"--gpus {value!r}: missing accelerator name before ':' (for example A100:8)")
+        raise OrchError(f"{flag} {value!r}: missing accelerator name before ':' (for example A100:8)")
     try:
         count = int(count_text)
     except ValueError:
         raise OrchError(
-            f"--gpus {value!r}: the count {count_text!r} is not a whole number (for example A100:8)"
+            f"{flag} {value!r}: the count {count_text!r} is not a whole number (for example A100:8)"
         ) from None
     if count < 1:
-        raise OrchError(f"--gpus {value!r}: the GPU count must be a positive integer (for example A100:8)")
+        raise OrchError(f"{flag} {value!r}: the GPU count must be a positive integer (for example A100:8)")
     return Gpus(canonical(name) if name else None, count)

@@ -39,4 +39,13 @@ def summarize(recipe: Recipe, root: Path | None = None) -> Summary:
     trainer = recipe.trainer
     if truthy(trl.get("use_peft", False)):  # LoRA, or QLoRA on 4-bit weights
         trainer += "+qlora" if truthy(trl.get("load_in_4bit", False)) else "+lora"
-    return Summary(recipe.name, trainer, label, str(model), str(recipe.gpus or "-"), recipe.num_nodes)
+    try:
+        gpus = str(recipe.gpus or "-")
+    except OrchError:  # SkyPilot's candidates ([A100:8, H100:8]): `orch run --gpus` picks one
+        asked = (recipe.task.get("resources") or {}).get("accelerators")
+        if isinstance(asked, dict):
+            asked = [f"{name}:{count}" for name, count in asked.items()]
+        if not isinstance(asked, (list, tuple, set)):
+            raise
+        gpus = "|".join(map(str, asked))
+    return Summary(recipe.name, trainer, label, str(model), gpus, recipe.num_nodes)

@@ -212,7 +212,7 @@ def resolve(
     return Launch(
         recipe=recipe,
         nodes=nodes or recipe.num_nodes,
-        gpus=gpus.over(recipe.gpus) if gpus else recipe.gpus,
+        gpus=gpus if gpus and gpus.name else gpus.over(recipe.gpus) if gpus else recipe.gpus,  # --gpus H100:8 replaces
         envs=task_envs,
         overrides=merged,
         paired=configs.load(task_envs, recipe.workdir),
