@@ -104,6 +104,12 @@ BAD = [
      "ORCH_MAX_COSTS; did you mean ORCH_MAX_COST?"),
     (["run", "phi3_dpo_fsdp", "--local", "--smoke", "--env", "ORCH_REHEARSALS=off"], "did you mean ORCH_REHEARSAL?"),
     # SkyPilot's candidate accelerators: orch plans one type (processes per node, batch, memory); --gpus picks it
+    # a TRL config's env:, which TrlParser sets inside every rank: a credential travels with the workdir, orch never
+    # reads a knob there, and a per-process variable overrides accelerate's (CUDA_VISIBLE_DEVICES '0': all on GPU 0)
+    (["run", "env_token"], "TRL config recipes/trl/env_token.yaml: env.HF_TOKEN: HF_TOKEN looks like a credential"),
+    (["run", "env_knob"], "env.ORCH_WATCHDOG: TRL sets its env inside the training processes, where orch never"),
+    (["run", "env_cuda"], "env.CUDA_VISIBLE_DEVICES: TRL would set it inside every rank, which would then see only"),
+    (["run", "env_rank"], "env.LOCAL_RANK: `accelerate launch` sets LOCAL_RANK for each process from orch's layout"),
     (["run", "candidates", "--dry-run"], "resources.accelerators ['A100:8', 'H100:8']: orch plans one accelerator "
      "type (processes per node, the global batch, the memory check): name one, for example A100:8, and pass another "
      "with --gpus"),
@@ -326,6 +332,7 @@ def _tree(root):
 def bad_project(project):
     recipes = project / "recipes"
     phi3 = (recipes / "phi3_dpo_fsdp.yaml").read_text()
+    dpo = (recipes / "trl" / "phi3_dpo.yaml").read_text()
     (recipes / "binary.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe" + os.urandom(64))
     (recipes / "empty.yaml").write_text("")
     (recipes / "listed.yaml").write_text("- a\n- b\n")
@@ -333,10 +340,13 @@ def bad_project(project):
     (recipes / "trl" / "beta_high.yaml").write_text(
         re.sub(r"^beta:.*$", "beta: high", (recipes / "trl" / "phi3_dpo.yaml").read_text(), count=1, flags=re.M))
     (recipes / "beta_high.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/beta_high.yaml"))
+    for name, env in (("env_token", "HF_TOKEN: hf_abcdefghijklmnopqrstu"), ("env_knob", "ORCH_WATCHDOG: 'off'"),
+                      ("env_cuda", "CUDA_VISIBLE_DEVICES: '0'"), ("env_rank", "LOCAL_RANK: 0")):
+        (recipes / "trl" / f"{name}.yaml").write_text(dpo + f"env:\n  {env}\n")
+        (recipes / f"{name}.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", f"recipes/trl/{name}.yaml"))
     (recipes / "candidates.yaml").write_text(phi3.replace("accelerators: A100:8", "accelerators: [A100:8, H100:8]"))
     (recipes / "knob_typo.yaml").write_text(phi3.replace("  MAIN_PROCESS_PORT: 29500\n",
                                                          "  MAIN_PROCESS_PORT: 29500\n  ORCH_WATCHDOGG: 'off'\n"))
-    dpo = (recipes / "trl" / "phi3_dpo.yaml").read_text()
     (recipes / "trl" / "eval_no.yaml").write_text(dpo + "eval_strategy: no\n")
     (recipes / "eval_no.yaml").write_text(phi3.replace("recipes/trl/phi3_dpo.yaml", "recipes/trl/eval_no.yaml"))
     (recipes / "trl" / "binary.yaml").write_bytes(b"\xff\xfe\x00binary" + os.urandom(32))
