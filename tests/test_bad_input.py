@@ -108,8 +108,16 @@ BAD = [
     # reads a knob there, and a per-process variable overrides accelerate's (CUDA_VISIBLE_DEVICES '0': all on GPU 0)
     (["run", "env_token"], "TRL config recipes/trl/env_token.yaml: env.HF_TOKEN: HF_TOKEN looks like a credential"),
     (["run", "env_knob"], "env.ORCH_WATCHDOG: TRL sets its env inside the training processes, where orch never"),
-    (["run", "env_cuda"], "env.CUDA_VISIBLE_DEVICES: TRL would set it inside every rank, which would then see only"),
-    (["run", "env_rank"], "env.LOCAL_RANK: `accelerate launch` sets LOCAL_RANK for each process from orch's layout"),
+    (["run", "env_cuda"], "env.CUDA_VISIBLE_DEVICES: TRL would set it inside every rank, and it would leave each "
+     "node's processes fewer GPUs than orch starts"),
+    (["run", "env_rank"], "env.LOCAL_RANK: TRL would set it inside every rank, and `accelerate launch` sets "
+     "LOCAL_RANK for each training process from orch's layout; delete it"),
+    # the same in a task env: SkyPilot's per-node variables and CUDA_VISIBLE_DEVICES (a task's RANK is set again by
+    # accelerate for each process, and SKYPILOT_DOCKER_* are SkyPilot's own task settings: both taken)
+    (["run", "phi3_dpo_fsdp", "--env", "CUDA_VISIBLE_DEVICES=0"], "--env CUDA_VISIBLE_DEVICES: it would leave each "
+     "node's processes fewer GPUs than orch starts (one per GPU of the node)"),
+    (["run", "phi3_dpo_fsdp", "--local", "--env", "SKYPILOT_NODE_RANK=0"], "--env SKYPILOT_NODE_RANK: SkyPilot sets "
+     "SKYPILOT_NODE_RANK on every node itself, and orch lays out the ranks by it; drop it"),
     (["run", "candidates", "--dry-run"], "resources.accelerators ['A100:8', 'H100:8']: orch plans one accelerator "
      "type (processes per node, the global batch, the memory check): name one, for example A100:8, and pass another "
      "with --gpus"),

@@ -198,3 +198,16 @@ def test_the_ports_orch_keeps_off_are_the_ones_skypilots_nodes_hold():
     assert set(knobs.NODE_PORTS) == {22, constants.SKY_REMOTE_RAY_PORT, constants.SKY_REMOTE_RAY_DASHBOARD_PORT,
                                      constants.SKYLET_GRPC_PORT, *object_manager}  # fmt: skip
     assert object_manager == {8076}
+
+
+def test_the_node_variables_a_task_env_may_not_set_are_skypilots_own():
+    from sky.skylet import constants
+
+    from orchestrator.core import knobs
+
+    assert set(knobs.SKYPILOT_SETS) == {
+        constants.SKYPILOT_NODE_RANK, constants.SKYPILOT_NODE_IPS, constants.SKYPILOT_NUM_NODES,
+        constants.SKYPILOT_NUM_GPUS_PER_NODE, constants.SKYPILOT_SETUP_NUM_GPUS_PER_NODE, constants.TASK_ID_ENV_VAR,
+    }  # fmt: skip
+    assert knobs.set_by_launchers("SKYPILOT_DOCKER_USERNAME") == ""  # SkyPilot's own task setting for a registry
+    assert knobs.set_by_launchers("RANK") == "" and knobs.set_by_launchers("RANK", in_process=True)

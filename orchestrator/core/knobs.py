@@ -235,3 +235,27 @@ def env_port(env: Mapping[str, str], name: str, default: int) -> str:
     if not raw.isdigit() or not 0 < int(raw) < 65536:
         raise OrchError(f"{name}={raw!r} is not a TCP port (1-65535)")
     return raw
+
+
+SKYPILOT_SETS = ("SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE",
+                 "SKYPILOT_SETUP_NUM_GPUS_PER_NODE", "SKYPILOT_TASK_ID")
+"""What SkyPilot sets on every node of a task (sky.skylet.constants, compared by a test): orch's layout reads them."""
+ACCELERATE_SETS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                   "NODE_RANK")
+"""What `accelerate launch` (torchrun) sets for each training process, as do ACCELERATE_* variables."""
+
+
+def set_by_launchers(name: str, in_process: bool = False) -> str:
+    """Why a task env (or, `in_process`, a TRL config's env, set inside every rank) may not set `name` ('' when it
+    may): the launchers set it per node or per process from orch's layout, and a value given there put every rank on
+    one GPU (CUDA_VISIBLE_DEVICES=0) or every node at rank 0. A task env's RANK or ACCELERATE_* is set again by
+    `accelerate launch` for each process (ACCELERATE_CONFIG is orch's own)."""
+    if name == "CUDA_VISIBLE_DEVICES":
+        return ("it would leave each node's processes fewer GPUs than orch starts (one per GPU of the node): a rank "
+                "asking for its own GPU finds none; choose the GPUs with --gpus")  # fmt: skip
+    if name in SKYPILOT_SETS:
+        return f"SkyPilot sets {name} on every node itself, and orch lays out the ranks by it"
+    if in_process and (name in ACCELERATE_SETS or name.startswith("ACCELERATE_")):
+        return f"`accelerate launch` sets {name} for each training process from orch's layout"
+    return ""
+

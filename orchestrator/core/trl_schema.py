@@ -211,18 +211,12 @@ def _value_ok(kind: object, value: object) -> bool:
     return _kind_ok(kind, str(value))
 
 
-PER_PROCESS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "GROUP_RANK", "NODE_RANK")
-"""Variables `accelerate launch` gives each process (with ACCELERATE_*): TRL's config `env:` would set them again
-inside every rank."""
-
-
 def check_config_env(env: object, path: str) -> None:
     """A TRL config's `env:` block, which TrlParser exports inside every training process as it parses (after
     `accelerate launch` and orch's node read theirs): a credential there travels with the workdir to every node;
     an ORCH_ knob there is never seen by orch; a per-process variable (CUDA_VISIBLE_DEVICES: '0' put every rank on
     GPU 0) or an ACCELERATE_ one overrides what accelerate gave each process."""
-    from orchestrator.core import credentials
+    from orchestrator.core import credentials, knobs
 
     if not isinstance(env, Mapping):
         raise OrchError(f"TRL config {path}: env: {env!r}: TRL takes a mapping of variable names to values")
@@ -236,13 +230,8 @@ def check_config_env(env: object, path: str) -> None:
             raise OrchError(f"TRL config {path}: env.{name}: TRL sets its env inside the training processes, "
                             f"where orch never reads it; put {name} in the recipe's envs or pass --env "
                             f"{name}=...")  # fmt: skip
-        if name == "CUDA_VISIBLE_DEVICES":
-            raise OrchError(f"TRL config {path}: env.{name}: TRL would set it inside every rank, which would then see "
-                            f"only GPU(s) {value} while orch starts one process per GPU of the node (a rank asking for "
-                            "its own GPU finds none); delete it and choose the GPUs with --gpus")  # fmt: skip
-        if name in PER_PROCESS or name.startswith("ACCELERATE_"):
-            raise OrchError(f"TRL config {path}: env.{name}: `accelerate launch` sets {name} for each process "
-                            "from orch's layout, and TRL would set this one over it inside every rank; delete "
+        if why := knobs.set_by_launchers(name, in_process=True):
+            raise OrchError(f"TRL config {path}: env.{name}: TRL would set it inside every rank, and {why}; delete "
                             "it")  # fmt: skip
 
 

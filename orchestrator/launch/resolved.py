@@ -201,6 +201,10 @@ def resolve(
     if nodes is not None and nodes > MAX_NODES:
         raise OrchError(f"--nodes {nodes}: orch launches at most {MAX_NODES} nodes in one run")
     task_envs = {**recipe.envs, **(envs or {})}
+    for key in task_envs:
+        if why := knobs.set_by_launchers(key):
+            where = f"--env {key}" if key in (envs or {}) else f"{recipe.path}: envs.{key}"
+            raise OrchError(f"{where}: {why}; drop it")
     for key, value in recipe.envs.items():  # a recipe is a file people share: no credential in it either
         knobs.check_name(key, f"{recipe.path}: envs.{key}")
         if why := credentials.looks_secret(key, str(value)):
