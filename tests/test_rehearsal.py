@@ -551,6 +551,20 @@ def test_node_rehearsal_stops_the_setup_with_one_line(project):
                          "and TRL the value GLOBAL_BATCH_SIZE needs)")  # fmt: skip
 
 
+def test_plain_sky_launch_gets_the_values_trl_checks_only_as_it_trains_refused_in_the_heads_setup(project):
+    """`orch run` refuses them on the laptop; plain `sky launch` brings them to the head's setup, which checks them
+    after its rehearsal (TRL's parser has taken them), before the model has loaded: GRPO's first step refused
+    `scale_rewards=false` (the command line keeps the text) after the first generation."""
+    env = {**SETUP_ENV, "SKYPILOT_SETUP_NODE_RANK": "0", "TRL_TRAINER": "grpo", "GLOBAL_BATCH_SIZE": "256",
+           "TRL_CONFIG": "recipes/trl/qwen25_grpo.yaml", "ACCELERATE_CONFIG": "multi_gpu", "ORCH_REHEARSAL": "off",
+           "ORCH_MEMORY_CHECK": "off", "TRL_OVERRIDES": "scale_rewards=false"}  # fmt: skip
+    result = orch("node", "--rehearse", env=env, cwd=project)
+    assert result.returncode == 2, result.stdout[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("orch: error: TRL_OVERRIDES scale_rewards=false: on the command line TRL keeps false as "
+                           "text"), line  # fmt: skip
+
+
 def test_node_rehearsal_quotes_the_parsers_refusal_not_its_exit(project):
     """A TRL config value of the wrong type reaches a node only through plain `sky launch` (`orch run` refuses it on the
     laptop with its own schema): TRL's parser prints what it refuses and exits 2; the line quotes that, not

@@ -255,6 +255,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
         print(f"[orch] {memory.check(env, trainer, settings, paired.accelerate, topo.nodes, topo.gpus_per_node)}",
               flush=True)  # fmt: skip
     if knob(env, "ORCH_REHEARSAL", "on") == "off":
+        _check_values(trainer, paired.trl, env)
         print("[orch] rehearsal: skipped (ORCH_REHEARSAL=off)", flush=True)
         return 0
     artifacts = run_smoke or _smoke(settings, trainer)
@@ -286,8 +287,19 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
                 f"rehearsal: the {outcome.role} would fail on its GPUs ({outcome.stage}: {outcome.error})"
                 + (f"; {fix}" if fix else "")
             )
+    _check_values(trainer, paired.trl, env)
     print(f"[orch] {driver.summary(outcomes, cluster.total_gpus, batch)}", flush=True)
     return 0
+
+
+def _check_values(trainer: str, trl_config: Mapping, env: Mapping[str, str]) -> None:
+    """What `orch run` checks on the laptop and TRL's parser does not (the choices a trainer checks only as it trains,
+    orch's bounds, a TRL config's env:), for plain `sky launch`: after the rehearsal, so that a value of the wrong type
+    is quoted in TRL's parser's own words."""
+    from orchestrator.core import overrides, trl_schema
+
+    trl_schema.check_config_keys(trainer, trl_config, env.get("TRL_CONFIG", "TRL_CONFIG"))
+    trl_schema.check(trainer, overrides.loads(env.get("TRL_OVERRIDES", "")), "TRL_OVERRIDES")
 
 
 def warm_up(env: Mapping[str, str] | None = None) -> bool:
