@@ -113,12 +113,12 @@ def from_resources(value) -> Gpus | None:
         return None
     if isinstance(value, (list, tuple, set)) and len(value) == 1:
         (value,) = value
-    if isinstance(value, (dict, list, tuple, set)):  # SkyPilot's candidates: any of them (a set), in order (a list)
-        if len(value) != 1:
-            raise OrchError(f"resources.accelerators {value!r}: orch plans one accelerator type (processes per node, "
-                            "the global batch, the memory check): name one, for example A100:8, and pass another "
-                            "with --gpus")  # fmt: skip
-        ((name, count),) = value.items()  # type: ignore[union-attr]
+    if isinstance(value, (dict, list, tuple, set)) and len(value) != 1:  # SkyPilot's candidates: any of them, in order
+        raise OrchError(f"resources.accelerators {value!r}: orch plans one accelerator type (processes per node, the "
+                        "global batch, the memory check): name one, for example A100:8, and pass another with "
+                        "--gpus")  # fmt: skip
+    if isinstance(value, dict):
+        ((name, count),) = value.items()
         value = f"{name}:{count}"
     return parse(str(value), "resources.accelerators")
 

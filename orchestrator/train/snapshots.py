@@ -78,8 +78,9 @@ def _compared(test) -> tuple[str, list[str]] | None:
 
     if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
         parts = [_compared(value) for value in test.values]
-        if all(parts) and len({name for name, _ in parts}) == 1:  # type: ignore[misc]
-            return parts[0][0], [v for _, values in parts for v in values]  # type: ignore[index,union-attr]
+        found = [part for part in parts if part is not None]
+        if len(found) == len(parts) and len({name for name, _ in found}) == 1:
+            return found[0][0], [v for _, values in found for v in values]
         return None
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.left, ast.Attribute)):
         return None
@@ -87,8 +88,9 @@ def _compared(test) -> tuple[str, list[str]] | None:
     if isinstance(op, ast.Eq) and isinstance(right, ast.Constant) and isinstance(right.value, str):
         return test.left.attr, [right.value]
     if isinstance(op, ast.In) and isinstance(right, (ast.List, ast.Tuple, ast.Set)):
-        if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in right.elts):
-            return test.left.attr, [e.value for e in right.elts]  # type: ignore[attr-defined]
+        values = [e.value for e in right.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+        if len(values) == len(right.elts):
+            return test.left.attr, values
     return None
 
 
@@ -109,12 +111,12 @@ def raised_choices(source: str) -> dict[str, list[str]]:
         while len(last.orelse) == 1 and isinstance(last.orelse[0], ast.If):
             last = last.orelse[0]
             tests.append(last.test)
-        compared = [_compared(test) for test in tests]
-        if len(tests) < 2 or not (last.orelse and isinstance(last.orelse[-1], ast.Raise)) or not all(compared):
+        compared = [found for test in tests if (found := _compared(test)) is not None]
+        if len(tests) < 2 or not (last.orelse and isinstance(last.orelse[-1], ast.Raise)) or len(compared) < len(tests):
             continue
-        names = {name for name, _ in compared}  # type: ignore[misc]
+        names = {name for name, _ in compared}
         if len(names) == 1:
-            name, values = names.pop(), [v for _, vs in compared for v in vs]  # type: ignore[misc]
+            name, values = names.pop(), [v for _, vs in compared for v in vs]
             out[name] = [v for v in out.get(name, values) if v in values]
     return out
 
@@ -211,7 +213,7 @@ def generate_trl() -> dict[str, dict[str, object]]:
                         kind = "dict|file" if file else "dict"
                     names[f.name] = kind
         out[trainer] = dict(sorted(names.items()))
-    out["bool_spellings"] = spellings  # type: ignore[assignment]
+    out["bool_spellings"] = {trainer: dict(fields) for trainer, fields in spellings.items()}
     import yaml
 
     folder = Path(importlib.import_module("trl").__file__).parent / "accelerate_configs"
