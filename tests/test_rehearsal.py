@@ -101,15 +101,16 @@ def edit_accel(path, **deepspeed):
     path.write_text(yaml.safe_dump(config))
 
 
-def ds_json(project, name: str, accumulation):
-    """Point a copy's Accelerate config at a DeepSpeed JSON holding the ZeRO settings and the accumulation."""
+def ds_json(project, name: str, accumulation, **zero):
+    """Point a copy's Accelerate config at a DeepSpeed JSON holding the ZeRO settings (and `zero`) and the
+    accumulation."""
     import json
 
     accel_path = project / "recipes" / "accelerate" / f"{name}.yaml"
     accel = yaml.safe_load(accel_path.read_text())
     ds = accel["deepspeed_config"]
     config = {
-        "zero_optimization": {"stage": ds["zero_stage"], "stage3_gather_16bit_weights_on_model_save": True},
+        "zero_optimization": {"stage": ds["zero_stage"], "stage3_gather_16bit_weights_on_model_save": True, **zero},
         "bf16": {"enabled": "auto"},
         "train_micro_batch_size_per_gpu": "auto",
         "train_batch_size": "auto",
@@ -120,7 +121,7 @@ def ds_json(project, name: str, accumulation):
     accel["deepspeed_config"] = {
         "deepspeed_config_file": f"recipes/accelerate/{name}.json",
         "deepspeed_multinode_launcher": "standard",
-        "zero3_init_flag": True,
+        "zero3_init_flag": ds["zero_stage"] == 3,
     }
     accel.pop("mixed_precision", None)
     accel_path.write_text(yaml.safe_dump(accel))
@@ -238,7 +239,7 @@ def cp(project, source: str, name: str):
 FINDINGS = dict(
     zip(
         ["packing-cp", "alst-dropped-key", "zero3-no-16bit", "ds-json-accumulation", "ds-json-dpo", "ds-clipping",
-         "tracker-not-installed", "tracker-unknown", "optimizer-not-installed"],
+         "tracker-not-installed", "tracker-unknown", "optimizer-not-installed", "ds-json-unknown-key"],
         [
             (
                 "qwen3_sft_fsdp_cp",
@@ -290,6 +291,14 @@ FINDINGS = dict(
                 "qwen25_sft_ddp",
                 lambda p, n: edit_env(p / "recipes" / f"{n}.yaml", TRL_OVERRIDES="optim=lomo"),
                 "(optimizer (optim): ImportError: You need to install `lomo_optim` in order to use LOMO optimizers. ",
+            ),
+            (
+                # deepspeed.initialize reads a DeepSpeed JSON in train(), after the model loaded (ZeRO-3's zero.Init
+                # and DPO's reference model read it in the trainer's constructor): its pydantic models forbid the key
+                "qwen3_sft_zero1",
+                lambda p, n: ds_json(p, n, "auto", offload_optimzer={"device": "cpu"}),
+                "(DeepSpeed's config: ValidationError: 1 validation error for DeepSpeedZeroConfig offload_optimzer "
+                "Extra inputs are not permitted",
             ),
         ],
         strict=True,

@@ -174,6 +174,8 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
         with stage("transformers' DeepSpeed config"):
             steps = trainer.args.max_steps if trainer.args.max_steps > 0 else 1000
             hf.trainer_config_finalize(trainer.args, trainer.model, steps)
+        with stage("DeepSpeed's config"):
+            deepspeed_config(hf.config)
         facts["zero_stage"] = hf.get_value("zero_optimization.stage")
         if hf.is_zero3() and not hf.get_value("zero_optimization.stage3_gather_16bit_weights_on_model_save"):
             raise StageError(
@@ -201,6 +203,16 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
             apply_liger_kernel(trainer.model, trainer.args.liger_kernel_config)
         facts["liger"] = True
     return facts
+
+
+def deepspeed_config(config: dict) -> None:
+    """DeepSpeed's own reading of the finalized config, as `deepspeed.initialize` does in train() after the model loaded
+    (its pydantic models refuse `offload_optimzer`, stage 4; the batch against the fake group's world size)."""
+    import deepspeed.comm
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)  # the fake group
+    DeepSpeedConfig(json.loads(json.dumps(config)))
 
 
 def unscale(scaler, model) -> None:
