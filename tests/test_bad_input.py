@@ -147,6 +147,9 @@ BAD = [
     (["run", "qwen25_grpo_ddp", "vllm_mode=servr"], "did you mean server? vllm_mode takes one of server, colocate"),
     (["run", "qwen25_rloo_ddp", "vllm_model_impl=hf"], "vllm_model_impl takes one of transformers, vllm"),
     (["run", "phi3_dpo_fsdp", "f_divergence_type=kl"], "f_divergence_type takes one of reverse_kl, forward_kl"),
+    # a union of str and bool, which TRL's parser reads as a bool (its help's `all` is refused on the nodes)
+    (["run", "qwen25_sft_ddp", "include_num_input_tokens_seen=all"], "include_num_input_tokens_seen takes true or "
+     "false"),
     (["run", "qwen25_sft_ddp", "torch_compile_mode=fast"], "torch_compile_mode takes one of default, "),  # torch's
     # TRL's help says scale_rewards takes False, which only a YAML config gives: the command line's false is the text
     (["run", "qwen25_grpo_ddp", "scale_rewards=false"], "scale_rewards=false: on the command line TRL keeps false as "

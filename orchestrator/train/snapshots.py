@@ -190,13 +190,16 @@ def generate_trl() -> dict[str, dict[str, object]]:
         # the choices the parser itself enforces (HfArgumentParser makes them from an Enum in a Union with str too:
         # optim, lr_scheduler_type, save_strategy...), which the type hints alone give as a str
         enforced = {a.dest: [str(getattr(c, "value", c)) for c in a.choices] for a in parser._actions if a.choices}
+        # and the bools it makes of a union of str and bool (include_num_input_tokens_seen: its help's `all` is refused
+        # by the parser, from the command line and a config file alike)
+        as_bool = {a.dest for a in parser._actions if getattr(a.type, "__name__", "") == "string_to_bool"}
         names: dict[str, object] = {}
         for dtype in parser.dataclass_types:
             hints = typing.get_type_hints(dtype)
             checked = {**_trainer_checks(dtype), **compile_modes}
             for f in dataclasses.fields(dtype):
                 if f.init:
-                    kind = _kind(hints.get(f.name, str))
+                    kind = "bool" if f.name in as_bool else _kind(hints.get(f.name, str))
                     choices = ((f.metadata or {}).get("choices") or enforced.get(f.name)
                                or help_choices((f.metadata or {}).get("help", "")))  # fmt: skip
                     if choices and kind == "str":
