@@ -150,6 +150,10 @@ BAD = [
     # a union of str and bool, which TRL's parser reads as a bool (its help's `all` is refused on the nodes)
     (["run", "qwen25_sft_ddp", "include_num_input_tokens_seen=all"], "include_num_input_tokens_seen takes true or "
      "false"),
+    # a union of str and list, of which TRL's parser reads one word: the second was "Some specified arguments are not
+    # used by the HfArgumentParser: ['tensorboard']"
+    (["run", "qwen25_sft_ddp", "report_to=none tensorboard"], "report_to takes one value on the command line, where "
+     "TRL's parser reads one word (several go as a YAML list in the TRL config file)"),
     (["run", "qwen25_sft_ddp", "torch_compile_mode=fast"], "torch_compile_mode takes one of default, "),  # torch's
     # TRL's help says scale_rewards takes False, which only a YAML config gives: the command line's false is the text
     (["run", "qwen25_grpo_ddp", "scale_rewards=false"], "scale_rewards=false: on the command line TRL keeps false as "

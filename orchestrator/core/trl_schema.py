@@ -71,6 +71,8 @@ def _kind_ok(kind: object, value: object) -> bool:
         return text in [str(c) for c in kind] or (text in ("None", "none") and None in kind)
     if text in ("None", "none", "null") and kind not in ("bool",):
         return True  # Optional fields take None; TRL's own parser decides for the rest
+    if kind == "str|list":  # TRL's parser takes one word; a config file may give a list
+        return len(text.split()) <= 1
     if kind in ("dict", "dict|file"):  # the config's __post_init__ reads a value that starts with { as JSON
         return isinstance(_json_object(text), dict) if text.startswith("{") or kind == "dict" else True
     try:
@@ -174,8 +176,11 @@ def _describe(kind: object) -> str:
     if isinstance(kind, list):
         return f"one of {', '.join(map(str, kind))}"
     json_object = """a JSON object, keys and strings in double quotes ('{"key": 1}': quote it whole for the shell)"""
-    return {"int": "an integer", "float": "a number", "bool": "true or false", "dict": json_object,
-            "dict|file": f"{json_object} or a JSON file's path"}.get(str(kind), f"a {kind}")  # fmt: skip
+    one_word = ("one value on the command line, where TRL's parser reads one word (several go as a YAML list in the "
+                "TRL config file)")
+    described = {"int": "an integer", "float": "a number", "bool": "true or false", "dict": json_object,
+                 "str|list": one_word, "dict|file": f"{json_object} or a JSON file's path"}  # fmt: skip
+    return described.get(str(kind), f"a {kind}")
 
 
 def check(trainer: str, overrides: Mapping[str, str], source: str = "override") -> None:
@@ -202,7 +207,9 @@ def check(trainer: str, overrides: Mapping[str, str], source: str = "override") 
 
 def _value_ok(kind: object, value: object) -> bool:
     """A TRL config file's value (as YAML typed it) fits the argument's kind."""
-    if value is None or kind in ("str", "list") or (kind in ("dict", "dict|file") and isinstance(value, dict)):
+    if value is None or kind in ("str", "list", "str|list"):
+        return True
+    if kind in ("dict", "dict|file") and isinstance(value, dict):
         return True
     if isinstance(kind, dict):  # a list whose items have choices
         return _kind_ok(kind, value)

@@ -193,6 +193,9 @@ def generate_trl() -> dict[str, dict[str, object]]:
         # and the bools it makes of a union of str and bool (include_num_input_tokens_seen: its help's `all` is refused
         # by the parser, from the command line and a config file alike)
         as_bool = {a.dest for a in parser._actions if getattr(a.type, "__name__", "") == "string_to_bool"}
+        # and the one word it takes for a union of str and list (report_to, optim_target_modules: `--report_to a b`
+        # was "Some specified arguments are not used"), where a config file may give a list
+        one_word = {a.dest for a in parser._actions if a.nargs not in ("+", "*")}
         names: dict[str, object] = {}
         for dtype in parser.dataclass_types:
             hints = typing.get_type_hints(dtype)
@@ -200,6 +203,8 @@ def generate_trl() -> dict[str, dict[str, object]]:
             for f in dataclasses.fields(dtype):
                 if f.init:
                     kind = "bool" if f.name in as_bool else _kind(hints.get(f.name, str))
+                    if kind == "list" and f.name in one_word:
+                        kind = "str|list"
                     choices = ((f.metadata or {}).get("choices") or enforced.get(f.name)
                                or help_choices((f.metadata or {}).get("help", "")))  # fmt: skip
                     if choices and kind == "str":
