@@ -154,6 +154,8 @@ BAD = [
     # used by the HfArgumentParser: ['tensorboard']"
     (["run", "qwen25_sft_ddp", "report_to=none tensorboard"], "report_to takes one value on the command line, where "
      "TRL's parser reads one word (several go as a YAML list in the TRL config file)"),
+    (["run", "qwen25_rloo_ddp", "reward_clip_range=(-1,1)"], "reward_clip_range takes a YAML list in the TRL config "
+     "file (for example [-1.0, 1.0]): TRL's parser makes a tuple of a command line's characters"),
     (["run", "qwen25_sft_ddp", "torch_compile_mode=fast"], "torch_compile_mode takes one of default, "),  # torch's
     # TRL's help says scale_rewards takes False, which only a YAML config gives: the command line's false is the text
     (["run", "qwen25_grpo_ddp", "scale_rewards=false"], "scale_rewards=false: on the command line TRL keeps false as "

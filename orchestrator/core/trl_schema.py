@@ -73,6 +73,8 @@ def _kind_ok(kind: object, value: object) -> bool:
         return True  # Optional fields take None; TRL's own parser decides for the rest
     if kind == "str|list":  # TRL's parser takes one word; a config file may give a list
         return len(text.split()) <= 1
+    if kind == "config list":  # TRL's parser makes a tuple of the text's characters
+        return False
     if kind in ("dict", "dict|file"):  # the config's __post_init__ reads a value that starts with { as JSON
         return isinstance(_json_object(text), dict) if text.startswith("{") or kind == "dict" else True
     try:
@@ -178,8 +180,11 @@ def _describe(kind: object) -> str:
     json_object = """a JSON object, keys and strings in double quotes ('{"key": 1}': quote it whole for the shell)"""
     one_word = ("one value on the command line, where TRL's parser reads one word (several go as a YAML list in the "
                 "TRL config file)")
+    config_list = ("a YAML list in the TRL config file (for example [-1.0, 1.0]): TRL's parser makes a tuple of a "
+                   "command line's characters")
     described = {"int": "an integer", "float": "a number", "bool": "true or false", "dict": json_object,
-                 "str|list": one_word, "dict|file": f"{json_object} or a JSON file's path"}  # fmt: skip
+                 "str|list": one_word, "config list": config_list,
+                 "dict|file": f"{json_object} or a JSON file's path"}  # fmt: skip
     return described.get(str(kind), f"a {kind}")
 
 
@@ -209,6 +214,8 @@ def _value_ok(kind: object, value: object) -> bool:
     """A TRL config file's value (as YAML typed it) fits the argument's kind."""
     if value is None or kind in ("str", "list", "str|list"):
         return True
+    if kind == "config list":
+        return isinstance(value, (list, tuple))
     if kind in ("dict", "dict|file") and isinstance(value, dict):
         return True
     if isinstance(kind, dict):  # a list whose items have choices

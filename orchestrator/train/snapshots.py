@@ -156,6 +156,14 @@ def trainer_scripts() -> list[str]:
     return sorted(names)
 
 
+def _splits_characters(convert) -> bool:
+    """The parser's conversion of a word makes a tuple of its characters (`tuple`, wrapped to accept None)."""
+    try:
+        return callable(convert) and convert("ab") == ("a", "b")
+    except Exception:  # noqa: BLE001 - a conversion that refuses "ab" keeps its text
+        return False
+
+
 def _trainer_checks(config: type) -> dict[str, list[str]]:
     """raised_choices of the trainer a TRL config belongs to (trl/trainer/grpo_config.py: grpo_trainer.py)."""
     import importlib
@@ -196,6 +204,9 @@ def generate_trl() -> dict[str, dict[str, object]]:
         # and the one word it takes for a union of str and list (report_to, optim_target_modules: `--report_to a b`
         # was "Some specified arguments are not used"), where a config file may give a list
         one_word = {a.dest for a in parser._actions if a.nargs not in ("+", "*")}
+        # a tuple the parser makes of the text's characters (RLOO's reward_clip_range: '(-1,1)' clamped by '(' and
+        # '-' at the first step): a config file's YAML list only
+        characters = {a.dest for a in parser._actions if _splits_characters(a.type)}
         names: dict[str, object] = {}
         for dtype in parser.dataclass_types:
             hints = typing.get_type_hints(dtype)
@@ -204,7 +215,7 @@ def generate_trl() -> dict[str, dict[str, object]]:
                 if f.init:
                     kind = "bool" if f.name in as_bool else _kind(hints.get(f.name, str))
                     if kind == "list" and f.name in one_word:
-                        kind = "str|list"
+                        kind = "config list" if f.name in characters else "str|list"
                     choices = ((f.metadata or {}).get("choices") or enforced.get(f.name)
                                or help_choices((f.metadata or {}).get("help", "")))  # fmt: skip
                     if choices and kind == "str":
