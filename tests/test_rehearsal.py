@@ -239,7 +239,8 @@ def cp(project, source: str, name: str):
 FINDINGS = dict(
     zip(
         ["packing-cp", "alst-dropped-key", "zero3-no-16bit", "ds-json-accumulation", "ds-json-dpo", "ds-clipping",
-         "tracker-not-installed", "tracker-unknown", "optimizer-not-installed", "ds-json-unknown-key"],
+         "tracker-not-installed", "tracker-unknown", "optimizer-not-installed", "ds-json-unknown-key",
+         "attention-unknown"],
         [
             (
                 "qwen3_sft_fsdp_cp",
@@ -299,6 +300,13 @@ FINDINGS = dict(
                 lambda p, n: ds_json(p, n, "auto", offload_optimzer={"device": "cpu"}),
                 "(DeepSpeed's config: ValidationError: 1 validation error for DeepSpeedZeroConfig offload_optimzer "
                 "Extra inputs are not permitted",
+            ),
+            (
+                # the rehearsal loads SDPA in place of what the nodes load: transformers' own check of the name
+                "qwen25_sft_ddp",
+                lambda p, n: edit_env(p / "recipes" / f"{n}.yaml", TRL_OVERRIDES="attn_implementation=flash_attn_2"),
+                '(attention (attn_implementation): ValueError: Specified `attn_implementation="flash_attn_2"` is not '
+                "supported.",
             ),
         ],
         strict=True,

@@ -181,7 +181,7 @@ def substitutions(
 ) -> list[str]:
     """TRL script arguments appended after orch's (later flags win) so the trainer builds here without GPU or
     network: the tiny model and data of the recipe's family, portable attention, no vLLM engine. The trackers of
-    report_to are made, not started (role.trackers). `node`: rehearsed on the head node (`orch node --rehearse`),
+    report_to are made, not started (probes.trackers). `node`: rehearsed on the head node (`orch node --rehearse`),
     whose environment is the ranks': Liger or vLLM not installed there is a finding (the owners' checks say it), not
     a swap; a laptop swaps them off (their GPU-only packages are the nodes' extras, launch/checks.check_extras).
     `loads`: the TRL setting a bitsandbytes-quantised checkpoint loads as (core/models.quantized), given to the tiny

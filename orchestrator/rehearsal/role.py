@@ -21,7 +21,6 @@ trainer start depend on the configuration, not on the weights. The vLLM server r
 from __future__ import annotations
 
 import contextlib
-import inspect
 import io
 import json
 import os
@@ -29,7 +28,7 @@ import sys
 import tempfile
 import warnings
 
-from orchestrator.rehearsal import fake_gpu
+from orchestrator.rehearsal import fake_gpu, probes
 
 
 class StageError(Exception):
@@ -135,9 +134,12 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
             errors = [line.split(": error: ", 1)[1] for line in said.getvalue().splitlines() if ": error: " in line]
             raise ValueError(errors[-1] if errors else f"the parser exited with {exc.code}") from None
     with stage("trackers (report_to)"):
-        trackers(parsed.training_args)
+        probes.trackers(parsed.training_args)
     with stage("trainer"):
         trainer = entry.build(parsed, [])
+    if "--attn_implementation" in substitute:  # the attention the nodes load, which the rehearsal swapped for SDPA
+        with stage("attention (attn_implementation)"):
+            probes.attention(probes.requested_attention(args), trainer.model)
     acc = trainer.accelerator
     ds_optimizer = trainer.is_deepspeed_enabled and "optimizer" in acc.state.deepspeed_plugin.hf_ds_config.config
     if not ds_optimizer:  # the optimizer optim names, as train() looks it up first (its package, its arguments)
@@ -150,7 +152,7 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
             trainer.lr_scheduler = None
     if acc.scaler is not None and not trainer.is_fsdp_enabled:  # fp16 outside FSDP (which trains fp32 weights)
         with stage("gradient scaler (fp16)"):
-            unscale(acc.scaler, trainer.model)
+            probes.unscale(acc.scaler, trainer.model)
     facts = {
         "distributed_type": acc.distributed_type.value,
         "device": acc.device.type,  # cuda, as the fake GPU reports it, unless a setting asks for the CPU
@@ -160,7 +162,7 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
     }
     if getattr(trainer, "reward_funcs", None):  # GRPO, RLOO: each reward function, as the first step will call it
         with stage("reward functions"):
-            facts["rewards"] = call_rewards(trainer)
+            facts["rewards"] = probes.call_rewards(trainer)
     if acc.ddp_handler is not None and acc.distributed_type.value in ("MULTI_GPU", "MULTI_CPU"):  # as DDP will get it
         facts["ddp_find_unused_parameters"] = bool(acc.ddp_handler.find_unused_parameters)
     adapter = ran.adapter_facts(trainer.model)  # PEFT: an adapter trains, the base stays frozen (4-bit: QLoRA)
@@ -175,7 +177,7 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
             steps = trainer.args.max_steps if trainer.args.max_steps > 0 else 1000
             hf.trainer_config_finalize(trainer.args, trainer.model, steps)
         with stage("DeepSpeed's config"):
-            deepspeed_config(hf.config)
+            probes.deepspeed_config(hf.config)
         facts["zero_stage"] = hf.get_value("zero_optimization.stage")
         if hf.is_zero3() and not hf.get_value("zero_optimization.stage3_gather_16bit_weights_on_model_save"):
             raise StageError(
@@ -203,68 +205,6 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
             apply_liger_kernel(trainer.model, trainer.args.liger_kernel_config)
         facts["liger"] = True
     return facts
-
-
-def deepspeed_config(config: dict) -> None:
-    """DeepSpeed's own reading of the finalized config, as `deepspeed.initialize` does in train() after the model loaded
-    (its pydantic models refuse `offload_optimzer`, stage 4; the batch against the fake group's world size)."""
-    import deepspeed.comm
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)  # the fake group
-    DeepSpeedConfig(json.loads(json.dumps(config)))
-
-
-def unscale(scaler, model) -> None:
-    """What torch's GradScaler does with the trained parameters' gradients at the first step (accelerate's fp16
-    under DDP or one process): it unscales them, and refuses fp16 ones ("Attempting to unscale FP16 gradients"), a
-    model loaded with dtype=float16 and trained whole. One probe gradient per dtype the ranks would train in."""
-    import torch
-
-    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
-    probes = [torch.nn.Parameter(torch.zeros(1, dtype=dtype)) for dtype in sorted(dtypes, key=str)]
-    for probe in probes:
-        probe.grad = torch.zeros_like(probe)
-    scaler._unscale_grads_(torch.optim.SGD(probes, lr=1.0), torch.ones(1), torch.zeros(1), False)
-
-
-def trackers(training_args) -> None:
-    """What the trainer's constructor does with report_to, without starting a tracker: transformers' own lookup of
-    each name, then each callback's constructor, which refuses when its package is not installed (wandb, tensorboard,
-    mlflow, ...: on the nodes, uv.lock's orch[train]). The rehearsal then builds the trainer with none."""
-    from transformers.integrations import get_reporting_integration_callbacks
-
-    for callback in get_reporting_integration_callbacks(training_args.report_to):
-        callback()
-    training_args.report_to = []
-
-
-def call_rewards(trainer) -> dict[str, float | None]:
-    """Every reward function of a generating trainer called on the first row of its dataset, with the arguments
-    TRL's `_calculate_rewards` passes (prompts, completions, completion_ids, the row's other columns, trainer_state,
-    log_extra, log_metric): a missing package (accuracy_reward's math_verify), a column the function reads and the
-    data lacks, or an answer of the wrong length fails here, not at the first step. Reward models are loaded by the
-    trainer already and not called. {name: the reward for one made-up completion}."""
-    import torch
-
-    row = next(iter(trainer.train_dataset))  # a streamed (iterable) dataset has no row 0 to index
-    prompt = row["prompt"]
-    completion = [{"role": "assistant", "content": "The answer is 4."}] if isinstance(prompt, list) else " 4"
-    columns = {k: [v] for k, v in row.items() if k not in ("prompt", "completion", "completion_ids")}
-    got = {}
-    for func, name in zip(trainer.reward_funcs, trainer.reward_func_names, strict=True):
-        if isinstance(func, torch.nn.Module):
-            continue
-        out = func(prompts=[prompt], completions=[completion], completion_ids=[[0]], trainer_state=trainer.state,
-                   log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None, **columns)  # fmt: skip
-        if inspect.iscoroutine(out):
-            import asyncio
-
-            out = asyncio.run(out)
-        if not isinstance(out, list | tuple) or len(out) != 1:
-            raise ValueError(f"reward function {name} returned {out!r} for 1 completion (TRL needs a list of 1)")
-        got[name] = None if out[0] is None else float(out[0])
-    return got
 
 
 def server_stage(argv: list[str]) -> dict:
