@@ -115,7 +115,8 @@ BAD = [
     # the same in a task env: SkyPilot's per-node variables and CUDA_VISIBLE_DEVICES (a task's RANK is set again by
     # accelerate for each process, and SKYPILOT_DOCKER_* are SkyPilot's own task settings: both taken)
     (["run", "phi3_dpo_fsdp", "--env", "CUDA_VISIBLE_DEVICES=0"], "--env CUDA_VISIBLE_DEVICES: it would leave each "
-     "node's processes fewer GPUs than orch starts (one per GPU of the node)"),
+     "node's processes fewer GPUs than orch starts (one per GPU of the node, which --gpus chooses), and a rank asking "
+     "for its own GPU would find none; drop it"),
     (["run", "phi3_dpo_fsdp", "--local", "--env", "SKYPILOT_NODE_RANK=0"], "--env SKYPILOT_NODE_RANK: SkyPilot sets "
      "SKYPILOT_NODE_RANK on every node itself, and orch lays out the ranks by it; drop it"),
     (["run", "candidates", "--dry-run"], "resources.accelerators ['A100:8', 'H100:8']: orch plans one accelerator "

@@ -251,8 +251,8 @@ def set_by_launchers(name: str, in_process: bool = False) -> str:
     one GPU (CUDA_VISIBLE_DEVICES=0) or every node at rank 0. A task env's RANK or ACCELERATE_* is set again by
     `accelerate launch` for each process (ACCELERATE_CONFIG is orch's own)."""
     if name == "CUDA_VISIBLE_DEVICES":
-        return ("it would leave each node's processes fewer GPUs than orch starts (one per GPU of the node): a rank "
-                "asking for its own GPU finds none; choose the GPUs with --gpus")  # fmt: skip
+        return ("it would leave each node's processes fewer GPUs than orch starts (one per GPU of the node, which "
+                "--gpus chooses), and a rank asking for its own GPU would find none")  # fmt: skip
     if name in SKYPILOT_SETS:
         return f"SkyPilot sets {name} on every node itself, and orch lays out the ranks by it"
     if in_process and (name in ACCELERATE_SETS or name.startswith("ACCELERATE_")):
