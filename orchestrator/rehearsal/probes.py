@@ -12,6 +12,8 @@ import re
 def requested_attention(args: list[str]) -> str:
     """The attn_implementation of the training script's arguments, as TRL's parser takes it: the last
     `--attn_implementation`, else the `--config` file's (parsing them again would reset accelerate's state)."""
+    from pathlib import Path
+
     import yaml
 
     words = list(args)
@@ -19,7 +21,7 @@ def requested_attention(args: list[str]) -> str:
     if given:
         return given[-1]
     config = words[words.index("--config") + 1] if "--config" in words[:-1] else None
-    settings = yaml.safe_load(open(config).read()) if config else {}
+    settings = yaml.safe_load(Path(config).read_text()) if config else {}
     return str((settings or {}).get("attn_implementation") or "sdpa")
 
 
