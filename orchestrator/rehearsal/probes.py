@@ -14,14 +14,14 @@ def requested_attention(args: list[str]) -> str:
     `--attn_implementation`, else the `--config` file's (parsing them again would reset accelerate's state)."""
     from pathlib import Path
 
-    import yaml
+    from orchestrator.core.configs import load_yaml
 
     words = list(args)
     given = [words[i + 1] for i, word in enumerate(words[:-1]) if word == "--attn_implementation"]
     if given:
         return given[-1]
     config = words[words.index("--config") + 1] if "--config" in words[:-1] else None
-    settings = yaml.safe_load(Path(config).read_text()) if config else {}
+    settings = load_yaml(Path(config), "TRL config") if config else {}
     return str((settings or {}).get("attn_implementation") or "sdpa")
 
 
