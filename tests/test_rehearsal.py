@@ -698,6 +698,20 @@ def test_an_fp8_launch_without_an_fp8_backend_names_the_lock_fix():
                                     "FP8 backend (torchao, Transformer Engine, MS-AMP)")  # fmt: skip
 
 
+@pytest.mark.unit
+def test_the_attention_checked_is_the_one_trls_parser_would_take(tmp_path):
+    """The last --attn_implementation wins over the --config file's, which wins over transformers' default (SDPA)."""
+    from orchestrator.rehearsal import probes
+
+    config = tmp_path / "trl.yaml"
+    config.write_text("attn_implementation: flash_attention_2\n")
+    assert probes.requested_attention(["sft", "--config", str(config)]) == "flash_attention_2"
+    assert probes.requested_attention(["sft", "--config", str(config), "--attn_implementation", "eager",
+                                       "--attn_implementation", "flex_attention"]) == "flex_attention"  # fmt: skip
+    config.write_text("beta: 0.1\n")
+    assert probes.requested_attention(["sft", "--config", str(config)]) == "sdpa"
+
+
 def test_without_the_training_stack_the_laptop_says_so(monkeypatch):
     from orchestrator.launch import checks
 
