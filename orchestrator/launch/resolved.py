@@ -153,6 +153,8 @@ def parse_env_assignments(words: Iterable[str], environ: Mapping[str, str] = os.
         if not _ENV_NAME.match(key):
             raise OrchError(f"--env {key!r}: not an environment variable name (letters, digits, _)")
         knobs.check_name(key, f"--env {key}")
+        if why := knobs.set_by_launchers(key):
+            raise OrchError(f"--env {key}: {why}; drop it")
         if not sep:
             if key not in environ:
                 raise OrchError(f"--env {key}: {key} is not set here; give a value with --env {key}=VALUE")
@@ -201,12 +203,10 @@ def resolve(
     if nodes is not None and nodes > MAX_NODES:
         raise OrchError(f"--nodes {nodes}: orch launches at most {MAX_NODES} nodes in one run")
     task_envs = {**recipe.envs, **(envs or {})}
-    for key in task_envs:
-        if why := knobs.set_by_launchers(key):
-            where = f"--env {key}" if key in (envs or {}) else f"{recipe.path}: envs.{key}"
-            raise OrchError(f"{where}: {why}; drop it")
     for key, value in recipe.envs.items():  # a recipe is a file people share: no credential in it either
         knobs.check_name(key, f"{recipe.path}: envs.{key}")
+        if why := knobs.set_by_launchers(key):
+            raise OrchError(f"{recipe.path}: envs.{key}: {why}; drop it")
         if why := credentials.looks_secret(key, str(value)):
             raise OrchError(f"{recipe.path}: envs.{key}: {why}; move it to the recipe's `secrets:` as "
                             f"`{key}: null` and pass --secret {key} (never written)")  # fmt: skip
