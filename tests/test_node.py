@@ -228,6 +228,54 @@ def test_the_relay_hides_known_notices_and_keeps_everything_else():
         assert relay.errors == ["ValueError: x"]
 
 
+def _traceback(raiser) -> list[str]:
+    """The lines Python prints for what `raiser` raises (a chain included)."""
+    import traceback
+
+    try:
+        raiser()
+    except Exception as exc:
+        return "".join(traceback.format_exception(exc)).splitlines()
+    raise AssertionError("nothing raised")
+
+
+def test_an_error_raised_from_another_is_quoted_not_its_bare_cause():
+    """transformers' `raise KeyError("The metric_for_best_model ... available metrics are ...") from exc` printed
+    `KeyError: 'eval_bogus'` first: the explanation is the later error of the chain, each rank's read apart; an error
+    raised while another was handled is not: there the first is the cause; nor a launcher's summary raised from it."""
+    from orchestrator.node.output import ErrorLines, first_error
+
+    def explained():
+        try:
+            {}["eval_bogus"]
+        except KeyError as exc:
+            raise KeyError("The `metric_for_best_model` ... available metrics are: ['eval_loss']") from exc
+
+    def handled():
+        try:
+            {}["eval_bogus"]
+        except KeyError:
+            raise RuntimeError("cleanup failed")  # noqa: B904 (the implicit context is what is tested)
+
+    def summary():
+        try:
+            raise ValueError("the real one")
+        except ValueError as exc:
+            raise RuntimeError("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: x") from exc
+
+    said = "KeyError: \"The `metric_for_best_model` ... available metrics are: ['eval_loss']\""
+    rank0, rank1 = ([f"[rank{r}]: {line}" for line in _traceback(explained)] for r in (0, 1))
+    errors = ErrorLines()
+    for line in [x for pair in zip(rank0, rank1, strict=True) for x in pair]:  # the ranks' lines interleaved
+        errors.feed(line)
+    assert errors == [said, said]
+    for raiser, first in ((handled, "KeyError: 'eval_bogus'"), (summary, "ValueError: the real one")):
+        errors = ErrorLines()
+        for line in _traceback(raiser):
+            errors.feed(line)
+        assert first_error(errors) == first, errors
+
+
 def test_a_failing_node_shows_the_notices_it_held_back(tmp_path):
     from conftest import supervised
 

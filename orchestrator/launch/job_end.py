@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 from orchestrator.core.errors import EXIT_RETRYABLE, retryable
-from orchestrator.node.output import MAX_ERROR_LINES, STALLED, VERDICT, error_of, first_error, printable
+from orchestrator.node.output import STALLED, VERDICT, ErrorLines, first_error, printable
 
 # sky.exceptions.JobExitCode (SkyPilot 0.14): what tail_logs answers for the job it streamed
 SUCCEEDED, FAILED, NOT_FINISHED, NOT_FOUND, CANCELLED = 0, 100, 101, 102, 103
@@ -28,7 +28,7 @@ _PREFIX = re.compile(r"^\((?P<who>[^()]*?)(?:,? pid=\d+)?\) ?")
 class Said:
     """What one node (one SkyPilot prefix) said about a failure."""
 
-    errors: list[str] = field(default_factory=list)
+    errors: ErrorLines = field(default_factory=ErrorLines)
     verdict: str = ""  # the error its last line quotes ('' when it quoted none)
     verdict_exits: int | None = None
     failed: bool = False  # it printed a verdict
@@ -64,8 +64,8 @@ class Follow:
         if verdict := VERDICT.match(body.strip()):
             said.failed, said.verdict = True, verdict.group("error") or ""
             said.verdict_exits = int(verdict.group("exits")) if verdict.group("exits") else None
-        elif len(said.errors) < MAX_ERROR_LINES and (error := error_of(body)):
-            said.errors.append(error)
+        else:
+            said.errors.feed(body)
 
     def first_error(self) -> tuple[str, bool]:
         """The error to quote and whether it is the cluster's (retryable): a failing node's own verdict that is not a

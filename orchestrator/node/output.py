@@ -68,6 +68,39 @@ def notice(line: str, cpu: bool, continuing: bool = False) -> bool:
     return any((cpu or not cpu_only) and pattern.fullmatch(text) for pattern, cpu_only in NOTICES)
 
 
+# Python's line between an exception and the one raised `from` it (`raise KeyError("... the metrics are ...") from
+# exc`): the later one is the explanation its author wrote, the earlier one its bare cause (`KeyError: 'eval_bogus'`)
+_CAUSED = re.compile(r"^(?:\[rank(\d+)\]:\s*)?The above exception was the direct cause of the following exception:$")
+_RANK = re.compile(r"^\[rank(\d+)\]:")
+
+
+class ErrorLines(list[str]):
+    """A stream's error lines (error_of), the first MAX_ERROR_LINES, in order; an error raised `from` another takes
+    its place, each rank's chain read apart (their lines interleave), unless it is a launcher's summary. Not an error
+    that was raised while another was handled (`During handling of the above exception`): the first is the cause."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str | None, int] = {}  # by rank: the index of its last error
+        self._caused: set[str | None] = set()  # ranks whose next error is raised from their last
+
+    def feed(self, line: str) -> None:
+        text = line.strip()
+        if caused := _CAUSED.match(text):
+            if caused.group(1) in self._last:
+                self._caused.add(caused.group(1))
+            return
+        if not (error := error_of(text)):
+            return
+        rank = match.group(1) if (match := _RANK.match(text)) else None
+        if rank in self._caused and not any(summary in error for summary in SUMMARIES):
+            self[self._last[rank]] = error
+        elif len(self) < MAX_ERROR_LINES:
+            self._last[rank] = len(self)
+            self.append(error)
+        self._caused.discard(rank)
+
+
 def first_error(lines: list[str]) -> str:
     """The first error a rank raised, from a node's output: launchers' summaries skipped."""
     for line in lines:

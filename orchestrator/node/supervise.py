@@ -36,9 +36,8 @@ from orchestrator.node import killed as kills
 from orchestrator.node import retries
 from orchestrator.node import stacks as stack_dump
 from orchestrator.node.output import (
-    MAX_ERROR_LINES,
     STALLED,
-    error_of,
+    ErrorLines,
     first_error,
     notice,
     printable,
@@ -130,7 +129,7 @@ class _Relay:
 
     def __init__(self, stream, cpu: bool, hide: bool = True, mask=lambda line: line):
         self.mask = mask  # secrets the environment holds never reach the node's log
-        self.errors: list[str] = []
+        self.errors = ErrorLines()
         self.root_cause = kills.RootCause()  # torchrun's: names a rank a signal ended
         self.hidden: list[str] = []
         self.muted = False
@@ -142,8 +141,7 @@ class _Relay:
         continuing = False
         for line in iter(stream.readline, ""):
             line = self.mask(line)
-            if len(self.errors) < MAX_ERROR_LINES and (error := error_of(line)):
-                self.errors.append(error)
+            self.errors.feed(line)
             self.root_cause.feed(line)
             continuing = self.hide and notice(line, self.cpu, continuing)
             if continuing:

@@ -27,7 +27,7 @@ from orchestrator.core.knobs import knob
 from orchestrator.core.summary import stop_reason, summary
 from orchestrator.launch.backends import netns
 from orchestrator.launch.backends.local_nodes import free_ports, node_envs, node_scratch, threads_per_process
-from orchestrator.node.output import MAX_ERROR_LINES, VERDICT, error_of, first_error, printable
+from orchestrator.node.output import VERDICT, ErrorLines, error_of, first_error, printable
 from orchestrator.node.procs import DEFAULT_GRACE, stopped_group
 
 GUARD = "orchestrator.launch.backends.guard"
@@ -49,7 +49,7 @@ class LocalResult:
 TAIL_LINES = 15
 
 
-def _pump(stream, prefix: str, lock: threading.Lock, sink, tail: deque, errors: list[str], verdicts: list[str],
+def _pump(stream, prefix: str, lock: threading.Lock, sink, tail: deque, errors: ErrorLines, verdicts: list[str],
           mask) -> None:
     for line in iter(stream.readline, ""):
         line = mask(printable(line))  # run.log and the terminal never show a secret the nodes print
@@ -57,8 +57,8 @@ def _pump(stream, prefix: str, lock: threading.Lock, sink, tail: deque, errors: 
         if (verdict := VERDICT.match(line.strip())) and (said := verdict.group("error")):
             # the node's own reading of its failure (node/supervise.py), as an error line: a kill's cause is quoted bare
             verdicts.append(error_of(said) or f"orch: error: {said}")
-        elif len(errors) < MAX_ERROR_LINES and (error := error_of(line)):
-            errors.append(error)
+        else:
+            errors.feed(line)
         with lock:
             sink.write(prefix + line)
             sink.flush()
@@ -98,7 +98,7 @@ def run_nodes(
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     tails: list[deque] = []
-    errors: list[list[str]] = []
+    errors: list[ErrorLines] = []
     verdicts: list[list[str]] = []
     grace = knob(envs[0] if envs else {}, "ORCH_STOP_GRACE", DEFAULT_GRACE)  # what the guards will wait
     watch, alive = os.pipe()  # orch holds `alive` (close-on-exec): its end closes when orch ends, however it ends
@@ -128,7 +128,7 @@ def run_nodes(
             )
             procs.append(proc)
             tails.append(deque(maxlen=TAIL_LINES))
-            errors.append([])
+            errors.append(ErrorLines())
             verdicts.append([])
             pump = threading.Thread(
                 target=_pump,
