@@ -143,6 +143,35 @@ def loss(self):
     assert raised_choices(source) == {"level": ["token", "sequence", "group"]}
 
 
+def test_metric_for_best_model_names_a_metric_the_trainers_evaluations_report():
+    """transformers looks metric_for_best_model up only at the first evaluation (a KeyError after eval_steps steps:
+    measured on a smoke run). The names are its own (eval_loss, the speed metrics) and the trainer's
+    `self._metrics[mode]["name"]` writes; GRPO's and RLOO's reward functions name theirs as they run: any is taken.
+    tests/test_trainers_smoke.py compares the names with what a real evaluation reported."""
+    from orchestrator.core import trl_schema
+    from orchestrator.core.errors import OrchError
+    from orchestrator.train.snapshots import trainer_metrics
+
+    source = """
+def loss(self, mode):
+    self._metrics[mode]["entropy"].append(1)
+    self._metrics["eval"]["kl"].append(self._metrics[mode]["entropy"][-1])
+    self._metrics["train"]["step_time"].append(2)
+"""
+    assert trainer_metrics(source) == ["entropy", "kl"]
+    assert trainer_metrics(source + '    self._metrics[mode][f"rewards/{name}/mean"].append(3)\n') is None
+    for value in ("loss", "eval_loss", "mean_token_accuracy", "eval_entropy", "runtime"):
+        trl_schema.check("sft", {"metric_for_best_model": value})
+    trl_schema.check_config_keys("dpo", {"metric_for_best_model": "rewards/accuracies"}, "c.yaml")
+    trl_schema.check("grpo", {"metric_for_best_model": "rewards/my_reward/mean"})
+    with pytest.raises(OrchError, match=r"metric_for_best_model=mean_token_acuracy: transformers looks it up only at "
+                       r"the first evaluation, and the sft trainer's evaluations report loss, .*mean_token_accuracy, "
+                       r".*did you mean mean_token_accuracy\? name one of them$"):  # fmt: skip
+        trl_schema.check("sft", {"metric_for_best_model": "mean_token_acuracy"})
+    with pytest.raises(OrchError, match=r"metric_for_best_model: 'eval_accuracy': .* the dpo trainer's evaluations "):
+        trl_schema.check_config_keys("dpo", {"metric_for_best_model": "eval_accuracy"}, "c.yaml")
+
+
 def test_a_choice_trl_maps_from_a_yaml_bool_is_taken_from_a_config_and_named_on_the_command_line():
     """GRPOConfig's __post_init__ turns scale_rewards: false into none; the command line's `--scale_rewards false`
     stays the text 'false', which the trainer refuses at its first step (measured with TRL's own parser)."""

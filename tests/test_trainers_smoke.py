@@ -14,7 +14,7 @@ from conftest import orch
 from hub_standin import Hub
 from test_faults import processes_with
 
-from orchestrator.core import trainers
+from orchestrator.core import trainers, trl_schema
 from orchestrator.core.final_model import is_final_file
 from orchestrator.train.checkpoints import verify
 
@@ -117,7 +117,8 @@ RESHAPED = {
 def test_trainer_smoke_trains_on_two_nodes(project, tmp_path, label):
     recipe, ran = RECIPES[label]
     evaluated = label == "dpo-zero2"  # an eval_strategy too: evaluation on the smoke data's one split, every 4 steps
-    extra = ["eval_strategy=steps", "eval_steps=4"] if evaluated else []
+    # and a metric_for_best_model, which transformers looks up in each evaluation's metrics (a KeyError when absent)
+    extra = ["eval_strategy=steps", "eval_steps=4", "metric_for_best_model=rewards/accuracies"] if evaluated else []
     streamed = label == "sft-fsdp2"  # the big-SFT case streams its dataset (TRL's dataset_streaming, as its scripts do)
     extra += ["dataset_streaming=true"] if streamed else []
     extra += ["bf16=true", "dtype=bfloat16"] if label in RECIPE_PRECISION else []
@@ -150,6 +151,13 @@ def test_trainer_smoke_trains_on_two_nodes(project, tmp_path, label):
                              r"eval_rewards/accuracies=[\d.]+ eval_rewards/margins=-?[\d.]+$", result.stdout, re.M)
         assert re.search(r"^\[orch\] eval_loss: step 4 [\d.]+ -> step 8 [\d.]+ \(2 evaluation\(s\)\)$", result.stdout,
                          re.M), result.stdout[-3000:]  # fmt: skip
+        # what the evaluations reported, every name of it in the snapshot metric_for_best_model is checked against
+        records = [json.loads(line) for line in (output_dir / "orch" / "log.jsonl").read_text().splitlines()]
+        reported = {k.removeprefix("eval_") for r in records if "eval_loss" in r for k in r if k.startswith("eval_")}
+        table = trl_schema._schema()["eval_metrics"]
+        assert "rewards/accuracies" in reported and reported <= {*table["every"], *table["dpo"]}, reported
+        state = json.loads((output_dir / "checkpoint-8" / "trainer_state.json").read_text())
+        assert state["best_metric"] is not None and state["best_model_checkpoint"], state  # the lookup ran
     output_dir = check_adapter(result, project, lora="lora" in label, qlora="qlora" in label)
     if "qlora" in label:  # `orch pull` of a local run: the final model's files from its output dir, no more
         run = re.search(r"^\[orch\] run (\S+):", result.stdout, re.M).group(1)

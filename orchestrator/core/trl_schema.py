@@ -139,6 +139,22 @@ def out_of_range(key: str, kind: object, value: object) -> str:
     return ""
 
 
+def unreported_metric(trainer: str, key: str, value: object) -> str:
+    """Why metric_for_best_model cannot be found in the trainer's evaluations ('' when it can, or when the trainer
+    names some metrics as it runs: GRPO's, RLOO's): transformers looks it up only at the first evaluation, a
+    KeyError after the model loaded and trained eval_steps steps."""
+    table = _schema().get("eval_metrics", {})
+    if key != "metric_for_best_model" or value is None or table.get(trainer) is None:
+        return ""
+    reported = [*table.get("every", []), *table[trainer]]
+    name = str(value).strip().removeprefix("eval_")
+    if name in reported:
+        return ""
+    hint = did_you_mean(name, reported, cutoff=0.6)
+    return (f"transformers looks it up only at the first evaluation, and the {trainer} trainer's evaluations report "
+            f"{', '.join(reported)} (each also eval_-named); {hint}name one of them")
+
+
 def _nearest(kind: object, value: object) -> str:
     """`did you mean X? ` for a mistyped choice (optim=adamw: adamw_torch), else ""."""
     if not isinstance(kind, list):
@@ -206,7 +222,7 @@ def check(trainer: str, overrides: Mapping[str, str], source: str = "override") 
         if not _kind_ok(known[key], str(value)):
             said = _said_bool(trainer, key, value) or _said_list(key, known[key], value) or _nearest(known[key], value)
             raise OrchError(f"{source} {key}={value}: {said}{key} takes {_describe(known[key])}")
-        if why := out_of_range(key, known[key], value):
+        if why := out_of_range(key, known[key], value) or unreported_metric(trainer, key, value):
             raise OrchError(f"{source} {key}={value}: {why}")
 
 
@@ -274,7 +290,8 @@ def check_config_keys(trainer: str, config: Mapping, path: str) -> None:
             said = f' (YAML reads an unquoted no or yes as false or true: write "{word}")' if yaml_bool else ""
             raise OrchError(f"TRL config {path}: {key}: {value!r}{said}: {_nearest(known[key], value)}{key} takes "
                             f"{_describe(known[key])}")  # fmt: skip
-        if key in known and (why := out_of_range(str(key), known[key], value)):
+        why = key in known and (out_of_range(str(key), known[key], value) or unreported_metric(trainer, key, value))
+        if why:
             raise OrchError(f"TRL config {path}: {key}: {value!r}: {why}")
 
 

@@ -164,19 +164,59 @@ def _splits_characters(convert) -> bool:
         return False
 
 
-def _trainer_checks(config: type) -> dict[str, list[str]]:
-    """raised_choices of the trainer a TRL config belongs to (trl/trainer/grpo_config.py: grpo_trainer.py)."""
+def _trainer_source(config: type) -> str:
+    """The source of the trainer a TRL config belongs to (trl/trainer/grpo_config.py: grpo_trainer.py), or ''."""
     import importlib
     import inspect
 
     module = config.__module__
     if not module.startswith("trl.") or not module.endswith("_config"):
-        return {}
+        return ""
     try:
-        trainer = importlib.import_module(module.removesuffix("_config") + "_trainer")
+        return inspect.getsource(importlib.import_module(module.removesuffix("_config") + "_trainer"))
     except ImportError:
-        return {}
-    return raised_choices(inspect.getsource(trainer))
+        return ""
+
+
+def trainer_metrics(source: str) -> list[str] | None:
+    """The names a TRL trainer adds to an evaluation's metrics, from its `self._metrics[mode]["name"]` writes (its
+    log() puts them in, eval_-named); None where one is named as it runs (GRPO's rewards/{reward_func}/mean and the
+    reward functions' log_metric): any name may be reported there. Not `self._metrics["train"][...]`."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        inner = node.value if isinstance(node, ast.Subscript) else None
+        if not (isinstance(inner, ast.Subscript) and isinstance(inner.value, ast.Attribute)
+                and inner.value.attr == "_metrics"):  # fmt: skip
+            continue
+        if isinstance(inner.slice, ast.Constant) and inner.slice.value == "train":
+            continue
+        if not (isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):
+            return None
+        names.add(node.slice.value)
+    return sorted(names)
+
+
+def evaluation_metrics() -> list[str]:
+    """The names transformers' own evaluation reports (`f"{metric_key_prefix}_loss"` in trainer.py, speed_metrics'
+    `f"{split}_runtime"`...), which metric_for_best_model may name with or without its eval_ prefix."""
+    import ast
+    import inspect
+
+    import transformers.trainer
+    import transformers.trainer_utils
+
+    out = set()
+    for module in (transformers.trainer, transformers.trainer_utils):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.JoinedStr) and len(node.values) == 2:
+                head, tail = node.values
+                if (isinstance(head, ast.FormattedValue) and isinstance(head.value, ast.Name)
+                        and head.value.id in ("metric_key_prefix", "split") and isinstance(tail, ast.Constant)
+                        and str(tail.value).startswith("_") and len(tail.value) > 1):  # fmt: skip
+                    out.add(tail.value[1:])
+    return sorted(out)
 
 
 def generate_trl() -> dict[str, dict[str, object]]:
@@ -189,6 +229,7 @@ def generate_trl() -> dict[str, dict[str, object]]:
         "versions": {p: importlib.metadata.version(p) for p in ("trl", "transformers", "accelerate")}
     }
     spellings: dict[str, dict[str, dict[str, str]]] = {}
+    metrics: dict[str, list[str] | None] = {}
     import torch._inductor
 
     # torch.compile checks its mode when accelerate compiles the model, in train(): after the model loaded
@@ -210,7 +251,10 @@ def generate_trl() -> dict[str, dict[str, object]]:
         names: dict[str, object] = {}
         for dtype in parser.dataclass_types:
             hints = typing.get_type_hints(dtype)
-            checked = {**_trainer_checks(dtype), **compile_modes}
+            source = _trainer_source(dtype)
+            checked = {**(raised_choices(source) if source else {}), **compile_modes}
+            if source:
+                metrics[trainer] = trainer_metrics(source)
             for f in dataclasses.fields(dtype):
                 if f.init:
                     kind = "bool" if f.name in as_bool else _kind(hints.get(f.name, str))
@@ -233,6 +277,8 @@ def generate_trl() -> dict[str, dict[str, object]]:
                     names[f.name] = kind
         out[trainer] = dict(sorted(names.items()))
     out["bool_spellings"] = {trainer: dict(fields) for trainer, fields in spellings.items()}
+    # what metric_for_best_model may name: transformers looks it up only at the first evaluation (a KeyError then)
+    out["eval_metrics"] = {"every": evaluation_metrics(), **metrics}
     import yaml
 
     folder = Path(importlib.import_module("trl").__file__).parent / "accelerate_configs"
