@@ -172,7 +172,7 @@ def test_the_cost_cap_stops_after_a_checkpoint_and_says_why(project):
 def test_orchs_own_collectives_use_the_groups_device():
     """NCCL (GPU runs) takes only CUDA tensors: orch's all-reduces (tokens, the cost cap, resume step, samples) must
     put theirs on the GPU there; gloo (CPU runs, where every other test runs) takes only CPU ones."""
-    from orchestrator.train.callbacks import collective_device
+    from orchestrator.train.collectives import collective_device
 
     assert collective_device("nccl") == "cuda" and collective_device("cpu:gloo,cuda:nccl") == "cuda"
     assert collective_device("gloo") == "cpu"

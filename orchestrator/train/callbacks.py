@@ -16,8 +16,9 @@ from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home, run_id
 from orchestrator.core.knobs import knob
 from orchestrator.core.precision import line as precision_line
 from orchestrator.core.timeline import duration, time_to_first_step
-from orchestrator.train import divergence, fsdp_adapter, precision, run_config, spend, stragglers
+from orchestrator.train import disk, divergence, fsdp_adapter, precision, run_config, spend, stragglers
 from orchestrator.train.checkpoints import mark_diverged, write_manifest
+from orchestrator.train.collectives import dist, for_collective, gather_rows, max_over_ranks, node_of_process
 from orchestrator.train.throughput import Meter, tokens_in
 
 DEFAULT_SAVE_SECONDS = 60.0  # what the cost cap keeps for a checkpoint before one was timed here
@@ -35,41 +36,6 @@ def _rows_in(inputs, trainer_name: str) -> int:
 def save_request_path(env=os.environ) -> Path:
     """The file `orch node --checkpoint-now` creates on a node ($ORCH_HOME/checkpoint-request)."""
     return orch_home(env) / SAVE_REQUEST
-
-
-def node_of_process() -> tuple[int, int]:
-    """(this node's rank, the number of nodes), as torchrun set them for the training process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    return int(os.environ.get("GROUP_RANK", "0")), max(1, world // max(1, local))
-
-
-def dist():
-    return torch.distributed if torch.distributed.is_available() and torch.distributed.is_initialized() else None
-
-
-def collective_device(backend: str) -> str:
-    """Where a tensor for one of orch's own collectives lives: NCCL takes only GPU tensors, gloo only CPU ones."""
-    return "cuda" if "nccl" in backend else "cpu"
-
-
-def for_collective(values: list, dtype: torch.dtype) -> torch.Tensor:
-    where = collective_device(str(dist().get_backend())) if dist() else "cpu"
-    device = torch.device("cuda", torch.cuda.current_device()) if where == "cuda" else torch.device("cpu")
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
-def min_over_ranks(value: int) -> int:
-    """The smallest `value` over all ranks (a collective: every rank calls it); `value` itself without a group."""
-    if not dist():
-        return value
-    tensor = for_collective([value], torch.long)
-    dist().all_reduce(tensor, op=torch.distributed.ReduceOp.MIN)
-    return int(tensor.item())
-
-
-def max_over_ranks(value: int) -> int:
-    return -min_over_ranks(-value)
 
 
 class OrchCallback(TrainerCallback):
@@ -100,6 +66,7 @@ class OrchCallback(TrainerCallback):
         self.reshaped = ""  # what a resume at another shape said (train/run_config.shape_line)
         self.probe: precision.Probe | None = None  # the compute dtype at the first forward (train/precision.py)
         self.precision: dict | None = None  # what the first step really computed in and updated, for the report
+        self.disk_warned = False  # this node said its disk fills before the end (train/disk.py)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.memory is not None:
@@ -219,6 +186,30 @@ class OrchCallback(TrainerCallback):
             done.write_text(f"{state.global_step} {self.output_dir / f'checkpoint-{state.global_step}'}\n")
         if self.progress:
             self.progress.idle()
+        self._disk_after_save(args, state)
+
+    def _disk_after_save(self, args, state) -> None:
+        """Each node's disk against the saves to come (train/disk.py): every rank stops when one cannot hold the
+        next; the first time one would fill later, that node says when."""
+        ckpt = self.output_dir / f"checkpoint-{state.global_step}"
+        strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+        saves = disk.saves_after(state.global_step, state.max_steps, strategy, state.save_steps or 0,
+                                 args.num_train_epochs, state.eval_steps or 0)  # fmt: skip
+        node, _ = node_of_process()
+        row = [float(node), 0.0, 0.0, 0.0, 0.0]
+        if state.is_local_process_zero and ckpt.is_dir():
+            disk.rotate_here(args, state)
+            found = disk.measure(ckpt, args.save_total_limit)
+            fills = found.fills_at(saves)
+            if fills is not None and fills == saves[0]:
+                row = [float(node), 1.0, float(found.size), float(found.free), float(found.kept)]
+            elif fills is not None and not self.disk_warned:
+                self.disk_warned = True
+                print(disk.warning(node, ckpt, found, saves, fills), flush=True)
+        if stopping := sorted(r for r in gather_rows(row) if r[1]):
+            node_at, _, size, free, kept = stopping[0]
+            full = disk.Disk(int(size), int(free), int(kept), args.save_total_limit or None)
+            raise RuntimeError(disk.stop_words(int(node_at), saves[0], full, ckpt.name))
 
     def _check_saved(self, state) -> None:
         """Every rank stops when the sharded model state rank 0 sees lacks a trained parameter (train/fsdp_adapter)."""

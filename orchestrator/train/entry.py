@@ -47,8 +47,9 @@ from orchestrator.train import (
     run_config,
     tracking,
 )
-from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin, dist, for_collective, node_of_process
+from orchestrator.train.callbacks import OrchCallback, OrchTrainerMixin
 from orchestrator.train.checkpoints import load_dtype, save_final_model
+from orchestrator.train.collectives import dist, for_collective, node_of_process
 from orchestrator.train.progress import Progress
 
 # ---------------------------------------------------------------- parse and build, as TRL's scripts do

@@ -19,8 +19,8 @@ from orchestrator.core.errors import OrchError
 from orchestrator.core.home import run_id
 from orchestrator.core.knobs import knob
 from orchestrator.train import fsdp_adapter, reshape, run_config
-from orchestrator.train.callbacks import max_over_ranks, min_over_ranks, node_of_process
 from orchestrator.train.checkpoints import choose_resume, quarantine
+from orchestrator.train.collectives import max_over_ranks, min_over_ranks, node_of_process
 
 
 def _refuse(acc, why: str) -> NoReturn:

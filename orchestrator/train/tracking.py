@@ -93,7 +93,7 @@ class NodeTracker:
     def log(self, step: int, record: dict, tokens: int, dist, now: float) -> None:
         """Every rank calls it at a training log (one all-gather of [tokens, GPU bytes]); node mains write."""
         mem = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-        from orchestrator.train.callbacks import for_collective
+        from orchestrator.train.collectives import for_collective
 
         mine = for_collective([float(tokens), float(mem)], torch.float64)
         if dist is not None:

@@ -1,0 +1,93 @@
+"""A node's disk against the checkpoints still to come (train/disk.py): said at the first save that shows it will fill,
+stopped cleanly before a save that cannot fit, and rotated on every node's own disk."""
+
+import os
+import re
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+from conftest import orch
+
+from orchestrator.train import disk
+from orchestrator.train.checkpoints import verify
+
+MIB = 1024**2
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("args, saves", [
+    ((0, 8, "steps", 1, 1, 0), [1, 2, 3, 4, 5, 6, 7, 8]),
+    ((4, 10, "steps", 4, 1, 0), [8, 10]),  # and at the last step, as DefaultFlowCallback saves there
+    ((10, 10, "steps", 4, 1, 0), []),
+    ((0, 9, "epoch", 0, 3, 0), [3, 6, 9]),
+    ((3, 10, "epoch", 0, 3, 0), [4, 7, 10]),
+    ((0, 6, "best", 0, 1, 2), [2, 4, 6]),  # at most at every evaluation
+    ((0, 6, "no", 2, 1, 2), []),
+])  # fmt: skip
+def test_the_saves_to_come_follow_transformers_schedule(args, saves):
+    assert disk.saves_after(*args) == saves
+
+
+@pytest.mark.unit
+def test_a_save_needs_its_whole_checkpoint_free_and_the_limit_frees_one_after_it():
+    # 10 MiB checkpoints, 25 MiB free, one kept: without a limit the 3rd save does not fit; with save_total_limit=2
+    # each save after the second writes the new one before the oldest goes, so every save fits
+    assert disk.Disk(10 * MIB, 25 * MIB, 1, None).fills_at([2, 3, 4]) == 4
+    assert disk.Disk(10 * MIB, 25 * MIB, 1, 2).fills_at([2, 3, 4, 5, 6]) is None
+    assert disk.Disk(10 * MIB, 9 * MIB, 1, 1).fills_at([2]) == 2  # the next save itself
+    said = disk.stop_words(1, 2, disk.Disk(10 * MIB, 9 * MIB, 1, None), "checkpoint-1")
+    assert said.startswith("the save at step 2 needs ~10.0 MiB on node 1's disk, which has 9.0 MiB free: stopped "
+                           "after checkpoint-1, complete")  # fmt: skip
+    assert "give the nodes a larger disk" in said and "save_total_limit=" not in said  # no limit holds even one more
+    said = disk.warning(0, disk.Path("out/checkpoint-1"), disk.Disk(10 * MIB, 25 * MIB, 1, None), [2, 3, 4], 4)
+    assert "no save_total_limit keeps them all: the save at step 4 will not fit; set save_total_limit=2 (" in said
+
+
+@pytest.mark.e2e  # imports transformers' Trainer utilities (seconds)
+def test_a_node_where_transformers_does_not_save_rotates_its_own_checkpoints(tmp_path):
+    """transformers rotates only where it saves (world rank 0): another node's shards on its own disk stayed."""
+    for step in (1, 2, 3, 4):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    state = SimpleNamespace(best_model_checkpoint=str(tmp_path / "checkpoint-1"))
+    disk.rotate_here(SimpleNamespace(should_save=True, save_total_limit=2, output_dir=str(tmp_path)), state)
+    assert len(list(tmp_path.iterdir())) == 4  # rank 0's node: transformers did it
+    disk.rotate_here(SimpleNamespace(should_save=False, save_total_limit=2, output_dir=str(tmp_path)), state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-4"]  # the best one is kept
+
+
+needs_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                                reason="mounting a small tmpfs needs root (CI runs as root)")  # fmt: skip
+
+
+@needs_root
+@pytest.mark.root
+@pytest.mark.e2e
+def test_a_disk_that_cannot_hold_the_next_checkpoint_stops_the_run_after_the_last_that_fit(project):
+    """On a 4 MiB disk, 2 emulated nodes saving every step: the first save says which one will not fit, every rank
+    stops after the last complete checkpoint (before: `RuntimeError: basic_ios::clear: iostream error` from
+    torch.save inside the save, a half-written checkpoint), and a rerun on a larger disk resumes from it."""
+    where = project / "disk"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(where)], check=True)
+    try:
+        command = ("run", "qwen25_sft_ddp", "--local", "--nodes", "2", "--smoke", "save_steps=1", "output_dir=disk/run")
+        result = orch(*command, cwd=project)
+        assert result.returncode == 1, result.stdout[-3000:]
+        warned = re.search(r"^\(node0\) \[orch\] warning: node 0: checkpoint-1 takes [\d.]+ MiB on this node's disk "
+                           r"\(disk/run: [\d.]+ MiB free\), 7 save\(s\) to come to step 8 and save_total_limit=2 keeps "
+                           r"2: the save at step (\d) will not fit; ", result.stdout, re.M)  # fmt: skip
+        assert warned, result.stdout[-3000:]
+        last = int(warned.group(1)) - 1
+        final = result.stdout.strip().splitlines()[-1]
+        assert re.fullmatch(rf"\[orch\] failed after [\d.]+ s: node \d exited with code 1: RuntimeError: the save at "
+                            rf"step {last + 1} needs ~[\d.]+ MiB on node 0's disk, which has [\d.]+ MiB free: stopped "
+                            rf"after checkpoint-{last}, complete, which a rerun resumes from; .*", final), final
+        kept = sorted(p.name for p in (where / "run").glob("checkpoint-*"))
+        assert kept[-1] == f"checkpoint-{last}" and verify(where / "run" / kept[-1]) == "", kept
+        subprocess.run(["mount", "-o", "remount,size=64M", str(where)], check=True)
+        again = orch(*command, cwd=project)
+        assert again.returncode == 0, again.stdout[-3000:]
+        assert f"resuming from disk/run/checkpoint-{last}" in again.stdout and "warning: node" not in again.stdout
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
