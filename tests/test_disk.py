@@ -44,6 +44,24 @@ def test_a_save_needs_its_whole_checkpoint_free_and_the_limit_frees_one_after_it
     assert "no save_total_limit keeps them all: the save at step 4 will not fit; set save_total_limit=2 (" in said
 
 
+@pytest.mark.unit
+def test_the_checkpoints_cadence_is_said_at_the_measured_rate_and_a_long_run_saving_nothing_is_warned():
+    from orchestrator.launch.storage import unsaved_recovery
+
+    said = disk.cadence(100, 1100, "steps", [500, 1000, 1100], eta_s=10_000)  # 10 s a step
+    assert said == ("[orch] checkpoints: the next at step 500 (~1h06m at this rate), then every 500 steps (~1h23m); a "
+                    "failure or a preemption loses the steps since the last one")  # fmt: skip
+    assert disk.cadence(2, 8, "no", [], eta_s=30) == ""  # a short run saving nothing: nothing to say
+    said = disk.cadence(10, 1010, "no", [], eta_s=10_000)
+    assert said.startswith("[orch] warning: save_strategy=no: nothing is saved before the final model at step 1010, "
+                           "~2h46m from now; ") and said.endswith("(save_strategy=steps save_steps=180 saves about "
+                                                                 "every 30 minutes at this rate)")  # fmt: skip
+    assert unsaved_recovery({"save_strategy": "steps"}, managed=True) == []
+    assert "every recovery of the managed job trains again from step 0" in unsaved_recovery(
+        {"save_strategy": "no"}, managed=True)[0]
+    assert "a preemption of a spot node loses the whole run" in unsaved_recovery({"save_strategy": "no"}, False)[0]
+
+
 @pytest.mark.e2e  # imports transformers' Trainer utilities (seconds)
 def test_a_node_where_transformers_does_not_save_rotates_its_own_checkpoints(tmp_path):
     """transformers rotates only where it saves (world rank 0): another node's shards on its own disk stayed."""

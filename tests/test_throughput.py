@@ -112,6 +112,9 @@ def test_throughput_matches_an_independent_count(project):
     out = "".join(lines)
     assert "tok/s" in out and "ETA" in out and "[orch] time to first step:" in out
     assert "MFU not shown on CPU" in out
+    # once the step time is known (step 2): when the smoke schedule's checkpoints come (train/disk.cadence)
+    assert re.search(r"\[orch\] checkpoints: the next at step 4 \(~\d+ s at this rate\), then every 4 steps "
+                     r"\(~\d+ s\); a failure or a preemption loses the steps since the last one\n", out), out[-3000:]
     output_dir = project / next(x.split("output: ", 1)[1].strip() for x in lines if x.startswith("[orch] output: "))
     report = json.loads((output_dir / "orch" / "rank0.json").read_text())
     figures = report["throughput"]

@@ -92,6 +92,17 @@ def require_durable(task: Mapping, reasons: list[str]) -> str:
     return where
 
 
+def unsaved_recovery(settings: Mapping[str, object], managed: bool) -> list[str]:
+    """A run on nodes that may be preempted (a managed job, spot) goes on from its last checkpoint; with
+    save_strategy=no there is none before the final model (the nodes' cadence line says when checkpoints come)."""
+    if str(settings.get("save_strategy", "steps")).strip().lower() != "no":
+        return []
+    lost = ("every recovery of the managed job trains again from step 0, and pays for it again" if managed else
+            "a preemption of a spot node loses the whole run")  # fmt: skip
+    return [f"[orch] warning: save_strategy=no saves nothing before the final model: {lost}; save_strategy=steps "
+            "with save_steps=N keeps the work"]
+
+
 def user_id() -> str:
     """8 hex characters for this user: SkyPilot's own user hash when it has made one, else one of user and host."""
     import getpass

@@ -67,6 +67,7 @@ class OrchCallback(TrainerCallback):
         self.probe: precision.Probe | None = None  # the compute dtype at the first forward (train/precision.py)
         self.precision: dict | None = None  # what the first step really computed in and updated, for the report
         self.disk_warned = False  # this node said its disk fills before the end (train/disk.py)
+        self.cadence_said = False  # rank 0 said when the checkpoints come (train/disk.cadence)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.memory is not None:
@@ -192,9 +193,7 @@ class OrchCallback(TrainerCallback):
         """Each node's disk against the saves to come (train/disk.py): every rank stops when one cannot hold the
         next; the first time one would fill later, that node says when."""
         ckpt = self.output_dir / f"checkpoint-{state.global_step}"
-        strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
-        saves = disk.saves_after(state.global_step, state.max_steps, strategy, state.save_steps or 0,
-                                 args.num_train_epochs, state.eval_steps or 0)  # fmt: skip
+        _, saves = disk.schedule(args, state)
         node, _ = node_of_process()
         row = [float(node), 0.0, 0.0, 0.0, 0.0]
         if state.is_local_process_zero and ckpt.is_dir():
@@ -288,6 +287,11 @@ class OrchCallback(TrainerCallback):
                 counted = "non-padding" if self.meter.padding_excluded else "all (padding included)"
                 mfu = f"; MFU {self.meter.peak_note}" if self.meter.peak_note else ""
                 print(f"[orch] note: tok/s counts the {counted} tokens of every rank's batches{mfu}", flush=True)
+            if "eta_s" in figures and not self.cadence_said:  # once the step time is known
+                self.cadence_said = True
+                strategy, saves = disk.schedule(args, state)
+                if said := disk.cadence(state.global_step, state.max_steps, strategy, saves, figures["eta_s"]):
+                    print(said, flush=True)
 
     def _stragglers(self, args, state, device) -> tuple[dict, list[str]]:
         """Every rank's busy and blocked time since the last log (one all-reduce); rank 0 gets the slowest rank and

@@ -57,6 +57,13 @@ def saves_after(step: int, max_steps: int, strategy: str, save_steps: float, epo
     return sorted(s for s in ends if s > step)
 
 
+def schedule(args, state) -> tuple[str, list[int]]:
+    """A trainer's save strategy and the saves still to come (saves_after), from its TrainingArguments and state."""
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    return strategy, saves_after(state.global_step, state.max_steps, strategy, state.save_steps or 0,
+                                 args.num_train_epochs, state.eval_steps or 0)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Disk:
     """One node's disk after a save: the checkpoint's size there, the space left, the checkpoints it holds."""
@@ -108,6 +115,28 @@ def warning(node: int, ckpt: Path, disk: Disk, saves: list[int], fills: int) -> 
 def stop_words(node: int, step: int, disk: Disk, saved: str) -> str:
     return (f"the save at step {step} needs ~{gib(disk.size)} on node {node}'s disk, which has {gib(disk.free)} free: "
             f"stopped after {saved}, complete, which a rerun resumes from; {_fix(disk)}")
+
+
+def cadence(step: int, max_steps: int, strategy: str, saves: list[int], eta_s: float) -> str:
+    """When the checkpoints come at the rate measured so far (rank 0, once the step time is known): what a failure or
+    a preemption loses at most. A warning where nothing is saved before the final model of a run an hour long."""
+    from orchestrator.core.timeline import duration
+
+    def took(seconds: float) -> str:
+        return duration(seconds) if seconds >= 60 else f"{seconds:.0f} s"
+
+    per_step = eta_s / max(1, max_steps - step)
+    if saves:
+        every = saves[1] - saves[0] if len(saves) > 1 else 0
+        then = f", then every {every} steps (~{took(every * per_step)})" if every else ""
+        return (f"[orch] checkpoints: the next at step {saves[0]} (~{took((saves[0] - step) * per_step)} at this "
+                f"rate){then}; a failure or a preemption loses the steps since the last one")  # fmt: skip
+    if strategy != "no" or eta_s < 3600:
+        return ""
+    every = max(1, round(1800 / max(per_step, 1e-9)))
+    return (f"[orch] warning: save_strategy=no: nothing is saved before the final model at step {max_steps}, "
+            f"~{duration(eta_s)} from now; a failure or a preemption before then loses the whole run (save_strategy="
+            f"steps save_steps={every} saves about every 30 minutes at this rate)")
 
 
 def rotate_here(args, state) -> None:

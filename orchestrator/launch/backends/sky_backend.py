@@ -237,6 +237,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         launch = data.mount(launch, data_file)
     if flags.managed or flags.spot:
         launch = placement.preemption_hook(launch)
+        notes += storage.unsaved_recovery(launch.settings, flags.managed)
     run = records.new_run_name(launch.recipe.name)
     cluster = flags.cluster or run
     # Batch math, parallelism, memory and env errors surface here, before anything is sent.
