@@ -187,13 +187,16 @@ class OrchCallback(TrainerCallback):
             done.write_text(f"{state.global_step} {self.output_dir / f'checkpoint-{state.global_step}'}\n")
         if self.progress:
             self.progress.idle()
-        self._disk_after_save(args, state)
+        self._disk_after_save(args, state, control)
 
-    def _disk_after_save(self, args, state) -> None:
+    def _disk_after_save(self, args, state, control) -> None:
         """Each node's disk against the saves to come (train/disk.py): every rank stops when one cannot hold the
-        next; the first time one would fill later, that node says when."""
+        next; the first time one would fill later, that node says when. Not after the last save of a run that stops
+        here (the cost cap's): none comes."""
         ckpt = self.output_dir / f"checkpoint-{state.global_step}"
         _, saves = disk.schedule(args, state)
+        if control.should_training_stop:
+            saves = []
         node, _ = node_of_process()
         row = [float(node), 0.0, 0.0, 0.0, 0.0]
         if state.is_local_process_zero and ckpt.is_dir():
