@@ -100,8 +100,8 @@ def _fix(disk: Disk) -> str:
     """What lets the rest of the run fit: the largest save_total_limit this disk holds, else a larger disk."""
     most = int((disk.free + disk.kept * disk.size) // (disk.size * SLACK)) - 1  # a save holds limit + 1 at its peak
     limit = (f"set save_total_limit={most} (the most this disk holds: each save writes a whole checkpoint before the "
-             "oldest goes) or " if most >= 1 and (disk.limit is None or most < disk.limit) else "")  # fmt: skip
-    return f"{limit}free space or give the nodes a larger disk (the recipe's resources.disk_size)"
+             "oldest goes), " if most >= 1 and (disk.limit is None or most < disk.limit) else "")  # fmt: skip
+    return f"{limit}free space, or give the nodes a larger disk (the recipe's resources.disk_size)"
 
 
 def warning(node: int, ckpt: Path, disk: Disk, saves: list[int], fills: int) -> str:
@@ -128,7 +128,8 @@ def cadence(step: int, max_steps: int, strategy: str, saves: list[int], eta_s: f
     per_step = eta_s / max(1, max_steps - step)
     if saves:
         every = saves[1] - saves[0] if len(saves) > 1 else 0
-        then = f", then every {every} steps (~{took(every * per_step)})" if every else ""
+        steps = "step" if every == 1 else f"{every} steps"
+        then = f", then every {steps} (~{took(every * per_step)})" if every else ""
         return (f"[orch] checkpoints: the next at step {saves[0]} (~{took((saves[0] - step) * per_step)} at this "
                 f"rate){then}; a failure or a preemption loses the steps since the last one")  # fmt: skip
     if strategy != "no" or eta_s < 3600:
