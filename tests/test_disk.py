@@ -82,7 +82,8 @@ needs_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
 @pytest.mark.root
 @pytest.mark.e2e
 def test_a_disk_that_cannot_hold_the_next_checkpoint_stops_the_run_after_the_last_that_fit(project):
-    """On a 4 MiB disk, 2 emulated nodes saving every step: the first save says which one will not fit, every rank
+    """On a 4 MiB disk, 2 emulated nodes saving every step: the first save says which one will not fit (node 0: node 1
+    shares its disk), every rank
     stops after the last complete checkpoint (before: `RuntimeError: basic_ios::clear: iostream error` from
     torch.save inside the save, a half-written checkpoint), and a rerun on a larger disk resumes from it."""
     where = project / "disk"
@@ -96,6 +97,7 @@ def test_a_disk_that_cannot_hold_the_next_checkpoint_stops_the_run_after_the_las
                            r"\(disk/run: [\d.]+ MiB free\), 7 save\(s\) to come to step 8 and save_total_limit=2 keeps "
                            r"2: the save at step (\d) will not fit; ", result.stdout, re.M)  # fmt: skip
         assert warned, result.stdout[-3000:]
+        assert "warning: node 1:" not in result.stdout  # it sees node 0's manifest: the same disk, said once
         last = int(warned.group(1)) - 1
         final = result.stdout.strip().splitlines()[-1]
         assert re.fullmatch(rf"\[orch\] failed after [\d.]+ s: node \d exited with code 1: RuntimeError: the save at "

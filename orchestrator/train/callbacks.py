@@ -17,7 +17,7 @@ from orchestrator.core.knobs import knob
 from orchestrator.core.precision import line as precision_line
 from orchestrator.core.timeline import duration, time_to_first_step
 from orchestrator.train import disk, divergence, fsdp_adapter, precision, run_config, spend, stragglers
-from orchestrator.train.checkpoints import mark_diverged, write_manifest
+from orchestrator.train.checkpoints import MANIFEST, mark_diverged, write_manifest
 from orchestrator.train.collectives import dist, for_collective, gather_rows, max_over_ranks, node_of_process
 from orchestrator.train.throughput import Meter, tokens_in
 
@@ -198,7 +198,7 @@ class OrchCallback(TrainerCallback):
         if control.should_training_stop:
             saves = []
         node, _ = node_of_process()
-        row = [float(node), 0.0, 0.0, 0.0, 0.0]
+        row, warning = [float(node), 0.0, 0.0, 0.0, 0.0], ""
         if state.is_local_process_zero and ckpt.is_dir():
             disk.rotate_here(args, state)
             found = disk.measure(ckpt, args.save_total_limit)
@@ -206,9 +206,11 @@ class OrchCallback(TrainerCallback):
             if fills is not None and fills == saves[0]:
                 row = [float(node), 1.0, float(found.size), float(found.free), float(found.kept)]
             elif fills is not None and not self.disk_warned:
-                self.disk_warned = True
-                print(disk.warning(node, ckpt, found, saves, fills), flush=True)
-        if stopping := sorted(r for r in gather_rows(row) if r[1]):
+                self.disk_warned, warning = True, disk.warning(node, ckpt, found, saves, fills)
+        rows = gather_rows(row)  # after it every node's manifest is written: one that sees node 0's shares its disk
+        if warning and (node == 0 or not (ckpt / MANIFEST.format(0)).is_file()):
+            print(warning, flush=True)
+        if stopping := sorted(r for r in rows if r[1]):
             node_at, _, size, free, kept = stopping[0]
             full = disk.Disk(int(size), int(free), int(kept), args.save_total_limit or None)
             raise RuntimeError(disk.stop_words(int(node_at), saves[0], full, ckpt.name))
