@@ -147,3 +147,13 @@ def test_trls_fsdp2_profile_with_full_state_dict_checkpoints_writes_its_final_mo
     output_dir = output_dir_of(result.stdout, project)
     assert (output_dir / "checkpoint-4" / "pytorch_model_fsdp.bin").is_file()  # a full state dict checkpoint
     assert re.search(r"^\[orch\] final model: \S+ \(model\.safetensors, F32, [\d.]+ kB\)", result.stdout, re.M)
+
+
+def test_a_logging_interval_beyond_the_last_step_is_said(project):
+    """logging_steps past max_steps logs no step: no loss line, and orch's non-finite check and straggler naming, which
+    judge at logging steps, never run; rank 0 says so as training begins."""
+    result = orch("run", "qwen25_sft_ddp", "--local", "--nodes", "1", "--smoke", "logging_steps=20", cwd=project)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert ("(node0) [orch] warning: logging_steps=20 is beyond max_steps=8: no step will be logged (no loss, and the "
+            "non-finite check and the straggler naming judge at logging steps)\n") in result.stdout  # fmt: skip
+    assert "[orch] step " not in result.stdout

@@ -86,6 +86,11 @@ class OrchCallback(TrainerCallback):
                   flush=True)  # fmt: skip
         if state.is_world_process_zero:
             print(f"[orch] training: up to step {state.max_steps}, logging every {args.logging_steps}", flush=True)
+            strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy))
+            if strategy == "steps" and state.logging_steps > state.max_steps > 0 and not args.logging_first_step:
+                print(f"[orch] warning: logging_steps={args.logging_steps} is beyond max_steps={state.max_steps}: no "
+                      "step will be logged (no loss, and the non-finite check and the straggler naming judge at "
+                      "logging steps)", flush=True)  # fmt: skip
 
     def on_train_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero or not self.run_config:
