@@ -40,6 +40,9 @@ def test_a_save_needs_its_whole_checkpoint_free_and_the_limit_frees_one_after_it
     assert said.startswith("the save at step 2 needs ~10.0 MiB on node 1's disk, which has 9.0 MiB free: stopped "
                            "after checkpoint-1, complete")  # fmt: skip
     assert "give the nodes a larger disk" in said and "save_total_limit=" not in said  # no limit holds even one more
+    said = disk.measured(1, disk.Path("out/checkpoint-2"), disk.Disk(96 * 1024 * MIB, 2 * 1024**4, 1, 2), [4, 6])
+    assert said == ("[orch] node 1: checkpoint-2 takes 96.00 GiB on this node's disk (out: 2.00 TiB free); the 2 "
+                    "save(s) to come to step 6 fit")  # fmt: skip
     said = disk.warning(0, disk.Path("out/checkpoint-1"), disk.Disk(10 * MIB, 25 * MIB, 1, None), [2, 3, 4], 4)
     assert "no save_total_limit keeps them all: the save at step 4 will not fit; set save_total_limit=2 (" in said
 

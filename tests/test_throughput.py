@@ -115,6 +115,10 @@ def test_throughput_matches_an_independent_count(project):
     # once the step time is known (step 2): when the smoke schedule's checkpoints come (train/disk.cadence)
     assert re.search(r"\[orch\] checkpoints: the next at step 4 \(~\d+ s at this rate\), then every 4 steps "
                      r"\(~\d+ s\); a failure or a preemption loses the steps since the last one\n", out), out[-3000:]
+    # the first save: what a checkpoint takes on the disk, said by node 0 alone (node 1 shares its disk)
+    assert re.search(r"^\(node0\) \[orch\] node 0: checkpoint-\d+ takes [\d.]+ MiB on this node's disk \(.+ free\); "
+                     r"the \d save\(s\) to come to step 8 fit$", out, re.M), out[-3000:]
+    assert "(node1) [orch] node 1: checkpoint-" not in out
     output_dir = project / next(x.split("output: ", 1)[1].strip() for x in lines if x.startswith("[orch] output: "))
     report = json.loads((output_dir / "orch" / "rank0.json").read_text())
     figures = report["throughput"]

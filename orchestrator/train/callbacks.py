@@ -67,6 +67,7 @@ class OrchCallback(TrainerCallback):
         self.probe: precision.Probe | None = None  # the compute dtype at the first forward (train/precision.py)
         self.precision: dict | None = None  # what the first step really computed in and updated, for the report
         self.disk_warned = False  # this node said its disk fills before the end (train/disk.py)
+        self.disk_said = False  # and what its first checkpoint took there
         self.cadence_said = False  # rank 0 said when the checkpoints come (train/disk.cadence)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -203,7 +204,7 @@ class OrchCallback(TrainerCallback):
         if control.should_training_stop:
             saves = []
         node, _ = node_of_process()
-        row, warning = [float(node), 0.0, 0.0, 0.0, 0.0], ""
+        row, said = [float(node), 0.0, 0.0, 0.0, 0.0], ""
         if state.is_local_process_zero and ckpt.is_dir():
             disk.rotate_here(args, state)
             found = disk.measure(ckpt, args.save_total_limit)
@@ -211,10 +212,13 @@ class OrchCallback(TrainerCallback):
             if fills is not None and fills == saves[0]:
                 row = [float(node), 1.0, float(found.size), float(found.free), float(found.kept)]
             elif fills is not None and not self.disk_warned:
-                self.disk_warned, warning = True, disk.warning(node, ckpt, found, saves, fills)
+                self.disk_warned, said = True, disk.warning(node, ckpt, found, saves, fills)
+            elif not self.disk_said:  # this process's first save: what a checkpoint takes here
+                said = disk.measured(node, ckpt, found, saves)
+            self.disk_said = True
         rows = gather_rows(row)  # after it every node's manifest is written: one that sees node 0's shares its disk
-        if warning and (node == 0 or not (ckpt / MANIFEST.format(0)).is_file()):
-            print(warning, flush=True)
+        if said and (node == 0 or not (ckpt / MANIFEST.format(0)).is_file()):
+            print(said, flush=True)
         if stopping := sorted(r for r in rows if r[1]):
             node_at, _, size, free, kept = stopping[0]
             full = disk.Disk(int(size), int(free), int(kept), args.save_total_limit or None)

@@ -93,6 +93,8 @@ def measure(ckpt: Path, limit: int | None) -> Disk:
 
 
 def gib(n: float) -> str:
+    if n >= 1024**4:
+        return f"{n / 1024**4:.2f} TiB"
     return f"{n / 1024**3:.2f} GiB" if n >= 1024**3 / 10 else f"{n / 1024**2:.1f} MiB"
 
 
@@ -110,6 +112,13 @@ def warning(node: int, ckpt: Path, disk: Disk, saves: list[int], fills: int) -> 
             f"{gib(disk.free)} free), {len(saves)} save(s) to come to step {saves[-1]} and {kept}: the save at step "
             f"{fills} will not fit; {_fix(disk)}; orch stops after the last save that fits, which a rerun resumes "
             "from")  # fmt: skip
+
+
+def measured(node: int, ckpt: Path, disk: Disk, saves: list[int]) -> str:
+    """The first save's line: what a checkpoint takes on this node's disk, and that the rest fit."""
+    rest = f"; the {len(saves)} save(s) to come to step {saves[-1]} fit" if saves else ""
+    return (f"[orch] node {node}: {ckpt.name} takes {gib(disk.size)} on this node's disk ({ckpt.parent}: "
+            f"{gib(disk.free)} free){rest}")
 
 
 def stop_words(node: int, step: int, disk: Disk, saved: str) -> str:
