@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import orch
 
-from orchestrator.train import disk
+from orchestrator.train import disk, schedule
 from orchestrator.train.checkpoints import verify
 
 MIB = 1024**2
@@ -26,7 +26,7 @@ MIB = 1024**2
     ((0, 6, "no", 2, 1, 2), []),
 ])  # fmt: skip
 def test_the_saves_to_come_follow_transformers_schedule(args, saves):
-    assert disk.saves_after(*args) == saves
+    assert schedule.saves_after(*args) == saves
 
 
 @pytest.mark.unit
@@ -51,14 +51,19 @@ def test_a_save_needs_its_whole_checkpoint_free_and_the_limit_frees_one_after_it
 def test_the_checkpoints_cadence_is_said_at_the_measured_rate_and_a_long_run_saving_nothing_is_warned():
     from orchestrator.launch.storage import unsaved_recovery
 
-    said = disk.cadence(100, 1100, "steps", [500, 1000, 1100], eta_s=10_000)  # 10 s a step
+    said = schedule.cadence(100, 1100, "steps", [500, 1000, 1100], eta_s=10_000)  # 10 s a step
     assert said == ("[orch] checkpoints: the next at step 500 (~1h06m at this rate), then every 500 steps (~1h23m); a "
                     "failure or a preemption loses the steps since the last one")  # fmt: skip
-    assert disk.cadence(2, 8, "no", [], eta_s=30) == ""  # a short run saving nothing: nothing to say
-    said = disk.cadence(10, 1010, "no", [], eta_s=10_000)
+    assert schedule.cadence(2, 8, "no", [], eta_s=30) == ""  # a short run saving nothing: nothing to say
+    said = schedule.cadence(10, 1010, "no", [], eta_s=10_000)
     assert said.startswith("[orch] warning: save_strategy=no: nothing is saved before the final model at step 1010, "
                            "~2h46m from now; ") and said.endswith("(save_strategy=steps save_steps=180 saves about "
                                                                  "every 30 minutes at this rate)")  # fmt: skip
+    said = schedule.share_words(100, 1000, 100, eval_s=600, per_step=6)  # 10 evaluations of 10 min, 100 min of steps
+    assert said == ("[orch] warning: the evaluation at step 100 took 10m00s and 100 steps take 10m00s: the run's 10 "
+                    "evaluations would take ~50% of it (~1h40m of ~3h20m); eval_steps=1000 keeps them near a tenth, or "
+                    "evaluate on fewer rows")  # fmt: skip
+    assert schedule.share_words(100, 1000, 100, eval_s=30, per_step=6) == ""  # 5 min of 105
     assert unsaved_recovery({"save_strategy": "steps"}, managed=True) == []
     assert "every recovery of the managed job trains again from step 0" in unsaved_recovery(
         {"save_strategy": "no"}, managed=True)[0]

@@ -16,7 +16,7 @@ from orchestrator.core.home import SAVE_DONE, SAVE_REQUEST, orch_home, run_id
 from orchestrator.core.knobs import knob
 from orchestrator.core.precision import line as precision_line
 from orchestrator.core.timeline import duration, time_to_first_step
-from orchestrator.train import disk, divergence, fsdp_adapter, precision, run_config, spend, stragglers
+from orchestrator.train import disk, divergence, fsdp_adapter, precision, run_config, schedule, spend, stragglers
 from orchestrator.train.checkpoints import MANIFEST, mark_diverged, write_manifest
 from orchestrator.train.collectives import dist, for_collective, gather_rows, max_over_ranks, node_of_process
 from orchestrator.train.throughput import Meter, tokens_in
@@ -68,7 +68,8 @@ class OrchCallback(TrainerCallback):
         self.precision: dict | None = None  # what the first step really computed in and updated, for the report
         self.disk_warned = False  # this node said its disk fills before the end (train/disk.py)
         self.disk_said = False  # and what its first checkpoint took there
-        self.cadence_said = False  # rank 0 said when the checkpoints come (train/disk.cadence)
+        self.cadence_said = False  # rank 0 said when the checkpoints come (train/schedule.cadence)
+        self.eval_share: str | None = None  # and what evaluations take of the run (None: not judged yet)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.memory is not None:
@@ -87,11 +88,8 @@ class OrchCallback(TrainerCallback):
                   flush=True)  # fmt: skip
         if state.is_world_process_zero:
             print(f"[orch] training: up to step {state.max_steps}, logging every {args.logging_steps}", flush=True)
-            strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy))
-            if strategy == "steps" and state.logging_steps > state.max_steps > 0 and not args.logging_first_step:
-                print(f"[orch] warning: logging_steps={args.logging_steps} is beyond max_steps={state.max_steps}: no "
-                      "step will be logged (no loss, and the non-finite check and the straggler naming judge at "
-                      "logging steps)", flush=True)  # fmt: skip
+            if said := schedule.unlogged(args, state):
+                print(said, flush=True)
 
     def on_train_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero or not self.run_config:
@@ -200,7 +198,7 @@ class OrchCallback(TrainerCallback):
         next; the first time one would fill later, that node says when. Not after the last save of a run that stops
         here (the cost cap's): none comes."""
         ckpt = self.output_dir / f"checkpoint-{state.global_step}"
-        _, saves = disk.schedule(args, state)
+        _, saves = schedule.saves(args, state)
         if control.should_training_stop:
             saves = []
         node, _ = node_of_process()
@@ -238,6 +236,10 @@ class OrchCallback(TrainerCallback):
     def on_evaluate(self, args, state, control, **kwargs):
         if self.progress:
             self.progress.idle()
+        if state.is_world_process_zero and self.eval_share is None:  # the first evaluation, once steps were timed
+            self.eval_share = schedule.eval_share(args, state, self.meter.step_times)
+            if self.eval_share:
+                print(self.eval_share, flush=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         verdict = self._finite(args, state, logs)  # before the line, which still shows the step
@@ -303,8 +305,8 @@ class OrchCallback(TrainerCallback):
                 print(f"[orch] note: tok/s counts the {counted} tokens of every rank's batches{mfu}", flush=True)
             if "eta_s" in figures and not self.cadence_said:  # once the step time is known
                 self.cadence_said = True
-                strategy, saves = disk.schedule(args, state)
-                if said := disk.cadence(state.global_step, state.max_steps, strategy, saves, figures["eta_s"]):
+                strategy, saves = schedule.saves(args, state)
+                if said := schedule.cadence(state.global_step, state.max_steps, strategy, saves, figures["eta_s"]):
                     print(said, flush=True)
 
     def _stragglers(self, args, state, device) -> tuple[dict, list[str]]:

@@ -17,7 +17,6 @@ barrier (on a disk node 0 shares there is nothing left to delete by then).
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -37,31 +36,6 @@ def used_bytes(path: Path) -> int:
                 continue
             total += max(st.st_size, getattr(st, "st_blocks", 0) * 512)
     return total
-
-
-def saves_after(step: int, max_steps: int, strategy: str, save_steps: float, epochs: float,
-                eval_steps: float) -> list[int]:  # fmt: skip
-    """The steps after `step` at which transformers will save (DefaultFlowCallback): every save_steps and at the last
-    step under `steps` (TrainerState's save_steps: a ratio is made steps at train start); at each epoch's end under
-    `epoch`; at most at every evaluation under `best`."""
-    if max_steps <= 0 or step >= max_steps:
-        return []
-    if strategy == "steps" and save_steps >= 1:
-        ends = {*range(int(save_steps), max_steps + 1, int(save_steps)), max_steps}
-    elif strategy == "epoch" and epochs > 0:
-        ends = {min(max_steps, math.ceil(max_steps / epochs * e)) for e in range(1, math.ceil(epochs) + 1)}
-    elif strategy == "best" and eval_steps >= 1:
-        ends = set(range(int(eval_steps), max_steps + 1, int(eval_steps)))
-    else:
-        return []
-    return sorted(s for s in ends if s > step)
-
-
-def schedule(args, state) -> tuple[str, list[int]]:
-    """A trainer's save strategy and the saves still to come (saves_after), from its TrainingArguments and state."""
-    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
-    return strategy, saves_after(state.global_step, state.max_steps, strategy, state.save_steps or 0,
-                                 args.num_train_epochs, state.eval_steps or 0)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -124,29 +98,6 @@ def measured(node: int, ckpt: Path, disk: Disk, saves: list[int]) -> str:
 def stop_words(node: int, step: int, disk: Disk, saved: str) -> str:
     return (f"the save at step {step} needs ~{gib(disk.size)} on node {node}'s disk, which has {gib(disk.free)} free: "
             f"stopped after {saved}, complete, which a rerun resumes from; {_fix(disk)}")
-
-
-def cadence(step: int, max_steps: int, strategy: str, saves: list[int], eta_s: float) -> str:
-    """When the checkpoints come at the rate measured so far (rank 0, once the step time is known): what a failure or
-    a preemption loses at most. A warning where nothing is saved before the final model of a run an hour long."""
-    from orchestrator.core.timeline import duration
-
-    def took(seconds: float) -> str:
-        return duration(seconds) if seconds >= 60 else f"{seconds:.0f} s"
-
-    per_step = eta_s / max(1, max_steps - step)
-    if saves:
-        every = saves[1] - saves[0] if len(saves) > 1 else 0
-        steps = "step" if every == 1 else f"{every} steps"
-        then = f", then every {steps} (~{took(every * per_step)})" if every else ""
-        return (f"[orch] checkpoints: the next at step {saves[0]} (~{took((saves[0] - step) * per_step)} at this "
-                f"rate){then}; a failure or a preemption loses the steps since the last one")  # fmt: skip
-    if strategy != "no" or eta_s < 3600:
-        return ""
-    every = max(1, round(1800 / max(per_step, 1e-9)))
-    return (f"[orch] warning: save_strategy=no: nothing is saved before the final model at step {max_steps}, "
-            f"~{duration(eta_s)} from now; a failure or a preemption before then loses the whole run (save_strategy="
-            f"steps save_steps={every} saves about every 30 minutes at this rate)")
 
 
 def rotate_here(args, state) -> None:
