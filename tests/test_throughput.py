@@ -113,8 +113,8 @@ def test_throughput_matches_an_independent_count(project):
     assert "tok/s" in out and "ETA" in out and "[orch] time to first step:" in out
     assert "MFU not shown on CPU" in out
     # once the step time is known (step 2): when the smoke schedule's checkpoints come (train/disk.cadence)
-    assert re.search(r"\[orch\] checkpoints: the next at step 4 \(~\d+ s at this rate\), then every 4 steps "
-                     r"\(~\d+ s\); a failure or a preemption loses the steps since the last one\n", out), out[-3000:]
+    assert re.search(r"\[orch\] checkpoints: the next at step 4 \(~[\d.]+ s at this rate\), then every 4 steps "
+                     r"\(~[\d.]+ s\); a failure or a preemption loses the steps since the last one\n", out), out[-3000:]
     # the first save: what a checkpoint takes on the disk, said by node 0 alone (node 1 shares its disk)
     assert re.search(r"^\(node0\) \[orch\] node 0: checkpoint-\d+ takes [\d.]+ MiB on this node's disk \(.+ free\); "
                      r"the \d save\(s\) to come to step 8 fit$", out, re.M), out[-3000:]

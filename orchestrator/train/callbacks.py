@@ -70,6 +70,7 @@ class OrchCallback(TrainerCallback):
         self.disk_said = False  # and what its first checkpoint took there
         self.cadence_said = False  # rank 0 said when the checkpoints come (train/schedule.cadence)
         self.eval_share: str | None = None  # and what evaluations take of the run (None: not judged yet)
+        self.timed: list[list[float]] = []  # [began, ended] of the last optimizer steps (monotonic)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.memory is not None:
@@ -119,11 +120,14 @@ class OrchCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.clock.begin()
+        self.timed = [*self.timed[-49:], [time.monotonic(), 0.0]]  # the step's own time: an evaluation comes after
         if self.steps_run == 0 and self.trainer is not None:  # the step this attempt resumed at held finite weights
             self.trainer.orch_guard.last_finite = state.global_step
 
     def on_step_end(self, args, state, control, **kwargs):
         self.clock.end()
+        if self.timed:
+            self.timed[-1][1] = time.monotonic()
         self.steps_run += 1
         self.meter.stepped()
         if self.cap is not None and self.meter.price is not None and not control.should_training_stop:
@@ -198,9 +202,7 @@ class OrchCallback(TrainerCallback):
         next; the first time one would fill later, that node says when. Not after the last save of a run that stops
         here (the cost cap's): none comes."""
         ckpt = self.output_dir / f"checkpoint-{state.global_step}"
-        _, saves = schedule.saves(args, state)
-        if control.should_training_stop:
-            saves = []
+        saves = [] if control.should_training_stop else schedule.saves(args, state)[1]
         node, _ = node_of_process()
         row, said = [float(node), 0.0, 0.0, 0.0, 0.0], ""
         if state.is_local_process_zero and ckpt.is_dir():
@@ -237,7 +239,7 @@ class OrchCallback(TrainerCallback):
         if self.progress:
             self.progress.idle()
         if state.is_world_process_zero and self.eval_share is None:  # the first evaluation, once steps were timed
-            self.eval_share = schedule.eval_share(args, state, self.meter.step_times)
+            self.eval_share = schedule.eval_share(args, state, self.timed)
             if self.eval_share:
                 print(self.eval_share, flush=True)
 

@@ -11,7 +11,9 @@ from orchestrator.core.timeline import duration
 
 
 def took(seconds: float) -> str:
-    return duration(seconds) if seconds >= 60 else f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+    if seconds >= 60:
+        return duration(seconds)
+    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s" if seconds >= 1 else f"{seconds:.2f} s"
 
 
 def saves_after(step: int, max_steps: int, strategy: str, save_steps: float, epochs: float,
@@ -66,16 +68,18 @@ def unlogged(args, state) -> str:
             "be logged (no loss, and the non-finite check and the straggler naming judge at logging steps)")
 
 
-def eval_share(args, state, step_times: list[float]) -> str | None:
+def eval_share(args, state, timed: list[list[float]]) -> str | None:
     """At an evaluation (eval_strategy=steps), which began as the last step ended: its time against the steps between
-    two, over the run (transformers evaluates at the last step too). A warning where evaluations would take a
-    quarter of the run or more, '' where they would not, None where the step time is not known yet."""
+    two (each step's own wall time, [began, ended], monotonic), over the run (transformers evaluates at the last step
+    too). A warning where evaluations would take a quarter of the run or more, '' where they would not, None where
+    fewer than two steps were timed (the first one warms up)."""
     if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "steps":
         return ""
-    if len(step_times) < 2 or not state.eval_steps or state.max_steps <= 0:
+    if len(timed) < 2 or not timed[-1][1] or not state.eval_steps or state.max_steps <= 0:
         return None
-    return share_words(state.global_step, state.max_steps, int(state.eval_steps), time.time() - step_times[-1],
-                       statistics.median(b - a for a, b in zip(step_times, step_times[1:], strict=False)))
+    per_step = statistics.median(ended - began for began, ended in timed[1:] if ended)
+    return share_words(state.global_step, state.max_steps, int(state.eval_steps), time.monotonic() - timed[-1][1],
+                       per_step)
 
 
 def share_words(step: int, max_steps: int, eval_steps: int, eval_s: float, per_step: float) -> str:
