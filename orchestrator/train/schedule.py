@@ -16,6 +16,11 @@ def took(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s" if seconds >= 1 else f"{seconds:.2f} s"
 
 
+def _word(strategy: object) -> str:
+    """A TrainingArguments strategy (save_strategy, logging_strategy, eval_strategy: an enum) as its word."""
+    return str(getattr(strategy, "value", strategy))
+
+
 def saves_after(step: int, max_steps: int, strategy: str, save_steps: float, epochs: float,
                 eval_steps: float) -> list[int]:  # fmt: skip
     """The steps after `step` at which transformers will save (DefaultFlowCallback): every save_steps and at the last
@@ -36,7 +41,7 @@ def saves_after(step: int, max_steps: int, strategy: str, save_steps: float, epo
 
 def saves(args, state) -> tuple[str, list[int]]:
     """A trainer's save strategy and the saves still to come (saves_after), from its TrainingArguments and state."""
-    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    strategy = _word(args.save_strategy)
     return strategy, saves_after(state.global_step, state.max_steps, strategy, state.save_steps or 0,
                                  args.num_train_epochs, state.eval_steps or 0)  # fmt: skip
 
@@ -61,8 +66,8 @@ def cadence(step: int, max_steps: int, strategy: str, saves: list[int], eta_s: f
 
 def unlogged(args, state) -> str:
     """A logging interval past the last step logs nothing: orch's non-finite check and straggler naming judge there."""
-    strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy))
-    if strategy != "steps" or not state.logging_steps > state.max_steps > 0 or args.logging_first_step:
+    beyond = state.logging_steps > state.max_steps > 0 and not args.logging_first_step
+    if _word(args.logging_strategy) != "steps" or not beyond:
         return ""
     return (f"[orch] warning: logging_steps={args.logging_steps} is beyond max_steps={state.max_steps}: no step will "
             "be logged (no loss, and the non-finite check and the straggler naming judge at logging steps)")
@@ -73,7 +78,7 @@ def eval_share(args, state, timed: list[list[float]]) -> str | None:
     two (each step's own wall time, [began, ended], monotonic), over the run (transformers evaluates at the last step
     too). A warning where evaluations would take a quarter of the run or more, '' where they would not, None where
     fewer than two steps were timed (the first one warms up)."""
-    if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "steps":
+    if _word(args.eval_strategy) != "steps":
         return ""
     if len(timed) < 2 or not timed[-1][1] or not state.eval_steps or state.max_steps <= 0:
         return None
