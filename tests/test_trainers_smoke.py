@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import checkpoint_bytes
 import pytest
 from conftest import orch
 from hub_standin import Hub
@@ -125,6 +126,9 @@ def test_trainer_smoke_trains_on_two_nodes(project, tmp_path, label):
     result = orch("run", recipe, "--local", "--nodes", "2", "--smoke", *extra, cwd=project)
     check_one_group(result, project, label.split("-")[0], ran)
     output_dir = project / re.search(r"^\[orch\] output: (\S+)$", result.stdout, re.M).group(1)
+    # its checkpoint and final model, as big as the launch side's disk estimate (core/disk_need.py) for the settings
+    # it ran with: every strategy's bytes a parameter, copies and dtype, measured
+    checkpoint_bytes.check(result.stdout, project, output_dir)
     precision = {json.dumps(json.loads(p.read_text())["precision"]) for p in (output_dir / "orch").glob("rank*.json")}
     compute, updated = RECIPE_PRECISION.get(label, SMOKE_PRECISION.get(label, ("float32", ["float32"])))
     facts = {"compute": compute, "updated": updated, "quantized": "qlora" in label}
