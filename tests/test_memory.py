@@ -159,6 +159,8 @@ def test_memory_check_off_shows_the_figures_without_refusing(project):
     args = ("llama3_70b_sft_fsdp", "--nodes", "1", "--secret", "HF_TOKEN=x", "--dry-run", "--skip-optimizer")
     assert orch("run", *args, cwd=project).returncode == 2
     shown = orch("run", *args, "--env", "ORCH_MEMORY_CHECK=off", cwd=project)
+    assert shown.returncode == 2 and "node 0's disk is too small for this run: ~987.8 GB" in shown.stderr  # its own
+    shown = orch("run", *args, "--env", "ORCH_MEMORY_CHECK=off", "--disk-size", "1088", cwd=project)
     assert shown.returncode == 0, shown.stderr
     assert re.search(r"^memory: ~\d+\.\d GiB per GPU .* under FSDP2 on 8 GPUs, .* each H100 has 80 GiB "
                      r"\(ORCH_MEMORY_CHECK=off: shown, not enforced\)$", shown.stdout, re.M), shown.stdout  # fmt: skip

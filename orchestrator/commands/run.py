@@ -129,6 +129,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     cloud.add_argument("--image-id", metavar="IMAGE", help="resources.image_id (an AMI, docker:<image>, ...)")
     cloud.add_argument(
+        "--disk-size",
+        type=int,
+        metavar="GB",
+        help="each node's disk (resources.disk_size; SkyPilot's default 256): it holds the model's download and, "
+        "unless they go to a bucket, the checkpoints; a launch whose estimate outgrows it is refused",
+    )
+    cloud.add_argument(
         "--max-restarts",
         type=int,
         default=DEFAULT_RESTARTS,

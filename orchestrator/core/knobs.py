@@ -111,6 +111,8 @@ KNOBS = {
     "ORCH_REHEARSAL": ON_OFF,
     # the memory checks (core/fit.py) on the launch side and the head node: off launches what they would refuse
     "ORCH_MEMORY_CHECK": ON_OFF,
+    # the disk check (core/disk_need.py): off launches a run whose download and checkpoints outgrow disk_size
+    "ORCH_DISK_CHECK": ON_OFF,
     # the precision check (core/precision.py check_gpu): off launches bf16 on a GPU without bf16 tensor cores
     "ORCH_PRECISION_CHECK": ON_OFF,
     # the CUDA arch check (core/cuda_arch.py): off launches a GPU the nodes' torch build has no kernels for

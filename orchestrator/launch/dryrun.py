@@ -71,6 +71,10 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
               "weights and Adam's moments)")
     where = storage.durable_checkpoints(task) or "the nodes' own disks (lost with the cluster)"
     print(f"checkpoints and final model: {where}")
+    trainer_nodes = launch.nodes - (1 if plans[-1].role == "vllm-server" else 0)
+    if checked.memory is not None and (need := preflight.disk(launch, checked.memory.setup, trainer_nodes)):
+        off = "" if need.fits else " (ORCH_DISK_CHECK=off: shown, not enforced)"
+        print(f"disk: {need.describe()}{off}")
     _section("SkyPilot plan")
     if skip_optimizer:
         print("not computed: --skip-optimizer")

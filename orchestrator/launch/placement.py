@@ -26,6 +26,7 @@ def check_candidates(args, recipe: Mapping) -> None:
     may not name accelerators, nor a field a flag of this launch sets."""
     flags = {"use_spot": "--spot" if args.spot else "", "infra": "--infra" if args.infra else "",
              "image_id": "--image-id" if args.image_id else "",
+             "disk_size": "--disk-size" if getattr(args, "disk_size", None) is not None else "",
              "network_tier": "--network-tier" if args.network_tier else ""}  # fmt: skip
     for field in ("any_of", "ordered"):
         candidates = recipe.get(field)
@@ -58,6 +59,10 @@ def resources(args, launch: Launch) -> dict[str, object]:
         resources["infra"] = slots.check("field", args.infra, "--infra")
     if args.image_id:
         resources["image_id"] = args.image_id
+    if getattr(args, "disk_size", None) is not None:
+        if args.disk_size < 1:
+            raise OrchError(f"--disk-size {args.disk_size}: give each node's disk in GB, 1 or more")
+        resources["disk_size"] = args.disk_size
     images = resources.get("image_id", recipe.get("image_id"))  # SkyPilot runs `docker pull <it>` unquoted
     for image in images.values() if isinstance(images, dict) else [images] if images else []:
         slots.check("image", str(image), "--image-id" if args.image_id else "resources.image_id")

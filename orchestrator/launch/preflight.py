@@ -3,9 +3,11 @@ an OrchError that names the fix; `run()` applies the ones that fit the launch.""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from pathlib import Path
 
-from orchestrator.core import accelerators, cuda_arch, fit, memory, parallel, precision
+from orchestrator.core import accelerators, cuda_arch, disk_need, fit, memory, parallel, precision
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError
@@ -157,10 +159,62 @@ def run(launch, trainer_nodes: int, gpus: Gpus | None) -> memory.Estimate | None
     if setup is None:
         return None
     if not memory_checked(launch):
+        check_disk(launch, setup, trainer_nodes)
         return memory.estimate(setup)
     estimate = check_memory(setup, name)
     check_gpu_at_load(at_load(setup, per_node, accel), name, setup.needs_bf16)
+    check_disk(launch, setup, trainer_nodes)
     return estimate
+
+
+def disk(launch, setup: memory.Setup, trainer_nodes: int) -> disk_need.Need | None:
+    """What the fullest node's disk holds at once (core/disk_need.need), None on a Slurm or Kubernetes cluster (no
+    disk_size there) or for a disk_size that is not a number (SkyPilot's schema says so)."""
+    from orchestrator.launch import storage
+
+    task = launch.task()
+    resources = task.get("resources") or {}
+    infra = str(resources.get("infra") or "").lower()
+    if infra.split("/")[0] in ("slurm", "k8s", "kubernetes", "ssh"):
+        return None
+    try:
+        size = disk_need.disk_gb(resources)
+    except ValueError:
+        return None
+    model = str(launch.setting("model_name_or_path", ""))
+    found = model_config.read(model, launch.setting("model_revision"))
+    local = model.startswith(("/", "./", "../", "~")) or Path(model).exists()  # a path the nodes read: no download
+    medium, where = storage.medium(task)
+    return disk_need.need(setup, trainer_nodes, AccelerateConfig.of(launch.paired.accelerate), launch.settings,
+                          medium=medium, where=where, disk_gb=size,
+                          download_bytes=None if local else disk_need.stored_bytes(found.config))  # fmt: skip
+
+
+def storage_example() -> str:
+    from orchestrator.launch import storage
+
+    return storage.EXAMPLE
+
+
+def check_disk(launch, setup: memory.Setup, trainer_nodes: int) -> None:
+    """Refused where the download and the checkpoints outgrow the nodes' disk_size (unless ORCH_DISK_CHECK=off)."""
+    need = disk(launch, setup, trainer_nodes)
+    if need is None or need.fits or knob(launch.envs, "ORCH_DISK_CHECK", "on") == "off":
+        return
+    room = math.ceil(need.total / disk_need.GB / 64 + 1) * 64
+    fixes = [f"give --disk-size {room} (room for the image, the environment and the datasets too)"]
+    if need.kept > 1:
+        fixes.append("keep fewer checkpoints (save_total_limit=1)")
+    if need.ckpt.layout.startswith("every rank"):
+        fixes.append("spread the checkpoint over more nodes (--nodes)")
+    if need.where == "the nodes' own disks":
+        fixes.append(f"checkpoint to a bucket ({storage_example()})")
+    raise OrchError(
+        f"node {need.node}'s disk is too small for this run: ~{disk_need.size_words(need.total)} at once "
+        f"({need.parts()}; checkpoints: {need.where}) against resources.disk_size {need.disk_gb:g} GB; "
+        f"{', or '.join(fixes)}; "
+        "--env ORCH_DISK_CHECK=off launches it anyway"
+    )
 
 
 def memory_checked(launch) -> bool:

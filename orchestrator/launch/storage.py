@@ -79,6 +79,16 @@ def durable_checkpoints(task: Mapping) -> str | None:
     return None
 
 
+def medium(task: Mapping) -> tuple[str, str]:
+    """What of the checkpoints lands on a node's own disk (core/disk_need.need): "disk" (CHECKPOINT_ROOT unset or not
+    durable: the output_dir is on it), "cache" (a bucket mounted MOUNT_CACHED: rclone's cache is on it) or "remote"
+    (a MOUNT bucket, a volume, a Slurm cluster's shared file system); and where they go, in words."""
+    where = durable_checkpoints(task)
+    if where is None:
+        return "disk", "the nodes' own disks"
+    return ("cache" if where.endswith("(MOUNT_CACHED)") else "remote"), where
+
+
 def require_durable(task: Mapping, reasons: list[str]) -> str:
     """The durable storage of a launch that needs it (managed job, several nodes, --down), else one clear error."""
     where = durable_checkpoints(task)

@@ -49,6 +49,7 @@ class SkyOptions:
     infra: str | None = None  # --infra: resources.infra (aws/us-east-1, k8s/<context>, slurm/<cluster>...)
     network_tier: str | None = None  # --network-tier: resources.network_tier (best: InfiniBand/EFA)
     image_id: str | None = None  # --image-id: resources.image_id.
+    disk_size: int | None = None  # --disk-size: resources.disk_size, GB (core/disk_need.py checks it).
     max_restarts: int = 3  # --max-restarts: a managed job's restarts on exit 75 (placement.DEFAULT_RESTARTS)
     cluster: str | None = None  # --cluster: the cluster's name (default: the run's).
     idle_minutes: int | None = None  # --idle-minutes: autostop after M idle minutes (placement.DEFAULT_IDLE_MINUTES)
