@@ -429,3 +429,48 @@ def test_plan_rows_split_each_sequence_over_a_whole_number_of_gpus(plan, flag, n
     for gpu, (nodes, label, _, _) in rows.items():
         count = int(nodes.split(" x ")[0])
         assert count * 8 % n == 0 and label == strategy, (gpu, nodes, label)
+
+
+@pytest.mark.unit
+def test_positions_come_from_config_json_and_a_rope_scaling_reaches_further():
+    assert memory.positions_of({"max_position_embeddings": 4096}) == 4096
+    yarn = {"max_position_embeddings": 32768, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 32768}}
+    assert memory.positions_of(yarn) == 131072  # Qwen's documented YaRN edit of config.json
+    llama31 = {"max_position_embeddings": 131072, "rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+                                                                      "original_max_position_embeddings": 8192}}
+    assert memory.positions_of(llama31) == 131072
+    assert memory.positions_of({"rope_scaling": {"rope_type": "default"}}) == 0
+    shape = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+             "vocab_size": 100}  # fmt: skip
+    assert memory.Arch.from_config({**shape, "max_position_embeddings": 40960}).positions == 40960
+    assert memory.Arch.from_config(shape).positions == 0  # not said: nothing is judged
+
+
+@pytest.mark.unit
+def test_sequences_beyond_the_trained_positions_are_said_on_both_sides():
+    """Rotary positions compute any position without an error: a max_length past max_position_embeddings trained on
+    positions the model never saw, and nothing said so. The launch side and the head node (plain `sky launch`) say
+    it."""
+    from orchestrator.core.accelerate_config import AccelerateConfig
+    from orchestrator.node import memory as node_memory
+
+    settings = {"model_name_or_path": "microsoft/Phi-3-mini-4k-instruct", "max_length": 8192}
+    said = node_memory.beyond_positions("dpo", settings, AccelerateConfig.of({}))
+    assert said is not None and said.startswith(
+        "[orch] warning: max_length=8192 is beyond the 4096 positions microsoft/Phi-3-mini-4k-instruct was trained for")
+    assert node_memory.beyond_positions("dpo", {**settings, "max_length": 4096}, AccelerateConfig.of({})) is None
+    grpo = {"model_name_or_path": "Qwen/Qwen3-8B", "max_completion_length": 65536}
+    assert "max_completion_length=65536 is beyond the 40960 positions" in node_memory.beyond_positions(
+        "grpo", grpo, AccelerateConfig.of({}))  # fmt: skip
+
+
+@pytest.mark.e2e
+def test_orch_run_warns_of_a_max_length_beyond_the_models_positions(project):
+    from conftest import orch
+
+    result = orch("run", "phi3_dpo_fsdp", "--dry-run", "--skip-optimizer", "max_length=8192", cwd=project,
+                  env={"ORCH_DATA_CHECK": "off"})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "[orch] warning: max_length=8192 is beyond the 4096 positions microsoft/Phi-3-mini-4k-instruct" in \
+        result.stdout  # fmt: skip

@@ -111,6 +111,23 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
     )
 
 
+def beyond_positions(setup: memory.Setup, model: str) -> str | None:
+    """A warning where the sequences are longer than the positions the model was trained for (memory.Arch.positions:
+    config.json's max_position_embeddings, or its rope scaling's reach). Every family orch trains uses rotary
+    positions, which compute any position without an error, so nothing else says it: the tokens past it sit at
+    positions the model never saw. A generating trainer's completion alone is judged (its prompts' length is not
+    known here)."""
+    positions = setup.arch.positions
+    generates = trainers.spec(setup.trainer).generates
+    length, what = (setup.completion_len, "max_completion_length") if generates else (setup.seq_len, "max_length")
+    if not positions or length <= positions:
+        return None
+    return (f"[orch] warning: {what}={length} is beyond the {positions} positions {model} was trained for "
+            "(max_position_embeddings in its config.json, no rope scaling reaching further): tokens past them sit at "
+            f"positions it never saw, which rotary embeddings compute without a word; shorten {what}, or train a "
+            "long-context variant or one whose config.json sets rope_scaling (YaRN)")
+
+
 def tokens_words(setup: memory.Setup) -> str:
     """The micro-batch's shape as the memory lines give it; for a generating trainer, with its assumed prompt length."""
     words = f"{setup.micro_batch} x {setup.seq_len} tokens per device"

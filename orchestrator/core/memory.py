@@ -52,6 +52,9 @@ class Arch:
     vocab: int
     head_dim: int = 0
     tied: bool = False
+    positions: int = 0
+    """The positions it was trained for: config.json's max_position_embeddings, or what its rope scaling extends that
+    to (positions_of); 0 where the config does not say."""
 
     @property
     def hd(self) -> int:
@@ -107,7 +110,24 @@ class Arch:
             vocab=size("vocab_size"),
             head_dim=size("head_dim", 0, low=0),
             tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            positions=positions_of(text),
         )
+
+
+def positions_of(config: dict) -> int:
+    """max_position_embeddings, or a rope scaling's reach where it is longer (`rope_scaling`, transformers 5's
+    `rope_parameters`: factor x original_max_position_embeddings, as YaRN, linear and dynamic scaling extend a
+    context); 0 where the config gives no whole number."""
+    given = config.get("max_position_embeddings")
+    positions = given if isinstance(given, int) and not isinstance(given, bool) and given > 0 else 0
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = config.get(key)
+        if not isinstance(rope, dict) or str(rope.get("rope_type") or rope.get("type") or "default") == "default":
+            continue
+        factor, original = rope.get("factor"), rope.get("original_max_position_embeddings") or positions
+        if isinstance(factor, (int, float)) and isinstance(original, int) and factor > 1:
+            positions = max(positions, int(original * factor))
+    return positions
 
 
 @dataclass(frozen=True)

@@ -34,22 +34,22 @@ FAMILIES = (
 
 
 # Shapes of the models the recipes use, from their config.json on the Hub (num_hidden_layers, hidden_size,
-# intermediate_size, num_attention_heads, num_key_value_heads, vocab_size, head_dim, tie_word_embeddings). The
-# memory model (core/memory.py) works from these; tests/test_memory.py checks each one's parameter count against
-# its model card.
+# intermediate_size, num_attention_heads, num_key_value_heads, vocab_size, head_dim, tie_word_embeddings,
+# max_position_embeddings). The memory model (core/memory.py) works from these; tests/test_memory.py checks each one's
+# parameter count against its model card.
 KNOWN_ARCHS = {
-    "microsoft/phi-3-mini-4k-instruct": Arch(32, 3072, 8192, 32, 32, 32064),
-    "meta-llama/llama-2-7b-hf": Arch(32, 4096, 11008, 32, 32, 32000),
-    "meta-llama/llama-2-70b-hf": Arch(80, 8192, 28672, 64, 8, 32000),
-    "meta-llama/llama-3.1-8b": Arch(32, 4096, 14336, 32, 8, 128256),
-    "meta-llama/llama-3.1-8b-instruct": Arch(32, 4096, 14336, 32, 8, 128256),
-    "meta-llama/llama-3.1-70b": Arch(80, 8192, 28672, 64, 8, 128256),
-    "meta-llama/llama-3.1-70b-instruct": Arch(80, 8192, 28672, 64, 8, 128256),
-    "meta-llama/llama-3.3-70b-instruct": Arch(80, 8192, 28672, 64, 8, 128256),
-    "qwen/qwen2.5-0.5b-instruct": Arch(24, 896, 4864, 14, 2, 151936, tied=True),
-    "qwen/qwen2.5-1.5b-instruct": Arch(28, 1536, 8960, 12, 2, 151936, tied=True),
-    "qwen/qwen3-1.7b": Arch(28, 2048, 6144, 16, 8, 151936, head_dim=128, tied=True),
-    "qwen/qwen3-8b": Arch(36, 4096, 12288, 32, 8, 151936, head_dim=128),
+    "microsoft/phi-3-mini-4k-instruct": Arch(32, 3072, 8192, 32, 32, 32064, positions=4096),
+    "meta-llama/llama-2-7b-hf": Arch(32, 4096, 11008, 32, 32, 32000, positions=4096),
+    "meta-llama/llama-2-70b-hf": Arch(80, 8192, 28672, 64, 8, 32000, positions=4096),
+    "meta-llama/llama-3.1-8b": Arch(32, 4096, 14336, 32, 8, 128256, positions=131072),
+    "meta-llama/llama-3.1-8b-instruct": Arch(32, 4096, 14336, 32, 8, 128256, positions=131072),
+    "meta-llama/llama-3.1-70b": Arch(80, 8192, 28672, 64, 8, 128256, positions=131072),
+    "meta-llama/llama-3.1-70b-instruct": Arch(80, 8192, 28672, 64, 8, 128256, positions=131072),
+    "meta-llama/llama-3.3-70b-instruct": Arch(80, 8192, 28672, 64, 8, 128256, positions=131072),
+    "qwen/qwen2.5-0.5b-instruct": Arch(24, 896, 4864, 14, 2, 151936, tied=True, positions=32768),
+    "qwen/qwen2.5-1.5b-instruct": Arch(28, 1536, 8960, 12, 2, 151936, tied=True, positions=32768),
+    "qwen/qwen3-1.7b": Arch(28, 2048, 6144, 16, 8, 151936, head_dim=128, tied=True, positions=40960),
+    "qwen/qwen3-8b": Arch(36, 4096, 12288, 32, 8, 151936, head_dim=128, positions=40960),
 }
 
 

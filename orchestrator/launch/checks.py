@@ -13,7 +13,7 @@ import re
 from typing import NamedTuple
 
 from orchestrator.core import attention as attention_names
-from orchestrator.core import bnb, memory, slots, trl_schema
+from orchestrator.core import bnb, fit, memory, slots, trl_schema
 from orchestrator.core.accelerators import CPU, CUDA_CAPABILITY
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
@@ -231,6 +231,8 @@ def check(launch: Launch, task_id: str = PLACEHOLDER_TASK_ID, device: str = "gpu
     plans = previews(launch, task_id, device)
     trainers = launch.nodes - (1 if plans[-1].role == "vllm-server" else 0)
     memory = preflight.run(launch, trainers, gpus=launch.gpus if device == "gpu" else None)
+    if memory is not None and (said := fit.beyond_positions(memory.setup, str(launch.setting("model_name_or_path")))):
+        print(said, flush=True)
     if device == "gpu":  # a cloud launch: one row of the dataset and the attention kernel, asked of the Hub here
         from orchestrator.launch import datacheck, kernelcheck
 

@@ -254,6 +254,8 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
         topo = plans[0].topology
         print(f"[orch] {memory.check(env, trainer, settings, paired.accelerate, topo.nodes, topo.gpus_per_node)}",
               flush=True)  # fmt: skip
+        if said := memory.beyond_positions(trainer, settings, paired.accelerate):
+            print(said, flush=True)
     if knob(env, "ORCH_REHEARSAL", "on") == "off":
         _check_values(trainer, paired.trl, env)
         print("[orch] rehearsal: skipped (ORCH_REHEARSAL=off)", flush=True)

@@ -141,6 +141,19 @@ def check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object], 
         return f"memory: not checked (a TRL setting is not of its type: {exc!r}; the rehearsal's TRL parser says which)"
 
 
+def beyond_positions(trainer: str, settings: Mapping[str, object], accel: AccelerateConfig) -> str | None:
+    """core/fit.beyond_positions for the recipe's model on this node (`sky launch` without orch on the laptop)."""
+    from orchestrator.node import model_config
+
+    model = str(settings.get("model_name_or_path", ""))
+    try:
+        found = model_config.read(model, settings.get("model_revision"))
+        setup = fit.setup_of(trainer, settings, accel, 1, found.config, found.where)
+    except (OrchError, TypeError, ValueError, KeyError):  # said by the memory line and TRL's parser
+        return None
+    return None if setup is None else fit.beyond_positions(setup, model)
+
+
 def _check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object], accel: AccelerateConfig,
            nodes: int, per_node: int) -> str:  # fmt: skip
     from orchestrator.node import model_config
