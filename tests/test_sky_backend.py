@@ -1162,3 +1162,28 @@ def test_what_the_upload_takes_is_asked_of_rsync_with_skypilots_filter(project, 
         ".gitignore": shlex.split(command_runner.RSYNC_FILTER_GITIGNORE)[0],
     }
     assert node_paths.GIT_EXCLUDE == command_runner.GIT_EXCLUDE
+
+
+def test_resume_at_fewer_nodes_checks_the_disk_there_with_the_recorded_disk_size(in_project, fake, capsys,
+                                                                                   monkeypatch):  # fmt: skip
+    """A sharded checkpoint's share grows as the nodes get fewer: the 70B at 4 nodes holds ~353 GB on node 0 (its 141 GB
+    download and a 212 GB share), at 3 nodes ~423 GB. Launched with --disk-size 400, its resume at 3 nodes is
+    refused before anything is sent (the recipe's own 512 would have let it through)."""
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    assert cli.main(["run", "llama3_70b_sft_fsdp", "--secret", "HF_TOKEN", "--disk-size", "400", "--env",
+                     "GLOBAL_BATCH_SIZE=96", "-y", "--detach"]) == 0, capsys.readouterr().err  # fmt: skip
+    (record,) = run_files(in_project)
+    assert cli.main(["cancel", record.stem]) == 0
+    before, calls = record.read_text(), len(fake.calls)
+    capsys.readouterr()
+    assert cli.main(["run", "--resume", record.stem, "--nodes", "3", "-y", "--detach"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("orch: error: node 0's disk is too small for this run: ~423.3 GB at once") and \
+        "against resources.disk_size 400 GB; give --disk-size 512 " in line, line  # fmt: skip
+    assert record.read_text() == before and len(fake.calls) == calls
+    assert cli.main(["run", "--resume", record.stem, "--disk-size", "600", "-y", "--detach"]) == 2  # same cluster
+    assert "a relaunch at the recorded shape keeps its cluster's disks" in capsys.readouterr().err
+    assert cli.main(["run", "--resume", record.stem, "--nodes", "3", "--disk-size", "600", "-y", "--detach"]) == 0
+    (name, sent, _) = fake.calls[-1]
+    assert name == "launch" and sent.num_nodes == 3 and [r.disk_size for r in sent.resources] == [600]
+    assert "disk_size: 600" in record.read_text()

@@ -160,7 +160,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="relaunch a recorded SkyPilot run as it was recorded (its task, its cluster: reused when up), under the "
         "same run id, so it resumes from its last checkpoint and a reused cluster's setup finds nothing to do; give "
         "no recipe or launch flags, only --secret, -y, --detach, the cluster's --idle-minutes/--down/--keep-up, and "
-        "--nodes/--gpus to resume at another shape (on a new cluster; the nodes reshard the checkpoint)",
+        "--nodes/--gpus to resume at another shape (on a new cluster, whose --disk-size may be given too; the nodes "
+        "reshard the checkpoint)",
     )
     cloud.add_argument("--detach", action="store_true", help="return once submitted; `orch logs RUN` follows later")
     cloud.add_argument(
@@ -277,7 +278,7 @@ def _check_idle_flags(args: argparse.Namespace) -> None:
 
 # What a relaunch takes from the command line; everything else comes from the run's record.
 _RESUME_KEEPS = {"resume", "secret", "yes", "detach", "idle_minutes", "down", "keep_up", "func", "command", "argv",
-                 "nodes", "gpus"}  # fmt: skip
+                 "nodes", "gpus", "disk_size"}  # fmt: skip
 
 
 def _resume(args: argparse.Namespace) -> int:

@@ -60,9 +60,7 @@ def resources(args, launch: Launch) -> dict[str, object]:
     if args.image_id:
         resources["image_id"] = args.image_id
     if getattr(args, "disk_size", None) is not None:
-        if args.disk_size < 1:
-            raise OrchError(f"--disk-size {args.disk_size}: give each node's disk in GB, 1 or more")
-        resources["disk_size"] = args.disk_size
+        resources["disk_size"] = disk_size(args.disk_size)
     images = resources.get("image_id", recipe.get("image_id"))  # SkyPilot runs `docker pull <it>` unquoted
     for image in images.values() if isinstance(images, dict) else [images] if images else []:
         slots.check("image", str(image), "--image-id" if args.image_id else "resources.image_id")
@@ -75,6 +73,23 @@ def resources(args, launch: Launch) -> dict[str, object]:
         recovery.setdefault("recover_on_exit_codes", [EXIT_RETRYABLE])
         resources["job_recovery"] = recovery
     return resources
+
+
+def disk_size(gb: int) -> int:
+    """--disk-size: each node's disk in GB (resources.disk_size)."""
+    if gb < 1:
+        raise OrchError(f"--disk-size {gb}: give each node's disk in GB, 1 or more")
+    return gb
+
+
+def relaunch_disk(gb: int | None, reshaping: bool, run: str) -> dict[str, int]:
+    """`orch run --resume RUN --disk-size GB`: the disk of a new shape's cluster (a reused cluster keeps its own)."""
+    if gb is None:
+        return {}
+    if not reshaping:
+        raise OrchError(f"--disk-size with --resume {run}: a relaunch at the recorded shape keeps its cluster's disks; "
+                        "give --nodes/--gpus for a new shape's cluster, or launch a new run")  # fmt: skip
+    return {"disk_size": disk_size(gb)}
 
 
 def preemption_hook(launch: Launch) -> Launch:

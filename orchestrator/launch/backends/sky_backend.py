@@ -130,7 +130,7 @@ class SkyBackend:
         provisioned again when gone) or as a managed job. ORCH_RUN_ID, the run's name in that task, keys the
         checkpoints, so the trainer resumes from the last complete one; the record is the same file, its job id
         the new one and `relaunches` counted."""
-        from orchestrator.launch import records, secrets, storage
+        from orchestrator.launch import placement, records, secrets, storage
         from orchestrator.launch.backends import sky
 
         flags = options.sky
@@ -150,8 +150,10 @@ class SkyBackend:
         record.secrets = tuple(values.values())
         managed = record.get("backend") == sky.BACKEND_MANAGED
         cluster = record.get("cluster") or record.run
-        if options.nodes is not None or options.gpus is not None:  # another shape: another cluster, the same run id
-            task = _reshaped(record, options)
+        reshaping = options.nodes is not None or options.gpus is not None
+        disk = placement.relaunch_disk(flags.disk_size, reshaping, record.run)
+        if reshaping:  # another shape: another cluster, the same run id
+            task = _reshaped(record, options, disk)
             if not managed:
                 shape = f"{task['num_nodes']}x{_accelerators(task).replace(':', '')}".lower()
                 cluster = slots.check("cluster", f"{record.run}-{shape}"[:63], "the new shape's cluster name")
@@ -306,7 +308,7 @@ def _accelerators(task: dict) -> str:
     return str((task.get("resources") or {}).get("accelerators") or "cpu")
 
 
-def _reshaped(record: Record, options: RunOptions) -> dict:
+def _reshaped(record: Record, options: RunOptions, disk: dict[str, int]) -> dict:
     """`orch run --resume RUN --nodes M --gpus ACC:N`: the recorded task at another shape, checked at that shape as
     any launch is (batch math, parallelism, memory: one line naming the shapes that keep the global batch otherwise);
     the same ORCH_RUN_ID, so the nodes resume its last checkpoint and reshard it (train/reshape.py)."""
@@ -322,9 +324,10 @@ def _reshaped(record: Record, options: RunOptions) -> dict:
         raise OrchError(f"run {record.run} runs on CPU nodes: a relaunch changes their number (--nodes), not --gpus")
     gpus = accelerators.parse(options.gpus) if options.gpus is not None else None
     launch = resolve(load(str(record.path)), nodes=options.nodes, gpus=gpus)
-    check(launch, device="cpu" if cpu else "gpu")
+    launch = launch.replace(resources={**launch.resources, **disk})
+    check(launch, device="cpu" if cpu else "gpu")  # with the disk at the new shape (core/disk_need.py)
     was = f"{record.task.get('num_nodes') or 1} x {_accelerators(record.task)}"
-    resources = dict(record.task.get("resources") or {})
+    resources = {**(record.task.get("resources") or {}), **disk}
     if not cpu and launch.gpus is not None:
         resources = {**resources, "accelerators": str(launch.gpus)}
     # a new mapping (the recorded one stays as it is): only the shape differs from what was recorded
