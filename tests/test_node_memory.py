@@ -166,11 +166,17 @@ def test_cgroup_limit_is_the_lowest_over_the_group_and_its_ancestors(tmp_path):
 @pytest.mark.parametrize("key", ["max_length", "per_device_train_batch_size", "dtype", "lora_r", "lora_dropout",
                                  "lora_target_modules", "use_peft", "load_in_4bit", "beta", "model_name_or_path",
                                  "gradient_checkpointing", "max_completion_length", "max_prompt_length"])  # fmt: skip
-def test_a_setting_of_the_wrong_type_is_left_to_trls_parser_not_a_traceback(key, tmp_path):
+def test_a_setting_of_the_wrong_type_is_left_to_trls_parser_not_a_traceback(key, tmp_path, monkeypatch, request):
     """Plain `sky launch` brings the TRL config unchecked (orch run checks it against TRL's schema on the laptop):
-    the memory check runs before the rehearsal, whose TRL parser names the bad value, so it must not crash first."""
+    the memory check runs before the rehearsal, whose TRL parser names the bad value, so it must not crash first.
+    A name that is no local path is answered as an offline Hub answers it, without asking (4 s of retries here)."""
     from orchestrator.core import configs
     from orchestrator.core.errors import OrchError
+    from orchestrator.node import model_config
+
+    monkeypatch.setattr(model_config, "_from_hub", lambda model, revision: model_config.Found(None, "offline"))
+    model_config.forget()
+    request.addfinalizer(model_config.forget)  # its cache holds this test's answers: gone with it
 
     paired = configs.load({"TRL_CONFIG": "recipes/trl/qwen25_sft.yaml", "ACCELERATE_CONFIG": "multi_gpu"}, ROOT)
     (tmp_path / "config.json").write_text('{"hidden_size": "wide"}')
