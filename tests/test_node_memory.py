@@ -77,9 +77,13 @@ def test_head_node_refuses_a_load_over_its_cgroup_memory_limit_that_its_memtotal
     (limited / "memory.limit_in_bytes").write_text(str(2 * 1024**3))
     fits = rehearse(SETUP_ENV, cgroup=limited, path="/usr/bin:/bin")
     assert fits.returncode == 0, fits.stderr
-    assert ("[orch] memory (DDP, 2 x 8): GPU unchecked (no nvidia-smi); host memory at load: ~0.9 GiB on the busiest "
-            "node, fits 2 GiB (this node's cgroup memory limit (a Slurm job's --mem, a container's limit))\n"
-            "[orch] rehearsal: skipped (ORCH_REHEARSAL=off)\n") == fits.stdout  # fmt: skip
+    assert re.fullmatch(
+        r"\[orch\] memory \(DDP, 2 x 8\): GPU unchecked \(no nvidia-smi\); host memory at load: ~0\.9 GiB on the "
+        r"busiest node, fits 2 GiB \(this node's cgroup memory limit \(a Slurm job's --mem, a container's limit\)\)\n"
+        # node/disk_room.py: the download, 4 DDP checkpoints (save_total_limit 3) and the final model, here one disk
+        r"\[orch\] disk: ~13\.8 GB of [\d.]+ [GT]B free at \S+ \(the model's download 1\.0 GB still to come; 4 "
+        r"checkpoints 11\.9 GB; the final model 1\.0 GB\)\n"
+        r"\[orch\] rehearsal: skipped \(ORCH_REHEARSAL=off\)\n", fits.stdout), fits.stdout  # fmt: skip
 
     (limited / "memory.limit_in_bytes").write_text(str(768 * 1024**2))
     waived = rehearse({**SETUP_ENV, "ORCH_MEMORY_CHECK": "off"}, cgroup=limited, path="/usr/bin:/bin")

@@ -224,7 +224,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
     import platform
 
     from orchestrator.core import accelerate_config, configs, cuda_arch, precision, torch_build
-    from orchestrator.node import memory, model_config
+    from orchestrator.node import disk_room, memory, model_config
     from orchestrator.node.env import run_env
     from orchestrator.node.plan import plan
     from orchestrator.rehearsal import driver
@@ -256,6 +256,8 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
               flush=True)  # fmt: skip
         if said := memory.beyond_positions(trainer, settings, paired.accelerate):
             print(said, flush=True)
+        room = disk_room.check(env, trainer, settings, paired.accelerate, plans[0].argv, topo.nodes, topo.gpus_per_node)
+        print(f"[orch] {room}", flush=True)
     if knob(env, "ORCH_REHEARSAL", "on") == "off":
         _check_values(trainer, paired.trl, env)
         print("[orch] rehearsal: skipped (ORCH_REHEARSAL=off)", flush=True)

@@ -1,0 +1,162 @@
+"""The head node's disks against core/disk_need's figures, in its setup, beside the model's download (node side).
+
+`orch run` checks a cloud launch against the task's disk_size before anything is provisioned
+(launch/preflight.check_disk). Plain `sky launch`, a Slurm or Kubernetes cluster (no disk_size to read) and an image
+that keeps more than the launch side can know get the same check here, against what this node's file systems report:
+the model's download (what the Hugging Face cache does not hold yet) where the cache lies, and node 0's checkpoints
+where they land, as the file system under the output_dir says:
+
+    fuse.rclone                 a bucket SkyPilot mounts through rclone, whose statfs says 1 PiB: the checkpoints
+                                pass through its cache on this node's disk (~/.cache/rclone), one at a time
+    another FUSE object store   (gcsfuse, goofys, mountpoint-s3, blobfuse...): streamed, nothing kept here
+    a network file system       (nfs, lustre...: a Slurm cluster's shared home): every node's share lands there,
+                                save_total_limit + 1 of them at once, and the final model
+    anything else               this node's own disk: its share, save_total_limit + 1 of them, and the final model
+
+Measured back to back (the download is running): the cache's bytes for the model so far, then the free space.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from orchestrator.core import disk_need, fit
+from orchestrator.core.accelerate_config import AccelerateConfig
+from orchestrator.core.errors import OrchError
+from orchestrator.core.final_model import size_words
+from orchestrator.core.knobs import knob
+
+NETWORK = ("nfs", "nfs4", "lustre", "cifs", "smb3", "beegfs", "gpfs", "ceph", "glusterfs", "fuse.glusterfs",
+           "fuse.sshfs", "9p", "virtiofs", "fuse.juicefs", "wekafs")  # fmt: skip
+RCLONE_CACHE = "~/.cache/rclone"  # SkyPilot's RCLONE_CACHE_DIR (sky/skylet/constants.py)
+
+
+def mount_of(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> tuple[str, str]:
+    """(mount point, file system type) of the mount that holds or will hold `path` (the links of its existing part
+    resolved), by the kernel's mountinfo; ("", "") where it cannot be read."""
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    target = os.path.join(os.path.realpath(existing), os.path.relpath(path.absolute(), existing))  # links resolved
+    target = os.path.normpath(target)
+    best = ("", "")
+    try:
+        lines = mountinfo.read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        point = fields[4].replace("\\040", " ")
+        fstype = line.split(" - ", 1)[1].split()[0]
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best[0]):
+            best = (point, fstype)
+    return best
+
+
+def medium_of(output_dir: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> tuple[str, Path | None, bool]:
+    """(core/disk_need's medium, the folder whose file system holds what lands, shared by the nodes)."""
+    point, fstype = mount_of(output_dir, mountinfo)
+    if fstype == "fuse.rclone":
+        return "cache", Path(os.path.expanduser(RCLONE_CACHE)), False
+    if fstype.startswith("fuse.") and fstype not in NETWORK:
+        return "remote", None, False
+    return "disk", output_dir, fstype in NETWORK
+
+
+def hub_cache(env: Mapping[str, str]) -> Path:
+    """Where huggingface_hub puts the model on this node (HF_HUB_CACHE, HF_HOME/hub; core/home.shared_caches on
+    Slurm), as train/prefetch.py downloads it."""
+    from orchestrator.core.home import shared_caches
+
+    env = {**env, **shared_caches(env)}
+    if env.get("HF_HUB_CACHE"):
+        return Path(os.path.expanduser(env["HF_HUB_CACHE"]))
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(os.path.expanduser(home)) / "hub"
+
+
+def _held(folder: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:  # renamed under the walk (an .incomplete file done)
+                continue
+    return total
+
+
+def check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object], accel: AccelerateConfig,
+          argv: Sequence[str], nodes: int, per_node: int) -> str:  # fmt: skip
+    """One line saying what was checked, or an OrchError naming the file system, the figures and the fixes."""
+    from orchestrator.node import model_config
+    from orchestrator.node.script import output_dir_in
+
+    if knob(env, "ORCH_DISK_CHECK", "on") == "off":
+        return "disk: not checked (ORCH_DISK_CHECK=off)"
+    model = str(settings.get("model_name_or_path", ""))
+    try:
+        found = model_config.read(model, settings.get("model_revision"))
+        setup = fit.setup_of(trainer, settings, accel, nodes * per_node, found.config, found.where)
+    except (OrchError, TypeError, ValueError, KeyError):  # the memory line and TRL's parser say what it is
+        return "disk: not checked (the model's shape is not known here)"
+    if setup is None:
+        return "disk: not checked (the model's shape is not known here)"
+    output_dir = Path(output_dir_in(argv) or str(settings.get("output_dir") or "outputs"))
+    medium, lands, shared = medium_of(output_dir)
+    ckpt = disk_need.checkpoint(setup, nodes, accel, settings)
+    need: dict[Path, list[tuple[str, float]]] = {}
+    local = model.startswith(("/", "./", "../", "~")) or Path(model).exists()
+    if not local:
+        cache = hub_cache(env)
+        held = _held(cache / f"models--{model.replace('/', '--')}")
+        remaining = max(0.0, setup.arch.params * disk_need.stored_bytes(found.config) - held)
+        need.setdefault(cache, []).append((f"the model's download {size_words(remaining)} still to come", remaining))
+    if lands is not None:
+        share = ckpt.total if shared else ckpt.on(0)
+        whose = (" (every node's share: a shared file system)" if shared and nodes > 1 else
+                 " (node 0's share)" if nodes > 1 and ckpt.layout.startswith("every rank") else "")  # fmt: skip
+        if medium == "cache":
+            held_now = max(share, disk_need.final_bytes(setup))
+            need.setdefault(lands, []).append((f"a checkpoint {size_words(held_now)}{whose} in rclone's cache",
+                                               held_now))  # fmt: skip
+        else:
+            limit = str(settings.get("save_total_limit") or "")
+            kept = int(limit) + 1 if limit.isdigit() and int(limit) > 0 else 1
+            many = f"{kept} checkpoints" if kept > 1 else "a checkpoint"
+            need.setdefault(lands, []).append((f"{many} {size_words(share * kept)}{whose}", share * kept))
+            need[lands].append((f"the final model {size_words(disk_need.final_bytes(setup))}",
+                                disk_need.final_bytes(setup)))  # fmt: skip
+    return _judge(need)
+
+
+def _judge(need: dict[Path, list[tuple[str, float]]]) -> str:
+    """Each file system's parts against its free space: the line, or an OrchError for the first that cannot hold
+    them. Folders on one file system are summed."""
+    by_device: dict[int, tuple[Path, list[tuple[str, float]]]] = {}
+    for folder, parts in need.items():
+        existing = folder.absolute()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        device = existing.stat().st_dev
+        by_device.setdefault(device, (Path(mount_of(existing)[0] or existing), []))[1].extend(parts)
+    said = []
+    for where, parts in by_device.values():
+        total = sum(n for _, n in parts)
+        free = shutil.disk_usage(where).free
+        words = "; ".join(text for text, _ in parts)
+        if total > free:
+            raise OrchError(
+                f"this node's disk at {where} has {size_words(free)} free and this run needs ~{size_words(total)} "
+                f"there ({words}): give the nodes larger disks (resources.disk_size; `orch run --disk-size`), keep "
+                "fewer checkpoints (save_total_limit=1) or put them on a bucket (CHECKPOINT_ROOT on a MOUNT_CACHED "
+                "mount, as the recipes do); ORCH_DISK_CHECK=off launches it anyway"
+            )
+        said.append(f"~{size_words(total)} of {size_words(free)} free at {where} ({words})")
+    return "disk: " + ("; ".join(said) if said else "nothing of this run lands on this node's disks")
