@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from pathlib import Path
 
 from orchestrator.core import accelerators, cuda_arch, disk_need, fit, memory, parallel, precision
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError
+from orchestrator.core.final_model import size_words
 from orchestrator.core.knobs import knob
 from orchestrator.core.load_memory import LoadMemory
 from orchestrator.core.overrides import effective, truthy
+from orchestrator.launch import storage
 from orchestrator.node import model_config
 
 # the rules live in core/fit.py, shared with the head node's check (node/memory.py)
@@ -170,8 +171,6 @@ def run(launch, trainer_nodes: int, gpus: Gpus | None) -> memory.Estimate | None
 def disk(launch, setup: memory.Setup, trainer_nodes: int) -> disk_need.Need | None:
     """What the fullest node's disk holds at once (core/disk_need.need), None on a Slurm or Kubernetes cluster (no
     disk_size there) or for a disk_size that is not a number (SkyPilot's schema says so)."""
-    from orchestrator.launch import storage
-
     task = launch.task()
     resources = task.get("resources") or {}
     infra = str(resources.get("infra") or "").lower()
@@ -183,17 +182,11 @@ def disk(launch, setup: memory.Setup, trainer_nodes: int) -> disk_need.Need | No
         return None
     model = str(launch.setting("model_name_or_path", ""))
     found = model_config.read(model, launch.setting("model_revision"))
-    local = model.startswith(("/", "./", "../", "~")) or Path(model).exists()  # a path the nodes read: no download
+    local = model_config.is_path(model)  # the nodes read it from a path of theirs: no download
     medium, where = storage.medium(task)
     return disk_need.need(setup, trainer_nodes, AccelerateConfig.of(launch.paired.accelerate), launch.settings,
                           medium=medium, where=where, disk_gb=size,
                           download_bytes=None if local else disk_need.stored_bytes(found.config))  # fmt: skip
-
-
-def storage_example() -> str:
-    from orchestrator.launch import storage
-
-    return storage.EXAMPLE
 
 
 def check_disk(launch, setup: memory.Setup, trainer_nodes: int) -> None:
@@ -208,9 +201,9 @@ def check_disk(launch, setup: memory.Setup, trainer_nodes: int) -> None:
     if need.ckpt.layout.startswith("every rank"):
         fixes.append("spread the checkpoint over more nodes (--nodes)")
     if need.where == "the nodes' own disks":
-        fixes.append(f"checkpoint to a bucket ({storage_example()})")
+        fixes.append(f"checkpoint to a bucket ({storage.EXAMPLE})")
     raise OrchError(
-        f"node {need.node}'s disk is too small for this run: ~{disk_need.size_words(need.total)} at once "
+        f"node {need.node}'s disk is too small for this run: ~{size_words(need.total)} at once "
         f"({need.parts()}; checkpoints: {need.where}) against resources.disk_size {need.disk_gb:g} GB; "
         f"{', or '.join(fixes)}; "
         "--env ORCH_DISK_CHECK=off launches it anyway"

@@ -112,8 +112,7 @@ def check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object], 
     medium, lands, shared = medium_of(output_dir)
     ckpt = disk_need.checkpoint(setup, nodes, accel, settings)
     need: dict[Path, list[tuple[str, float]]] = {}
-    local = model.startswith(("/", "./", "../", "~")) or Path(model).exists()
-    if not local:
+    if not model_config.is_path(model):
         cache = hub_cache(env)
         held = _held(cache / f"models--{model.replace('/', '--')}")
         remaining = max(0.0, setup.arch.params * disk_need.stored_bytes(found.config) - held)

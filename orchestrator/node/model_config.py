@@ -65,6 +65,11 @@ def loads_as(model_id: str, revision: object = None) -> str | None:
     return models.quantized(model_id, found.config, found.where)
 
 
+def is_path(model_id: str) -> bool:
+    """The model is a path (a local directory, one on the nodes), not a Hub id: nothing to download."""
+    return model_id.startswith(("/", "./", "../", "~")) or Path(model_id).exists()
+
+
 def read(model_id: str, revision: object = None) -> Found:
     """model_id's config.json: a local directory's (or a config.json path), or the Hub's at revision (TRL's
     model_revision, as the settings hold it); none for a model orch knows by name. Read once per process."""
