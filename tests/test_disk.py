@@ -82,6 +82,41 @@ def test_a_node_where_transformers_does_not_save_rotates_its_own_checkpoints(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-4"]  # the best one is kept
 
 
+@pytest.mark.unit
+def test_a_bucket_mount_is_measured_where_its_checkpoints_really_land(tmp_path, monkeypatch):
+    """SkyPilot's bucket mounts report the object store's space (rclone: 1 PiB), which a save never runs out of: a
+    MOUNT_CACHED checkpoint passes through rclone's cache on this node's disk, whose space (with what the cache holds,
+    which it evicts once uploaded) is the next save's, one checkpoint at a time; a bucket another FUSE client streams
+    is not this node's disk at all."""
+    ckpt = tmp_path / "bucket" / "run" / "checkpoint-4"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(b"x" * 5000)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cache = tmp_path / "home" / ".cache" / "rclone"
+    cache.mkdir(parents=True)
+    (cache / "held").write_bytes(b"y" * 8192)
+    info = tmp_path / "mountinfo"
+    root = "20 1 0:1 / / rw - ext4 /dev/root rw\n"
+    info.write_text(root + f"21 20 0:2 / {tmp_path / 'bucket'} rw - fuse.rclone bucket: rw\n")
+    cached = disk.measure(ckpt, 3, info)
+    assert (cached.kept, cached.limit) == (1, 1) and cached.size >= 5000
+    assert cached.where == f"rclone's cache at {cache} for the bucket at {tmp_path / 'bucket'}"
+    free = __import__("shutil").disk_usage(cache).free
+    assert free + 8192 <= cached.free <= free + 2 * 8192  # its free space and what the cache holds
+    assert cached.fills_at([8, 12]) is None and disk.Disk(cached.free + 1, cached.free, 1, 1).fills_at([8]) == 8
+    line = disk.measured(0, ckpt, cached, [8])
+    assert "checkpoint-4 takes " in line and f"(rclone's cache at {cache} for the bucket at " in line, line
+    info.write_text(root + f"21 20 0:2 / {tmp_path / 'bucket'} rw - fuse.gcsfuse bucket rw\n")
+    streamed = disk.measure(ckpt, 3, info)
+    assert streamed.fills_at(list(range(10**4))) is None
+    assert disk.measured(0, ckpt, streamed, [8]).endswith(
+        f"(the bucket fuse.gcsfuse streams at {tmp_path / 'bucket'}: not this node's disk); the 1 save(s) to come to "
+        "step 8 fit")  # fmt: skip
+    info.write_text(root)
+    assert disk.measure(ckpt, 3, info).where == "" and "on this node's disk (" in disk.measured(0, ckpt, disk.measure(
+        ckpt, 3, info), [])  # fmt: skip
+
+
 needs_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
                                 reason="mounting a small tmpfs needs root (CI runs as root)")  # fmt: skip
 

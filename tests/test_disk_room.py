@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.core import mounts
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.node import disk_room
@@ -34,12 +35,12 @@ def mountinfo(tmp_path: Path, *mounts: tuple[str, str]) -> Path:
 ])  # fmt: skip
 def test_where_checkpoints_land_is_read_from_the_file_system_under_the_output_dir(tmp_path, fstype, medium, shared):
     info = mountinfo(tmp_path, ("/checkpoints", fstype), ("/checkpoints/deeper/x", "ext4"))
-    got, lands, is_shared = disk_room.medium_of(Path("/checkpoints/run-1"), info)
+    got, lands, is_shared = mounts.medium_of(Path("/checkpoints/run-1"), info)
     assert (got, is_shared) == (medium, shared)
     assert lands == {"cache": Path(os.path.expanduser("~/.cache/rclone")), "remote": None}.get(
         medium, Path("/checkpoints/run-1"))  # fmt: skip
-    assert disk_room.mount_of(Path("/checkpoints/deeper/x/y"), info) == ("/checkpoints/deeper/x", "ext4")
-    assert disk_room.mount_of(Path("/elsewhere"), info) == ("/", "ext4")
+    assert mounts.mount_of(Path("/checkpoints/deeper/x/y"), info) == ("/checkpoints/deeper/x", "ext4")
+    assert mounts.mount_of(Path("/elsewhere"), info) == ("/", "ext4")
 
 
 @pytest.mark.unit

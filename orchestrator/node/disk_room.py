@@ -4,14 +4,10 @@
 (launch/preflight.check_disk). Plain `sky launch`, a Slurm or Kubernetes cluster (no disk_size to read) and an image
 that keeps more than the launch side can know get the same check here, against what this node's file systems report:
 the model's download (what the Hugging Face cache does not hold yet) where the cache lies, and node 0's checkpoints
-where they land, as the file system under the output_dir says:
-
-    fuse.rclone                 a bucket SkyPilot mounts through rclone, whose statfs says 1 PiB: the checkpoints
-                                pass through its cache on this node's disk (~/.cache/rclone), one at a time
-    another FUSE object store   (gcsfuse, goofys, mountpoint-s3, blobfuse...): streamed, nothing kept here
-    a network file system       (nfs, lustre...: a Slurm cluster's shared home): every node's share lands there,
-                                save_total_limit + 1 of them at once, and the final model
-    anything else               this node's own disk: its share, save_total_limit + 1 of them, and the final model
+where the file system under the output_dir puts them (core/mounts.py): a SkyPilot bucket mounted through rclone (its
+statfs says 1 PiB) passes them through rclone's cache on this node's disk, one at a time; another FUSE object store
+keeps nothing here; a network file system (a Slurm cluster's shared home) gets every node's share, save_total_limit +
+1 of them at once, and the final model; this node's own disk its share the same way.
 
 Measured back to back (the download is running): the cache's bytes for the model so far, then the free space.
 """
@@ -23,50 +19,11 @@ import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from orchestrator.core import disk_need, fit
+from orchestrator.core import disk_need, fit, mounts
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.final_model import size_words
 from orchestrator.core.knobs import knob
-
-NETWORK = ("nfs", "nfs4", "lustre", "cifs", "smb3", "beegfs", "gpfs", "ceph", "glusterfs", "fuse.glusterfs",
-           "fuse.sshfs", "9p", "virtiofs", "fuse.juicefs", "wekafs")  # fmt: skip
-RCLONE_CACHE = "~/.cache/rclone"  # SkyPilot's RCLONE_CACHE_DIR (sky/skylet/constants.py)
-
-
-def mount_of(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> tuple[str, str]:
-    """(mount point, file system type) of the mount that holds or will hold `path` (the links of its existing part
-    resolved), by the kernel's mountinfo; ("", "") where it cannot be read."""
-    existing = path.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    target = os.path.join(os.path.realpath(existing), os.path.relpath(path.absolute(), existing))  # links resolved
-    target = os.path.normpath(target)
-    best = ("", "")
-    try:
-        lines = mountinfo.read_text().splitlines()
-    except OSError:
-        return best
-    for line in lines:
-        fields = line.split()
-        if " - " not in line or len(fields) < 5:
-            continue
-        point = fields[4].replace("\\040", " ")
-        fstype = line.split(" - ", 1)[1].split()[0]
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best[0]):
-            best = (point, fstype)
-    return best
-
-
-def medium_of(output_dir: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> tuple[str, Path | None, bool]:
-    """(core/disk_need's medium, the folder whose file system holds what lands, shared by the nodes)."""
-    point, fstype = mount_of(output_dir, mountinfo)
-    if fstype == "fuse.rclone":
-        return "cache", Path(os.path.expanduser(RCLONE_CACHE)), False
-    if fstype.startswith("fuse.") and fstype not in NETWORK:
-        return "remote", None, False
-    return "disk", output_dir, fstype in NETWORK
 
 
 def hub_cache(env: Mapping[str, str]) -> Path:
@@ -109,7 +66,7 @@ def check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object], 
     if setup is None:
         return "disk: not checked (the model's shape is not known here)"
     output_dir = Path(output_dir_in(argv) or str(settings.get("output_dir") or "outputs"))
-    medium, lands, shared = medium_of(output_dir)
+    medium, lands, shared = mounts.medium_of(output_dir)
     ckpt = disk_need.checkpoint(setup, nodes, accel, settings)
     need: dict[Path, list[tuple[str, float]]] = {}
     if not model_config.is_path(model):
@@ -144,7 +101,7 @@ def _judge(need: dict[Path, list[tuple[str, float]]]) -> str:
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
         device = existing.stat().st_dev
-        by_device.setdefault(device, (Path(mount_of(existing)[0] or existing), []))[1].extend(parts)
+        by_device.setdefault(device, (Path(mounts.mount_of(existing)[0] or existing), []))[1].extend(parts)
     said = []
     for where, parts in by_device.values():
         total = sum(n for _, n in parts)

@@ -22,6 +22,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.core import mounts
+
 SLACK = 1.01  # a later checkpoint is a little larger (trainer_state.json's log history), and logs grow meanwhile
 
 
@@ -46,6 +48,9 @@ class Disk:
     free: int
     kept: int
     limit: int | None
+    where: str = ""
+    """What holds the checkpoints, where it is not the disk under them: rclone's cache for a bucket mount (measured
+    there), or a bucket streamed through FUSE (not measured: free is unbounded)."""
 
     def fills_at(self, saves: list[int]) -> int | None:
         """The first of `saves` that will not fit, rotation included (None: they all fit)."""
@@ -61,9 +66,38 @@ class Disk:
         return None
 
 
-def measure(ckpt: Path, limit: int | None) -> Disk:
+def measure(ckpt: Path, limit: int | None, mountinfo: Path = mounts.MOUNTINFO) -> Disk:
+    """The disk that holds what a save writes, as the file system under the checkpoint says (core/mounts.py): a bucket
+    SkyPilot mounts through rclone reports 1 PiB, while each checkpoint passes through rclone's cache on this node's
+    disk and leaves it once uploaded, so that disk's space (and what the cache holds, which it can evict) is what the
+    next save needs, one checkpoint at a time; another FUSE object store streams it (nothing measured)."""
+    size, (point, fstype) = used_bytes(ckpt), mounts.mount_of(ckpt, mountinfo)
+    medium, lands, _shared = mounts.medium_of(ckpt, mountinfo)
+    if medium == "remote":
+        return Disk(size, 1 << 62, 1, 1, f"the bucket {fstype} streams at {point}: not this node's disk")
+    if medium == "cache" and lands is not None:
+        held = used_bytes(lands) if lands.is_dir() else 0
+        return Disk(size, shutil.disk_usage(_existing(lands)).free + held, 1, 1,
+                    f"rclone's cache at {lands} for the bucket at {point}")  # fmt: skip
     kept = sum(1 for p in ckpt.parent.glob("checkpoint-*") if p.is_dir())
-    return Disk(used_bytes(ckpt), shutil.disk_usage(ckpt).free, kept, limit if limit and limit > 0 else None)
+    return Disk(size, shutil.disk_usage(ckpt).free, kept, limit if limit and limit > 0 else None)
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _on(disk: Disk) -> str:
+    return "" if disk.where else " on this node's disk"
+
+
+def place(ckpt: Path, disk: Disk) -> str:
+    """Where the figures were read, in words, with the space left there."""
+    if disk.free >= 1 << 62:
+        return disk.where
+    return f"{disk.where or ckpt.parent}: {gib(disk.free)} free"
 
 
 def gib(n: float) -> str:
@@ -82,8 +116,8 @@ def _fix(disk: Disk) -> str:
 
 def warning(node: int, ckpt: Path, disk: Disk, saves: list[int], fills: int) -> str:
     kept = f"save_total_limit={disk.limit} keeps {disk.limit}" if disk.limit else "no save_total_limit keeps them all"
-    return (f"[orch] warning: node {node}: {ckpt.name} takes {gib(disk.size)} on this node's disk ({ckpt.parent}: "
-            f"{gib(disk.free)} free), {len(saves)} save(s) to come to step {saves[-1]} and {kept}: the save at step "
+    return (f"[orch] warning: node {node}: {ckpt.name} takes {gib(disk.size)}{_on(disk)} "
+            f"({place(ckpt, disk)}), {len(saves)} save(s) to come to step {saves[-1]} and {kept}: the save at step "
             f"{fills} will not fit; {_fix(disk)}; orch stops after the last save that fits, which a rerun resumes "
             "from")  # fmt: skip
 
@@ -91,8 +125,7 @@ def warning(node: int, ckpt: Path, disk: Disk, saves: list[int], fills: int) -> 
 def measured(node: int, ckpt: Path, disk: Disk, saves: list[int]) -> str:
     """The first save's line: what a checkpoint takes on this node's disk, and that the rest fit."""
     rest = f"; the {len(saves)} save(s) to come to step {saves[-1]} fit" if saves else ""
-    return (f"[orch] node {node}: {ckpt.name} takes {gib(disk.size)} on this node's disk ({ckpt.parent}: "
-            f"{gib(disk.free)} free){rest}")
+    return f"[orch] node {node}: {ckpt.name} takes {gib(disk.size)}{_on(disk)} ({place(ckpt, disk)}){rest}"
 
 
 def stop_words(node: int, step: int, disk: Disk, saved: str) -> str:
