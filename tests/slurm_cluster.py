@@ -18,7 +18,9 @@ from pathlib import Path
 
 from orchestrator.launch.backends.netns import Network
 
-PACKAGES = ("slurm-wlm", "munge", "openssh-server", "rsync")  # the last two: tests/sky_bed.py's login node
+# openssh-server and rsync: tests/sky_bed.py's login node; rclone and fuse3: the bucket mount SkyPilot makes with
+# MOUNT_CACHED, for real (tests/test_disk.py)
+PACKAGES = ("slurm-wlm", "munge", "openssh-server", "rsync", "rclone", "fuse3")
 
 
 INSTALLING: list[subprocess.Popen] = []  # apt-get, started in the background when the session collects Slurm tests
@@ -32,7 +34,7 @@ def start_install() -> None:
         return
     script = (
         "command -v slurmctld >/dev/null && command -v munged >/dev/null && [ -x /usr/sbin/sshd ] && "
-        "command -v rsync >/dev/null || "
+        "command -v rsync >/dev/null && command -v rclone >/dev/null && command -v fusermount3 >/dev/null || "
         f"{{ apt-get update -qq && apt-get install -y -qq --no-install-recommends {' '.join(PACKAGES)}; }}"
     )
     INSTALLING.append(subprocess.Popen(["flock", "/var/lock/orch-test-slurm-install", "bash", "-c", script],
@@ -42,7 +44,7 @@ def start_install() -> None:
 
 def _installed() -> bool:
     return bool(shutil.which("slurmctld") and shutil.which("munged") and Path("/usr/sbin/sshd").exists()
-                and shutil.which("rsync"))  # fmt: skip
+                and shutil.which("rsync") and shutil.which("rclone") and shutil.which("fusermount3"))  # fmt: skip
 
 
 def missing() -> str:

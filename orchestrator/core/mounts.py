@@ -20,6 +20,10 @@ MOUNTINFO = Path("/proc/self/mountinfo")
 NETWORK = ("nfs", "nfs4", "lustre", "cifs", "smb3", "beegfs", "gpfs", "ceph", "glusterfs", "fuse.glusterfs",
            "fuse.sshfs", "9p", "virtiofs", "fuse.juicefs", "wekafs")  # fmt: skip
 RCLONE_CACHE = "~/.cache/rclone"  # SkyPilot's RCLONE_CACHE_DIR (sky/skylet/constants.py)
+# SkyPilot's --vfs-cache-max-size for MOUNT_CACHED (sky/data/storage.py MountCachedConfig): rclone evicts uploaded files
+# only beyond it, and a write the cache's disk cannot hold fails with the file half written, and uploaded so (measured
+# with rclone 1.60: a 3 MB file through a 2 MB cache reached the store as 1,040,384 bytes)
+RCLONE_CACHE_CAP = 10 * 1024**3
 
 
 def mount_of(path: Path, mountinfo: Path = MOUNTINFO) -> tuple[str, str]:

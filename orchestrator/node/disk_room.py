@@ -89,10 +89,15 @@ def check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object], 
             need.setdefault(lands, []).append((f"{many} {size_words(share * kept)}{whose}", share * kept))
             need[lands].append((f"the final model {size_words(disk_need.final_bytes(setup))}",
                                 disk_need.final_bytes(setup)))  # fmt: skip
-    return _judge(need)
+    fixes = ("give the nodes larger disks (resources.disk_size; `orch run --disk-size`): rclone's cache holds each "
+             "checkpoint whole there before the upload" if medium == "cache" else
+             "give the nodes larger disks (resources.disk_size; `orch run --disk-size`), keep fewer checkpoints "
+             "(save_total_limit=1) or put them on a bucket (CHECKPOINT_ROOT on a MOUNT_CACHED mount, as the recipes "
+             "do)")  # fmt: skip
+    return _judge(need, fixes)
 
 
-def _judge(need: dict[Path, list[tuple[str, float]]]) -> str:
+def _judge(need: dict[Path, list[tuple[str, float]]], fixes: str) -> str:
     """Each file system's parts against its free space: the line, or an OrchError for the first that cannot hold
     them. Folders on one file system are summed."""
     by_device: dict[int, tuple[Path, list[tuple[str, float]]]] = {}
@@ -110,9 +115,7 @@ def _judge(need: dict[Path, list[tuple[str, float]]]) -> str:
         if total > free:
             raise OrchError(
                 f"this node's disk at {where} has {size_words(free)} free and this run needs ~{size_words(total)} "
-                f"there ({words}): give the nodes larger disks (resources.disk_size; `orch run --disk-size`), keep "
-                "fewer checkpoints (save_total_limit=1) or put them on a bucket (CHECKPOINT_ROOT on a MOUNT_CACHED "
-                "mount, as the recipes do); ORCH_DISK_CHECK=off launches it anyway"
+                f"there ({words}): {fixes}; ORCH_DISK_CHECK=off launches it anyway"
             )
         said.append(f"~{size_words(total)} of {size_words(free)} free at {where} ({words})")
     return "disk: " + ("; ".join(said) if said else "nothing of this run lands on this node's disks")

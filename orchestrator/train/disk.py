@@ -69,15 +69,15 @@ class Disk:
 def measure(ckpt: Path, limit: int | None, mountinfo: Path = mounts.MOUNTINFO) -> Disk:
     """The disk that holds what a save writes, as the file system under the checkpoint says (core/mounts.py): a bucket
     SkyPilot mounts through rclone reports 1 PiB, while each checkpoint passes through rclone's cache on this node's
-    disk and leaves it once uploaded, so that disk's space (and what the cache holds, which it can evict) is what the
-    next save needs, one checkpoint at a time; another FUSE object store streams it (nothing measured)."""
+    disk, so that disk's space is what the next save needs (with what the cache holds beyond its cap, which it evicts
+    once uploaded), one checkpoint at a time; another FUSE object store streams it (nothing measured)."""
     size, (point, fstype) = used_bytes(ckpt), mounts.mount_of(ckpt, mountinfo)
     medium, lands, _shared = mounts.medium_of(ckpt, mountinfo)
     if medium == "remote":
         return Disk(size, 1 << 62, 1, 1, f"the bucket {fstype} streams at {point}: not this node's disk")
-    if medium == "cache" and lands is not None:
-        held = used_bytes(lands) if lands.is_dir() else 0
-        return Disk(size, shutil.disk_usage(_existing(lands)).free + held, 1, 1,
+    if medium == "cache" and lands is not None:  # it evicts uploaded files only beyond its cap
+        evictable = max(0, (used_bytes(lands) if lands.is_dir() else 0) - mounts.RCLONE_CACHE_CAP)
+        return Disk(size, shutil.disk_usage(_existing(lands)).free + evictable, 1, 1,
                     f"rclone's cache at {lands} for the bucket at {point}")  # fmt: skip
     kept = sum(1 for p in ckpt.parent.glob("checkpoint-*") if p.is_dir())
     return Disk(size, shutil.disk_usage(ckpt).free, kept, limit if limit and limit > 0 else None)
