@@ -91,7 +91,7 @@ def _total_gpus(text: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from orchestrator.commands import print_table
-    from orchestrator.core import accelerators, cuda_arch, load_memory, memory, models, precision
+    from orchestrator.core import accelerators, cuda_arch, disk_need, load_memory, memory, models, precision
     from orchestrator.core import fit as fit_rules
     from orchestrator.core.errors import OrchError
     from orchestrator.launch import preflight
@@ -193,6 +193,7 @@ def main(args: argparse.Namespace) -> int:
     prices = backends.node_prices(per_node)
     no_bf16: list[str] = []
     no_kernels: list[str] = []
+    planned: list[tuple[int, memory.Setup]] = []
     rows = [("ACCELERATOR", "NODES", "STRATEGY", "GIB/GPU", "OF", "$/H", "INSTANCE", "FEWER NODES WITH CPU OFFLOAD")]
     for name, capacity in sorted(accelerators.KNOWN_GIB.items(), key=lambda kv: (-kv[1], kv[0])):
         if not cuda_arch.runs_lock(name):  # a launch there is refused (cuda_arch.py): the nodes' torch cannot run
@@ -221,11 +222,17 @@ def main(args: argparse.Namespace) -> int:
                 f"none up to {args.max_nodes} nodes"  # fmt: skip
             rows.append((name, "-", why, "", str(capacity), "", "", offload))
             continue
+        planned.append((fit.nodes, fit.estimate.setup))
         dollars = f"{price[0] * fit.nodes:.2f}" if price else "-"
         instance = price[1] if price else ""
         rows.append((name, f"{fit.nodes} x {per_node}", preflight.label(fit.estimate.setup),
                      f"{need(fit.estimate):.1f}", str(capacity), dollars, instance, offload))  # fmt: skip
     print_table(rows)
+    if planned:  # checkpoints on a bucket, as the recipes keep them: each node's download and checkpoint share
+        sizes = disk_need.per_node_words(sorted(planned, key=lambda p: p[0]), disk_need.stored_bytes(found.config))
+        print(f"disk per node (the model's download, and a checkpoint's share or the final model in a bucket's cache): "
+              f"{sizes}; SkyPilot gives {disk_need.DEFAULT_DISK_GB} GB unless resources.disk_size says "
+              "(`orch run --disk-size`)")
     if no_kernels:
         table = cuda_arch.table()
         others = sorted({c for g in no_kernels for c in cuda_arch.builds_running(accelerators.CUDA_CAPABILITY[g],

@@ -202,6 +202,24 @@ def need(setup: memory.Setup, nodes: int, accel: AccelerateConfig, settings: Map
     return Need(node, download, held, kept if held else 0, last, disk_gb, where, ckpt)
 
 
+def per_node_words(setups: list[tuple[int, memory.Setup]], stored: int) -> str:
+    """`orch plan`'s disk line: what each planned shape's nodes hold at most, with the checkpoints on a bucket mounted
+    MOUNT_CACHED as the recipes mount one (the model's download and one checkpoint's share in rclone's cache), under
+    the Accelerate settings the recipes give each strategy (FSDP2's sharded state dict, TRL's ZeRO-3 16-bit save)."""
+    shown: dict[str, str] = {}
+    for nodes, setup in setups:
+        stage = setup.strategy[4:] if setup.strategy.startswith("zero") else ""
+        accel = AccelerateConfig.of(
+            {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}} if setup.strategy == "fsdp" else
+            {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": int(stage),
+                                                                   "zero3_save_16bit_model": True}} if stage else
+            {"distributed_type": "MULTI_GPU"})  # fmt: skip
+        per_gpu = setup.gpus // nodes
+        got = need(setup, nodes, accel, {}, medium="cache", where="", disk_gb=DEFAULT_DISK_GB, download_bytes=stored)
+        shown.setdefault(f"{nodes} x {per_gpu}", f"~{size_words(got.total)}")
+    return ", ".join(f"{shape} {words}" for shape, words in shown.items())
+
+
 def disk_gb(resources: Mapping[str, object]) -> float:
     """resources.disk_size in GB (SkyPilot's default where unset); a ValueError for one that is not a number > 0."""
     raw = resources.get("disk_size")
