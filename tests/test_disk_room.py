@@ -82,5 +82,10 @@ def test_a_disk_too_small_for_the_download_and_checkpoints_stops_the_setup(tmp_p
         with open(blobs / "abc.incomplete", "wb") as fh:
             fh.truncate(500_000_000)
         assert "the model's download 488.0 MB still to come" in disk_room.check(env, "sft", QWEN, DDP, argv, 1, 4)
+        (disk / "run" / "checkpoint-4").mkdir(parents=True)  # a relaunch: what its output_dir holds is counted once
+        with open(disk / "run" / "checkpoint-4" / "optimizer.pt", "wb") as fh:
+            fh.truncate(2_000_000_000)
+        again = disk_room.check(env, "sft", QWEN, DDP, argv, 1, 4)
+        assert again.startswith("disk: ~8.4 GB of ") and "; less 2.0 GB the output_dir holds already)" in again, again
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)

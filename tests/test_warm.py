@@ -75,13 +75,13 @@ def test_a_head_node_without_a_rehearsal_warms_after_it_and_its_setup_times_say_
     """ORCH_REHEARSAL=off (or a cached rehearsal) imports nothing on the head: it warms too, after, and rank 0's
     time-to-first-step line shows the warm-up apart from the rehearsal (core/timeline.py)."""
     env = {**worker_env(new_node_prefix(tmp_path / "pycache")), "SKYPILOT_SETUP_NODE_RANK": "0",
-           "ORCH_REHEARSAL": "off", "ORCH_MEMORY_CHECK": "off"}  # fmt: skip
+           "ORCH_REHEARSAL": "off", "ORCH_MEMORY_CHECK": "off", "ORCH_DISK_CHECK": "off"}  # fmt: skip
     times = tmp_path / "setup.times"
     done = rehearse(env, "--warm", "--times", str(times))
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
-    assert lines[1:3] == ["[orch] rehearsal: skipped (ORCH_REHEARSAL=off)", lines[2]], done.stdout
-    assert lines[2].startswith("[orch] warmed the dpo training stack's bytecode ("), done.stdout
+    lines = done.stdout.splitlines()  # after the memory and disk lines
+    assert lines[2:4] == ["[orch] rehearsal: skipped (ORCH_REHEARSAL=off)", lines[3]], done.stdout
+    assert lines[3].startswith("[orch] warmed the dpo training stack's bytecode ("), done.stdout
     recorded = dict(line.split("=") for line in times.read_text().splitlines())
     assert list(recorded) == ["rehearsed", "warmed"] and float(recorded["warmed"]) > float(recorded["rehearsed"])
 

@@ -89,6 +89,8 @@ def check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object], 
             need.setdefault(lands, []).append((f"{many} {size_words(share * kept)}{whose}", share * kept))
             need[lands].append((f"the final model {size_words(disk_need.final_bytes(setup))}",
                                 disk_need.final_bytes(setup)))  # fmt: skip
+            if there := _held(output_dir):  # a relaunch: its checkpoints are among those, and already on the disk
+                need[lands].append((f"less {size_words(there)} the output_dir holds already", -float(there)))
     fixes = ("give the nodes larger disks (resources.disk_size; `orch run --disk-size`): rclone's cache holds each "
              "checkpoint whole there before the upload" if medium == "cache" else
              "give the nodes larger disks (resources.disk_size; `orch run --disk-size`), keep fewer checkpoints "
