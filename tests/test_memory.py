@@ -80,6 +80,11 @@ def test_a_70b_full_fine_tune_needs_more_than_one_h100_node_without_offload(plan
     nodes = int(row[1])
     assert 1 < nodes <= 4 and row[4] == "FSDP2", row  # the fewest nodes that fit, and the 4-node recipe's count
     assert re.search(r"1 x 8: ~\d+ GiB/GPU, ~9\d\d GiB host RAM/node", " ".join(row)), row  # offload: 1 node
+    # each shape's disk (core/disk_need.py): the 141 GB download on every node, and node 0's share of an 847 GB
+    # checkpoint (12 bytes a parameter, FSDP2) or the 141 GB final model, in the bucket's cache: past SkyPilot's 256 GB
+    (disk,) = [x for x in result.stdout.splitlines() if x.startswith("disk per node")]
+    assert ": 1 x 8 ~987.8 GB, 2 x 8 ~564.4 GB, 3 x 8 ~423.3 GB, 7 x 8 ~282.2 GB" in disk, disk
+    assert disk.endswith("SkyPilot gives 256 GB unless resources.disk_size says (`orch run --disk-size`)")
     alone = memory.estimate(memory.Setup(models.KNOWN_ARCHS["meta-llama/llama-3.1-70b-instruct"], seq_len=4096,
                                          micro_batch=1, gpus=8))  # fmt: skip
     assert alone.gib > 80 and alone.parts["weights"] + alone.parts["optimizer"] > 80  # states alone overflow
