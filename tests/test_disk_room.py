@@ -35,7 +35,8 @@ def mountinfo(tmp_path: Path, *mounts: tuple[str, str]) -> Path:
 ])  # fmt: skip
 def test_where_checkpoints_land_is_read_from_the_file_system_under_the_output_dir(tmp_path, fstype, medium, shared):
     info = mountinfo(tmp_path, ("/checkpoints", fstype), ("/checkpoints/deeper/x", "ext4"))
-    got, lands, is_shared = mounts.medium_of(Path("/checkpoints/run-1"), info)
+    got, lands, is_shared, point, _ = mounts.medium_of(Path("/checkpoints/run-1"), info)
+    assert point == "/checkpoints"
     assert (got, is_shared) == (medium, shared)
     assert lands == {"cache": Path(os.path.expanduser("~/.cache/rclone")), "remote": None}.get(
         medium, Path("/checkpoints/run-1"))  # fmt: skip

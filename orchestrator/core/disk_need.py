@@ -180,10 +180,11 @@ def final_bytes(setup: memory.Setup) -> float:
 
 
 def need(setup: memory.Setup, nodes: int, accel: AccelerateConfig, settings: Mapping[str, object], *, medium: str,
-         where: str, disk_gb: float, download_bytes: int | None) -> Need:  # fmt: skip
+         where: str, disk_gb: float, download_bytes: int | None, shared: bool = False) -> Need:  # fmt: skip
     """The fullest node's disk at its fullest. `medium`: "disk" (the checkpoint root on the node's own disk), "cache"
     (a bucket mounted MOUNT_CACHED) or "remote" (nothing on the node's disk); `download_bytes`: bytes a weight takes
-    in the model's files, None where the nodes read the model from a path of their own."""
+    in the model's files, None where the nodes read the model from a path of their own; `shared`: the checkpoint root
+    is a file system every node writes to (a Slurm cluster's home), which holds every node's share."""
     ckpt = checkpoint(setup, nodes, accel, settings)
     download = 0.0 if download_bytes is None else setup.arch.params * download_bytes
     final = final_bytes(setup)
@@ -191,11 +192,11 @@ def need(setup: memory.Setup, nodes: int, accel: AccelerateConfig, settings: Map
     kept = int(limit) + 1 if medium == "disk" and limit.isdigit() and int(limit) > 0 else 1
     rows = []  # (node, checkpoints, final) on each node's disk
     for node in range(nodes):
-        mine = final if node == 0 else 0.0
+        mine, share = (final if node == 0 else 0.0), (ckpt.total if shared else ckpt.on(node))
         if medium == "disk":
-            rows.append((node, ckpt.on(node) * kept, mine))
+            rows.append((node, share * kept, mine))
         elif medium == "cache":
-            rows.append((node, max(ckpt.on(node), mine), 0.0))
+            rows.append((node, max(share, mine), 0.0))
         else:
             rows.append((node, 0.0, 0.0))
     node, held, last = max(rows, key=lambda row: (row[1] + row[2], -row[0]))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 MOUNTINFO = Path("/proc/self/mountinfo")
 
@@ -26,13 +27,18 @@ RCLONE_CACHE = "~/.cache/rclone"  # SkyPilot's RCLONE_CACHE_DIR (sky/skylet/cons
 RCLONE_CACHE_CAP = 10 * 1024**3
 
 
+def existing(path: Path) -> Path:
+    """`path`, or its nearest folder that exists (what a path to be made will be made under)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def mount_of(path: Path, mountinfo: Path = MOUNTINFO) -> tuple[str, str]:
     """(mount point, file system type) of the mount that holds or will hold `path` (the links of its existing part
     resolved), by the kernel's mountinfo; ("", "") where it cannot be read."""
-    existing = path.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    target = os.path.join(os.path.realpath(existing), os.path.relpath(path.absolute(), existing))  # links resolved
+    there = existing(path.absolute())
+    target = os.path.join(os.path.realpath(there), os.path.relpath(path.absolute(), there))  # links resolved
     target = os.path.normpath(target)
     best = ("", "")
     try:
@@ -51,11 +57,23 @@ def mount_of(path: Path, mountinfo: Path = MOUNTINFO) -> tuple[str, str]:
     return best
 
 
-def medium_of(output_dir: Path, mountinfo: Path = MOUNTINFO) -> tuple[str, Path | None, bool]:
-    """(core/disk_need's medium, the folder whose file system holds what lands, shared by the nodes)."""
+class Medium(NamedTuple):
+    kind: str
+    """core/disk_need's medium: "cache", "remote" or "disk"."""
+    lands: Path | None
+    """The folder whose file system holds what is written (None: not this node's)."""
+    shared: bool
+    """A network file system: every node writes there."""
+    point: str
+    fstype: str
+    """The mount under the path (mount_of)."""
+
+
+def medium_of(output_dir: Path, mountinfo: Path = MOUNTINFO) -> Medium:
+    """What writing under `output_dir` puts on this node's disks, by the mount under it."""
     point, fstype = mount_of(output_dir, mountinfo)
     if fstype == "fuse.rclone":
-        return "cache", Path(os.path.expanduser(RCLONE_CACHE)), False
+        return Medium("cache", Path(os.path.expanduser(RCLONE_CACHE)), False, point, fstype)
     if fstype.startswith("fuse.") and fstype not in NETWORK:
-        return "remote", None, False
-    return "disk", output_dir, fstype in NETWORK
+        return Medium("remote", None, False, point, fstype)
+    return Medium("disk", output_dir, fstype in NETWORK, point, fstype)

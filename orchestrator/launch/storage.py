@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from orchestrator.core import mounts
 from orchestrator.core.errors import OrchError
 
 WRITABLE_MODES = ("MOUNT", "MOUNT_CACHED")
@@ -151,9 +152,7 @@ def check_writable(path: Path, what: str) -> None:
     for part in path.parts:
         if len(part.encode()) > 255:
             raise OrchError(f"{what} {str(path)[:80]}...: a name of {len(part)} characters is too long (255 at most)")
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = mounts.existing(path)
     if not existing.is_dir():
         raise OrchError(f"{what} {path}: {existing} is a file, not a directory; choose another {what}")
     try:

@@ -66,33 +66,29 @@ def check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object], 
     if setup is None:
         return "disk: not checked (the model's shape is not known here)"
     output_dir = Path(output_dir_in(argv) or str(settings.get("output_dir") or "outputs"))
-    medium, lands, shared = mounts.medium_of(output_dir)
-    ckpt = disk_need.checkpoint(setup, nodes, accel, settings)
+    medium = mounts.medium_of(output_dir)
     need: dict[Path, list[tuple[str, float]]] = {}
     if not model_config.is_path(model):
         cache = hub_cache(env)
         held = _held(cache / f"models--{model.replace('/', '--')}")
         remaining = max(0.0, setup.arch.params * disk_need.stored_bytes(found.config) - held)
         need.setdefault(cache, []).append((f"the model's download {size_words(remaining)} still to come", remaining))
-    if lands is not None:
-        share = ckpt.total if shared else ckpt.on(0)
-        whose = (" (every node's share: a shared file system)" if shared and nodes > 1 else
-                 " (node 0's share)" if nodes > 1 and ckpt.layout.startswith("every rank") else "")  # fmt: skip
-        if medium == "cache":
-            held_now = max(share, disk_need.final_bytes(setup))
-            need.setdefault(lands, []).append((f"a checkpoint {size_words(held_now)}{whose} in rclone's cache",
-                                               held_now))  # fmt: skip
+    if medium.lands is not None:  # node 0's checkpoints (every node's on a shared file system) and the final model
+        got = disk_need.need(setup, nodes, accel, settings, medium=medium.kind, where="", shared=medium.shared,
+                             disk_gb=disk_need.DEFAULT_DISK_GB, download_bytes=None)  # fmt: skip
+        whose = (" (every node's share: a shared file system)" if medium.shared and nodes > 1 else
+                 " (node 0's share)" if nodes > 1 and got.ckpt.layout.startswith("every rank") else "")  # fmt: skip
+        parts = need.setdefault(medium.lands, [])
+        if medium.kind == "cache":  # the larger of the two passes through rclone's cache at once
+            parts.append((f"a checkpoint {size_words(got.checkpoints)}{whose} in rclone's cache", got.checkpoints))
         else:
-            limit = str(settings.get("save_total_limit") or "")
-            kept = int(limit) + 1 if limit.isdigit() and int(limit) > 0 else 1
-            many = f"{kept} checkpoints" if kept > 1 else "a checkpoint"
-            need.setdefault(lands, []).append((f"{many} {size_words(share * kept)}{whose}", share * kept))
-            need[lands].append((f"the final model {size_words(disk_need.final_bytes(setup))}",
-                                disk_need.final_bytes(setup)))  # fmt: skip
+            many = f"{got.kept} checkpoints" if got.kept > 1 else "a checkpoint"
+            parts += [(f"{many} {size_words(got.checkpoints)}{whose}", got.checkpoints),
+                      (f"the final model {size_words(got.final)}", got.final)]  # fmt: skip
             if there := _held(output_dir):  # a relaunch: its checkpoints are among those, and already on the disk
-                need[lands].append((f"less {size_words(there)} the output_dir holds already", -float(there)))
+                parts.append((f"less {size_words(there)} the output_dir holds already", -float(there)))
     fixes = ("give the nodes larger disks (resources.disk_size; `orch run --disk-size`): rclone's cache holds each "
-             "checkpoint whole there before the upload" if medium == "cache" else
+             "checkpoint whole there before the upload" if medium.kind == "cache" else
              "give the nodes larger disks (resources.disk_size; `orch run --disk-size`), keep fewer checkpoints "
              "(save_total_limit=1) or put them on a bucket (CHECKPOINT_ROOT on a MOUNT_CACHED mount, as the recipes "
              "do)")  # fmt: skip
@@ -104,9 +100,7 @@ def _judge(need: dict[Path, list[tuple[str, float]]], fixes: str) -> str:
     them. Folders on one file system are summed."""
     by_device: dict[int, tuple[Path, list[tuple[str, float]]]] = {}
     for folder, parts in need.items():
-        existing = folder.absolute()
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
+        existing = mounts.existing(folder.absolute())
         device = existing.stat().st_dev
         by_device.setdefault(device, (Path(mounts.mount_of(existing)[0] or existing), []))[1].extend(parts)
     said = []

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from orchestrator.core import mounts
 
+UNMEASURED = 1 << 62  # the free space of a bucket streamed through FUSE: not this node's disk, never full here
 SLACK = 1.01  # a later checkpoint is a little larger (trainer_state.json's log history), and logs grow meanwhile
 
 
@@ -71,22 +72,17 @@ def measure(ckpt: Path, limit: int | None, mountinfo: Path = mounts.MOUNTINFO) -
     SkyPilot mounts through rclone reports 1 PiB, while each checkpoint passes through rclone's cache on this node's
     disk, so that disk's space is what the next save needs (with what the cache holds beyond its cap, which it evicts
     once uploaded), one checkpoint at a time; another FUSE object store streams it (nothing measured)."""
-    size, (point, fstype) = used_bytes(ckpt), mounts.mount_of(ckpt, mountinfo)
-    medium, lands, _shared = mounts.medium_of(ckpt, mountinfo)
-    if medium == "remote":
-        return Disk(size, 1 << 62, 1, 1, f"the bucket {fstype} streams at {point}: not this node's disk")
-    if medium == "cache" and lands is not None:  # it evicts uploaded files only beyond its cap
+    size, medium = used_bytes(ckpt), mounts.medium_of(ckpt, mountinfo)
+    if medium.kind == "remote":
+        where = f"the bucket {medium.fstype} streams at {medium.point}: not this node's disk"
+        return Disk(size, UNMEASURED, 1, 1, where)
+    if medium.kind == "cache" and medium.lands is not None:  # it evicts uploaded files only beyond its cap
+        lands = medium.lands
         evictable = max(0, (used_bytes(lands) if lands.is_dir() else 0) - mounts.RCLONE_CACHE_CAP)
-        return Disk(size, shutil.disk_usage(_existing(lands)).free + evictable, 1, 1,
-                    f"rclone's cache at {lands} for the bucket at {point}")  # fmt: skip
+        return Disk(size, shutil.disk_usage(mounts.existing(lands)).free + evictable, 1, 1,
+                    f"rclone's cache at {lands} for the bucket at {medium.point}")  # fmt: skip
     kept = sum(1 for p in ckpt.parent.glob("checkpoint-*") if p.is_dir())
     return Disk(size, shutil.disk_usage(ckpt).free, kept, limit if limit and limit > 0 else None)
-
-
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def _on(disk: Disk) -> str:
@@ -95,7 +91,7 @@ def _on(disk: Disk) -> str:
 
 def place(ckpt: Path, disk: Disk) -> str:
     """Where the figures were read, in words, with the space left there."""
-    if disk.free >= 1 << 62:
+    if disk.free >= UNMEASURED:
         return disk.where
     return f"{disk.where or ckpt.parent}: {gib(disk.free)} free"
 
