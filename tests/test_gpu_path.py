@@ -200,7 +200,7 @@ def test_zero3_recipes_write_a_loadable_final_model(rehearsed):
     facts = ok(rehearse("llama3_sft_zero3", 2, 8)[1])
     assert facts["zero_stage"] == 3 and facts["final_model"].startswith("16-bit weights")
     accel = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3}}
-    message = r"ZeRO-3 without zero3_save_16bit_model .*deepspeed_config\.zero3_save_16bit_model: true"
+    message = r"ZeRO-3 without 16-bit gathering on save .*deepspeed_config\.zero3_save_16bit_model: true"
     with pytest.raises(OrchError, match=message):
         node.plan(env(1, 8), accel, {"per_device_train_batch_size": 1})
 

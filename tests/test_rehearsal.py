@@ -257,7 +257,7 @@ FINDINGS = dict(
             (
                 "llama3_sft_zero3",
                 lambda p, n: edit_accel(p / "recipes/accelerate" / f"{n}.yaml", zero3_save_16bit_model=False),
-                "ZeRO-3 without zero3_save_16bit_model",
+                "ZeRO-3 without 16-bit gathering on save",
             ),
             (
                 "llama3_sft_zero3",

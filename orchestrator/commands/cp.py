@@ -81,7 +81,27 @@ def users_of_configs(skip: Path | None = None) -> dict[Path, list[str]]:
         for key in ("TRL_CONFIG", "ACCELERATE_CONFIG"):
             if isinstance(envs, dict) and envs.get(key):
                 users.setdefault(Path(str(envs[key])).resolve(), []).append(path.stem)
+        if isinstance(envs, dict) and (json_file := _deepspeed_json(str(envs.get("ACCELERATE_CONFIG") or ""))):
+            users.setdefault(json_file.resolve(), []).append(path.stem)
     return users
+
+
+def _deepspeed_json(accel_value: str) -> Path | None:
+    """The DeepSpeed JSON file an Accelerate config file names (deepspeed_config.deepspeed_config_file), None for a
+    profile, a config without one or a JSON given inline."""
+    from orchestrator.core import files
+    from orchestrator.core.configs import PROFILES, deepspeed_json_path
+
+    if not accel_value or accel_value in PROFILES:
+        return None
+    try:
+        config = files.load_yaml(Path(accel_value), "Accelerate config")
+    except Exception:  # an unreadable config names nothing here (loading the recipe reports it)
+        return None
+    ds = config.get("deepspeed_config") if isinstance(config, dict) else None
+    name = ds.get("deepspeed_config_file") if isinstance(ds, dict) else None
+    path = deepspeed_json_path(str(name), Path(".")) if name else None
+    return path if path is not None and path.is_file() else None
 
 
 def _relative(path: Path) -> str:
@@ -141,14 +161,25 @@ def main(args: argparse.Namespace) -> int:
         )
     if task_dst.resolve() == source.path.resolve():
         raise OrchError(f"{args.dest} is the recipe itself; pick another name")
+    # a DeepSpeed JSON the Accelerate config names is copied beside it (recipes/accelerate/DEST.json) and the copy's
+    # config names the copy: an edit of the copy's ZeRO settings must not change the recipe it came from
+    json_src = _deepspeed_json(str(source.workdir / accel_file)) if accel_value not in PROFILES else None
+    json_dst = accel_dst.with_suffix(".json") if json_src else None
+    if json_src and json_dst:
+        accel_text, count = re.subn(r"^(\s*deepspeed_config_file\s*:\s*).*$", rf"\g<1>{_relative(json_dst)}",
+                                    accel_text, count=1, flags=re.M)  # fmt: skip
+        if not count:
+            raise OrchError(f"{accel_file}: its deepspeed_config_file is not on a line of its own, which `orch cp` "
+                            "rewrites to name the copy's JSON; write it as `deepspeed_config_file: PATH`")  # fmt: skip
     users = users_of_configs(skip=task_dst)
-    for path, what in ((trl_dst, "TRL config"), (accel_dst, "Accelerate config")):
+    for path, what in ((trl_dst, "TRL config"), (accel_dst, "Accelerate config"),
+                       *([(json_dst, "DeepSpeed JSON")] if json_dst else [])):  # fmt: skip
         if users.get(path.resolve()):
             raise OrchError(
                 f"{path} is the {what} of {', '.join(users[path.resolve()])}: a copy must not overwrite it, even "
                 "with --force; pick another name"
             )
-    wanted = [task_dst, trl_dst, accel_dst]
+    wanted = [task_dst, trl_dst, accel_dst, *([json_dst] if json_dst else [])]
     for path in wanted:  # on a case-insensitive file system (macOS) Phi3_DPO.yaml is phi3_dpo.yaml
         alike = [p for p in (path.parent.iterdir() if path.parent.is_dir() else [])
                  if p.name.lower() == path.name.lower() and p.name != path.name]  # fmt: skip
@@ -176,6 +207,8 @@ def main(args: argparse.Namespace) -> int:
         r"^output_dir:.*$", f"output_dir: outputs/{new}", source.paired("TRL_CONFIG").read_text(), count=1, flags=re.M
     )
     files = {task_dst: text, trl_dst: trl_text, accel_dst: accel_text}
+    if json_src and json_dst:
+        files[json_dst] = json_src.read_text()
     _write_all(files)
     copied = load(str(task_dst))  # the copy must load, name its own files, and be what we think
     check_paired_files(copied)
@@ -184,6 +217,8 @@ def main(args: argparse.Namespace) -> int:
     shared = {source.paired("TRL_CONFIG"): "TRL config"}
     if accel_value not in PROFILES:
         shared[source.workdir / accel_file] = "Accelerate config"
+    if json_src:
+        shared[json_src] = "DeepSpeed JSON"
     for path, what in shared.items():
         others = [r for r in users.get(path.resolve(), []) if r != source.name]
         if others:

@@ -9,7 +9,7 @@ the mapping as written, for the checks that hand it to accelerate's own names (c
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from orchestrator.core import parallel
@@ -33,7 +33,10 @@ class AccelerateConfig:
     """fsdp_transformer_layer_cls_to_wrap: the decoder layer class(es) FSDP wraps, as written."""
     zero_stage: int | None = None
     deepspeed_config_file: str = ""
-    """A DeepSpeed JSON the config points at instead of inline settings."""
+    """A DeepSpeed JSON the config points at instead of inline settings: its ZeRO settings are read into the fields
+    below where core/configs.py loads the config (with_deepspeed_json), as accelerate's DeepSpeed plugin reads them."""
+    deepspeed_json: Mapping[str, object] | None = None
+    """That JSON's settings, as accelerate reads them (None without one, or before with_deepspeed_json)."""
     zero3_save_16bit_model: bool = False
     zero3_init_flag: bool = True
     """deepspeed.zero.Init while the model is built (accelerate's default for ZeRO-3: on); read for stage 3 only."""
@@ -71,6 +74,45 @@ class AccelerateConfig:
     def of(cls, config: Mapping | AccelerateConfig, where: str = "the Accelerate config") -> AccelerateConfig:
         """The parsed config (a mapping is parsed; a parsed one is returned as it is)."""
         return config if isinstance(config, AccelerateConfig) else parse(config, where)
+
+
+DEEPSPEED_JSON = {
+    "zero_stage": "zero_optimization.stage",
+    "offload_optimizer_device": "zero_optimization.offload_optimizer.device",
+    "offload_param_device": "zero_optimization.offload_param.device",
+    "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+}
+"""The fields accelerate's DeepSpeedPlugin takes from a deepspeed_config_file (its plugin_to_config_mapping; the
+Accelerate config's own values of them are refused beside a file, "will be ignored"), and the JSON keys they are."""
+
+
+def json_value(config: Mapping, dotted: str) -> object:
+    """A dotted key's value in a DeepSpeed JSON, None where absent or "auto" (accelerate's get_value, then its
+    `config_value != "auto"`)."""
+    node: object = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return None if node == "auto" else node
+
+
+def with_deepspeed_json(config: AccelerateConfig, ds: Mapping, where: str) -> AccelerateConfig:
+    """The config with what its DeepSpeed JSON decides (a DEEPSPEED config naming one): the ZeRO stage, the offload
+    devices and ZeRO-3's 16-bit save, the plugin's defaults where the JSON has none or "auto" (a stage of "auto" stays
+    unknown, None). `where` names the file, for the one line a JSON accelerate refuses gets."""
+    if not isinstance(ds, Mapping) or not isinstance(ds.get("zero_optimization"), Mapping):
+        raise OrchError(f"{where}: no zero_optimization mapping, which accelerate requires (\"Please specify the ZeRO "
+                        "optimization config in the DeepSpeed config.\"): add one with its stage")  # fmt: skip
+    stage = json_value(ds, DEEPSPEED_JSON["zero_stage"])
+    return replace(
+        config,
+        zero_stage=None if stage is None else _int(stage, "zero_optimization.stage", where),
+        offload_optimizer_device=str(json_value(ds, DEEPSPEED_JSON["offload_optimizer_device"]) or "none"),
+        offload_param_device=str(json_value(ds, DEEPSPEED_JSON["offload_param_device"]) or "none"),
+        zero3_save_16bit_model=truthy(json_value(ds, DEEPSPEED_JSON["zero3_save_16bit_model"]) or False),
+        deepspeed_json=MappingProxyType(dict(ds)),
+    )
 
 
 def _block(config: Mapping, key: str, where: str) -> Mapping:

@@ -8,14 +8,19 @@ same folder: never a guess.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import contextlib
 import importlib.util
+import itertools
+import json
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
 from orchestrator.core import files, trl_schema
-from orchestrator.core.accelerate_config import AccelerateConfig
+from orchestrator.core.accelerate_config import AccelerateConfig, with_deepspeed_json
 from orchestrator.core.accelerate_config import parse as parse_accelerate
 from orchestrator.core.errors import OrchError
 
@@ -70,12 +75,48 @@ def load_yaml(path: Path, what: str) -> dict:
 
 
 def load_accelerate(value: str, workdir: Path = Path(".")) -> tuple[AccelerateConfig, Path]:
-    """(the parsed Accelerate config, the file accelerate will read) for a path or a TRL profile name."""
+    """(the parsed Accelerate config, the file accelerate will read) for a path or a TRL profile name; a DeepSpeed
+    config's deepspeed_config_file is read into it (deepspeed_settings)."""
     if value in PROFILES:
         path = profile_path(value)
         raw = load_yaml(path, "Accelerate config") if path.is_file() else trl_schema.profiles()[value]
         return parse_accelerate(raw, f"Accelerate config {value}"), path
-    return parse_accelerate(load_yaml(workdir / value, "Accelerate config"), f"Accelerate config {value}"), Path(value)
+    config = parse_accelerate(load_yaml(workdir / value, "Accelerate config"), f"Accelerate config {value}")
+    return deepspeed_settings(config, value, workdir), Path(value)
+
+
+def deepspeed_json_path(name: str, workdir: Path) -> Path:
+    """Where accelerate finds a deepspeed_config_file: on the nodes it runs in the workdir, so relative to it."""
+    return Path(name) if Path(name).is_absolute() else workdir / name
+
+
+def deepspeed_settings(config: AccelerateConfig, value: str, workdir: Path) -> AccelerateConfig:
+    """The config with its DeepSpeed JSON's ZeRO settings, read as accelerate's HfDeepSpeedConfig reads the value: a
+    file (relative to the workdir, where `accelerate launch` runs on the nodes), else the JSON itself, else base64 of
+    it. Without this the launch side planned "ZeRO-?": every rank loading the whole model, no offload, no final
+    model on disk. One line where accelerate would stop on the nodes."""
+    name = config.deepspeed_config_file
+    if not (config.deepspeed and name):
+        return config
+    where = f"Accelerate config {value}: deepspeed_config_file {name}"
+    path = deepspeed_json_path(name, workdir)
+    try:
+        if path.is_file():
+            text = path.read_text(encoding="utf-8")
+        else:
+            try:
+                json.loads(name)
+                text = name
+            except ValueError:
+                text = base64.urlsafe_b64decode(name).decode("utf-8")
+        data = json.loads(text)
+    except (OSError, ValueError, binascii.Error) as exc:
+        if path.is_file():
+            raise OrchError(f"{where}: not JSON ({exc}); accelerate would stop on every node") from None
+        raise OrchError(f"{where} is not a file in the workdir: accelerate reads it on the nodes from the directory it "
+                        "runs in, the workdir orch run uploads (the repository root); give its path from there or "
+                        "the JSON itself") from None  # fmt: skip
+    return with_deepspeed_json(config, data, where)
 
 
 def load(env: Mapping[str, str], workdir: Path = Path(".")) -> Configs:
@@ -85,3 +126,52 @@ def load(env: Mapping[str, str], workdir: Path = Path(".")) -> Configs:
     trl = load_yaml(trl_path, "TRL config")
     accel, accel_file = load_accelerate(accel_value, workdir)
     return Configs(accel, trl, accel_file)
+
+
+def files_named(argv: list[str], workdir: Path) -> list[bytes]:
+    """The contents of the files an argv names, directly or through its configs (their edits change the result):
+    the Accelerate config and its DeepSpeed JSON, the TRL config, its chat template (a file, or a tokenizer's
+    folder) and the workdir's modules its dotted reward functions import. A value given twice (the TRL config's and an
+    override) keys both (a rehearsal's cache key: rehearsal/driver.py)."""
+    import yaml
+
+    def read(name: object) -> list[bytes]:
+        path = Path(str(name))
+        path = path if path.is_absolute() else workdir / path
+        if path.is_dir():
+            return [p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()]
+        return [path.read_bytes() if path.is_file() else b""]
+
+    def loaded(content: bytes) -> dict:
+        with contextlib.suppress(yaml.YAMLError, UnicodeDecodeError):
+            data = yaml.safe_load(content)
+            return data if isinstance(data, dict) else {}
+        return {}
+
+    def given(flag: str, config: dict) -> list[object]:
+        values = [config[flag]] if config.get(flag) not in (None, "") else []
+        for i, word in enumerate(argv):
+            if word == f"--{flag}":  # a list argument's words run to the next flag
+                values += list(itertools.takewhile(lambda w: not w.startswith("--"), argv[i + 1:]))
+        return values
+
+    found = []
+    for flag in ("--config_file", "--config"):
+        if flag not in argv:
+            continue
+        content = read(argv[argv.index(flag) + 1])[0]
+        found.append(content)
+        config = loaded(content)
+        if flag == "--config_file":
+            ds = config.get("deepspeed_config")
+            if isinstance(ds, dict) and ds.get("deepspeed_config_file"):
+                found += read(ds["deepspeed_config_file"])
+            continue
+        for template in given("chat_template_path", config):
+            found += read(template)
+        for funcs in given("reward_funcs", config):
+            for func in funcs if isinstance(funcs, list) else str(funcs).split():
+                module = str(func).rpartition(".")[0].replace(".", "/")
+                if module:
+                    found += read(f"{module}.py") + read(f"{module}/__init__.py")
+    return found

@@ -89,18 +89,22 @@ def check_gpu_ids(accelerate_config: AccelerateConfig | Mapping, gpus_per_node: 
 
 
 def check_final_model_is_written(accelerate_config: AccelerateConfig | Mapping, accel_path: str) -> None:
-    """ZeRO-3 without 16-bit gathering on save writes only a DeepSpeed checkpoint, which transformers cannot load.
+    """ZeRO-3 without 16-bit gathering on save writes only a DeepSpeed checkpoint, which transformers cannot load: the
+    Accelerate config's zero3_save_16bit_model, or its DeepSpeed JSON's stage3_gather_16bit_weights_on_model_save
+    (read into the same field by core/configs.py; the rehearsal checks it in DeepSpeed's own config too).
 
     (FSDP's sharded state dict is handled in the training process: orch gathers a full state dict at the end.)
     """
     config = AccelerateConfig.of(accelerate_config, accel_path)
-    if not config.deepspeed or config.deepspeed_config_file:
-        return  # a DeepSpeed JSON says stage3_gather_16bit_weights_on_model_save itself: the rehearsal checks it
-    if config.zero_stage == 3 and not config.zero3_save_16bit_model:
-        raise OrchError(
-            f"{accel_path}: ZeRO-3 without zero3_save_16bit_model writes the final model as a DeepSpeed checkpoint "
-            "that transformers cannot load; set deepspeed_config.zero3_save_16bit_model: true"
-        )
+    if not config.deepspeed or config.zero_stage != 3 or config.zero3_save_16bit_model:
+        return
+    if config.deepspeed_config_file:
+        fix = (f"set zero_optimization.stage3_gather_16bit_weights_on_model_save: true in its DeepSpeed JSON "
+               f"({config.deepspeed_config_file})")  # fmt: skip
+    else:
+        fix = "set deepspeed_config.zero3_save_16bit_model: true"
+    raise OrchError(f"{accel_path}: ZeRO-3 without 16-bit gathering on save writes the final model as a DeepSpeed "
+                    f"checkpoint that transformers cannot load; {fix}")  # fmt: skip
 
 
 def check_reference_model_loading(

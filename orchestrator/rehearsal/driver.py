@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from orchestrator.core import bnb, home, trainers
+from orchestrator.core import bnb, configs, home, trainers
 from orchestrator.core.overrides import truthy
 from orchestrator.node.plan import NodePlan
 
@@ -235,17 +235,6 @@ def importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _files_named(argv: list[str], workdir: Path) -> list[bytes]:
-    """The contents of the config files an argv names (their edits change the result)."""
-    found = []
-    for flag in ("--config_file", "--config"):
-        if flag in argv:
-            path = Path(argv[argv.index(flag) + 1])
-            path = path if path.is_absolute() else workdir / path
-            found.append(path.read_bytes() if path.is_file() else b"")
-    return found
-
-
 # Values of a role's argv that cannot change its outcome, keyed as placeholders so that a relaunch (a new run id, so a
 # new output_dir) or a new cluster on the same shared home (new IPs) finds its rehearsal cached: the rendezvous address
 # only reaches MASTER_ADDR, which nothing rehearsed connects to, and the run's output_dir when substitutions override it
@@ -263,7 +252,7 @@ def cache_key(batch: Batch, workdir: Path) -> str:
         digest.update(json.dumps(list(batch.capability)).encode())
     for role in batch.roles:
         digest.update(json.dumps([_keyed(role.argv, batch.substitute), role.env, role.role]).encode())
-        for content in _files_named(role.argv, workdir):
+        for content in configs.files_named(role.argv, workdir):
             digest.update(hashlib.sha256(content).digest())
     for source in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):  # orch's own code
         digest.update(source.read_bytes())
