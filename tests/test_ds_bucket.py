@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from conftest import ROOT, free_port
@@ -46,6 +47,16 @@ def test_the_memory_model_counts_deepspeeds_gradient_bucket_as_deepspeed_allocat
     for init in (True, False):
         assert load_memory.at_load(zero3, 8, cpu_ram_efficient=False, zero3_init=init).gpu >= found[3][0]
     assert memory.ds_bucket(without) == 0 and memory.ds_bucket(memory.Setup(arch=arch, strategy="ddp")) == 0
+    # a DeepSpeed JSON's own reduce_bucket_size: a number, or "auto", which transformers fills with hidden_size
+    # squared (the memory model assumed DeepSpeed's 5e8 elements for every JSON: ~0.93 GiB where "auto" holds 32 MiB
+    # for an 8B model)
+    jsons = re.findall(r"^JSONBUCKET (\w+) (\d+) (\d+)$", run.stdout, re.M)
+    assert [given for given, _, _ in jsons] == ["auto", "3000"], run.stdout[-2000:]
+    for given, hidden, during in jsons:
+        small = replace(arch, hidden=int(hidden))
+        ds = {"zero_optimization": {"reduce_bucket_size": given if given == "auto" else int(given)}}
+        setup = memory.Setup(arch=small, strategy="zero2", gpus=8, reduce_bucket=memory.reduce_bucket_of(ds, small))
+        assert memory.ds_bucket(setup) == int(during) > 0, (given, setup.reduce_bucket, during)
 
 
 def test_zero3s_load_figure_holds_what_its_initialize_adds_on_each_rank(tmp_path):

@@ -196,6 +196,38 @@ def test_4bit_loading_is_checked_per_gpu_where_more_nodes_do_not_help(project, p
     assert re.search(r"^L40S +1 x 8 +FSDP2 ", rows["L40S"]), rows["L40S"]
 
 
+def test_the_optimizer_offloaded_alone_keeps_the_weights_on_the_gpus():
+    """DeepSpeed's offload_optimizer_device without offload_param_device (ZeRO-Offload) was planned as offload of
+    everything: an 8B ZeRO-2 run's 15 GiB of bf16 weights per GPU counted as 0. The optimizer's fp32 master and
+    moments move to the host; ZeRO-2's gradient partitions with them; the weights, and a DPO reference, stay."""
+    from orchestrator.core import accelerate_config
+
+    arch = models.KNOWN_ARCHS["meta-llama/llama-3.1-8b-instruct"]
+    gib = arch.params / 2**30
+
+    def parts(**kw):
+        return memory.estimate(memory.Setup(arch, gpus=8, offload=True, offload_weights=False, **kw)).parts
+
+    zero2 = parts(strategy="zero2", trainer="dpo")
+    assert (zero2["weights"], zero2["gradients"], zero2["optimizer"]) == pytest.approx((2 * gib, 0, 0))
+    assert zero2["frozen weights"] == pytest.approx(2 * gib)  # the reference model, whole on every GPU
+    zero3 = parts(strategy="zero3")
+    assert (zero3["weights"], zero3["gradients"], zero3["optimizer"]) == pytest.approx((gib / 4, gib / 4, 0))
+    assert parts(strategy="zero1")["gradients"] == pytest.approx(2 * gib)  # reduced whole at the backward's end
+    setup = memory.Setup(arch, strategy="zero2", gpus=8, offload=True, offload_weights=False)
+    assert memory.offload_host_gib(setup, 1) == pytest.approx(8 * (12 + 2) * gib / 8)  # master, m, v; the gradients
+    everything = memory.Setup(arch, strategy="zero3", gpus=8, offload=True)
+    assert memory.offload_host_gib(everything, 1) == pytest.approx(14 * gib)  # as before: all but the gradient shard
+    for devices, weights in (({"offload_optimizer_device": "cpu"}, False), ({"offload_param_device": "cpu",
+                             "offload_optimizer_device": "cpu"}, True)):  # fmt: skip
+        accel = accelerate_config.parse({"distributed_type": "DEEPSPEED",
+                                         "deepspeed_config": {"zero_stage": 3, **devices}})  # fmt: skip
+        setup = fit.setup_of("sft", {"model_name_or_path": "meta-llama/Llama-3.1-8B-Instruct"}, accel, 8)
+        assert setup is not None and setup.offload and setup.offload_weights is weights
+        assert fit.label(setup) == "ZeRO-3 " + ("with CPU offload" if weights else "with the optimizer offloaded to "
+                                                "the CPU")  # fmt: skip
+
+
 def test_a_config_json_with_null_optional_sizes_reads_like_one_without_them():
     """Many configs carry `"head_dim": null` or `"num_key_value_heads": null`: absent, as before; a zero head count
     or a negative size is still refused."""

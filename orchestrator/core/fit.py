@@ -93,7 +93,9 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         strategy=asked.sharding,
         gpus=gpus,
         offload=asked.offload,
+        offload_weights=not accel.deepspeed or accel.offload_param_device.lower() not in ("none", ""),
         micro_batch=int(setting("per_device_train_batch_size", 8)),
+        reduce_bucket=memory.reduce_bucket_of(accel.deepspeed_json, arch),
         seq_len=seq,
         completion_len=completion,
         checkpointing=accel.fsdp_activation_checkpointing or truthy(setting("gradient_checkpointing", True)),
@@ -142,8 +144,9 @@ def tokens_words(setup: memory.Setup) -> str:
 
 
 def label(setup: memory.Setup) -> str:
+    offload = " with CPU offload" if setup.offload_weights else " with the optimizer offloaded to the CPU"
     return {"fsdp": "FSDP2", "ddp": "DDP"}.get(setup.strategy, setup.strategy.replace("zero", "ZeRO-")) + (
-        " with CPU offload" if setup.offload else ""
+        offload if setup.offload else ""
     )
 
 
@@ -199,8 +202,9 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
             + "or vLLM on a node of its own (vllm_mode=server with VLLM_SERVER_NODES=1)"
         )  # fmt: skip
     for alternative, off in (("fsdp", False), ("zero3", True)):
-        other = memory.estimate(memory.with_(setup, strategy=alternative, offload=off))
-        if (alternative, off) != (setup.strategy, setup.offload) and with_vllm(other, capacity_gib) <= usable:
+        other = memory.estimate(memory.with_(setup, strategy=alternative, offload=off, offload_weights=True))
+        same = (alternative, off, True) == (setup.strategy, setup.offload, setup.offload_weights)
+        if not same and with_vllm(other, capacity_gib) <= usable:
             fixes.append(f"{label(other.setup)} on {setup.gpus} GPUs needs {other.describe().split(' (')[0]}")
             break
     bigger = smallest_holding(estimate=estimate)
@@ -235,9 +239,9 @@ def check_gpu_at_load(loading: load_memory.LoadMemory, capacity_gib: float, gpu:
 
 
 def offloaded_gib(setup: memory.Setup | None, nodes: int) -> float:
-    """CPU offload's host memory per node while training, ZeRO-3's or FSDP's (memory.offload_host_gib); 0 without
+    """CPU offload's host memory per node while training, DeepSpeed's or FSDP's (memory.offload_host_gib); 0 without
     offload or where orch has no shape for the model."""
-    if setup is None or not setup.offload or setup.strategy not in ("zero3", "fsdp"):
+    if setup is None or not setup.offload or setup.strategy == "ddp":
         return 0.0
     return memory.offload_host_gib(setup, nodes)
 

@@ -22,6 +22,7 @@ against published measurements.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from orchestrator.core import trainers
@@ -143,7 +144,14 @@ class Setup:
     gpus: int = 8
     """Ranks the sharded states are split over."""
     offload: bool = False
+    offload_weights: bool = True
+    """With offload: the weights leave the GPUs too (FSDP's fsdp_offload_params, DeepSpeed's offload_param_device);
+    False for DeepSpeed's offload_optimizer_device alone (ZeRO-Offload), which moves the optimizer's fp32 master and
+    moments (and ZeRO-1/2's gradient partitions) to the host and keeps the 16-bit weights on every GPU."""
     micro_batch: int = 8
+    reduce_bucket: int = 0
+    """DeepSpeed's reduce_bucket_size in elements: a DeepSpeed JSON's own (reduce_bucket_of), 0 for DeepSpeed's
+    default (DS_REDUCE_BUCKET)."""
     seq_len: int = 1024
     completion_len: int = 0
     """A generating trainer's (GRPO, RLOO) completion part of seq_len, the only part the LM head scores."""
@@ -221,8 +229,11 @@ def states(setup: Setup) -> dict[str, float]:
     out["optimizer"] = trained * opt / split[2]
     if s == "ddp":
         out["gradients"] += trained * g  # the reducer's buckets (gradient_as_bucket_view is off)
-    if setup.offload:  # ZeRO-3 offload keeps a bf16 gradient shard; FSDP offload keeps nothing between steps
+    if setup.offload and setup.offload_weights:  # ZeRO-3 keeps a bf16 gradient shard; FSDP nothing between steps
         out = {"weights": 0.0, "gradients": out["gradients"] if s == "zero3" else 0.0, "optimizer": 0.0}
+    elif setup.offload:  # the optimizer alone: ZeRO-2 copies each reduced gradient bucket to the host partition, ZeRO-1
+        # reduces the whole gradient at the end of the backward, ZeRO-3 keeps its bf16 gradient shard (as above)
+        out = {"weights": out["weights"], "gradients": 0.0 if s == "zero2" else out["gradients"], "optimizer": 0.0}
     frozen = 0.0
     replicated = 0.0
     if peft:
@@ -234,7 +245,8 @@ def states(setup: Setup) -> dict[str, float]:
             frozen -= replicated
     if has_reference(setup):  # a frozen copy, sharded alike
         frozen += a.params * dtype
-    out["frozen weights"] = 0.0 if setup.offload else frozen / (n if sharded else 1) + replicated
+    resident = not (setup.offload and setup.offload_weights)
+    out["frozen weights"] = frozen / (n if sharded else 1) + replicated if resident else 0.0
     return out
 
 
@@ -321,10 +333,24 @@ def ds_bucket(setup: Setup) -> float:
     optimizer is built, in accelerate's prepare, and keeps it; ZeRO-1 and 2 allocate one at each backward (two with
     overlap_comm, off by default for them) and free it after the reduction. Measured: 955.8 MiB at the end of prepare
     on an H100 for the ZeRO-3 smoke run (docs/gpu.md); tests/test_ds_bucket.py reads it from DeepSpeed's optimizer.
-    A deepspeed_config_file's own reduce_bucket_size is not read: the default is assumed."""
+    A DeepSpeed JSON's own reduce_bucket_size is read (setup.reduce_bucket)."""
     if not setup.strategy.startswith("zero"):
         return 0.0
-    return DS_REDUCE_BUCKET * (2 if setup.mixed_precision or DTYPE_BYTES[setup.weights_dtype] == 2 else 4)
+    elements = setup.reduce_bucket or DS_REDUCE_BUCKET
+    return elements * (2 if setup.mixed_precision or DTYPE_BYTES[setup.weights_dtype] == 2 else 4)
+
+
+def reduce_bucket_of(deepspeed_json: Mapping | None, arch: Arch) -> int:
+    """The reduce_bucket_size a DeepSpeed JSON gives, in elements: a number, or "auto", which transformers' DeepSpeed
+    config fills with hidden_size squared (trainer_config_finalize); 0 (DeepSpeed's default) without one, or for a
+    value DeepSpeed's own config check refuses (the rehearsal says so)."""
+    zero = (deepspeed_json or {}).get("zero_optimization")
+    value = zero.get("reduce_bucket_size") if isinstance(zero, Mapping) else None
+    if value == "auto":
+        return arch.hidden * arch.hidden
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+        return 0
+    return int(value)
 
 
 def estimate(setup: Setup) -> Estimate:
@@ -339,13 +365,12 @@ def with_(setup: Setup, **changes) -> Setup:
 
 
 def offload_host_gib(setup: Setup, nodes: int) -> float:
-    """Host memory a node needs for CPU offload while training: its GPUs' share of what they would hold without it
+    """Host memory a node needs for CPU offload while training: its GPUs' share of what offload moves off them
     (ZeRO-3: bf16 weights, fp32 master weights and Adam's moments, 14 bytes a trained parameter, the bf16 gradient
     shard staying on the GPU; FSDP: parameters, gradients and Adam's moments, 16 bytes with bf16 mixed precision's
-    fp32 upcast), frozen weights included."""
-    held = states(replace(setup, offload=False))
-    on_gpu = held["gradients"] if setup.strategy == "zero3" else 0.0
-    return (sum(held.values()) - on_gpu) * setup.gpus / nodes / GIB
+    fp32 upcast; the optimizer alone: its 12 bytes, and ZeRO-2's gradient partition), frozen weights included."""
+    moved = sum(states(replace(setup, offload=False)).values()) - sum(states(setup).values())
+    return moved * setup.gpus / nodes / GIB
 
 
 def has_reference(setup: Setup) -> bool:
