@@ -76,6 +76,22 @@ def orch(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: float =
     )
 
 
+@pytest.fixture
+def plan(capsys, monkeypatch, tmp_path):
+    """`orch plan ...` in this process (the CLI's own main: exit code, stdout, stderr): a subprocess paid Python's and
+    SkyPilot's imports again for every plan (~2.5 s each here)."""
+    from orchestrator import cli
+
+    monkeypatch.chdir(tmp_path)
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        code = cli.main(["plan", *argv])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, code, out.out, out.err)
+
+    return run
+
+
 def supervised(rank: str, home: Path, env: dict | None = None, settings: dict | None = None, node_rank: int = 0,
                tmpdir: str | None = None, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:  # fmt: skip
     """node/supervise.supervise() over a stand-in rank (`python -c RANK ARGS`), in a process of its own (it makes its

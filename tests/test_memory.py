@@ -1,7 +1,6 @@
 """The memory model (orchestrator/core/memory.py) against published measurements, and `orch plan`."""
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,18 +10,6 @@ from orchestrator.core import fit, load_memory, memory, models, trainers
 
 pytestmark = pytest.mark.unit
 
-
-@pytest.fixture
-def plan(capsys, monkeypatch, tmp_path):
-    """`orch plan ...` in this process (the CLI's own main: exit code, stdout, stderr)."""
-    monkeypatch.chdir(tmp_path)
-
-    def run(*argv: str) -> subprocess.CompletedProcess:
-        code = cli.main(["plan", *argv])
-        out = capsys.readouterr()
-        return subprocess.CompletedProcess(argv, code, out.out, out.err)
-
-    return run
 
 # Parameter counts on the models' Hugging Face cards (billions): each shape orch keeps must add up to its card.
 MODEL_CARDS = {

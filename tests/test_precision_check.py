@@ -144,8 +144,8 @@ def test_orch_run_refuses_bf16_on_a_t4_in_one_line_and_takes_the_fix_it_names(pr
 
 
 @pytest.mark.cli
-def test_orch_plan_lists_no_bf16_plan_on_a_gpu_without_bf16_and_plans_it_in_fp32_weights():
-    planned = orch("plan", "Qwen/Qwen2.5-0.5B-Instruct")
+def test_orch_plan_lists_no_bf16_plan_on_a_gpu_without_bf16_and_plans_it_in_fp32_weights(plan):
+    planned = plan("Qwen/Qwen2.5-0.5B-Instruct")
     assert planned.returncode == 0, planned.stderr
     rows = {line.split()[0]: line.split()[1:] for line in planned.stdout.splitlines()[2:] if "  " in line}
     for gpu in CUDA_CAPABILITY:  # (the V100s: no kernels in the nodes' torch at all, tests/test_torch_build.py)
@@ -153,6 +153,6 @@ def test_orch_plan_lists_no_bf16_plan_on_a_gpu_without_bf16_and_plans_it_in_fp32
             assert (rows[gpu][:3] == ["-", "none", "in"]) is (not precision.native_bf16(gpu)), (gpu, rows[gpu])
     assert "T4: no bf16 tensor cores (a launch there in bf16 is refused); --dtype float32 plans them for fp16 mixed " \
         "precision over fp32 weights\n" in planned.stdout  # fmt: skip
-    fp32 = orch("plan", "Qwen/Qwen2.5-0.5B-Instruct", "--dtype", "float32")
+    fp32 = plan("Qwen/Qwen2.5-0.5B-Instruct", "--dtype", "float32")
     assert fp32.returncode == 0 and "no bf16" not in fp32.stdout
     assert re.search(r"^T4 +1 x 8 +DDP ", fp32.stdout, re.M), fp32.stdout

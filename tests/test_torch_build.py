@@ -175,7 +175,7 @@ def test_a_gpu_the_locked_torch_build_has_no_kernels_for_is_refused_before_launc
 
 
 @pytest.mark.cli
-def test_orch_run_refuses_a_v100_in_one_line_and_takes_an_image_with_its_own_torch(project):
+def test_orch_run_refuses_a_v100_in_one_line_and_takes_an_image_with_its_own_torch(project, plan):
     argv = ["run", "qwen25_sft_ddp", "--gpus", "V100:1", "--dry-run", "--skip-optimizer", "bf16=false", "fp16=true",
             "dtype=float32"]  # fmt: skip
     refused = orch(*argv, cwd=project)
@@ -187,10 +187,11 @@ def test_orch_run_refuses_a_v100_in_one_line_and_takes_an_image_with_its_own_tor
     assert imaged.returncode == 0, imaged.stderr[-2000:]
     anyway = orch(*argv, "--env", "ORCH_CUDA_ARCH_CHECK=off", cwd=project)
     assert anyway.returncode == 0, anyway.stderr[-2000:]
-    plan = orch("plan", "Qwen/Qwen2.5-0.5B-Instruct", "--dtype", "float32")
-    assert re.search(r"^V100 +- +none: no kernels +16$", plan.stdout, re.M), plan.stdout
+    planned = plan("Qwen/Qwen2.5-0.5B-Instruct", "--dtype", "float32")
+    assert re.search(r"^V100 +- +none: no kernels +16$", planned.stdout, re.M), planned.stdout
     assert "V100, V100-32GB: torch 2.13.0's CUDA 13.0 build, which the nodes install (uv.lock), has no kernels for " \
-        "them: a launch there is refused, unless --image-id names an image holding its CUDA 12.6 build" in plan.stdout
+        "them: a launch there is refused, unless --image-id names an image holding its CUDA 12.6 build" in \
+        planned.stdout  # fmt: skip
 
 
 @pytest.mark.unit
