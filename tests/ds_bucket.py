@@ -4,13 +4,15 @@ its "auto" values.
 
 - `python tests/ds_bucket.py bucket PORT` (one process): the gradient bucket read from the optimizer, for stages 1
   to 3; prints `BUCKET <stage> <bytes at the end of initialize> <bytes during backward>`; then for ZeRO-2 from a
-  DeepSpeed JSON whose reduce_bucket_size is "auto" (transformers fills it from the model's hidden_size) or a number:
-  `JSONBUCKET <given> <hidden_size> <bytes during backward>`.
+  DeepSpeed JSON whose reduce_bucket_size is "auto" (transformers fills it from the model's hidden_size) or a number,
+  and for overlap_comm and contiguous_gradients: `JSONBUCKET <its zero_optimization> <hidden_size> <bytes during
+  backward>`.
 - `python -m torch.distributed.run --nproc_per_node 2 tests/ds_bucket.py prepared`: the bytes ZeRO-3's initialize
   adds on each rank (every tensor storage alive after it and not before, the bucket included) for a full fine-tune
   of a bf16 model; prints `PREPARED <rank> <params> <bytes>`."""
 
 import gc
+import json
 import os
 import sys
 
@@ -87,10 +89,13 @@ if sys.argv[1] == "bucket":
         at_init = held(ds.optimizer)
         print(f"BUCKET {stage} {at_init} {backward_peak(ds)}", flush=True)
         ds.destroy()
-    for given in ("auto", 3000):
+    for given, stage, zero in (("auto", 2, {}), (3000, 2, {}), (3000, 1, {"overlap_comm": True}),
+                               (3000, 2, {"overlap_comm": True}), (3000, 3, {"overlap_comm": True}),
+                               (3000, 2, {"contiguous_gradients": False}), (3000, 3, {"contiguous_gradients": False})):
         model = torch.nn.Sequential(torch.nn.Linear(96, 96), torch.nn.Linear(96, 8))
-        ds = engine(2, model, {"zero_optimization": {"stage": 2, "reduce_bucket_size": given}})
-        print(f"JSONBUCKET {given} 96 {backward_peak(ds)}", flush=True)
+        settings = {"stage": stage, "reduce_bucket_size": given, **zero}
+        ds = engine(stage, model, {"zero_optimization": settings})
+        print(f"JSONBUCKET {json.dumps(settings)} 96 {backward_peak(ds)}", flush=True)
         ds.destroy()
 else:
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024)).to(torch.bfloat16)

@@ -7,6 +7,7 @@ Here DeepSpeed builds each stage's engine on CPU from the config accelerate make
 deepspeed_config (tests/ds_bucket.py bucket), and the bucket's bytes are read from its optimizer: ZeRO-3 holds it from
 initialize on, ZeRO-1 and 2 during each backward."""
 
+import json
 import os
 import re
 import subprocess
@@ -50,13 +51,16 @@ def test_the_memory_model_counts_deepspeeds_gradient_bucket_as_deepspeed_allocat
     # a DeepSpeed JSON's own reduce_bucket_size: a number, or "auto", which transformers fills with hidden_size
     # squared (the memory model assumed DeepSpeed's 5e8 elements for every JSON: ~0.93 GiB where "auto" holds 32 MiB
     # for an 8B model)
-    jsons = re.findall(r"^JSONBUCKET (\w+) (\d+) (\d+)$", run.stdout, re.M)
-    assert [given for given, _, _ in jsons] == ["auto", "3000"], run.stdout[-2000:]
-    for given, hidden, during in jsons:
-        small = replace(arch, hidden=int(hidden))
-        ds = {"zero_optimization": {"reduce_bucket_size": given if given == "auto" else int(given)}}
-        setup = memory.Setup(arch=small, strategy="zero2", gpus=8, reduce_bucket=memory.reduce_bucket_of(ds, small))
-        assert memory.ds_bucket(setup) == int(during) > 0, (given, setup.reduce_bucket, during)
+    # and how many buckets: two with overlap_comm on ZeRO-1/2, none without contiguous_gradients
+    jsons = re.findall(r"^JSONBUCKET (\{.*\}) (\d+) (\d+)$", run.stdout, re.M)
+    assert len(jsons) == 7, run.stdout[-2000:]
+    for settings, hidden, during in jsons:
+        zero = json.loads(settings)
+        small, ds, strategy = replace(arch, hidden=int(hidden)), {"zero_optimization": zero}, f"zero{zero['stage']}"
+        setup = memory.Setup(arch=small, strategy=strategy, gpus=8, reduce_bucket=memory.reduce_bucket_of(ds, small),
+                             reduce_buckets=memory.buckets_of(ds, strategy))  # fmt: skip
+        assert memory.ds_bucket(setup) == int(during), (zero, setup.reduce_bucket, setup.reduce_buckets, during)
+    assert {int(during) for _, _, during in jsons} >= {0, 2 * 3000 * 2}  # both ends happened
 
 
 def test_zero3s_load_figure_holds_what_its_initialize_adds_on_each_rank(tmp_path):

@@ -96,6 +96,7 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         offload_weights=not accel.deepspeed or accel.offload_param_device.lower() not in ("none", ""),
         micro_batch=int(setting("per_device_train_batch_size", 8)),
         reduce_bucket=memory.reduce_bucket_of(accel.deepspeed_json, arch),
+        reduce_buckets=memory.buckets_of(accel.deepspeed_json, asked.sharding),
         seq_len=seq,
         completion_len=completion,
         checkpointing=accel.fsdp_activation_checkpointing or truthy(setting("gradient_checkpointing", True)),

@@ -152,6 +152,9 @@ class Setup:
     reduce_bucket: int = 0
     """DeepSpeed's reduce_bucket_size in elements: a DeepSpeed JSON's own (reduce_bucket_of), 0 for DeepSpeed's
     default (DS_REDUCE_BUCKET)."""
+    reduce_buckets: int = 1
+    """How many such buckets DeepSpeed holds (buckets_of): 2 with a JSON's overlap_comm on ZeRO-1/2, 0 without
+    contiguous_gradients."""
     seq_len: int = 1024
     completion_len: int = 0
     """A generating trainer's (GRPO, RLOO) completion part of seq_len, the only part the LM head scores."""
@@ -336,7 +339,7 @@ def ds_bucket(setup: Setup) -> float:
     A DeepSpeed JSON's own reduce_bucket_size is read (setup.reduce_bucket)."""
     if not setup.strategy.startswith("zero"):
         return 0.0
-    elements = setup.reduce_bucket or DS_REDUCE_BUCKET
+    elements = (setup.reduce_bucket or DS_REDUCE_BUCKET) * setup.reduce_buckets
     return elements * (2 if setup.mixed_precision or DTYPE_BYTES[setup.weights_dtype] == 2 else 4)
 
 
@@ -351,6 +354,17 @@ def reduce_bucket_of(deepspeed_json: Mapping | None, arch: Arch) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
         return 0
     return int(value)
+
+
+def buckets_of(deepspeed_json: Mapping | None, strategy: str) -> int:
+    """The reduce buckets DeepSpeed allocates for a DeepSpeed JSON's settings (read back from its optimizer on CPU,
+    tests/test_ds_bucket.py): none without contiguous_gradients; ZeRO-1/2 two with overlap_comm (one bucket filling
+    while the other reduces), ZeRO-3 one either way."""
+    zero = (deepspeed_json or {}).get("zero_optimization")
+    zero = zero if isinstance(zero, Mapping) else {}
+    if zero.get("contiguous_gradients") is False:
+        return 0
+    return 2 if strategy in ("zero1", "zero2") and zero.get("overlap_comm") is True else 1
 
 
 def estimate(setup: Setup) -> Estimate:
