@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import orch
+from conftest import ROOT, orch
 
 from orchestrator.core import owned
 from orchestrator.core.errors import OrchError
@@ -118,8 +118,14 @@ def test_run_names_are_one_path_component():
 
 
 @pytest.fixture
-def repo(project):
-    """A project that is a repository, with files a wrong delete would take."""
+def repo(tmp_path):
+    """A project that is a repository, with files a wrong delete would take, in a folder of its own: the tests compare
+    its parent's files before and after (tmp_path's parent held every earlier test's files in this worker, ~1 s a
+    walk)."""
+    import shutil
+
+    project = tmp_path / "repo"
+    shutil.copytree(ROOT / "recipes", project / "recipes")
     (project / ".git").mkdir()
     (project / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     (project / "notes.txt").write_text("mine")
