@@ -424,6 +424,7 @@ def test_orch_plan_gives_each_recipes_launch_figure_from_its_settings(name, monk
         ["--max-length", str(setup.seq_len)]  # fmt: skip
     argv += ["--peft", setup.method] if setup.method != "full" else []
     argv += ["--offload"] if setup.offload else []
+    argv += ["--optim", setup.optim] if setup.optim != "adamw_torch" else []
     argv += ["--nested-quant"] if setup.nested_quant else []
     argv += ["--no-checkpointing"] if not setup.checkpointing else []
     argv += ["--vllm-colocate", str(setup.vllm_share)] if setup.vllm_share else []

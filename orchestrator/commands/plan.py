@@ -6,7 +6,7 @@ import argparse
 import functools
 
 from orchestrator.commands import add
-from orchestrator.core import trainers
+from orchestrator.core import optimizers, trainers
 
 EPILOG = """\
 examples:
@@ -73,6 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--sp", type=int, metavar="N", help="ALST/Ulysses sequence parallelism over N GPUs (ZeRO-3; "
                         "the Accelerate config's parallelism_config_sp_size)")
     parser.add_argument("--offload", action="store_true", help="with --strategy: CPU offload")
+    parser.add_argument("--optim", default=optimizers.DEFAULT_OPTIM, choices=sorted(optimizers.OPTIM_STATES),
+                        metavar="NAME", help="TRL's optim: the optimizer states a trained parameter keeps (default "
+                        f"{optimizers.DEFAULT_OPTIM}; e.g. adamw_8bit, paged_adamw_8bit, adafactor, lion_8bit, sgd)")
     parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
                         help="the table's nodes: N GPUs each (default 8)")  # fmt: skip
     parser.add_argument("--max-nodes", type=int, default=16, metavar="N",
@@ -170,6 +173,7 @@ def main(args: argparse.Namespace) -> int:
         nested_quant=args.nested_quant,
         vllm_share=args.vllm_colocate or 0.0,
         vllm_sleeps=args.vllm_sleep,
+        optim=args.optim,
     )
     what = {"full": "full fine-tune", "lora": f"LoRA r{args.lora_r}", "qlora": f"QLoRA (NF4) r{args.lora_r}"}
     vllm = ""
@@ -181,6 +185,7 @@ def main(args: argparse.Namespace) -> int:
         f"{' beside a frozen reference model' if memory.has_reference(base) else ''}, "
         f"{fit_rules.tokens_words(base).replace(' per device', ' per GPU')}, activation checkpointing "
         f"{'off' if args.no_checkpointing else 'on'}{vllm}"
+        + (f", optim {args.optim}" if args.optim != optimizers.DEFAULT_OPTIM else "")
     )
     if args.strategy:
         one = memory.estimate(memory.with_(base, strategy=args.strategy, gpus=args.gpus, offload=args.offload))

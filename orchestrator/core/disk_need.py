@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from orchestrator.core import memory, trainers
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.final_model import size_words
+from orchestrator.core.optimizers import optim_bytes
 from orchestrator.core.overrides import truthy
 
 DEFAULT_DISK_GB = 256
@@ -61,18 +62,19 @@ class Checkpoint:
 def per_parameter(setup: memory.Setup) -> tuple[float, float]:
     """(weights, optimizer state) bytes of a trained parameter in a checkpoint: core/memory.states' accounting, except
     that DeepSpeed's weights take the module's dtype (bf16 under mixed precision) and its optimizer partition is
-    fp32 master, m and v whatever the weights' dtype."""
+    fp32 master and the optimizer's states on it whatever the weights' dtype. The states are the optim's
+    (core/optimizers.py; its state dict as torch.save writes it: tests/test_optim_memory.py)."""
     dtype = memory.DTYPE_BYTES[setup.weights_dtype]
-    s = setup.strategy
+    s, optim = setup.strategy, setup.optim
     if setup.method == "qlora" and not s.startswith("zero"):
-        return 2, 4  # TRL casts a 4-bit model's adapter to bf16; Adam's moments take its dtype
+        return 2, optim_bytes(optim, 2)  # TRL casts a 4-bit model's adapter to bf16; Adam's moments take its dtype
     if setup.method == "lora":
-        return 4, 8  # PEFT's fp32 adapters
+        return 4, optim_bytes(optim, 4)  # PEFT's fp32 adapters
     if s.startswith("zero"):
-        return (2 if setup.mixed_precision else dtype), 12
+        return (2 if setup.mixed_precision else dtype), 4 + optim_bytes(optim, 4)
     if s == "fsdp" and setup.mixed_precision:
-        return 4, 8  # accelerate upcasts trainable parameters to fp32
-    return dtype, 2 * dtype  # AdamW's moments take the parameter's dtype
+        return 4, optim_bytes(optim, 4)  # accelerate upcasts trainable parameters to fp32
+    return dtype, optim_bytes(optim, dtype)  # AdamW's moments take the parameter's dtype
 
 
 def trained_params(setup: memory.Setup) -> int:

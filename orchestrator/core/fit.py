@@ -10,7 +10,17 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from orchestrator.core import accelerators, cuda_arch, load_memory, memory, models, precision, strategy, trainers
+from orchestrator.core import (
+    accelerators,
+    cuda_arch,
+    load_memory,
+    memory,
+    models,
+    optimizers,
+    precision,
+    strategy,
+    trainers,
+)
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import truthy
@@ -96,6 +106,9 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         offload_weights=not accel.deepspeed or accel.offload_param_device.lower() not in ("none", ""),
         micro_batch=int(setting("per_device_train_batch_size", 8)),
         reduce_bucket=memory.reduce_bucket_of(accel.deepspeed_json, arch),
+        # a DeepSpeed JSON with an optimizer section builds DeepSpeed's own (Adam, AdamW, ...) whatever optim says
+        optim=optimizers.DEFAULT_OPTIM if "optimizer" in (accel.deepspeed_json or {}) else
+        str(setting("optim", optimizers.DEFAULT_OPTIM)),
         reduce_buckets=memory.buckets_of(accel.deepspeed_json, asked.sharding),
         seq_len=seq,
         completion_len=completion,

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from orchestrator.core import trainers
+from orchestrator.core.optimizers import DEFAULT_OPTIM, optim_bytes
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
@@ -149,6 +150,9 @@ class Setup:
     False for DeepSpeed's offload_optimizer_device alone (ZeRO-Offload), which moves the optimizer's fp32 master and
     moments (and ZeRO-1/2's gradient partitions) to the host and keeps the 16-bit weights on every GPU."""
     micro_batch: int = 8
+    optim: str = DEFAULT_OPTIM
+    """transformers' optim (core/optimizers.py: the states it keeps); with a DeepSpeed JSON's optimizer section,
+    DeepSpeed's own: AdamW."""
     reduce_bucket: int = 0
     """DeepSpeed's reduce_bucket_size in elements: a DeepSpeed JSON's own (reduce_bucket_of), 0 for DeepSpeed's
     default (DS_REDUCE_BUCKET)."""
@@ -217,16 +221,17 @@ def states(setup: Setup) -> dict[str, float]:
     peft = setup.method in ("lora", "qlora")
     trained = trained_params(setup)
     sharded = s in ("fsdp", "zero3")
+    optim = setup.optim
     if setup.method == "qlora" and not s.startswith("zero"):  # TRL casts a 4-bit model's adapter to bf16 (read back:
-        w, g, opt = 2, 2, 4  # train/precision.py), and accelerate's FSDP upcast skips a model with 4-bit parameters
+        w, g, opt = 2, 2, optim_bytes(optim, 2)  # train/precision.py); accelerate's FSDP upcast skips 4-bit models
     elif peft:
-        w, g, opt = 4, 4, 8  # PEFT's fp32 adapters, Adam in fp32
+        w, g, opt = 4, 4, optim_bytes(optim, 4)  # PEFT's fp32 adapters, the optimizer's states on them
     elif s.startswith("zero"):
-        w, g, opt = 2, 2, 12  # bf16 weights and gradients; fp32 master, m and v
+        w, g, opt = 2, 2, 4 + optim_bytes(optim, 4)  # bf16 weights and gradients; fp32 master, Adam's m and v
     elif s == "fsdp" and setup.mixed_precision:
-        w, g, opt = 4, 4, 8  # accelerate upcasts trainable parameters to fp32
+        w, g, opt = 4, 4, optim_bytes(optim, 4)  # accelerate upcasts trainable parameters to fp32
     else:
-        w, g, opt = dtype, dtype, 2 * dtype  # AdamW's moments take the parameter's dtype
+        w, g, opt = dtype, dtype, optim_bytes(optim, dtype)  # AdamW's moments take the parameter's dtype
     split = {"ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (1, n, n)}.get(s, (n, n, n))
     out = {"weights": trained * w / split[0], "gradients": trained * g / split[1]}
     out["optimizer"] = trained * opt / split[2]
