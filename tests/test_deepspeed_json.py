@@ -186,3 +186,30 @@ def test_an_edit_of_a_file_the_configs_name_is_a_new_rehearsal(tmp_path):
     assert len(set(keys)) == len(keys)
     (tmp_path / "unrelated.txt").write_text("x")
     assert driver.cache_key(batch, tmp_path) == keys[-1]
+
+
+@pytest.mark.unit
+def test_a_tokenizer_folder_beside_a_models_weights_is_keyed_without_reading_the_weights(tmp_path, monkeypatch):
+    """chat_template_path may name a tokenizer's folder, which may be a model's: its weights are keyed by size and time,
+    not read at every dry run."""
+    from pathlib import Path
+
+    from orchestrator.rehearsal import driver
+
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    with open(model / "model.safetensors", "wb") as weights:
+        weights.truncate(3 << 30)  # 3 GiB, sparse
+    (tmp_path / "trl.yaml").write_text(f"chat_template_path: {model}\n")
+    argv = ["accelerate", "launch", "-m", "orchestrator.train", "sft", "--config", "trl.yaml"]
+    batch = driver.roles_batch("sft", [driver.Role("head", argv)], [], 8)
+    read, real = [], Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self.name) or real(self))
+    first = driver.cache_key(batch, tmp_path)
+    assert "tokenizer_config.json" in read and "model.safetensors" not in read
+    (model / "tokenizer_config.json").write_text('{"chat_template": "{{ other }}"}')
+    second = driver.cache_key(batch, tmp_path)
+    with open(model / "model.safetensors", "r+b") as weights:
+        weights.truncate(2 << 30)
+    assert len({first, second, driver.cache_key(batch, tmp_path)}) == 3

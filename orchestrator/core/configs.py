@@ -128,6 +128,10 @@ def load(env: Mapping[str, str], workdir: Path = Path(".")) -> Configs:
     return Configs(accel, trl, accel_file)
 
 
+BIG_FILE = 1 << 20
+"""files_named reads a file up to this size; a bigger one is keyed by its name, size and modification time."""
+
+
 def files_named(argv: list[str], workdir: Path) -> list[bytes]:
     """The contents of the files an argv names, directly or through its configs (their edits change the result):
     the Accelerate config and its DeepSpeed JSON, the TRL config, its chat template (a file, or a tokenizer's
@@ -135,12 +139,16 @@ def files_named(argv: list[str], workdir: Path) -> list[bytes]:
     override) keys both (a rehearsal's cache key: rehearsal/driver.py)."""
     import yaml
 
+    def bytes_of(path: Path) -> bytes:  # a big file (a model's weights beside its tokenizer): its size and time
+        stat = path.stat()
+        return path.read_bytes() if stat.st_size <= BIG_FILE else f"{stat.st_size}:{stat.st_mtime_ns}".encode()
+
     def read(name: object) -> list[bytes]:
         path = Path(str(name))
         path = path if path.is_absolute() else workdir / path
         if path.is_dir():
-            return [p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()]
-        return [path.read_bytes() if path.is_file() else b""]
+            return [p.name.encode() + bytes_of(p) for p in sorted(path.iterdir()) if p.is_file()]
+        return [bytes_of(path) if path.is_file() else b""]
 
     def loaded(content: bytes) -> dict:
         with contextlib.suppress(yaml.YAMLError, UnicodeDecodeError):
