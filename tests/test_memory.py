@@ -429,6 +429,7 @@ def test_orch_plan_gives_each_recipes_launch_figure_from_its_settings(name, monk
     argv += ["--no-checkpointing"] if not setup.checkpointing else []
     argv += ["--vllm-colocate", str(setup.vllm_share)] if setup.vllm_share else []
     argv += ["--vllm-sleep"] if setup.vllm_sleeps else []
+    argv += ["--vllm-max-len", str(setup.vllm_max_len)] if setup.vllm_max_len else []
     if setup.seq_split > 1:
         argv += ["--cp" if setup.strategy == "fsdp" else "--sp", str(setup.seq_split)]
     assert setup.lora_targets in (memory.PEFT_DEFAULT_TARGETS, ("all-linear",)) and setup.mixed_precision
@@ -499,3 +500,33 @@ def test_orch_run_warns_of_a_max_length_beyond_the_models_positions(project):
     assert result.returncode == 0, result.stderr
     assert "[orch] warning: max_length=8192 is beyond the 4096 positions microsoft/Phi-3-mini-4k-instruct" in \
         result.stdout  # fmt: skip
+
+
+def test_a_colocated_vllm_share_that_cannot_hold_one_sequence_of_its_max_model_len_is_refused(plan):
+    """TRL leaves vLLM's max_model_len to vLLM, which takes the model's positions: Llama 3.1's 131072 tokens need 16 GiB
+    of KV cache, which a 0.3 share of an H100 does not hold beside the weights; vLLM refused to start on every rank,
+    after the download. The KV figure is vLLM's own (its refusal for Qwen3-8B's 40960 positions: 5.62 GiB)."""
+    qwen3 = models.KNOWN_ARCHS["qwen/qwen3-8b"]
+    assert fit.vllm_kv_gib(qwen3, 40960) == pytest.approx(5.62, abs=0.005)
+    llama = models.KNOWN_ARCHS["meta-llama/llama-3.1-8b-instruct"]
+    grpo = memory.Setup(llama, trainer="grpo", method="lora", strategy="ddp", micro_batch=8, seq_len=1536,
+                        completion_len=1024, vllm_share=0.3)  # fmt: skip
+    with pytest.raises(fit.OrchError) as refused:
+        fit.check_gpu(grpo, 80, "H100")
+    assert str(refused.value) == (
+        "colocated vLLM cannot start: its share of each H100 (vllm_gpu_memory_utilization 0.3, 24.0 GiB) does not hold "
+        "the weights (15.0 GiB) and the KV cache of one 131072-token sequence, its max_model_len (the model's "
+        "positions) (16.0 GiB), which vLLM refuses to start without; set vllm_max_model_length=1536 (the prompt and "
+        "completion TRL generates: 0.2 GiB of KV cache), or vllm_gpu_memory_utilization=0.4 if the trainer fits beside "
+        "it, or vLLM on a node of its own (vllm_mode=server with VLLM_SERVER_NODES=1)")
+    for fixed in ({"vllm_max_len": 1536}, {"vllm_share": 0.4}):
+        fit.check_gpu(memory.with_(grpo, **fixed), 80, "H100")
+    fit.check_gpu(memory.with_(grpo, arch=qwen3), 80, "H100")  # 15.3 + 5.6 GiB in 24
+    args = ["meta-llama/Llama-3.1-8B-Instruct", "--trainer", "grpo", "--peft", "lora", "--batch", "8",
+            "--vllm-colocate", "0.3"]  # fmt: skip
+    rows = plan(*args).stdout
+    assert re.search(r"^H100 +- +none: vLLM's KV cache +80$", rows, re.M), rows  # as the launch check refuses it
+    assert "one 131072-token sequence (its max_model_len), which vLLM refuses to start without; --vllm-max-len N" \
+        in rows  # fmt: skip
+    assert re.search(r"^H100 +1 x 8 +DDP ", plan(*args, "--vllm-max-len", "1024").stdout, re.M)
+

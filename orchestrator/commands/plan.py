@@ -60,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--vllm-colocate", type=float, metavar="SHARE",
                         help="grpo/rloo generating with vLLM inside each training process (TRL's vllm_mode colocate): "
                         "the share of every GPU's memory it holds (vllm_gpu_memory_utilization; TRL's default 0.3)")
+    parser.add_argument("--vllm-max-len", type=int, metavar="N",
+                        help="with --vllm-colocate: vLLM's max_model_len (TRL's vllm_max_model_length; default the "
+                        "model's positions, whose KV cache vLLM must hold for one sequence to start)")
     parser.add_argument("--vllm-sleep", action="store_true",
                         help="with --vllm-colocate: vllm_enable_sleep_mode (vLLM frees its share while the trainer "
                         "steps)")  # fmt: skip
@@ -101,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
     from orchestrator.node import model_config
 
     for flag in ("max_length", "max_completion_length", "batch", "lora_r", "gpus_per_node", "max_nodes", "gpus", "cp",
-                 "sp"):
+                 "sp", "vllm_max_len"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise OrchError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a positive whole number")
     spec = trainers.spec(args.trainer)
@@ -125,8 +128,9 @@ def main(args: argparse.Namespace) -> int:
         if not 0 < args.vllm_colocate <= 1:
             raise OrchError(f"--vllm-colocate {args.vllm_colocate:g}: give the share of a GPU's memory vLLM holds, "
                             "above 0 and at most 1 (TRL's default 0.3)")  # fmt: skip
-    elif args.vllm_sleep:
-        raise OrchError("--vllm-sleep goes with --vllm-colocate: e.g. --vllm-colocate 0.3 --vllm-sleep")
+    elif args.vllm_sleep or args.vllm_max_len:
+        flag = "--vllm-sleep" if args.vllm_sleep else "--vllm-max-len"
+        raise OrchError(f"{flag} goes with --vllm-colocate: e.g. --vllm-colocate 0.3 {flag}")
     if (args.strategy is None) != (args.gpus is None):
         raise OrchError("--strategy and --gpus go together: e.g. --strategy fsdp --gpus 16")
     if args.beta is not None and spec.reference != "beta":
@@ -173,6 +177,7 @@ def main(args: argparse.Namespace) -> int:
         nested_quant=args.nested_quant,
         vllm_share=args.vllm_colocate or 0.0,
         vllm_sleeps=args.vllm_sleep,
+        vllm_max_len=args.vllm_max_len or 0,
         optim=args.optim,
     )
     what = {"full": "full fine-tune", "lora": f"LoRA r{args.lora_r}", "qlora": f"QLoRA (NF4) r{args.lora_r}"}
@@ -197,6 +202,7 @@ def main(args: argparse.Namespace) -> int:
 
     prices = backends.node_prices(per_node)
     no_bf16: list[str] = []
+    no_vllm: list[str] = []
     no_kernels: list[str] = []
     planned: list[tuple[int, memory.Setup]] = []
     rows = [("ACCELERATOR", "NODES", "STRATEGY", "GIB/GPU", "OF", "$/H", "INSTANCE", "FEWER NODES WITH CPU OFFLOAD")]
@@ -208,6 +214,12 @@ def main(args: argparse.Namespace) -> int:
         if args.dtype == "bfloat16" and not precision.native_bf16(name):  # a launch there is refused (precision.py)
             rows.append((name, "-", "none in bf16", "", str(capacity), "", "", ""))
             no_bf16.append(name)
+            continue
+        try:  # a colocated vLLM engine that cannot start on this GPU, at any node count
+            fit_rules.check_vllm_room(base, capacity, name)
+        except OrchError:
+            rows.append((name, "-", "none: vLLM's KV cache", "", str(capacity), "", "", ""))
+            no_vllm.append(name)
             continue
         usable = capacity * preflight.USABLE_FRACTION
         need = functools.partial(fit_rules.with_vllm, capacity_gib=capacity)  # with vLLM's share of this GPU
@@ -245,6 +257,11 @@ def main(args: argparse.Namespace) -> int:
         unless = f", unless --image-id names an image holding its CUDA {' or '.join(others)} build" if others else ""
         print(f"{', '.join(sorted(no_kernels))}: torch {table['torch']}'s CUDA {table['lock_cuda']} build, which the "
               f"nodes install (uv.lock), has no kernels for them: a launch there is refused{unless}")  # fmt: skip
+    if no_vllm:
+        tokens = base.vllm_max_len or arch.positions
+        print(f"{', '.join(sorted(no_vllm))}: colocated vLLM's share does not hold the weights and the KV cache of one "
+              f"{tokens}-token sequence (its max_model_len), which vLLM refuses to start without; --vllm-max-len N "
+              "(TRL's vllm_max_model_length) or a larger --vllm-colocate plans them")  # fmt: skip
     if no_bf16:
         print(f"{', '.join(sorted(no_bf16))}: no bf16 tensor cores (a launch there in bf16 is refused); "
               "--dtype float32 plans them for fp16 mixed precision over fp32 weights")  # fmt: skip

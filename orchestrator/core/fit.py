@@ -90,10 +90,11 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
     peft = truthy(setting("use_peft", False))
     targets = setting("lora_target_modules") or memory.PEFT_DEFAULT_TARGETS
     seq, completion = lengths(trainer, setting("max_length"), setting("max_completion_length"))
-    vllm_share = 0.0
+    vllm_share, vllm_max_len = 0.0, 0
     if trainers.spec(trainer).generates:
         if truthy(setting("use_vllm", False)) and str(setting("vllm_mode", "colocate")) == "colocate":
             vllm_share = float(setting("vllm_gpu_memory_utilization", VLLM_DEFAULT_SHARE))
+            vllm_max_len = int(setting("vllm_max_model_length") or 0)
     return memory.Setup(
         arch=arch,
         trainer=trainer,
@@ -123,6 +124,7 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         lora_dropout=float(setting("lora_dropout", 0.05)),
         nested_quant=truthy(setting("use_bnb_nested_quant", False)),
         vllm_share=vllm_share,
+        vllm_max_len=vllm_max_len,
         vllm_sleeps=vllm_share > 0 and truthy(setting("vllm_enable_sleep_mode", False)),
     )
 
@@ -196,13 +198,51 @@ def vllm_words(setup: memory.Setup, capacity_gib: float) -> str:
             f"{setup.vllm_share:g}{sleeping})")  # fmt: skip
 
 
+def vllm_kv_gib(arch: memory.Arch, tokens: int) -> float:
+    """The KV cache vLLM needs for `tokens` of one sequence: K and V of every layer's KV heads, in 16 bits (vLLM's
+    own figure for Qwen3-8B's 40960 positions: 5.62 GiB)."""
+    return 2 * arch.layers * arch.kv_heads * arch.hd * 2 * tokens / memory.GIB
+
+
+def check_vllm_room(setup: memory.Setup, capacity_gib: float, gpu: str) -> None:
+    """A colocated vLLM engine starts only where its share of the GPU holds the weights and the KV cache of one
+    sequence of its max_model_len (vLLM's "To serve at least one request with the model's max seq len (...)" at each
+    rank's trainer construction, after the download); TRL leaves max_model_len to vLLM, which takes the model's
+    positions (131072 for Llama 3.1: 16 GiB of KV cache). Refused only where weights and that cache alone exceed the
+    share: vLLM's profiling run and CUDA graphs take more besides."""
+    tokens = setup.vllm_max_len or setup.arch.positions
+    if not setup.vllm_share or not tokens:
+        return
+    share = setup.vllm_share * capacity_gib
+    weights = setup.arch.params * memory.DTYPE_BYTES.get(setup.weights_dtype, 2) / memory.GIB
+    kv = vllm_kv_gib(setup.arch, tokens)
+    if weights + kv <= share:
+        return
+    fixes = []
+    generated = setup.seq_len  # the prompt and completion TRL asks for
+    if generated < tokens and weights + vllm_kv_gib(setup.arch, generated) <= share:
+        fixes.append(f"vllm_max_model_length={generated} (the prompt and completion TRL generates: "
+                     f"{vllm_kv_gib(setup.arch, generated):.1f} GiB of KV cache)")  # fmt: skip
+    needed = math.ceil((weights + kv) / capacity_gib * 20) / 20
+    if needed < 1:
+        fixes.append(f"vllm_gpu_memory_utilization={needed:g} if the trainer fits beside it")
+    fixes.append("vLLM on a node of its own (vllm_mode=server with VLLM_SERVER_NODES=1)")
+    given = "vllm_max_model_length" if setup.vllm_max_len else "its max_model_len (the model's positions)"
+    raise OrchError(f"colocated vLLM cannot start: its share of each {gpu} (vllm_gpu_memory_utilization "
+                    f"{setup.vllm_share:g}, {share:.1f} GiB) does not hold the weights ({weights:.1f} GiB) and the KV "
+                    f"cache of one {tokens}-token sequence, {given} ({kv:.1f} GiB), which vLLM refuses to start "
+                    "without; set " + ", or ".join(fixes))  # fmt: skip
+
+
 def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Estimate:
     """The estimate when it fits one GPU of `capacity_gib` (`gpu` names it), with a colocated vLLM engine's reserve,
-    else an error naming a strategy, a vLLM setting or an accelerator that fits."""
+    else an error naming a strategy, a vLLM setting or an accelerator that fits; and a colocated vLLM engine's share
+    holds what vLLM needs to start (check_vllm_room)."""
     estimate = memory.estimate(setup)
     usable = capacity_gib * USABLE_FRACTION
     need = with_vllm(estimate, capacity_gib)
     if need <= usable:
+        check_vllm_room(setup, capacity_gib, gpu)
         return estimate
     fixes = []
     if setup.vllm_share and estimate.gib <= usable:  # the trainer alone fits: vLLM's reserve is what does not

@@ -157,8 +157,7 @@ class Setup:
     """DeepSpeed's reduce_bucket_size in elements: a DeepSpeed JSON's own (reduce_bucket_of), 0 for DeepSpeed's
     default (DS_REDUCE_BUCKET)."""
     reduce_buckets: int = 1
-    """How many such buckets DeepSpeed holds (buckets_of): 2 with a JSON's overlap_comm on ZeRO-1/2, 0 without
-    contiguous_gradients."""
+    """How many such buckets DeepSpeed holds (buckets_of)."""
     seq_len: int = 1024
     completion_len: int = 0
     """A generating trainer's (GRPO, RLOO) completion part of seq_len, the only part the LM head scores."""
@@ -181,6 +180,8 @@ class Setup:
     """The fraction of each GPU a colocated vLLM engine reserves for itself (TRL's vllm_gpu_memory_utilization with
     vllm_mode colocate; vLLM takes it of the GPU's total, per engine, whatever the trainer holds): core/fit.py adds
     it to the estimate, which is the trainer's alone."""
+    vllm_max_len: int = 0
+    """TRL's vllm_max_model_length, the engine's max_model_len (0: vLLM's default, the model's positions)."""
     vllm_sleeps: bool = False
     """vllm_enable_sleep_mode: the engine frees its share while the trainer steps (level 2), and holds it while it
     generates, beside the trainer's states."""
