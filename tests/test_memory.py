@@ -530,3 +530,24 @@ def test_a_colocated_vllm_share_that_cannot_hold_one_sequence_of_its_max_model_l
         in rows  # fmt: skip
     assert re.search(r"^H100 +1 x 8 +DDP ", plan(*args, "--vllm-max-len", "1024").stdout, re.M)
 
+
+
+def test_the_vllm_server_node_is_checked_for_its_weights_and_one_sequences_kv_cache():
+    """The server node's `trl vllm-serve` takes 0.9 of each GPU for the weights over its tensor-parallel size and one
+    model-length sequence's KV cache; Llama-3.1-8B on an L4 needs 31 GiB of its 21.6: vLLM refused to start on the
+    server node while the trainers waited for it. The fix names the tensor-parallel size that fits."""
+    llama = models.KNOWN_ARCHS["meta-llama/llama-3.1-8b-instruct"]
+    with pytest.raises(fit.OrchError) as refused:
+        fit.check_vllm_server(llama, 24, "L4", 4, 1)
+    assert str(refused.value) == (
+        "the vLLM server node cannot start: trl vllm-serve takes 0.9 of each L4 (21.6 GiB), which does not hold its "
+        "part of the weights (15.0 GiB at tensor_parallel_size 1) and of the KV cache of one 131072-token sequence, "
+        "the model's positions (16.0 GiB), which vLLM refuses to start without; set --env "
+        "VLLM_TENSOR_PARALLEL_SIZE=2 (each GPU then holds 15.5 GiB)")
+    fit.check_vllm_server(llama, 24, "L4", 4, 2)
+    fit.check_vllm_server(llama, 80, "H100", 8, 1)
+    big = models.KNOWN_ARCHS["meta-llama/llama-3.1-70b-instruct"]
+    with pytest.raises(fit.OrchError, match=r"VLLM_TENSOR_PARALLEL_SIZE=4 \(each GPU then holds 42\.9 GiB\)$"):
+        fit.check_vllm_server(big, 80, "H100", 8, 1)
+    with pytest.raises(fit.OrchError, match=r"; use a GPU with more memory$"):
+        fit.check_vllm_server(big, 24, "L4", 2, 1)

@@ -234,6 +234,35 @@ def check_vllm_room(setup: memory.Setup, capacity_gib: float, gpu: str) -> None:
                     "without; set " + ", or ".join(fixes))  # fmt: skip
 
 
+VLLM_SERVE_SHARE = 0.9  # trl vllm-serve's gpu_memory_utilization (node/vllm.server_argv gives none)
+
+
+def check_vllm_server(arch: memory.Arch, capacity_gib: float, gpu: str, gpus: int, tp: int) -> None:
+    """The vLLM server node's engines (`trl vllm-serve`, tensor_parallel_size `tp` over its `gpus`) start only where
+    0.9 of each GPU holds its part of the weights and of one model-length sequence's KV cache (vLLM splits the KV
+    heads over the tensor-parallel ranks, each keeping one at least): else one line naming the tensor-parallel size
+    that fits (VLLM_TENSOR_PARALLEL_SIZE)."""
+    if not arch.positions:
+        return
+    share = VLLM_SERVE_SHARE * capacity_gib
+
+    def parts(t: int) -> tuple[float, float]:  # (weights, KV cache) GiB on one GPU
+        kv = vllm_kv_gib(arch, arch.positions) * max(1, arch.kv_heads // t) / arch.kv_heads
+        return arch.params * 2 / t / memory.GIB, kv
+
+    if sum(parts(tp)) <= share:
+        return
+    sizes = [t for t in range(tp + 1, gpus + 1) if gpus % t == 0 and arch.heads % t == 0 and sum(parts(t)) <= share]
+    fix = "use a GPU with more memory"
+    if sizes:
+        fix = f"set --env VLLM_TENSOR_PARALLEL_SIZE={sizes[0]} (each GPU then holds {sum(parts(sizes[0])):.1f} GiB)"
+    weights, kv = parts(tp)
+    raise OrchError(f"the vLLM server node cannot start: trl vllm-serve takes {VLLM_SERVE_SHARE:g} of each {gpu} "
+                    f"({share:.1f} GiB), which does not hold its part of the weights ({weights:.1f} GiB at "
+                    f"tensor_parallel_size {tp}) and of the KV cache of one {arch.positions}-token sequence, the "
+                    f"model's positions ({kv:.1f} GiB), which vLLM refuses to start without; {fix}")  # fmt: skip
+
+
 def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Estimate:
     """The estimate when it fits one GPU of `capacity_gib` (`gpu` names it), with a colocated vLLM engine's reserve,
     else an error naming a strategy, a vLLM setting or an accelerator that fits; and a colocated vLLM engine's share

@@ -163,6 +163,10 @@ def run(launch, trainer_nodes: int, gpus: Gpus | None) -> memory.Estimate | None
         check_disk(launch, setup, trainer_nodes)
         return memory.estimate(setup)
     estimate = check_memory(setup, name)
+    if trainer_nodes < launch.nodes:  # the last node serves vLLM (VLLM_SERVER_NODES=1)
+        tp = str(launch.envs.get("VLLM_TENSOR_PARALLEL_SIZE") or "1").strip()  # node/vllm.py refuses a bad one
+        if tp.isdigit() and int(tp) >= 1:
+            fit.check_vllm_server(setup.arch, accelerators.memory_gib(name), name, per_node, int(tp))
     check_gpu_at_load(at_load(setup, per_node, accel), name, setup.needs_bf16)
     check_disk(launch, setup, trainer_nodes)
     return estimate
