@@ -74,12 +74,17 @@ def test_a_json_accelerate_would_stop_on_is_one_line(tmp_path):
                                         r"zero_optimization mapping, which accelerate requires"):  # fmt: skip
         configs.load_accelerate(accel, tmp_path)
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3,}}')
-    with pytest.raises(OrchError, match=r"^Accelerate config accel.yaml: deepspeed_config_file ds.json: not JSON \("):
+    with pytest.raises(OrchError, match=r"^DeepSpeed JSON \S+/ds.json is not valid JSON \(line 1: "):
         configs.load_accelerate(accel, tmp_path)
     (tmp_path / "ds.json").unlink()
     with pytest.raises(OrchError, match=r"^Accelerate config accel.yaml: deepspeed_config_file ds.json is not a file "
                                         r"in the workdir: accelerate reads it on the nodes"):  # fmt: skip
         configs.load_accelerate(accel, tmp_path)
+    config = yaml.safe_load((tmp_path / "accel.yaml").read_text())
+    config["deepspeed_config"]["deepspeed_config_file"] = "x" * 300  # no file name: nor JSON, nor base64 of it
+    (tmp_path / "long.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(OrchError, match=r"^Accelerate config long.yaml: deepspeed_config_file x{300} is not a file in"):
+        configs.load_accelerate("long.yaml", tmp_path)
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": "three"}}')
     with pytest.raises(OrchError, match=r"zero_optimization.stage='three' is not a whole number"):
         configs.load_accelerate(accel, tmp_path)
@@ -213,3 +218,16 @@ def test_a_tokenizer_folder_beside_a_models_weights_is_keyed_without_reading_the
     with open(model / "model.safetensors", "r+b") as weights:
         weights.truncate(2 << 30)
     assert len({first, second, driver.cache_key(batch, tmp_path)}) == 3
+    # a FIFO or a device is keyed as one, never read (a read of a FIFO waits for a writer, /dev/zero never ends)
+    import os
+    import threading
+
+    os.mkfifo(model / "pipe")
+    (tmp_path / "trl.yaml").write_text(f"chat_template_path: {model}\nreward_funcs: [dev.zero.f]\n")
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "zero.py").symlink_to("/dev/zero")
+    keyed: list[str] = []
+    worker = threading.Thread(target=lambda: keyed.append(driver.cache_key(batch, tmp_path)), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert keyed and "pipe" not in read and "zero.py" not in read

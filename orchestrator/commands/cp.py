@@ -101,7 +101,7 @@ def _deepspeed_json(accel_value: str) -> Path | None:
     ds = config.get("deepspeed_config") if isinstance(config, dict) else None
     name = ds.get("deepspeed_config_file") if isinstance(ds, dict) else None
     path = deepspeed_json_path(str(name), Path(".")) if name else None
-    return path if path is not None and path.is_file() else None
+    return path if path is not None and os.path.isfile(path) else None  # (a JSON given inline is no file name)
 
 
 def _relative(path: Path) -> str:

@@ -14,6 +14,8 @@ import contextlib
 import importlib.util
 import itertools
 import json
+import os
+import stat
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
@@ -100,22 +102,18 @@ def deepspeed_settings(config: AccelerateConfig, value: str, workdir: Path) -> A
         return config
     where = f"Accelerate config {value}: deepspeed_config_file {name}"
     path = deepspeed_json_path(name, workdir)
-    try:
-        if path.is_file():
-            text = path.read_text(encoding="utf-8")
-        else:
+    if os.path.exists(path):  # as accelerate tells a file from the JSON itself (a long JSON is no file name)
+        data = files.load_json(path, "DeepSpeed JSON", files.CONFIG_MAX)
+    else:
+        try:
             try:
-                json.loads(name)
-                text = name
+                data = json.loads(name)
             except ValueError:
-                text = base64.urlsafe_b64decode(name).decode("utf-8")
-        data = json.loads(text)
-    except (OSError, ValueError, binascii.Error) as exc:
-        if path.is_file():
-            raise OrchError(f"{where}: not JSON ({exc}); accelerate would stop on every node") from None
-        raise OrchError(f"{where} is not a file in the workdir: accelerate reads it on the nodes from the directory it "
-                        "runs in, the workdir orch run uploads (the repository root); give its path from there or "
-                        "the JSON itself") from None  # fmt: skip
+                data = json.loads(base64.urlsafe_b64decode(name).decode("utf-8"))
+        except (ValueError, binascii.Error, RecursionError):
+            raise OrchError(f"{where} is not a file in the workdir: accelerate reads it on the nodes from the "
+                            "directory it runs in, the workdir orch run uploads (the repository root); give its path "
+                            "from there or the JSON itself") from None  # fmt: skip
     return with_deepspeed_json(config, data, where)
 
 
@@ -130,6 +128,8 @@ def load(env: Mapping[str, str], workdir: Path = Path(".")) -> Configs:
 
 BIG_FILE = 1 << 20
 """files_named reads a file up to this size; a bigger one is keyed by its name, size and modification time."""
+MAX_ENTRIES = 1000
+"""Of a folder (a tokenizer's), the entries files_named keys, in name order."""
 
 
 def files_named(argv: list[str], workdir: Path) -> list[bytes]:
@@ -137,22 +137,29 @@ def files_named(argv: list[str], workdir: Path) -> list[bytes]:
     the Accelerate config and its DeepSpeed JSON, the TRL config, its chat template (a file, or a tokenizer's
     folder) and the workdir's modules its dotted reward functions import. A value given twice (the TRL config's and an
     override) keys both (a rehearsal's cache key: rehearsal/driver.py)."""
-    import yaml
-
-    def bytes_of(path: Path) -> bytes:  # a big file (a model's weights beside its tokenizer): its size and time
-        stat = path.stat()
-        return path.read_bytes() if stat.st_size <= BIG_FILE else f"{stat.st_size}:{stat.st_mtime_ns}".encode()
+    def bytes_of(path: Path) -> bytes:  # a regular file's; a big one (a model's weights beside its tokenizer): its
+        try:  # size and time; never a FIFO's or a device's
+            found = path.stat()
+            if not stat.S_ISREG(found.st_mode):
+                return b"not a regular file"
+            return path.read_bytes() if found.st_size <= BIG_FILE else f"{found.st_size}:{found.st_mtime_ns}".encode()
+        except OSError:  # absent, unreadable, a name too long to be a file
+            return b""
 
     def read(name: object) -> list[bytes]:
         path = Path(str(name))
         path = path if path.is_absolute() else workdir / path
-        if path.is_dir():
-            return [p.name.encode() + bytes_of(p) for p in sorted(path.iterdir()) if p.is_file()]
-        return [bytes_of(path) if path.is_file() else b""]
+        try:
+            entries = sorted(path.iterdir())[:MAX_ENTRIES] if path.is_dir() else None
+        except OSError:
+            entries = None
+        if entries is not None:
+            return [p.name.encode() + bytes_of(p) for p in entries]
+        return [bytes_of(path)]
 
     def loaded(content: bytes) -> dict:
-        with contextlib.suppress(yaml.YAMLError, UnicodeDecodeError):
-            data = yaml.safe_load(content)
+        with contextlib.suppress(OrchError, UnicodeDecodeError):
+            data = files.parse_yaml(content.decode("utf-8"), "a config")
             return data if isinstance(data, dict) else {}
         return {}
 
