@@ -137,6 +137,7 @@ def files_named(argv: list[str], workdir: Path) -> list[bytes]:
     the Accelerate config and its DeepSpeed JSON, the TRL config, its chat template (a file, or a tokenizer's
     folder) and the workdir's modules its dotted reward functions import. A value given twice (the TRL config's and an
     override) keys both (a rehearsal's cache key: rehearsal/driver.py)."""
+
     def bytes_of(path: Path) -> bytes:  # a regular file's; a big one (a model's weights beside its tokenizer): its
         try:  # size and time; never a FIFO's or a device's
             found = path.stat()
@@ -174,7 +175,7 @@ def files_named(argv: list[str], workdir: Path) -> list[bytes]:
     for flag in ("--config_file", "--config"):
         if flag not in argv:
             continue
-        content = read(argv[argv.index(flag) + 1])[0]
+        content = (read(argv[argv.index(flag) + 1]) or [b""])[0]  # (a folder's first file, none of an empty one)
         found.append(content)
         config = loaded(content)
         if flag == "--config_file":
