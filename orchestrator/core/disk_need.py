@@ -60,21 +60,15 @@ class Checkpoint:
 
 
 def per_parameter(setup: memory.Setup) -> tuple[float, float]:
-    """(weights, optimizer state) bytes of a trained parameter in a checkpoint: core/memory.states' accounting, except
-    that DeepSpeed's weights take the module's dtype (bf16 under mixed precision) and its optimizer partition is
-    fp32 master and the optimizer's states on it whatever the weights' dtype. The states are the optim's
-    (core/optimizers.py; its state dict as torch.save writes it: tests/test_optim_memory.py)."""
-    dtype = memory.DTYPE_BYTES[setup.weights_dtype]
-    s, optim = setup.strategy, setup.optim
-    if setup.method == "qlora" and not s.startswith("zero"):
-        return 2, optim_bytes(optim, 2)  # TRL casts a 4-bit model's adapter to bf16; Adam's moments take its dtype
-    if setup.method == "lora":
-        return 4, optim_bytes(optim, 4)  # PEFT's fp32 adapters
-    if s.startswith("zero"):
-        return (2 if setup.mixed_precision else dtype), 4 + optim_bytes(optim, 4)
-    if s == "fsdp" and setup.mixed_precision:
-        return 4, optim_bytes(optim, 4)  # accelerate upcasts trainable parameters to fp32
-    return dtype, optim_bytes(optim, dtype)  # AdamW's moments take the parameter's dtype
+    """(weights, optimizer state) bytes of a trained parameter in a checkpoint: core/memory.per_parameter's, except
+    that DeepSpeed's weights take the module's dtype (bf16 under mixed precision) and its optimizer partition (QLoRA's
+    too) is fp32 master and the optimizer's states on it whatever the weights' dtype (core/optimizers.py; torch.save
+    writes them so: tests/test_optim_memory.py)."""
+    if setup.strategy.startswith("zero") and setup.method != "lora":
+        module: float = 2 if setup.mixed_precision else memory.DTYPE_BYTES[setup.weights_dtype]
+        return module, 4 + optim_bytes(setup.optim, 4)
+    weights, _, optimizer = memory.per_parameter(setup)
+    return weights, optimizer
 
 
 def trained_params(setup: memory.Setup) -> int:

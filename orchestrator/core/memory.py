@@ -147,15 +147,12 @@ class Setup:
     offload: bool = False
     offload_weights: bool = True
     """With offload: the weights leave the GPUs too (FSDP's fsdp_offload_params, DeepSpeed's offload_param_device);
-    False for DeepSpeed's offload_optimizer_device alone (ZeRO-Offload), which moves the optimizer's fp32 master and
-    moments (and ZeRO-1/2's gradient partitions) to the host and keeps the 16-bit weights on every GPU."""
+    False for offload_optimizer_device alone (ZeRO-Offload): the 16-bit weights stay, the optimizer moves (states)."""
     micro_batch: int = 8
     optim: str = DEFAULT_OPTIM
-    """transformers' optim (core/optimizers.py: the states it keeps); with a DeepSpeed JSON's optimizer section,
-    DeepSpeed's own: AdamW."""
+    """transformers' optim (core/optimizers.py); DeepSpeed's own AdamW for a DeepSpeed JSON's optimizer section."""
     reduce_bucket: int = 0
-    """DeepSpeed's reduce_bucket_size in elements: a DeepSpeed JSON's own (reduce_bucket_of), 0 for DeepSpeed's
-    default (DS_REDUCE_BUCKET)."""
+    """DeepSpeed's reduce_bucket_size in elements (reduce_bucket_of), 0 for its default (DS_REDUCE_BUCKET)."""
     reduce_buckets: int = 1
     """How many such buckets DeepSpeed holds (buckets_of)."""
     seq_len: int = 1024
@@ -215,6 +212,20 @@ def trained_params(setup: Setup) -> int:
     return setup.arch.layers * sum(setup.lora_r * (shapes[n][0] + shapes[n][1]) for n in _targets(setup))
 
 
+def per_parameter(setup: Setup) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes of a trained parameter (core/disk_need.py's checkpoint bytes too)."""
+    dtype, s, optim = DTYPE_BYTES[setup.weights_dtype], setup.strategy, setup.optim
+    if setup.method == "qlora" and not s.startswith("zero"):  # TRL casts a 4-bit model's adapter to bf16 (read back:
+        return 2, 2, optim_bytes(optim, 2)  # train/precision.py); accelerate's FSDP upcast skips 4-bit models
+    if setup.method in ("lora", "qlora"):
+        return 4, 4, optim_bytes(optim, 4)  # PEFT's fp32 adapters, the optimizer's states on them
+    if s.startswith("zero"):
+        return 2, 2, 4 + optim_bytes(optim, 4)  # bf16 weights and gradients; fp32 master, Adam's m and v
+    if s == "fsdp" and setup.mixed_precision:
+        return 4, 4, optim_bytes(optim, 4)  # accelerate upcasts trainable parameters to fp32
+    return dtype, dtype, optim_bytes(optim, dtype)  # AdamW's moments take the parameter's dtype
+
+
 def states(setup: Setup) -> dict[str, float]:
     """Bytes per GPU of trained weights, their gradients and optimizer states, and frozen weights."""
     a, n, s = setup.arch, setup.gpus, setup.strategy
@@ -222,17 +233,7 @@ def states(setup: Setup) -> dict[str, float]:
     peft = setup.method in ("lora", "qlora")
     trained = trained_params(setup)
     sharded = s in ("fsdp", "zero3")
-    optim = setup.optim
-    if setup.method == "qlora" and not s.startswith("zero"):  # TRL casts a 4-bit model's adapter to bf16 (read back:
-        w, g, opt = 2, 2, optim_bytes(optim, 2)  # train/precision.py); accelerate's FSDP upcast skips 4-bit models
-    elif peft:
-        w, g, opt = 4, 4, optim_bytes(optim, 4)  # PEFT's fp32 adapters, the optimizer's states on them
-    elif s.startswith("zero"):
-        w, g, opt = 2, 2, 4 + optim_bytes(optim, 4)  # bf16 weights and gradients; fp32 master, Adam's m and v
-    elif s == "fsdp" and setup.mixed_precision:
-        w, g, opt = 4, 4, optim_bytes(optim, 4)  # accelerate upcasts trainable parameters to fp32
-    else:
-        w, g, opt = dtype, dtype, optim_bytes(optim, dtype)  # AdamW's moments take the parameter's dtype
+    w, g, opt = per_parameter(setup)
     split = {"ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (1, n, n)}.get(s, (n, n, n))
     out = {"weights": trained * w / split[0], "gradients": trained * g / split[1]}
     out["optimizer"] = trained * opt / split[2]
