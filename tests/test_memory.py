@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import cli
-from orchestrator.core import fit, load_memory, memory, models, trainers
+from orchestrator.core import fit, load_memory, memory, models, trainers, vllm_fit
 
 pytestmark = pytest.mark.unit
 
@@ -268,7 +268,7 @@ def test_colocated_vllm_reserves_its_share_of_each_gpu_beside_the_trainer():
     now = fit.setup_of("grpo", paired.trl, paired.accelerate, 8)  # the shipped recipe: 8 x 1536, 0.3
     assert fit.tokens_words(now) == ("8 x 1536 tokens per device (prompts taken as 512 tokens: TRL keeps them whole; "
                                      "1024 completion)")  # fmt: skip
-    assert fit.with_vllm(fit.check_gpu(now, 40, "A100"), 40) <= 40 * fit.USABLE_FRACTION
+    assert vllm_fit.with_vllm(fit.check_gpu(now, 40, "A100"), 40) <= 40 * fit.USABLE_FRACTION
     # TRL's default share where the config names none; none in server mode or without vLLM
     assert fit.setup_of("grpo", {k: v for k, v in before.items() if k != "vllm_gpu_memory_utilization"},
                         paired.accelerate, 8).vllm_share == 0.3  # fmt: skip
@@ -278,7 +278,7 @@ def test_colocated_vllm_reserves_its_share_of_each_gpu_beside_the_trainer():
     # sleep mode: the share is held only beside the trainer's states while generating
     asleep = fit.setup_of("grpo", {**before, "vllm_enable_sleep_mode": True}, paired.accelerate, 8)
     states = sum(memory.states(asleep).values()) / memory.GIB
-    assert fit.with_vllm(memory.estimate(asleep), 40) == max(memory.estimate(asleep).gib, states + 1 + 18)
+    assert vllm_fit.with_vllm(memory.estimate(asleep), 40) == max(memory.estimate(asleep).gib, states + 1 + 18)
     fit.check_gpu(asleep, 40, "A100")
 
 
@@ -291,7 +291,7 @@ def _plan_rows(out: str) -> dict[str, tuple[str, str, float, float]]:
 @pytest.mark.unit
 def test_plan_counts_colocated_vllm_as_the_launch_check_does(plan):
     """`orch plan --trainer grpo` ignored a colocated vLLM engine's share of every GPU, which the launch check counts
-    (core/fit.with_vllm): it listed an L4 for GRPO that vLLM's share leaves no room on."""
+    (core/vllm_fit.with_vllm): it listed an L4 for GRPO that vLLM's share leaves no room on."""
     args = ("Qwen/Qwen2.5-1.5B-Instruct", "--trainer", "grpo", "--batch", "8", "--max-completion-length", "1024")
     bare, colocated = plan(*args), plan(*args, "--vllm-colocate", "0.35")
     assert bare.returncode == 0 and colocated.returncode == 0, bare.stderr + colocated.stderr
@@ -507,7 +507,7 @@ def test_a_colocated_vllm_share_that_cannot_hold_one_sequence_of_its_max_model_l
     of KV cache, which a 0.3 share of an H100 does not hold beside the weights; vLLM refused to start on every rank,
     after the download. The KV figure is vLLM's own (its refusal for Qwen3-8B's 40960 positions: 5.62 GiB)."""
     qwen3 = models.KNOWN_ARCHS["qwen/qwen3-8b"]
-    assert fit.vllm_kv_gib(qwen3, 40960) == pytest.approx(5.62, abs=0.005)
+    assert vllm_fit.vllm_kv_gib(qwen3, 40960) == pytest.approx(5.62, abs=0.005)
     llama = models.KNOWN_ARCHS["meta-llama/llama-3.1-8b-instruct"]
     grpo = memory.Setup(llama, trainer="grpo", method="lora", strategy="ddp", micro_batch=8, seq_len=1536,
                         completion_len=1024, vllm_share=0.3)  # fmt: skip
@@ -538,16 +538,16 @@ def test_the_vllm_server_node_is_checked_for_its_weights_and_one_sequences_kv_ca
     server node while the trainers waited for it. The fix names the tensor-parallel size that fits."""
     llama = models.KNOWN_ARCHS["meta-llama/llama-3.1-8b-instruct"]
     with pytest.raises(fit.OrchError) as refused:
-        fit.check_vllm_server(llama, 24, "L4", 4, 1)
+        vllm_fit.check_vllm_server(llama, 24, "L4", 4, 1)
     assert str(refused.value) == (
         "the vLLM server node cannot start: trl vllm-serve takes 0.9 of each L4 (21.6 GiB), which does not hold its "
         "part of the weights (15.0 GiB at tensor_parallel_size 1) and of the KV cache of one 131072-token sequence, "
         "the model's positions (16.0 GiB), which vLLM refuses to start without; set --env "
         "VLLM_TENSOR_PARALLEL_SIZE=2 (each GPU then holds 15.5 GiB)")
-    fit.check_vllm_server(llama, 24, "L4", 4, 2)
-    fit.check_vllm_server(llama, 80, "H100", 8, 1)
+    vllm_fit.check_vllm_server(llama, 24, "L4", 4, 2)
+    vllm_fit.check_vllm_server(llama, 80, "H100", 8, 1)
     big = models.KNOWN_ARCHS["meta-llama/llama-3.1-70b-instruct"]
     with pytest.raises(fit.OrchError, match=r"VLLM_TENSOR_PARALLEL_SIZE=4 \(each GPU then holds 42\.9 GiB\)$"):
-        fit.check_vllm_server(big, 80, "H100", 8, 1)
+        vllm_fit.check_vllm_server(big, 80, "H100", 8, 1)
     with pytest.raises(fit.OrchError, match=r"; use a GPU with more memory$"):
-        fit.check_vllm_server(big, 24, "L4", 2, 1)
+        vllm_fit.check_vllm_server(big, 24, "L4", 2, 1)

@@ -79,6 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--optim", default=optimizers.DEFAULT_OPTIM, choices=sorted(optimizers.OPTIM_STATES),
                         metavar="NAME", help="TRL's optim: the optimizer states a trained parameter keeps (default "
                         f"{optimizers.DEFAULT_OPTIM}; e.g. adamw_8bit, paged_adamw_8bit, adafactor, lion_8bit, sgd)")
+    parser.add_argument("--eval-batch", type=int, metavar="N",
+                        help="the run evaluates (eval_strategy) N sequences at a time (per_device_eval_batch_size; "
+                        "transformers' default 8): each row holds that evaluation too (not for grpo, rloo)")
     parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
                         help="the table's nodes: N GPUs each (default 8)")  # fmt: skip
     parser.add_argument("--max-nodes", type=int, default=16, metavar="N",
@@ -97,14 +100,14 @@ def _total_gpus(text: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from orchestrator.commands import print_table
-    from orchestrator.core import accelerators, cuda_arch, disk_need, load_memory, memory, models, precision
+    from orchestrator.core import accelerators, cuda_arch, disk_need, load_memory, memory, models, precision, vllm_fit
     from orchestrator.core import fit as fit_rules
     from orchestrator.core.errors import OrchError
     from orchestrator.launch import preflight
     from orchestrator.node import model_config
 
     for flag in ("max_length", "max_completion_length", "batch", "lora_r", "gpus_per_node", "max_nodes", "gpus", "cp",
-                 "sp", "vllm_max_len"):
+                 "sp", "vllm_max_len", "eval_batch"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise OrchError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a positive whole number")
     spec = trainers.spec(args.trainer)
@@ -131,6 +134,8 @@ def main(args: argparse.Namespace) -> int:
     elif args.vllm_sleep or args.vllm_max_len:
         flag = "--vllm-sleep" if args.vllm_sleep else "--vllm-max-len"
         raise OrchError(f"{flag} goes with --vllm-colocate: e.g. --vllm-colocate 0.3 {flag}")
+    if args.eval_batch and generates:
+        raise OrchError(f"--eval-batch: {args.trainer} evaluates by generating, which orch does not estimate")
     if (args.strategy is None) != (args.gpus is None):
         raise OrchError("--strategy and --gpus go together: e.g. --strategy fsdp --gpus 16")
     if args.beta is not None and spec.reference != "beta":
@@ -179,6 +184,7 @@ def main(args: argparse.Namespace) -> int:
         vllm_sleeps=args.vllm_sleep,
         vllm_max_len=args.vllm_max_len or 0,
         optim=args.optim,
+        eval_batch=args.eval_batch or 0,
     )
     what = {"full": "full fine-tune", "lora": f"LoRA r{args.lora_r}", "qlora": f"QLoRA (NF4) r{args.lora_r}"}
     vllm = ""
@@ -191,11 +197,14 @@ def main(args: argparse.Namespace) -> int:
         f"{fit_rules.tokens_words(base).replace(' per device', ' per GPU')}, activation checkpointing "
         f"{'off' if args.no_checkpointing else 'on'}{vllm}"
         + (f", optim {args.optim}" if args.optim != optimizers.DEFAULT_OPTIM else "")
+        + (f", evaluating {args.eval_batch} at a time" if args.eval_batch else "")
     )
     if args.strategy:
         one = memory.estimate(memory.with_(base, strategy=args.strategy, gpus=args.gpus, offload=args.offload))
         beside = f", plus colocated vLLM's {args.vllm_colocate:g} of the GPU's memory" if args.vllm_colocate else ""
         print(f"{preflight.label(one.setup)} on {args.gpus} GPU(s): {one.describe()}{beside}")
+        if during := memory.evaluation(one.setup):
+            print(f"evaluating: {during.describe()}")
         return 0
     per_node = args.gpus_per_node
     from orchestrator.launch import backends
@@ -216,13 +225,13 @@ def main(args: argparse.Namespace) -> int:
             no_bf16.append(name)
             continue
         try:  # a colocated vLLM engine that cannot start on this GPU, at any node count
-            fit_rules.check_vllm_room(base, capacity, name)
+            vllm_fit.check_vllm_room(base, capacity, name)
         except OrchError:
             rows.append((name, "-", "none: vLLM's KV cache", "", str(capacity), "", "", ""))
             no_vllm.append(name)
             continue
         usable = capacity * preflight.USABLE_FRACTION
-        need = functools.partial(fit_rules.with_vllm, capacity_gib=capacity)  # with vLLM's share of this GPU
+        need = functools.partial(_peak, capacity_gib=capacity)  # with vLLM's share of this GPU, or an evaluation
         fit = fit_rules.smallest_fit(base, usable, per_node, args.max_nodes, need=need, strategies=only)
         price = prices.get(name)
         offload = ""
@@ -268,3 +277,12 @@ def main(args: argparse.Namespace) -> int:
     if not prices:
         print("$/h: SkyPilot's catalog is not on this machine (`sky show-gpus` fetches it)")
     return 0
+
+
+def _peak(estimate, capacity_gib: float) -> float:
+    """GiB one GPU needs at the run's peak: the step with a colocated vLLM engine's share (core/vllm_fit.with_vllm),
+    or an evaluation (core/memory.evaluation), whichever is more."""
+    from orchestrator.core import memory, vllm_fit
+
+    during = memory.evaluation(estimate.setup)
+    return max(vllm_fit.with_vllm(estimate, capacity_gib), during.gib if during else 0.0)

@@ -24,6 +24,7 @@ from orchestrator.core import (
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import truthy
+from orchestrator.core.vllm_fit import VLLM_WEIGHTS_ROOM, check_vllm_room, vllm_words, with_vllm
 
 # Of a GPU's memory the estimate (which counts the CUDA context and the allocator's slack) may take: what the driver
 # reports usable (an H100 shows 79.6 of its 80 GiB) less a margin.
@@ -31,7 +32,6 @@ USABLE_FRACTION = 0.95
 # Of a node's host memory loading may take: the OS, the page cache's own slack and SkyPilot's runtime need the rest.
 HOST_USABLE_FRACTION = 0.9
 VLLM_DEFAULT_SHARE = 0.3  # TRL 1.16's vllm_gpu_memory_utilization (GRPOConfig, RLOOConfig)
-VLLM_WEIGHTS_ROOM = 1.5  # a lower vLLM share is proposed only where it holds vLLM's weights and half as much KV cache
 # GRPO and RLOO take each prompt whole (TRL 1.16's GRPOConfig and RLOOConfig have no max_prompt_length): the estimate
 # takes prompts of this many tokens and says so (`tokens_words`).
 PROMPT_TOKENS = 512
@@ -91,6 +91,7 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
     targets = setting("lora_target_modules") or memory.PEFT_DEFAULT_TARGETS
     seq, completion = lengths(trainer, setting("max_length"), setting("max_completion_length"))
     vllm_share, vllm_max_len = 0.0, 0
+    evaluates = str(setting("eval_strategy", "no")).strip().lower() not in ("no", "false")  # YAML's unquoted no
     if trainers.spec(trainer).generates:
         if truthy(setting("use_vllm", False)) and str(setting("vllm_mode", "colocate")) == "colocate":
             vllm_share = float(setting("vllm_gpu_memory_utilization", VLLM_DEFAULT_SHARE))
@@ -106,6 +107,9 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         offload=asked.offload,
         offload_weights=not accel.deepspeed or accel.offload_param_device.lower() not in ("none", ""),
         micro_batch=int(setting("per_device_train_batch_size", 8)),
+        # GRPO's and RLOO's evaluation generates completions: its memory is not estimated (docs/design.md)
+        eval_batch=int(setting("per_device_eval_batch_size", 8)) if evaluates and not trainers.spec(trainer).generates
+        else 0,
         reduce_bucket=memory.reduce_bucket_of(accel.deepspeed_json, arch),
         # a DeepSpeed JSON with an optimizer section builds DeepSpeed's own (Adam, AdamW, ...) whatever optim says
         optim=optimizers.DEFAULT_OPTIM if "optimizer" in (accel.deepspeed_json or {}) else
@@ -177,92 +181,6 @@ def smallest_holding(gib: float = 0.0, *, estimate: memory.Estimate | None = Non
                  and (not bf16 or precision.native_bf16(g)) and cuda_arch.runs_lock(g)), None)  # fmt: skip
 
 
-def with_vllm(estimate: memory.Estimate, capacity_gib: float) -> float:
-    """GiB one GPU of `capacity_gib` needs at the step's peak: the trainer's estimate plus a colocated vLLM engine's
-    reserve (its share of the GPU's total); with sleep mode the engine holds it only while generating, beside the
-    trainer's states and CUDA context, and frees it for the step."""
-    setup = estimate.setup
-    reserve = setup.vllm_share * capacity_gib
-    if not setup.vllm_sleeps:
-        return estimate.gib + reserve
-    held = sum(memory.states(setup).values()) / memory.GIB + memory.CONTEXT_GIB
-    return max(estimate.gib, held + reserve)
-
-
-def vllm_words(setup: memory.Setup, capacity_gib: float) -> str:
-    """`beside colocated vLLM's 14 GiB (vllm_gpu_memory_utilization 0.35)`, or nothing without one."""
-    if not setup.vllm_share:
-        return ""
-    sleeping = "; vllm_enable_sleep_mode frees it while the trainer steps" if setup.vllm_sleeps else ""
-    return (f" beside colocated vLLM's {setup.vllm_share * capacity_gib:.1f} GiB (vllm_gpu_memory_utilization "
-            f"{setup.vllm_share:g}{sleeping})")  # fmt: skip
-
-
-def vllm_kv_gib(arch: memory.Arch, tokens: int) -> float:
-    """The KV cache vLLM needs for `tokens` of one sequence: K and V of every layer's KV heads, in 16 bits (vLLM's
-    own figure for Qwen3-8B's 40960 positions: 5.62 GiB)."""
-    return 2 * arch.layers * arch.kv_heads * arch.hd * 2 * tokens / memory.GIB
-
-
-def check_vllm_room(setup: memory.Setup, capacity_gib: float, gpu: str) -> None:
-    """A colocated vLLM engine starts only where its share of the GPU holds the weights and the KV cache of one
-    sequence of its max_model_len (vLLM's "To serve at least one request with the model's max seq len (...)" at each
-    rank's trainer construction, after the download); TRL leaves max_model_len to vLLM, which takes the model's
-    positions (131072 for Llama 3.1: 16 GiB of KV cache). Refused only where weights and that cache alone exceed the
-    share: vLLM's profiling run and CUDA graphs take more besides."""
-    tokens = setup.vllm_max_len or setup.arch.positions
-    if not setup.vllm_share or not tokens:
-        return
-    share = setup.vllm_share * capacity_gib
-    weights = setup.arch.params * memory.DTYPE_BYTES.get(setup.weights_dtype, 2) / memory.GIB
-    kv = vllm_kv_gib(setup.arch, tokens)
-    if weights + kv <= share:
-        return
-    fixes = []
-    generated = setup.seq_len  # the prompt and completion TRL asks for
-    if generated < tokens and weights + vllm_kv_gib(setup.arch, generated) <= share:
-        fixes.append(f"vllm_max_model_length={generated} (the prompt and completion TRL generates: "
-                     f"{vllm_kv_gib(setup.arch, generated):.1f} GiB of KV cache)")  # fmt: skip
-    needed = math.ceil((weights + kv) / capacity_gib * 20) / 20
-    if needed < 1:
-        fixes.append(f"vllm_gpu_memory_utilization={needed:g} if the trainer fits beside it")
-    fixes.append("vLLM on a node of its own (vllm_mode=server with VLLM_SERVER_NODES=1)")
-    given = "vllm_max_model_length" if setup.vllm_max_len else "its max_model_len (the model's positions)"
-    raise OrchError(f"colocated vLLM cannot start: its share of each {gpu} (vllm_gpu_memory_utilization "
-                    f"{setup.vllm_share:g}, {share:.1f} GiB) does not hold the weights ({weights:.1f} GiB) and the KV "
-                    f"cache of one {tokens}-token sequence, {given} ({kv:.1f} GiB), which vLLM refuses to start "
-                    "without; set " + ", or ".join(fixes))  # fmt: skip
-
-
-VLLM_SERVE_SHARE = 0.9  # trl vllm-serve's gpu_memory_utilization (node/vllm.server_argv gives none)
-
-
-def check_vllm_server(arch: memory.Arch, capacity_gib: float, gpu: str, gpus: int, tp: int) -> None:
-    """The vLLM server node's engines (`trl vllm-serve`, tensor_parallel_size `tp` over its `gpus`) start only where
-    0.9 of each GPU holds its part of the weights and of one model-length sequence's KV cache (vLLM splits the KV
-    heads over the tensor-parallel ranks, each keeping one at least): else one line naming the tensor-parallel size
-    that fits (VLLM_TENSOR_PARALLEL_SIZE)."""
-    if not arch.positions:
-        return
-    share = VLLM_SERVE_SHARE * capacity_gib
-
-    def parts(t: int) -> tuple[float, float]:  # (weights, KV cache) GiB on one GPU
-        kv = vllm_kv_gib(arch, arch.positions) * max(1, arch.kv_heads // t) / arch.kv_heads
-        return arch.params * 2 / t / memory.GIB, kv
-
-    if sum(parts(tp)) <= share:
-        return
-    sizes = [t for t in range(tp + 1, gpus + 1) if gpus % t == 0 and arch.heads % t == 0 and sum(parts(t)) <= share]
-    fix = "use a GPU with more memory"
-    if sizes:
-        fix = f"set --env VLLM_TENSOR_PARALLEL_SIZE={sizes[0]} (each GPU then holds {sum(parts(sizes[0])):.1f} GiB)"
-    weights, kv = parts(tp)
-    raise OrchError(f"the vLLM server node cannot start: trl vllm-serve takes {VLLM_SERVE_SHARE:g} of each {gpu} "
-                    f"({share:.1f} GiB), which does not hold its part of the weights ({weights:.1f} GiB at "
-                    f"tensor_parallel_size {tp}) and of the KV cache of one {arch.positions}-token sequence, the "
-                    f"model's positions ({kv:.1f} GiB), which vLLM refuses to start without; {fix}")  # fmt: skip
-
-
 def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Estimate:
     """The estimate when it fits one GPU of `capacity_gib` (`gpu` names it), with a colocated vLLM engine's reserve,
     else an error naming a strategy, a vLLM setting or an accelerator that fits; and a colocated vLLM engine's share
@@ -272,6 +190,7 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
     need = with_vllm(estimate, capacity_gib)
     if need <= usable:
         check_vllm_room(setup, capacity_gib, gpu)
+        check_evaluation(setup, capacity_gib, gpu)
         return estimate
     fixes = []
     if setup.vllm_share and estimate.gib <= usable:  # the trainer alone fits: vLLM's reserve is what does not
@@ -299,6 +218,38 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
         f"{vllm_words(setup, capacity_gib)}, more than one {gpu} holds ({gib(capacity_gib)} GiB)"
         + (f"; {', '.join(fixes)}" if fixes else "") + "; `orch plan` lists what fits"
     )  # fmt: skip
+
+
+def eval_words(setup: memory.Setup) -> str:
+    """The evaluation batch as the estimate takes it."""
+    tokens = setup.eval_batch * setup.seq_len * trainers.spec(setup.trainer).rows_per_sample
+    return f"per_device_eval_batch_size={setup.eval_batch} ({tokens} tokens a forward)"
+
+
+def check_evaluation(setup: memory.Setup, capacity_gib: float, gpu: str) -> None:
+    """An evaluation (eval_strategy) fits one GPU of `capacity_gib` beside the training states (memory.evaluation),
+    else an error naming the per_device_eval_batch_size that fits: transformers' default is 8 whatever the training
+    batch, so a run that trains at 1 sequence of 32k tokens evaluates 8 at once, and met the OOM at its first
+    evaluation, hours in."""
+    usable = capacity_gib * USABLE_FRACTION
+
+    def need(batch: int) -> float:
+        during = memory.evaluation(memory.with_(setup, eval_batch=batch))
+        return during.gib if during else 0.0
+
+    if need(setup.eval_batch) <= usable:
+        return
+    low, high = 0, setup.eval_batch  # the largest batch that fits, by bisection: the need grows with the batch
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if need(middle) <= usable else (low, middle)
+    fix = (f"set per_device_eval_batch_size={low} (~{need(low):.1f} GiB)" if low else
+           "evaluation does not fit at per_device_eval_batch_size=1 either: eval_strategy=no")  # fmt: skip
+    during = memory.evaluation(setup)
+    raise OrchError(
+        f"evaluation at {eval_words(setup)} needs {during.describe() if during else ''} under {label(setup)} on "
+        f"{setup.gpus} GPU(s), more than one {gpu} holds ({gib(capacity_gib)} GiB), though training fits; {fix}"
+    )
 
 
 def at_load(setup: memory.Setup, per_node: int, accel: AccelerateConfig) -> load_memory.LoadMemory:
@@ -372,9 +323,9 @@ def smallest_fit(base: memory.Setup, capacity_gib: float, gpus_per_node: int, ma
                  strategies: tuple[str, ...] = STRATEGIES) -> Fit | None:  # fmt: skip
     """The fewest nodes, and at that count the fastest strategy, whose estimate and peak while loading (at_load: 4-bit
     puts the whole quantised model on every GPU) fit `capacity_gib`; None when nothing does up to max_nodes. With
-    offload, ZeRO-3 with CPU offload only. `need`: GiB one GPU needs at the step's peak for an estimate, where more
-    than the estimate shares the GPU (core/fit.with_vllm: a colocated vLLM engine); `strategies`: the ones to try
-    (context parallelism runs under FSDP2 only, Ulysses under ZeRO-3 only); node counts whose GPUs the base's
+    offload, ZeRO-3 with CPU offload only. `need`: GiB one GPU needs at the run's peak for an estimate, where more
+    than the step counts (core/vllm_fit.with_vllm: a colocated vLLM engine; an evaluation); `strategies`: the ones to
+    try (context parallelism runs under FSDP2 only, Ulysses under ZeRO-3 only); node counts whose GPUs the base's
     context- or sequence-parallel degree does not divide are skipped."""
     strategies = ("zero3",) if offload else strategies
     for nodes in range(1, max_nodes + 1):

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from orchestrator.core import trainers
+from orchestrator.core.arch import Arch, positions_of  # noqa: F401  (memory.Arch and memory.positions_of to callers)
 from orchestrator.core.optimizers import DEFAULT_OPTIM, optim_bytes
 
 GIB = 1024**3
@@ -36,100 +37,6 @@ CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspaces, NCCL buffers
 NF4_BYTES = {True: (4 + 8 / 64 + 32 / (64 * 256)) / 8, False: (4 + 32 / 64) / 8}  # nested quantisation or not
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for Llama, Qwen, Mistral when none are named
-
-
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-"""How transformers' mixture-of-experts configs count their experts (Qwen2/3-MoE, Mixtral and GPT-OSS, DeepSeek-V3)."""
-
-
-@dataclass(frozen=True)
-class Arch:
-    """A decoder-only transformer's shape, as its config.json gives it."""
-
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    head_dim: int = 0
-    tied: bool = False
-    positions: int = 0
-    """The positions it was trained for: config.json's max_position_embeddings, or what its rope scaling extends that
-    to (positions_of); 0 where the config does not say."""
-
-    @property
-    def hd(self) -> int:
-        return self.head_dim or self.hidden // self.heads
-
-    def linears(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear layer of one decoder layer."""
-        h, q, kv, i = self.hidden, self.heads * self.hd, self.kv_heads * self.hd, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
-
-    @property
-    def layer_linear_params(self) -> int:
-        return sum(a * b for a, b in self.linears().values())
-
-    @property
-    def other_params(self) -> int:
-        """Embeddings, lm_head and norms: what 4-bit quantisation leaves in 16 bits."""
-        return self.vocab * self.hidden * (1 if self.tied else 2) + (2 * self.layers + 1) * self.hidden
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.layer_linear_params + self.other_params
-
-    @classmethod
-    def from_config(cls, config: dict) -> Arch:
-        """From a Hugging Face config.json (Llama, Qwen2/3, Mistral, Phi-3 and alike). Every size must be a whole
-        number >= 1 (head_dim 0 or absent: hidden / heads): a KeyError, TypeError or ValueError names what is not."""
-        if not isinstance(config, dict):
-            raise TypeError(f"it is a JSON {type(config).__name__}, not an object")
-        text = config.get("text_config") or config
-        if not isinstance(text, dict):
-            raise TypeError("its text_config is not an object")
-
-        def size(key: str, fallback: int | None = None, low: int = 1) -> int:
-            """text[key]; with a fallback, that when the key is absent or null (as in many configs)."""
-            value = text[key] if fallback is None else (text.get(key) or fallback)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{key}={value!r} is not a whole number >= {low}")
-            return value
-
-        for key in MOE_KEYS:  # a mixture of experts counted as one dense MLP per layer would be off by its experts
-            experts = text.get(key)
-            if isinstance(experts, int) and not isinstance(experts, bool) and experts > 1:
-                raise ValueError(f"{key}={experts}: a mixture of experts, and this estimate counts dense decoders only")
-        heads = size("num_attention_heads")
-        return cls(
-            layers=size("num_hidden_layers"),
-            hidden=size("hidden_size"),
-            intermediate=size("intermediate_size"),
-            heads=heads,
-            kv_heads=size("num_key_value_heads", heads),
-            vocab=size("vocab_size"),
-            head_dim=size("head_dim", 0, low=0),
-            tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            positions=positions_of(text),
-        )
-
-
-def positions_of(config: dict) -> int:
-    """max_position_embeddings, or a rope scaling's reach where it is longer (`rope_scaling`, transformers 5's
-    `rope_parameters`: factor x original_max_position_embeddings, as YaRN, linear and dynamic scaling extend a
-    context); 0 where the config gives no whole number."""
-    given = config.get("max_position_embeddings")
-    positions = given if isinstance(given, int) and not isinstance(given, bool) and given > 0 else 0
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = config.get(key)
-        if not isinstance(rope, dict) or str(rope.get("rope_type") or rope.get("type") or "default") == "default":
-            continue
-        factor, original = rope.get("factor"), rope.get("original_max_position_embeddings") or positions
-        if isinstance(factor, (int, float)) and isinstance(original, int) and factor > 1:
-            positions = max(positions, int(original * factor))
-    return positions
 
 
 @dataclass(frozen=True)
@@ -179,6 +86,8 @@ class Setup:
     it to the estimate, which is the trainer's alone."""
     vllm_max_len: int = 0
     """TRL's vllm_max_model_length, the engine's max_model_len (0: vLLM's default, the model's positions)."""
+    eval_batch: int = 0
+    """per_device_eval_batch_size where the trainer evaluates (an eval_strategy), else 0: `evaluation`."""
     vllm_sleeps: bool = False
     """vllm_enable_sleep_mode: the engine frees its share while the trainer steps (level 2), and holds it while it
     generates, beside the trainer's states."""
@@ -318,14 +227,14 @@ def lm_head(tokens: float, vocab: int, hidden: int, *, trained: bool, compute: i
     }
 
 
-def transient(setup: Setup) -> float:
+def transient(setup: Setup, backward: bool = True) -> float:
     """FSDP and ZeRO-3 gather the running layer and prefetch the next, and hold one layer's full gradients
-    before the reduce-scatter."""
+    before the reduce-scatter (in a backward)."""
     if setup.strategy not in ("fsdp", "zero3"):
         return 0.0
     a = setup.arch
     per = NF4_BYTES[setup.nested_quant] if setup.method == "qlora" else 2
-    grads = 0 if setup.method in ("lora", "qlora") else a.layer_linear_params * 4
+    grads = 0 if setup.method in ("lora", "qlora") or not backward else a.layer_linear_params * 4
     # accelerate's FSDP2 prepare keeps [final norm, lm_head] (with tied weights, the input embedding too: one tensor)
     # gathered from forward to backward (its own unit, reshard_after_forward=False): the output embedding in bf16
     tail = a.vocab * a.hidden * 2 if setup.strategy == "fsdp" else 0
@@ -378,6 +287,42 @@ def estimate(setup: Setup) -> Estimate:
     parts = {**states(setup), **activations(setup), "gathered": transient(setup), "gradient bucket": ds_bucket(setup)}
     live = sum(parts.values())
     parts["overhead"] = live * FRAGMENTATION + CONTEXT_GIB * GIB
+    return Estimate(setup, {k: v / GIB for k, v in parts.items()})
+
+
+def eval_forward(setup: Setup) -> float:
+    """Bytes an evaluation's forward holds at its peak (no gradients: nothing is kept for a backward), for
+    per_device_eval_batch_size sequences: one decoder layer's working tensors for every token, the residual stream and
+    its norm beside the MLP's activation, up projection and their product (and Phi-3's fused gate_up output), or the
+    attention's q, k, v and their rotated copies; after the last layer, TRL's fused LM head's input, its scored copy and
+    one tile. Read back on CPU from transformers' Llama, Qwen2, Qwen3 and Phi-3 (tests/test_eval_memory.py). No CP or SP
+    split: TRL's prediction_step runs no context-parallel split, and accelerate adapts only the training dataloader to
+    Ulysses, so each rank evaluates whole sequences."""
+    a, spec = setup.arch, trainers.spec(setup.trainer)
+    tokens = setup.eval_batch * setup.seq_len * spec.rows_per_sample
+    compute = 2 if setup.mixed_precision or DTYPE_BYTES[setup.weights_dtype] == 2 else 4
+    head = 2 * a.hidden * tokens + min(tokens, HEAD_TILE[0]) * min(a.vocab, HEAD_TILE[1]) if spec.fused_head else 0
+    return max(eval_layer(a) * tokens, head) * compute
+
+
+def eval_layer(a: Arch) -> int:
+    """Elements per token one decoder layer's forward holds at once without gradients (eval_forward)."""
+    q, kv = a.heads * a.hd, a.kv_heads * a.hd
+    return max(4 * a.hidden + (4 if a.fused_mlp else 3) * a.intermediate, 3 * a.hidden + 5 * q + 3 * kv)
+
+
+def evaluation(setup: Setup) -> Estimate | None:
+    """Per-GPU memory while the trainer evaluates (eval_strategy), None where it does not: the training states less
+    the gradients the step's zero_grad freed (DDP's reducer keeps its buckets, ZeRO-3 its gradient partition and
+    bucket), and the evaluation forward (eval_forward) where the training step's activations were."""
+    if setup.eval_batch < 1:
+        return None
+    parts = states(setup)
+    if setup.strategy != "zero3":
+        parts["gradients"] = parts["gradients"] / 2 if setup.strategy == "ddp" else 0.0
+    parts |= {"evaluation forward": eval_forward(setup), "gathered": transient(setup, backward=False),
+              "gradient bucket": ds_bucket(setup) if setup.strategy == "zero3" else 0.0}  # fmt: skip
+    parts["overhead"] = sum(parts.values()) * FRAGMENTATION + CONTEXT_GIB * GIB
     return Estimate(setup, {k: v / GIB for k, v in parts.items()})
 
 

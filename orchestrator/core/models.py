@@ -38,7 +38,7 @@ FAMILIES = (
 # max_position_embeddings). The memory model (core/memory.py) works from these; tests/test_memory.py checks each one's
 # parameter count against its model card.
 KNOWN_ARCHS = {
-    "microsoft/phi-3-mini-4k-instruct": Arch(32, 3072, 8192, 32, 32, 32064, positions=4096),
+    "microsoft/phi-3-mini-4k-instruct": Arch(32, 3072, 8192, 32, 32, 32064, positions=4096, fused_mlp=True),
     "meta-llama/llama-2-7b-hf": Arch(32, 4096, 11008, 32, 32, 32000, positions=4096),
     "meta-llama/llama-2-70b-hf": Arch(80, 8192, 28672, 64, 8, 32000, positions=4096),
     "meta-llama/llama-3.1-8b": Arch(32, 4096, 14336, 32, 8, 128256, positions=131072),

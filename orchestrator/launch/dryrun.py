@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from orchestrator.core import accelerators, fit, precision
+from orchestrator.core import accelerators, fit, memory, precision, vllm_fit
 from orchestrator.core.errors import OrchError
 from orchestrator.core.memory import GIB
 from orchestrator.core.yamlio import dump_task
@@ -51,7 +51,7 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
         capacity = accelerators.memory_gib(name)
         print(
             f"memory: {checked.memory.describe()} under {preflight.label(setup)} on {setup.gpus} GPUs, "
-            f"{fit.tokens_words(setup)}{fit.vllm_words(setup, capacity)}; each {name} "
+            f"{fit.tokens_words(setup)}{vllm_fit.vllm_words(setup, capacity)}; each {name} "
             f"has {capacity} GiB" + ("" if preflight.memory_checked(launch) else
                                                        " (ORCH_MEMORY_CHECK=off: shown, not enforced)")
         )  # fmt: skip
@@ -61,6 +61,8 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
                "no GPU named" if not gpu else preflight.unestimated(launch))  # fmt: skip
         hint = "; `orch plan path/to/config.json` reads one" if why.startswith("orch has no shape") else ""
         print(f"memory: not estimated ({why}{hint})")
+    if checked.memory is not None and (during := memory.evaluation(checked.memory.setup)):
+        print(f"memory while evaluating: {during.describe()} at {fit.eval_words(during.setup)} (eval_strategy)")
     if ahead := precision.planned(checked.memory.setup if checked.memory else None):
         print(ahead)
     at_load = preflight.load_memory(launch, checked.memory)  # None where the line above says not estimated

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from orchestrator.core import accelerators, cuda_arch, disk_need, fit, memory, parallel, precision
+from orchestrator.core import accelerators, cuda_arch, disk_need, fit, memory, parallel, precision, vllm_fit
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError
@@ -166,7 +166,7 @@ def run(launch, trainer_nodes: int, gpus: Gpus | None) -> memory.Estimate | None
     if trainer_nodes < launch.nodes:  # the last node serves vLLM (VLLM_SERVER_NODES=1)
         tp = str(launch.envs.get("VLLM_TENSOR_PARALLEL_SIZE") or "1").strip()  # node/vllm.py refuses a bad one
         if tp.isdigit() and int(tp) >= 1:
-            fit.check_vllm_server(setup.arch, accelerators.memory_gib(name), name, per_node, int(tp))
+            vllm_fit.check_vllm_server(setup.arch, accelerators.memory_gib(name), name, per_node, int(tp))
     check_gpu_at_load(at_load(setup, per_node, accel), name, setup.needs_bf16)
     check_disk(launch, setup, trainer_nodes)
     return estimate

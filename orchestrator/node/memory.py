@@ -13,7 +13,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from orchestrator.core import fit
+from orchestrator.core import fit, memory, vllm_fit
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
@@ -172,8 +172,10 @@ def _check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object],
         capacity, name = gpu
         estimate = fit.check_gpu(setup, capacity, name)
         fit.check_gpu_at_load(loading, capacity, name, setup.needs_bf16)
-        said = (f"~{estimate.gib:.1f} GiB per GPU training{fit.vllm_words(setup, capacity)}, ~{loading.gpu / GIB:.1f} "
-                f"GiB loading, fits {fit.gib(capacity)} GiB ({name})")  # fmt: skip
+        during = memory.evaluation(setup)
+        evaluating = f", ~{during.gib:.1f} GiB evaluating" if during else ""
+        said = (f"~{estimate.gib:.1f} GiB per GPU training{vllm_fit.vllm_words(setup, capacity)}{evaluating}, "
+                f"~{loading.gpu / GIB:.1f} GiB loading, fits {fit.gib(capacity)} GiB ({name})")  # fmt: skip
     else:
         said = "GPU unchecked (no nvidia-smi)" if on_gpus else "CPU processes"
     has, whose = host_memory()

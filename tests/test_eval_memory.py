@@ -1,0 +1,204 @@
+"""Memory while the trainer evaluates (eval_strategy), against what transformers and TRL do on CPU.
+
+transformers evaluates per_device_eval_batch_size sequences at a time (8 unless the config says), whatever the
+training batch: a run that trains at 1 x 32768 tokens evaluates 8 x 32768 at once, without gradients but with every
+token's working tensors in each layer. The launch check counted the training step alone, so such a run met its OOM at
+the first evaluation, after its steps were paid for. core/memory.evaluation counts it, core/fit.check_evaluation
+refuses it naming the eval batch that fits."""
+
+import re
+
+import pytest
+
+from orchestrator.core import configs, fit, memory, models
+from orchestrator.core.errors import OrchError
+
+# one worker: the module's measurements are made once, beside the trainer's run (transformers and TRL imported once)
+ONE_WORKER = pytest.mark.xdist_group("eval_memory")
+TILE = (128, 512)  # TRL's fused-head tile, scaled down as in tests/test_lm_head_memory.py
+
+SHAPES = [  # hidden, intermediate, heads, KV heads, head_dim
+    (256, 896, 8, 2, 32),  # the MLP's intermediate tensors make the peak (every real model's case)
+    (512, 1024, 8, 2, 64),
+    (256, 64, 8, 2, 128),  # a narrow MLP: the attention's q, k, v and their rotated copies make it
+    (256, 64, 16, 2, 128),
+]
+# fp32 (the same tensors as bf16 but Qwen3's fp32 norms, at twice the bytes; a CPU multiplies it 3x faster), and bf16
+# where the attention is widest
+CASES = [(family, *shape, "float32") for family in ("Llama", "Qwen2", "Qwen3", "Phi3") for shape in SHAPES] + [
+    ("Llama", *SHAPES[0], "bfloat16"), ("Qwen3", *SHAPES[3], "bfloat16"), ("Phi3", *SHAPES[0], "bfloat16")]
+BATCH, LENGTH, VOCAB = 2, 256, 1024
+
+
+@pytest.fixture(scope="module")
+def peaks() -> dict[tuple, list[int]]:
+    """Each case's [layers, whole forward] peaks (tests/eval_forward_probe.py), in this process: without gradients no
+    autograd graph exists that something another test left could extend, and the worker has transformers imported."""
+    import eval_forward_probe
+    import torch
+
+    names = ("family", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "dtype")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the peaks do not depend on it; a loaded machine's two cores shared by two threads do
+    try:
+        return {c: eval_forward_probe.peaks(**dict(zip(names, c, strict=True)), batch=BATCH, length=LENGTH,
+                                            vocab=VOCAB, tile=list(TILE)) for c in CASES}  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _setup(family: str, hidden: int, intermediate: int, heads: int, kv: int, head_dim: int, dtype: str) -> memory.Setup:
+    arch = memory.Arch(2, hidden, intermediate, heads, kv, VOCAB, head_dim=head_dim, fused_mlp=family == "Phi3")
+    return memory.Setup(arch, trainer="sft", eval_batch=BATCH, seq_len=LENGTH, weights_dtype=dtype,
+                        mixed_precision=dtype != "float32")  # fmt: skip
+
+
+@pytest.mark.e2e
+@ONE_WORKER
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_an_evaluation_forward_holds_what_the_memory_model_counts(peaks, case, monkeypatch):
+    backbone, whole = peaks[case]
+    setup = _setup(*case)
+    compute = memory.DTYPE_BYTES[case[-1]]
+    layers = memory.eval_layer(setup.arch) * BATCH * LENGTH * compute
+    # the layers: within 3% under (rotary tables and the norms' statistics) and 25% over (the attention's term is the
+    # largest of the three families': Qwen3's q and k norms work in fp32)
+    assert 0.97 * backbone <= layers <= 1.25 * backbone, (backbone, layers)
+    monkeypatch.setattr(memory, "HEAD_TILE", TILE)
+    counted = memory.eval_forward(setup)
+    # with TRL's head: CPU folds each tile with fp32 temporaries of its own (a GPU folds it in place: Triton), and the
+    # per-token statistics in fp32, which the model leaves out
+    left_out = 8 * TILE[0] * TILE[1] * 4 + BATCH * LENGTH * 4 * 12
+    assert 0.97 * whole <= counted + left_out and counted <= 1.25 * whole, (whole, counted)
+
+
+@pytest.mark.e2e
+@ONE_WORKER
+def test_evaluation_forwards_the_eval_batch_with_the_gradients_freed(tiny_qwen3, tmp_path):
+    """Read back from TRL's SFTTrainer on CPU: each evaluation forward takes per_device_eval_batch_size sequences (8,
+    transformers' default, against a training batch of 1), and no parameter holds a gradient then (the training
+    loop's model.zero_grad() sets them to None before it evaluates), which memory.evaluation counts."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    seen: list[tuple[int, bool]] = []
+
+    class Watch(TrainerCallback):
+        def on_prediction_step(self, args, state, control, model=None, **kwargs):
+            seen.append((-1, any(p.grad is not None for p in model.parameters())))
+
+    rows = Dataset.from_dict({"text": [f"row {i} " * 8 for i in range(16)]})
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=1, eval_strategy="steps",
+                     eval_steps=1, max_length=32, report_to=[], use_cpu=True, save_strategy="no",
+                     dataloader_num_workers=0, disable_tqdm=True)  # fmt: skip
+    assert args.per_device_eval_batch_size == 8  # the default this check is about
+    trainer = SFTTrainer(model=str(tiny_qwen3), args=args, train_dataset=rows, eval_dataset=rows,
+                         callbacks=[Watch()])  # fmt: skip
+    batches: list[int] = []
+    trainer.model.register_forward_pre_hook(
+        lambda module, a, kw: batches.append(kw["input_ids"].shape[0]) if not module.training else None,
+        with_kwargs=True,
+    )
+    with torch.autograd.set_grad_enabled(True):
+        trainer.train()
+    assert seen and not any(grads for _, grads in seen), seen
+    assert batches and set(batches) == {8}, batches  # 16 rows: two forwards of 8
+
+
+def _qwen3_long(**trl) -> memory.Setup:
+    paired = configs.load({"TRL_CONFIG": "recipes/trl/qwen3_sft_long.yaml",
+                           "ACCELERATE_CONFIG": "recipes/accelerate/fsdp2_cp_qwen3.yaml"})  # fmt: skip
+    setup = fit.setup_of("sft", {**paired.trl, **trl}, paired.accelerate, 8)
+    assert setup is not None
+    return setup
+
+
+@pytest.mark.unit
+def test_an_evaluation_that_does_not_fit_is_refused_with_the_eval_batch_that_does():
+    """qwen3_sft_long (Qwen3-8B, 1 x 32768 tokens, context parallel) trains in ~33 GiB of an A100-40GB; evaluating at
+    transformers' default 8 x 32768 tokens a forward (no CP split there: TRL's prediction_step runs none) needs ~44."""
+    quiet = _qwen3_long()
+    assert quiet.eval_batch == 0 and memory.evaluation(quiet) is None  # no eval_strategy: nothing evaluates
+    setup = _qwen3_long(eval_strategy="steps")
+    assert setup.eval_batch == 8
+    assert memory.estimate(setup).gib <= 40 * fit.USABLE_FRACTION < memory.evaluation(setup).gib
+    with pytest.raises(OrchError) as refused:
+        fit.check_gpu(setup, 40, "A100")
+    said = str(refused.value)
+    assert said.startswith("evaluation at per_device_eval_batch_size=8 (262144 tokens a forward) needs ~44.")
+    fits = int(re.search(r"set per_device_eval_batch_size=(\d+) \(", said).group(1))
+    usable = 40 * fit.USABLE_FRACTION
+    assert memory.evaluation(memory.with_(setup, eval_batch=fits)).gib <= usable
+    assert memory.evaluation(memory.with_(setup, eval_batch=fits + 1)).gib > usable  # the largest that fits
+    fit.check_gpu(_qwen3_long(eval_strategy="steps", per_device_eval_batch_size=fits), 40, "A100")
+    fit.check_gpu(setup, 80, "H100")  # fits there
+    # an eval batch from outside, however large, is answered at once (bisection), and one that cannot fit says so
+    with pytest.raises(OrchError, match=r"evaluation at per_device_eval_batch_size=1000000000 .*set "
+                       rf"per_device_eval_batch_size={fits} "):  # fmt: skip
+        fit.check_gpu(memory.with_(setup, eval_batch=10**9), 40, "A100")
+    with pytest.raises(OrchError, match=r"does not fit at per_device_eval_batch_size=1 either: eval_strategy=no"):
+        fit.check_evaluation(memory.with_(setup, seq_len=400_000), 40, "A100")
+
+
+@pytest.mark.unit
+def test_evaluation_keeps_the_states_but_the_gradients_the_step_freed():
+    """DDP's reducer keeps its buckets, ZeRO-3 its gradient partition and bucket; FSDP2, ZeRO-1 and 2 hold no gradient
+    between steps. Generating trainers (GRPO, RLOO) evaluate by generating: not estimated."""
+    arch = models.KNOWN_ARCHS["meta-llama/llama-3.1-8b-instruct"]
+    for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
+        setup = memory.Setup(arch, strategy=strategy, gpus=8, micro_batch=1, eval_batch=4, seq_len=2048)
+        training, during = memory.estimate(setup).parts, memory.evaluation(setup).parts
+        assert (during["weights"], during["optimizer"], during["frozen weights"]) == (
+            training["weights"], training["optimizer"], training["frozen weights"])  # fmt: skip
+        kept = {"ddp": training["gradients"] / 2, "zero3": training["gradients"]}.get(strategy, 0.0)
+        assert during["gradients"] == pytest.approx(kept), strategy
+        assert during["gradient bucket"] == (training["gradient bucket"] if strategy == "zero3" else 0.0)
+        assert "activations" not in during and during["evaluation forward"] > 0
+    dpo = memory.Setup(arch, trainer="dpo", eval_batch=4, seq_len=2048)
+    assert memory.eval_forward(dpo) == pytest.approx(2 * memory.eval_forward(memory.with_(dpo, trainer="sft")))
+    phi3 = models.KNOWN_ARCHS["microsoft/phi-3-mini-4k-instruct"]
+    assert phi3.fused_mlp and memory.Arch.from_config({"model_type": "phi3", "num_hidden_layers": 2, "hidden_size": 8,
+        "intermediate_size": 16, "num_attention_heads": 2, "vocab_size": 10}).fused_mlp  # fmt: skip
+    accel = configs.load({"TRL_CONFIG": "recipes/trl/qwen25_grpo.yaml", "ACCELERATE_CONFIG": "multi_gpu"})
+    grpo = fit.setup_of("grpo", {**accel.trl, "eval_strategy": "steps"}, accel.accelerate, 8)
+    assert grpo is not None and grpo.eval_batch == 0
+    for off in ("no", False, "NO"):
+        assert _qwen3_long(eval_strategy=off).eval_batch == 0
+
+
+@pytest.mark.cli
+def test_the_dry_run_shows_evaluation_memory_and_the_launch_refuses_what_does_not_fit(project):
+    from conftest import orch
+
+    env = {"ORCH_DATA_CHECK": "off", "ORCH_REHEARSAL": "off", "HF_TOKEN": "x"}
+    base = ["run", "qwen3_sft_fsdp_cp", "--secret", "HF_TOKEN", "--dry-run", "--skip-optimizer", "eval_strategy=steps"]
+    shown = orch(*base, env=env, cwd=project)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert re.search(r"^memory while evaluating: ~44\.\d GiB per GPU \(.*evaluation forward 26\.0.*\) at "
+                     r"per_device_eval_batch_size=8 \(262144 tokens a forward\) \(eval_strategy\)$", shown.stdout,
+                     re.M), shown.stdout  # fmt: skip
+    refused = orch(*base, "--gpus", "A100:8", env=env, cwd=project)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
+        "orch: error: evaluation at per_device_eval_batch_size=8"), refused.stderr  # fmt: skip
+
+
+@pytest.mark.unit
+def test_plan_holds_the_evaluation_where_the_run_evaluates(plan):
+    """`orch plan --eval-batch N` plans each row for the larger of the step and an evaluation of N sequences, as the
+    launch check refuses it; the one-configuration estimate shows both."""
+    args = ("Qwen/Qwen3-8B", "--batch", "1", "--max-length", "32768", "--cp", "2")
+    bare, evaluating = plan(*args), plan(*args, "--eval-batch", "8")
+    assert bare.returncode == 0 and evaluating.returncode == 0, bare.stderr + evaluating.stderr
+    assert evaluating.stdout.splitlines()[0].endswith(", evaluating 8 at a time")
+    rows = {line.split()[0]: line.split() for line in evaluating.stdout.splitlines()[2:] if "FSDP2" in line}
+    before = {line.split()[0]: line.split() for line in bare.stdout.splitlines()[2:] if "FSDP2" in line}
+    assert before["H100"][5] == "32.8" and rows["H100"][5] == "44.3"  # 1 x 8 either way, the peak the evaluation's
+    assert before["A100"][1:3] == ["1", "x"] and rows["A100"][1:4] == ["2", "x", "8"]  # 44 GiB does not fit 40
+    one = plan(*args, "--eval-batch", "8", "--strategy", "fsdp", "--gpus", "8")
+    assert re.search(r"^evaluating: ~44\.3 GiB per GPU \(.*evaluation forward 26\.0", one.stdout, re.M), one.stdout
+    for bad, said in ((("--eval-batch", "0"), "--eval-batch 0: give a positive whole number"),
+                      (("--eval-batch", "4", "--trainer", "grpo"), "--eval-batch: grpo evaluates by generating")):
+        refused = plan("Qwen/Qwen2.5-1.5B-Instruct", *bad)
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
