@@ -202,3 +202,26 @@ def test_plan_holds_the_evaluation_where_the_run_evaluates(plan):
                       (("--eval-batch", "4", "--trainer", "grpo"), "--eval-batch: grpo evaluates by generating")):
         refused = plan("Qwen/Qwen2.5-1.5B-Instruct", *bad)
         assert refused.returncode == 2 and said in refused.stderr, refused.stderr
+
+
+@pytest.mark.cli
+def test_the_head_node_checks_the_evaluation_against_its_own_gpus(tmp_path):
+    """`sky launch recipes/qwen3_sft_fsdp_cp.yaml --gpus A100:8` with eval_strategy=steps: the head node, which reads
+    its own GPUs, refuses what the launch side would have, and says the evaluation's figure where it fits."""
+    from test_node_memory import SETUP_ENV, _nvidia_smi, rehearse
+
+    env = {**SETUP_ENV, "TRL_CONFIG": "recipes/trl/qwen3_sft_long.yaml", "SKYPILOT_SETUP_NODE_IPS": "10.0.0.1\n",
+           "ACCELERATE_CONFIG": "recipes/accelerate/fsdp2_cp_qwen3.yaml",
+           "TRL_OVERRIDES": "packing=false eval_strategy=steps"}  # the recipe's packing=false, and an evaluation
+    a100 = rehearse(env, path=_nvidia_smi(tmp_path, "NVIDIA A100-SXM4-40GB, 40960\\n" * 8))
+    assert a100.returncode == 2 and a100.stderr.startswith(
+        "orch: error: evaluation at per_device_eval_batch_size=8 (262144 tokens a forward) needs ~44."), a100.stderr
+    # where it fits (qwen25_sft_ddp, whose host memory this machine has), the node's line gives the figure
+    small = {**SETUP_ENV, "TRL_OVERRIDES": "eval_strategy=steps per_device_eval_batch_size=16"}
+    h100 = rehearse(small, path=_nvidia_smi(tmp_path, "NVIDIA H100 80GB HBM3, 81559\\n" * 8))
+    assert h100.returncode == 0, h100.stderr
+    paired = configs.load({"TRL_CONFIG": "recipes/trl/qwen25_sft.yaml", "ACCELERATE_CONFIG": "multi_gpu"})
+    setup = fit.setup_of("sft", {**paired.trl, "eval_strategy": "steps", "per_device_eval_batch_size": 16},
+                         paired.accelerate, 16)  # fmt: skip
+    during = memory.evaluation(setup)
+    assert during is not None and f" GiB per GPU training, ~{during.gib:.1f} GiB evaluating, " in h100.stdout
