@@ -551,3 +551,26 @@ def test_the_vllm_server_node_is_checked_for_its_weights_and_one_sequences_kv_ca
         vllm_fit.check_vllm_server(big, 80, "H100", 8, 1)
     with pytest.raises(fit.OrchError, match=r"; use a GPU with more memory$"):
         vllm_fit.check_vllm_server(big, 24, "L4", 2, 1)
+
+
+@pytest.mark.unit
+def test_max_length_null_is_planned_at_the_models_positions_not_trls_default():
+    """`max_length: null` in a TRL config truncates nothing (TRL's own errors suggest it), so a row is as long as the
+    data makes it; the estimate took TRL's 1024 in its place and planned Llama-3.1-8B DPO at 2 x 1024 tokens. It now
+    takes the model's positions, says so, and a refusal names max_length first."""
+    from orchestrator.core import accelerate_config
+    from orchestrator.core.errors import OrchError
+
+    ddp = accelerate_config.parse({"distributed_type": "MULTI_GPU"})
+    model = {"model_name_or_path": "meta-llama/Llama-3.1-8B-Instruct", "use_peft": True}
+    null = fit.setup_of("dpo", {**model, "max_length": None}, ddp, 8)
+    assert (null.seq_len, null.untruncated) == (131072, True)
+    assert fit.tokens_words(null).endswith("(max_length: null truncates nothing: each sequence taken as the model's "
+                                           "positions)")  # fmt: skip
+    for settings, length in (({}, 1024), ({"max_length": 2048}, 2048), ({"max_length": "4096"}, 4096)):
+        setup = fit.setup_of("dpo", {**model, **settings}, ddp, 8)
+        assert (setup.seq_len, setup.untruncated) == (length, False)
+    with pytest.raises(OrchError, match=r"; set max_length to the longest sequence the data needs"):
+        fit.check_gpu(null, 80, "H100")
+    grpo = fit.setup_of("grpo", {**model, "max_length": None}, ddp, 8)  # a generating trainer has no max_length
+    assert not grpo.untruncated and grpo.seq_len == fit.PROMPT_TOKENS + 512

@@ -293,6 +293,16 @@ def test_the_data_check_says_when_trl_would_drop_the_first_row_not_truncate_it(p
         assert result.returncode == 0, result.stderr
         line = next(x for x in result.stdout.splitlines() if x.startswith("[orch] data: "))
         assert re.fullmatch(rf"\[orch\] data: {pairs}, first row: chosen, prompt, rejected; {said}", line), line
+    # max_length: null (a YAML null: no override gives one) truncates nothing, and drops nothing: TRL's 1024 was said
+    config = project / "recipes" / "trl" / "phi3_dpo.yaml"
+    config.write_text(re.sub(r"(?m)^max_length: \d+$", "max_length: null", config.read_text()))
+    result = orch(*argv[:-1], cwd=project, env=env)
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("[orch] data: "))
+    assert re.fullmatch(rf"\[orch\] data: {pairs}, first row: chosen, prompt, rejected; [\d,]+ tokens with the chat "
+                        r"template, untruncated \(max_length: null\)", line), line  # fmt: skip
+    assert re.search(r"^memory: .* 4 x \d+ tokens per device \(max_length: null truncates nothing: each sequence "
+                     r"taken as the model's positions\)", result.stdout, re.M), result.stdout  # fmt: skip
 
 
 @pytest.mark.unit

@@ -90,6 +90,10 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
     peft = truthy(setting("use_peft", False))
     targets = setting("lora_target_modules") or memory.PEFT_DEFAULT_TARGETS
     seq, completion = lengths(trainer, setting("max_length"), setting("max_completion_length"))
+    # max_length: null (a YAML null: an override cannot give one) truncates nothing: a sequence is as long as its row,
+    # which only the model's positions bound; TRL's 1024 counted in its place planned a run its longest row may OOM
+    untruncated = "max_length" in settings and settings["max_length"] is None and not trainers.spec(trainer).generates
+    seq = arch.positions if untruncated and arch.positions else seq
     vllm_share, vllm_max_len = 0.0, 0
     evaluates = str(setting("eval_strategy", "no")).strip().lower() not in ("no", "false")  # YAML's unquoted no
     if trainers.spec(trainer).generates:
@@ -116,6 +120,7 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         str(setting("optim", optimizers.DEFAULT_OPTIM)),
         reduce_buckets=memory.buckets_of(accel.deepspeed_json, asked.sharding),
         seq_len=seq,
+        untruncated=untruncated,
         completion_len=completion,
         checkpointing=accel.fsdp_activation_checkpointing or truthy(setting("gradient_checkpointing", True)),
         seq_split=asked.cp * asked.sp,
@@ -160,6 +165,9 @@ def tokens_words(setup: memory.Setup) -> str:
     if setup.completion_len:
         words += (f" (prompts taken as {setup.seq_len - setup.completion_len} tokens: TRL keeps them whole; "
                   f"{setup.completion_len} completion)")  # fmt: skip
+    if setup.untruncated:
+        taken = "the model's positions" if setup.seq_len == setup.arch.positions else "TRL's 1024: no positions known"
+        words += f" (max_length: null truncates nothing: each sequence taken as {taken})"
     return words
 
 
@@ -209,6 +217,8 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
         if not same and with_vllm(other, capacity_gib) <= usable:
             fixes.append(f"{label(other.setup)} on {setup.gpus} GPUs needs {other.describe().split(' (')[0]}")
             break
+    if setup.untruncated:  # the likeliest fix: a bound on the rows
+        fixes.append("set max_length to the longest sequence the data needs")
     bigger = smallest_holding(estimate=estimate)
     if bigger:
         fixes.append(("or " if fixes else "") + f"use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB)")

@@ -63,6 +63,8 @@ class Setup:
     reduce_buckets: int = 1
     """How many such buckets DeepSpeed holds (buckets_of)."""
     seq_len: int = 1024
+    untruncated: bool = False
+    """TRL's max_length is null: nothing is truncated, and seq_len is the model's positions (fit.setup_of)."""
     completion_len: int = 0
     """A generating trainer's (GRPO, RLOO) completion part of seq_len, the only part the LM head scores."""
     beta: float | str | None = None

@@ -27,7 +27,7 @@ def run(launch: Launch) -> str | None:
         return "[orch] data: a `datasets` mixture: not checked here (the nodes load it with TRL's get_dataset)"
     if not name or name.startswith("/orch-data"):  # no dataset, or a --data file (checked row by row already)
         return None
-    max_length = launch.setting("max_length", 1024)
+    max_length = launch.settings.get("max_length", 1024)  # None: max_length: null, which truncates nothing
     request = {
         "dataset": name,
         "config": launch.setting("dataset_config"),
@@ -71,4 +71,5 @@ def run(launch: Launch) -> str | None:
     if max_length and tokens > int(max_length):
         cut = 100 * (tokens - int(max_length)) / tokens
         return f"{text}; {tokens:,} tokens {shaped}: max_length {max_length} truncates it ({cut:.0f}% cut)"
-    return f"{text}; {tokens:,} tokens {shaped}, within max_length {max_length}"
+    within = f"within max_length {max_length}" if max_length else "untruncated (max_length: null)"
+    return f"{text}; {tokens:,} tokens {shaped}, {within}"
