@@ -27,7 +27,8 @@ def run(launch: Launch) -> str | None:
         return "[orch] data: a `datasets` mixture: not checked here (the nodes load it with TRL's get_dataset)"
     if not name or name.startswith("/orch-data"):  # no dataset, or a --data file (checked row by row already)
         return None
-    max_length = launch.settings.get("max_length", 1024)  # None: max_length: null, which truncates nothing
+    given = launch.settings.get("max_length", 1024)
+    max_length = None if given is None else str(given)  # None: max_length: null, which truncates nothing
     request = {
         "dataset": name,
         "config": launch.setting("dataset_config"),
