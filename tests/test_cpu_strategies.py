@@ -155,7 +155,8 @@ RAM_EFFICIENT = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, 
         ("grpo", {"beta": 0.04}, True),
         ("grpo", {"beta": 0.0}, False),
         ("dpo", {"use_peft": True}, False),
-        ("dpo", {"precompute_ref_log_probs": True}, False),
+        ("dpo", {"precompute_ref_log_probs": True}, True),  # TRL builds one for the precompute under FSDP
+        ("kto", {"precompute_ref_log_probs": True}, True),
         ("sft", {}, False),
     ],
 )

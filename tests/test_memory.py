@@ -574,3 +574,28 @@ def test_max_length_null_is_planned_at_the_models_positions_not_trls_default():
         fit.check_gpu(null, 80, "H100")
     grpo = fit.setup_of("grpo", {**model, "max_length": None}, ddp, 8)  # a generating trainer has no max_length
     assert not grpo.untruncated and grpo.seq_len == fit.PROMPT_TOKENS + 512
+
+
+@pytest.mark.unit
+def test_precomputed_reference_log_probs_hold_no_reference_model_while_training():
+    """DPO's and KTO's precompute_ref_log_probs compute the reference's log-probs before training: TRL builds no
+    reference then (or, under FSDP, frees the one it built for the precompute), so a full fine-tune chosen to fit by
+    it was refused by the reference's 15 GiB (Llama-3.1-8B on every GPU under DDP or ZeRO-2). Loading under FSDP
+    still builds it (load_memory: every rank reads the checkpoint for it)."""
+    from orchestrator.core import accelerate_config
+
+    model = {"model_name_or_path": "meta-llama/Llama-3.1-8B-Instruct", "max_length": 1024}
+    for config, strategy in (({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2}}, "zero2"),
+                             ({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}, "fsdp")):  # fmt: skip
+        accel = accelerate_config.parse(config)
+        for trainer in ("dpo", "kto"):
+            kept = fit.setup_of(trainer, model, accel, 8)
+            precomputed = fit.setup_of(trainer, {**model, "precompute_ref_log_probs": "true"}, accel, 8)
+            assert memory.has_reference(kept) and not memory.has_reference(precomputed)
+            assert memory.builds_reference(precomputed) is (strategy == "fsdp")
+            saved = memory.estimate(kept).parts["frozen weights"] - memory.estimate(precomputed).parts["frozen weights"]
+            per = memory.DTYPE_BYTES[kept.weights_dtype]  # TRL loads it in dtype (float32 unless the config says)
+            assert saved == pytest.approx(kept.arch.params * per / (8 if strategy == "fsdp" else 1) / memory.GIB)
+    fsdp = fit.setup_of("dpo", {**model, "precompute_ref_log_probs": True},
+                        accelerate_config.parse({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}), 8)
+    assert "DPO's reference model needs every rank to read it" in load_memory.at_load(fsdp, 8, False, 2).path

@@ -104,6 +104,7 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         arch=arch,
         trainer=trainer,
         beta=setting("beta"),
+        precomputed_ref=truthy(setting("precompute_ref_log_probs", False)),
         method=("qlora" if truthy(setting("load_in_4bit", False)) or prequantized == "load_in_4bit" else "lora")
         if peft else "full",
         strategy=asked.sharding,

@@ -12,8 +12,8 @@ from orchestrator.core.memory import (
     GIB,
     NF4_BYTES,
     Setup,
+    builds_reference,
     ds_bucket,
-    has_reference,
     states,
     trained_params,
 )
@@ -78,7 +78,7 @@ def at_load(setup: Setup, gpus_per_node: int, cpu_ram_efficient: bool, fsdp_vers
                               "transformers' zero-filled copy until FSDP's sync_module_states", read + upcast, read,
                               read + upcast + (gpus_per_node - 1) * read, shard)  # fmt: skip
         # node/rules.check_reference_model_loading refuses loading on rank 0 alone with a reference model under FSDP2
-        refused = fsdp_version == 2 and has_reference(setup)  # (TRL shards it without the broadcast)
+        refused = fsdp_version == 2 and builds_reference(setup)  # (TRL shards it without the broadcast)
         how = (f"not on rank 0 only: {setup.trainer.upper()}'s reference model needs every rank to read it" if refused
                else "fsdp_cpu_ram_efficient_loading: true loads it on rank 0 only")  # fmt: skip
         return LoadMemory(f"FSDP: every rank reads the whole checkpoint{fp32} before sharding ({how})", read + upcast,

@@ -67,6 +67,9 @@ class Setup:
     """TRL's max_length is null: nothing is truncated, and seq_len is the model's positions (fit.setup_of)."""
     completion_len: int = 0
     """A generating trainer's (GRPO, RLOO) completion part of seq_len, the only part the LM head scores."""
+    precomputed_ref: bool = False
+    """precompute_ref_log_probs (DPO, KTO): the reference's log-probs are computed before training, so no reference
+    model is held while training (TRL builds none, or under FSDP frees the one it built for the precompute)."""
     beta: float | str | None = None
     """The KL coefficient of a trainer whose reference model depends on it, as the TRL config or an override gives
     it (None: TRL's default)."""
@@ -342,6 +345,14 @@ def offload_host_gib(setup: Setup, nodes: int) -> float:
 
 
 def has_reference(setup: Setup) -> bool:
-    """Whether TRL builds a separate frozen reference model (never with PEFT: it disables the adapter instead)."""
-    return trainers.spec(setup.trainer).has_reference({} if setup.beta is None else {"beta": setup.beta},
+    """Whether TRL holds a separate frozen reference model while training (never with PEFT: it disables the adapter
+    instead; nor with precompute_ref_log_probs)."""
+    return builds_reference(setup) and not setup.precomputed_ref
+
+
+def builds_reference(setup: Setup) -> bool:
+    """Whether TRL builds a separate reference model at all: under FSDP it does for precompute_ref_log_probs too, and
+    frees it before the first step (trl/trainer/dpo_trainer.py, kto_trainer.py)."""
+    held = trainers.spec(setup.trainer).has_reference({} if setup.beta is None else {"beta": setup.beta},
                                                       setup.method != "full")  # fmt: skip
+    return held and (not setup.precomputed_ref or setup.strategy == "fsdp")

@@ -116,12 +116,15 @@ def check_reference_model_loading(
     `prepare_fsdp` shards the reference model with `fully_shard` alone, so every other rank's shards of the reference
     stay zeros (seen on CPU with FSDP2 for real: 1 node x 2 processes, step-1 DPO loss 0.6949 instead of log 2; the
     reference model's first weight summed to 0.47 against the policy's 2.41). DPO then trains against a broken
-    reference, silently."""
+    reference, silently. precompute_ref_log_probs does not avoid it: under FSDP, TRL 1.16 builds and shards a reference
+    for the precompute alike, and its log-probs came out wrong the same way (step-1 loss 0.6832 with a fresh datasets
+    cache, log 2 without cpu-RAM-efficient loading); TRL caches them by rank 0's weights, so a later correct run on the
+    same node read the broken ones back."""
     config = AccelerateConfig.of(accelerate_config, accel_path)
     if not config.fsdp or config.fsdp_version != 2 or not config.fsdp_cpu_ram_efficient_loading:
         return
-    if truthy(settings.get("use_peft", False)) or truthy(settings.get("precompute_ref_log_probs", False)):
-        return  # no separate reference model is sharded
+    if truthy(settings.get("use_peft", False)):
+        return  # no separate reference model is sharded (precompute_ref_log_probs still builds one under FSDP)
     if trainers.spec(trainer).has_reference(settings):
         raise OrchError(
             f"{accel_path}: fsdp_cpu_ram_efficient_loading with {trainer.upper()}'s reference model under FSDP2 leaves "
