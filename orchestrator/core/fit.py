@@ -122,6 +122,7 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         reduce_buckets=memory.buckets_of(accel.deepspeed_json, asked.sharding),
         seq_len=seq,
         untruncated=untruncated,
+        full_logits=trainers.spec(trainer).smooths_labels and float(setting("label_smoothing_factor", 0) or 0) > 0,
         completion_len=completion,
         checkpointing=accel.fsdp_activation_checkpointing or truthy(setting("gradient_checkpointing", True)),
         seq_split=asked.cp * asked.sp,
@@ -166,6 +167,8 @@ def tokens_words(setup: memory.Setup) -> str:
     if setup.completion_len:
         words += (f" (prompts taken as {setup.seq_len - setup.completion_len} tokens: TRL keeps them whole; "
                   f"{setup.completion_len} completion)")  # fmt: skip
+    if setup.full_logits:
+        words += " (label_smoothing_factor: the loss takes the whole logits, not TRL's fused head)"
     if setup.untruncated:
         taken = "the model's positions" if setup.seq_len == setup.arch.positions else "TRL's 1024: no positions known"
         words += f" (max_length: null truncates nothing: each sequence taken as {taken})"

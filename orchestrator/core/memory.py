@@ -63,6 +63,8 @@ class Setup:
     reduce_buckets: int = 1
     """How many such buckets DeepSpeed holds (buckets_of)."""
     seq_len: int = 1024
+    full_logits: bool = False
+    """SFT with label_smoothing_factor > 0: the loss takes the whole logits (`full_logits`), not TRL's fused head."""
     untruncated: bool = False
     """TRL's max_length is null: nothing is truncated, and seq_len is the model's positions (fit.setup_of)."""
     completion_len: int = 0
@@ -198,12 +200,26 @@ def activations(setup: Setup) -> dict[str, float]:
     else:
         act = tokens * a.layers * layer
     head = 0.0
+    compute = 2 if setup.mixed_precision or DTYPE_BYTES[setup.weights_dtype] == 2 else 4
+    if setup.full_logits:
+        return {"activations": act, "logits": full_logits(setup, tokens, compute)}
     if spec.fused_head:
         scored = setup.micro_batch * setup.completion_len if spec.generates else tokens
-        compute = 2 if setup.mixed_precision or DTYPE_BYTES[setup.weights_dtype] == 2 else 4
         head = sum(lm_head(scored, a.vocab, a.hidden, trained=setup.method == "full", compute=compute,
                            zero3=setup.strategy == "zero3").values())  # fmt: skip
     return {"activations": act, "lm head": head}
+
+
+def full_logits(setup: Setup, tokens: float, compute: int) -> float:
+    """SFT with label_smoothing_factor > 0: TRL 1.16 takes the loss from transformers' LabelSmoother over the model's
+    own tokens x vocabulary logits, not its fused head: at the peak the logits, their shifted copy, the log-softmax and
+    its negation, 16 bytes an entry (fp32, or bf16 logits under CUDA's autocast, which runs log_softmax in fp32), 10 in
+    pure 16-bit; then, the log-softmax kept for the backward, a no-grad fused forward for the metrics (one layer's
+    working set, eval_layer). Measured on CPU (tests/test_label_smoothing_memory.py)."""
+    entries = tokens * setup.arch.vocab
+    wide = 16 if compute == 4 or setup.mixed_precision else 10
+    kept = 4 if wide == 16 else 2
+    return max(entries * wide, entries * kept + eval_layer(setup.arch) * tokens * compute)
 
 
 # TRL's fused LM head works in tiles of TOKEN_CHUNK_SIZE tokens (trl/kernels/chunked_logprob.py) by

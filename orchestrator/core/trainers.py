@@ -42,6 +42,9 @@ class TrainerSpec:
     """Rows one sample puts in a micro-batch (a preference pair's chosen and rejected go through the model together)."""
     fused_head: bool = True
     """It scores tokens through TRL's fused LM head (core/memory.lm_head); a reward model's 1-label head does not."""
+    smooths_labels: bool = False
+    """With label_smoothing_factor > 0 its loss is transformers' LabelSmoother over the whole logits (SFT's
+    compute_loss; the others' losses are their own): core/memory.full_logits."""
     reference: str = "none"
     """A frozen reference model: "always" (TRL prepares one for full fine-tuning), "beta" (when beta != 0), "none".
     Never with PEFT: TRL disables the adapter instead."""
@@ -107,7 +110,7 @@ SPECS: dict[str, TrainerSpec] = {
             "sft", "SFTTrainer", "conversation", (("messages",), ("text",), ("prompt", "completion")),
             {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
             smoke_overrides={"max_length": "64", "packing": "false", "padding_free": "false"},
-            metrics=("mean_token_accuracy",),
+            metrics=("mean_token_accuracy",), smooths_labels=True,
             drops="each row left with no token to learn from once cut to max_length={max_length} "
                   "(truncation_mode={truncation_mode}: a prompt or other turns that fill it, or no completion)",
         ),
