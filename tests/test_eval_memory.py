@@ -116,6 +116,24 @@ def _qwen3_long(**trl) -> memory.Setup:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("value, strategy", [(None, None), ("no", None), (" NO ", None), (False, None),
+                                             ("steps", "steps"), ("Epoch", "epoch")])  # fmt: skip
+def test_the_memory_check_and_the_data_check_read_eval_strategy_alike(value, strategy):
+    """One reading of eval_strategy (core/overrides.eval_strategy) for the memory estimate's eval batch and the data
+    check's test split: YAML's unquoted no (false) evaluates nothing in either."""
+    from orchestrator.core import overrides
+    from orchestrator.launch import recipe, resolved
+
+    assert overrides.eval_strategy(value) == strategy
+    trl = {} if value is None else {"eval_strategy": value}
+    assert (_qwen3_long(**trl).eval_batch > 0) == (strategy is not None)
+    launch = resolved.resolve(recipe.load("qwen3_sft_fsdp_cp"))
+    assert "eval_strategy" not in launch.settings
+    launch = launch.replace(paired=launch.paired._replace(trl={**launch.paired.trl, **trl}))
+    assert launch.evaluation == (None if strategy is None else (strategy, "test"))
+
+
+@pytest.mark.unit
 def test_an_evaluation_that_does_not_fit_is_refused_with_the_eval_batch_that_does():
     """qwen3_sft_long (Qwen3-8B, 1 x 32768 tokens, context parallel) trains in ~33 GiB of an A100-40GB; evaluating at
     transformers' default 8 x 32768 tokens a forward (no CP split there: TRL's prediction_step runs none) needs ~44."""

@@ -23,7 +23,7 @@ from orchestrator.core import (
 )
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
-from orchestrator.core.overrides import truthy
+from orchestrator.core.overrides import eval_strategy, truthy
 from orchestrator.core.vllm_fit import VLLM_WEIGHTS_ROOM, check_vllm_room, vllm_words, with_vllm
 
 # Of a GPU's memory the estimate (which counts the CUDA context and the allocator's slack) may take: what the driver
@@ -95,7 +95,7 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
     untruncated = "max_length" in settings and settings["max_length"] is None and not trainers.spec(trainer).generates
     seq = arch.positions if untruncated and arch.positions else seq
     vllm_share, vllm_max_len = 0.0, 0
-    evaluates = str(setting("eval_strategy", "no")).strip().lower() not in ("no", "false")  # YAML's unquoted no
+    evaluates = eval_strategy(setting("eval_strategy")) is not None
     if trainers.spec(trainer).generates:
         if truthy(setting("use_vllm", False)) and str(setting("vllm_mode", "colocate")) == "colocate":
             vllm_share = float(setting("vllm_gpu_memory_utilization", VLLM_DEFAULT_SHARE))
@@ -236,8 +236,7 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
 
 def eval_words(setup: memory.Setup) -> str:
     """The evaluation batch as the estimate takes it."""
-    tokens = setup.eval_batch * setup.seq_len * trainers.spec(setup.trainer).rows_per_sample
-    return f"per_device_eval_batch_size={setup.eval_batch} ({tokens} tokens a forward)"
+    return f"per_device_eval_batch_size={setup.eval_batch} ({memory.eval_tokens(setup)} tokens a forward)"
 
 
 def check_evaluation(setup: memory.Setup, capacity_gib: float, gpu: str) -> None:
@@ -246,22 +245,22 @@ def check_evaluation(setup: memory.Setup, capacity_gib: float, gpu: str) -> None
     batch, so a run that trains at 1 sequence of 32k tokens evaluates 8 at once, and met the OOM at its first
     evaluation, hours in."""
     usable = capacity_gib * USABLE_FRACTION
+    during = memory.evaluation(setup)
+    if during is None or during.gib <= usable:
+        return
 
     def need(batch: int) -> float:
-        during = memory.evaluation(memory.with_(setup, eval_batch=batch))
-        return during.gib if during else 0.0
+        at = memory.evaluation(memory.with_(setup, eval_batch=batch))
+        return at.gib if at else 0.0
 
-    if need(setup.eval_batch) <= usable:
-        return
     low, high = 0, setup.eval_batch  # the largest batch that fits, by bisection: the need grows with the batch
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if need(middle) <= usable else (low, middle)
     fix = (f"set per_device_eval_batch_size={low} (~{need(low):.1f} GiB)" if low else
            "evaluation does not fit at per_device_eval_batch_size=1 either: eval_strategy=no")  # fmt: skip
-    during = memory.evaluation(setup)
     raise OrchError(
-        f"evaluation at {eval_words(setup)} needs {during.describe() if during else ''} under {label(setup)} on "
+        f"evaluation at {eval_words(setup)} needs {during.describe()} under {label(setup)} on "
         f"{setup.gpus} GPU(s), more than one {gpu} holds ({gib(capacity_gib)} GiB), though training fits; {fix}"
     )
 

@@ -319,11 +319,16 @@ def eval_forward(setup: Setup) -> float:
     one tile. Read back on CPU from transformers' Llama, Qwen2, Qwen3 and Phi-3 (tests/test_eval_memory.py). No CP or SP
     split: TRL's prediction_step runs no context-parallel split, and accelerate adapts only the training dataloader to
     Ulysses, so each rank evaluates whole sequences."""
-    a, spec = setup.arch, trainers.spec(setup.trainer)
-    tokens = setup.eval_batch * setup.seq_len * spec.rows_per_sample
+    a, tokens = setup.arch, eval_tokens(setup)
     compute = 2 if setup.mixed_precision or DTYPE_BYTES[setup.weights_dtype] == 2 else 4
-    head = 2 * a.hidden * tokens + min(tokens, HEAD_TILE[0]) * min(a.vocab, HEAD_TILE[1]) if spec.fused_head else 0
-    return max(eval_layer(a) * tokens, head) * compute
+    head = 2 * a.hidden * tokens + min(tokens, HEAD_TILE[0]) * min(a.vocab, HEAD_TILE[1])
+    return max(eval_layer(a) * tokens, head if trainers.spec(setup.trainer).fused_head else 0) * compute
+
+
+def eval_tokens(setup: Setup) -> int:
+    """Tokens one evaluation forward takes: per_device_eval_batch_size rows of the trainer's (DPO: chosen and
+    rejected), each as long as a training sequence."""
+    return setup.eval_batch * setup.seq_len * trainers.spec(setup.trainer).rows_per_sample
 
 
 def eval_layer(a: Arch) -> int:

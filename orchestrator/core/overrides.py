@@ -78,6 +78,13 @@ def effective(trl_config: Mapping, overrides: Mapping[str, str]) -> dict:
     return {**trl_config, **overrides}
 
 
+def eval_strategy(value) -> str | None:
+    """The eval_strategy a TRL setting names where the trainer evaluates ('steps', 'epoch'), None where it does not:
+    absent, `no`, or YAML's unquoted no (false, which trl_schema's check refuses first, asking for "no" in quotes)."""
+    word = "no" if value is None else str(value).strip().lower()
+    return None if word in ("no", "false") else word
+
+
 def truthy(value) -> bool:
     """A TRL boolean as YAML (true) or an override ("true", "1", "yes") gives it."""
     return str(value).strip().lower() in ("true", "1", "yes", "y", "t")

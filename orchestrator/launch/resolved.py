@@ -70,8 +70,8 @@ class Launch:
     @property
     def evaluation(self) -> tuple[str, str] | None:
         """(eval_strategy, dataset_test_split) where TRL's scripts evaluate (an eval_strategy but `no`), else None."""
-        strategy = str(self.setting("eval_strategy", "no")).strip().lower()
-        return None if strategy == "no" else (strategy, str(self.setting("dataset_test_split", "test")))
+        strategy = overrides.eval_strategy(self.setting("eval_strategy"))
+        return None if strategy is None else (strategy, str(self.setting("dataset_test_split", "test")))
 
     @property
     def gpus_per_node(self) -> int:
