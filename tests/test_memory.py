@@ -409,6 +409,7 @@ def test_orch_plan_gives_each_recipes_launch_figure_from_its_settings(name, monk
     long-context recipes' context and sequence parallelism (40.8 GiB planned where they run at 32.8) and the QLoRA
     recipe's LoRA dropout of 0. Each recipe's settings, given as `orch plan --strategy` flags, give its dry-run
     figure part by part."""
+    from orchestrator.core import attention
     from orchestrator.launch import preflight
     from orchestrator.launch import recipe as recipes
     from orchestrator.launch.resolved import resolve
@@ -427,6 +428,9 @@ def test_orch_plan_gives_each_recipes_launch_figure_from_its_settings(name, monk
     argv += ["--optim", setup.optim] if setup.optim != "adamw_torch" else []
     argv += ["--nested-quant"] if setup.nested_quant else []
     argv += ["--no-checkpointing"] if not setup.checkpointing else []
+    argv += ["--attention", attention.requested(launch.settings)[0] or "sdpa"]
+    packing = str(launch.settings.get("packing_strategy") or "bfd")
+    argv += ["--packing", packing] if setup.batch_shape != "padded" else []
     argv += ["--vllm-colocate", str(setup.vllm_share)] if setup.vllm_share else []
     argv += ["--vllm-sleep"] if setup.vllm_sleeps else []
     argv += ["--vllm-max-len", str(setup.vllm_max_len)] if setup.vllm_max_len else []

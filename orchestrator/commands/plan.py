@@ -53,6 +53,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--lora-dropout", type=float, default=0.05,
                         help="LoRA dropout (TRL's 0.05); 0 keeps no dropout masks for the backward")
     parser.add_argument("--no-checkpointing", action="store_true", help="without activation checkpointing")
+    parser.add_argument("--attention", default="sdpa", metavar="NAME",
+                        help="attn_implementation (default sdpa, transformers' own: a seq x seq mask where a batch is "
+                        "padded or packed; eager also every head's scores; flash_attention_2 or a Hub kernel such as "
+                        "kernels-community/flash-attn2 neither)")
+    parser.add_argument("--packing", choices=("bfd", "wrapped"),
+                        help="sft: TRL's packing_strategy (bfd: each micro-batch one padding-free row, as TRL's "
+                        "packing: true; wrapped: rows of max_length, unpadded)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="dtype the weights are loaded in (TRL's dtype); float32 plans the GPUs without bf16 "
                         "(T4, V100) for fp16 mixed precision")
@@ -100,7 +107,17 @@ def _total_gpus(text: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from orchestrator.commands import print_table
-    from orchestrator.core import accelerators, cuda_arch, disk_need, load_memory, memory, models, precision, vllm_fit
+    from orchestrator.core import (
+        accelerators,
+        cuda_arch,
+        dense_attention,
+        disk_need,
+        load_memory,
+        memory,
+        models,
+        precision,
+        vllm_fit,
+    )
     from orchestrator.core import fit as fit_rules
     from orchestrator.core.errors import OrchError
     from orchestrator.launch import preflight
@@ -136,6 +153,8 @@ def main(args: argparse.Namespace) -> int:
         raise OrchError(f"{flag} goes with --vllm-colocate: e.g. --vllm-colocate 0.3 {flag}")
     if args.eval_batch and generates:
         raise OrchError(f"--eval-batch: {args.trainer} evaluates by generating, which orch does not estimate")
+    if args.packing and not spec.padding_free:
+        raise OrchError(f"--packing: {args.trainer} does not pack; TRL's sft does (packing: true)")
     if (args.strategy is None) != (args.gpus is None):
         raise OrchError("--strategy and --gpus go together: e.g. --strategy fsdp --gpus 16")
     if args.beta is not None and spec.reference != "beta":
@@ -172,6 +191,9 @@ def main(args: argparse.Namespace) -> int:
         seq_len=seq_len,
         completion_len=completion,
         checkpointing=not args.no_checkpointing,
+        dense_attention=dense_attention.kind(args.attention),
+        batch_shape=dense_attention.batch_shape(args.trainer, {"packing": bool(args.packing),
+                                                              "packing_strategy": args.packing}),
         lora_r=args.lora_r,
         lora_targets=("all-linear",) if args.all_linear else memory.PEFT_DEFAULT_TARGETS,
         lora_dropout=args.lora_dropout,
@@ -195,7 +217,8 @@ def main(args: argparse.Namespace) -> int:
         f"{args.model}: {arch.params / 1e9:.1f}B parameters, {args.trainer} {what[base.method]}"
         f"{' beside a frozen reference model' if memory.has_reference(base) else ''}, "
         f"{fit_rules.tokens_words(base).replace(' per device', ' per GPU')}, activation checkpointing "
-        f"{'off' if args.no_checkpointing else 'on'}{vllm}"
+        f"{'off' if args.no_checkpointing else 'on'}, attention {args.attention}"
+        + (f" ({args.packing} packing)" if args.packing else "") + vllm
         + (f", optim {args.optim}" if args.optim != optimizers.DEFAULT_OPTIM else "")
         + (f", evaluating {args.eval_batch} at a time" if args.eval_batch else "")
     )

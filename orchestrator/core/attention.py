@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from orchestrator.core.overrides import truthy
 
 FLASH = re.compile(r"flash_attention_\d")
+FLASH_KERNEL = "kernels-community/flash-attn2"
+"""The flash-attention the recipes load from the Kernels Hub (the nodes' gpu extra installs its client)."""
 TRUST_FIX = 'set model_init_kwargs={"allow_all_kernels": true} if you trust its code, or another attn_implementation'
 """The recipe's fix for a kernel from a publisher the Hub does not trust (the ranks then load it: train/entry.build)."""
 

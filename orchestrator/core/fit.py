@@ -12,7 +12,9 @@ from dataclasses import dataclass, replace
 
 from orchestrator.core import (
     accelerators,
+    attention,
     cuda_arch,
+    dense_attention,
     load_memory,
     memory,
     models,
@@ -126,6 +128,8 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         completion_len=completion,
         checkpointing=accel.fsdp_activation_checkpointing or truthy(setting("gradient_checkpointing", True)),
         seq_split=asked.cp * asked.sp,
+        dense_attention=dense_attention.kind(attention.requested(settings)[0]),
+        batch_shape=dense_attention.batch_shape(trainer, settings),
         weights_dtype=str(setting("dtype", "float32")),
         # the Trainer's Accelerator: TRL's bf16/fp16 where true, else the Accelerate config's (core/precision.py)
         mixed_precision=precision.compute(settings, accel.mixed_precision) not in ("no", "none"),
@@ -221,6 +225,8 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
         if not same and with_vllm(other, capacity_gib) <= usable:
             fixes.append(f"{label(other.setup)} on {setup.gpus} GPUs needs {other.describe().split(' (')[0]}")
             break
+    if flash := flash_fix(setup, lambda s: with_vllm(memory.estimate(s), capacity_gib), usable):
+        fixes.insert(0, flash)
     if setup.untruncated:  # the likeliest fix: a bound on the rows
         fixes.append("set max_length to the longest sequence the data needs")
     bigger = smallest_holding(estimate=estimate)
@@ -237,6 +243,18 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
 def eval_words(setup: memory.Setup) -> str:
     """The evaluation batch as the estimate takes it."""
     return f"per_device_eval_batch_size={setup.eval_batch} ({memory.eval_tokens(setup)} tokens a forward)"
+
+
+def flash_fix(setup: memory.Setup, need: Callable[[memory.Setup], float], usable: float) -> str:
+    """attn_implementation=attention.FLASH_KERNEL where the attention's seq x seq tensors (core/dense_attention.py)
+    are what `need` (GiB) finds over `usable`, and flash-attention can take their place (context parallelism needs
+    SDPA); else ''."""
+    if not setup.dense_attention or setup.seq_split > 1 and setup.strategy == "fsdp":
+        return ""
+    gib_flash = need(memory.with_(setup, dense_attention=""))
+    what = "mask" if setup.dense_attention == "sdpa" else "mask and scores"
+    return (f"attn_implementation={attention.FLASH_KERNEL} (flash-attention holds no seq x seq {what}: "
+            f"~{gib_flash:.1f} GiB)") if gib_flash <= usable else ""
 
 
 def check_evaluation(setup: memory.Setup, capacity_gib: float, gpu: str) -> None:
@@ -259,6 +277,8 @@ def check_evaluation(setup: memory.Setup, capacity_gib: float, gpu: str) -> None
         low, high = (middle, high) if need(middle) <= usable else (low, middle)
     fix = (f"set per_device_eval_batch_size={low} (~{need(low):.1f} GiB)" if low else
            "evaluation does not fit at per_device_eval_batch_size=1 either: eval_strategy=no")  # fmt: skip
+    if flash := flash_fix(setup, lambda s: (memory.evaluation(s) or during).gib, usable):
+        fix += f", or {flash}"
     raise OrchError(
         f"evaluation at {eval_words(setup)} needs {during.describe()} under {label(setup)} on "
         f"{setup.gpus} GPU(s), more than one {gpu} holds ({gib(capacity_gib)} GiB), though training fits; {fix}"

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from orchestrator.core import trainers
+from orchestrator.core import dense_attention, trainers
 from orchestrator.core.arch import Arch, positions_of  # noqa: F401  (memory.Arch and memory.positions_of to callers)
 from orchestrator.core.optimizers import DEFAULT_OPTIM, optim_bytes
 
@@ -76,6 +76,11 @@ class Setup:
     """The KL coefficient of a trainer whose reference model depends on it, as the TRL config or an override gives
     it (None: TRL's default)."""
     checkpointing: bool = True
+    dense_attention: str = ""
+    """"sdpa" or "eager" where the attention holds seq x seq tensors (core/dense_attention.py), "" for flash-attention
+    and the kernels that hold none."""
+    batch_shape: str = "padded"
+    """How a micro-batch reaches the model (dense_attention.batch_shape): "padded", "flattened" or "full"."""
     seq_split: int = 1
     """Context- or sequence-parallel degree: each rank holds seq_len / seq_split tokens of a sequence."""
     weights_dtype: str = "bfloat16"
@@ -199,15 +204,21 @@ def activations(setup: Setup) -> dict[str, float]:
         act = tokens * (a.layers * 2 * a.hidden + layer)
     else:
         act = tokens * a.layers * layer
-    head = 0.0
-    compute = 2 if setup.mixed_precision or DTYPE_BYTES[setup.weights_dtype] == 2 else 4
+    head, compute = 0.0, compute_bytes(setup)
+    dense = {dense_attention.PART[setup.dense_attention]: dense_attention.training(setup, compute)} \
+        if setup.dense_attention else {}  # fmt: skip
     if setup.full_logits:
-        return {"activations": act, "logits": full_logits(setup, tokens, compute)}
+        return {"activations": act, **dense, "logits": full_logits(setup, tokens, compute)}
     if spec.fused_head:
         scored = setup.micro_batch * setup.completion_len if spec.generates else tokens
         head = sum(lm_head(scored, a.vocab, a.hidden, trained=setup.method == "full", compute=compute,
                            zero3=setup.strategy == "zero3").values())  # fmt: skip
-    return {"activations": act, "lm head": head}
+    return {"activations": act, **dense, "lm head": head}
+
+
+def compute_bytes(setup: Setup) -> int:
+    """Bytes an activation takes: 16-bit under mixed precision or with 16-bit weights, else fp32."""
+    return 2 if setup.mixed_precision or DTYPE_BYTES[setup.weights_dtype] == 2 else 4
 
 
 def full_logits(setup: Setup, tokens: float, compute: int) -> float:
@@ -318,11 +329,14 @@ def eval_forward(setup: Setup) -> float:
     attention's q, k, v and their rotated copies; after the last layer, TRL's fused LM head's input, its scored copy and
     one tile. Read back on CPU from transformers' Llama, Qwen2, Qwen3 and Phi-3 (tests/test_eval_memory.py). No CP or SP
     split: TRL's prediction_step runs no context-parallel split, and accelerate adapts only the training dataloader to
-    Ulysses, so each rank evaluates whole sequences."""
-    a, tokens = setup.arch, eval_tokens(setup)
-    compute = 2 if setup.mixed_precision or DTYPE_BYTES[setup.weights_dtype] == 2 else 4
+    Ulysses, so each rank evaluates whole sequences. Where attention is not flash-attention, its seq x seq mask
+    through the forward, and its bias or scores while a layer attends (core/dense_attention.py)."""
+    a, tokens, compute = setup.arch, eval_tokens(setup), compute_bytes(setup)
     head = 2 * a.hidden * tokens + min(tokens, HEAD_TILE[0]) * min(a.vocab, HEAD_TILE[1])
-    return max(eval_layer(a) * tokens, head if trainers.spec(setup.trainer).fused_head else 0) * compute
+    held, attending = dense_attention.evaluation(setup, compute)
+    mlp, attends = eval_layer(a, attention=False) * tokens * compute, eval_layer(a, mlp=False) * tokens * compute
+    layer = max(mlp, attends + attending)
+    return max(layer, head * compute if trainers.spec(setup.trainer).fused_head else 0) + held
 
 
 def eval_tokens(setup: Setup) -> int:
@@ -331,10 +345,12 @@ def eval_tokens(setup: Setup) -> int:
     return setup.eval_batch * setup.seq_len * trainers.spec(setup.trainer).rows_per_sample
 
 
-def eval_layer(a: Arch) -> int:
-    """Elements per token one decoder layer's forward holds at once without gradients (eval_forward)."""
+def eval_layer(a: Arch, *, mlp: bool = True, attention: bool = True) -> int:
+    """Elements per token one decoder layer's forward holds at once without gradients (eval_forward): while its MLP
+    works, or while it attends."""
     q, kv = a.heads * a.hd, a.kv_heads * a.hd
-    return max(4 * a.hidden + (4 if a.fused_mlp else 3) * a.intermediate, 3 * a.hidden + 5 * q + 3 * kv)
+    return max(4 * a.hidden + (4 if a.fused_mlp else 3) * a.intermediate if mlp else 0,
+               3 * a.hidden + 5 * q + 3 * kv if attention else 0)  # fmt: skip
 
 
 def evaluation(setup: Setup) -> Estimate | None:
@@ -346,7 +362,9 @@ def evaluation(setup: Setup) -> Estimate | None:
     parts = states(setup)
     if setup.strategy != "zero3":
         parts["gradients"] = parts["gradients"] / 2 if setup.strategy == "ddp" else 0.0
-    parts |= {"evaluation forward": eval_forward(setup), "gathered": transient(setup, backward=False),
+    mask = dense_attention.evaluation(setup, compute_bytes(setup))[0]  # through the forward: shown apart
+    parts |= {"evaluation forward": eval_forward(setup) - mask, "attention mask": mask,
+              "gathered": transient(setup, backward=False),
               "gradient bucket": ds_bucket(setup) if setup.strategy == "zero3" else 0.0}  # fmt: skip
     parts["overhead"] = sum(parts.values()) * FRAGMENTATION + CONTEXT_GIB * GIB
     return Estimate(setup, {k: v / GIB for k, v in parts.items()})

@@ -45,6 +45,9 @@ class TrainerSpec:
     smooths_labels: bool = False
     """With label_smoothing_factor > 0 its loss is transformers' LabelSmoother over the whole logits (SFT's
     compute_loss; the others' losses are their own): core/memory.full_logits."""
+    padding_free: bool = False
+    """Its collator can flatten a micro-batch into one row with position_ids restarting at each sequence (TRL 1.16's
+    SFT: padding_free, on with packing's bfd strategies; DPO's is disabled in 1.16): dense_attention.batch_shape."""
     reference: str = "none"
     """A frozen reference model: "always" (TRL prepares one for full fine-tuning), "beta" (when beta != 0), "none".
     Never with PEFT: TRL disables the adapter instead."""
@@ -110,7 +113,7 @@ SPECS: dict[str, TrainerSpec] = {
             "sft", "SFTTrainer", "conversation", (("messages",), ("text",), ("prompt", "completion")),
             {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
             smoke_overrides={"max_length": "64", "packing": "false", "padding_free": "false"},
-            metrics=("mean_token_accuracy",), smooths_labels=True,
+            metrics=("mean_token_accuracy",), smooths_labels=True, padding_free=True,
             drops="each row left with no token to learn from once cut to max_length={max_length} "
                   "(truncation_mode={truncation_mode}: a prompt or other turns that fill it, or no completion)",
         ),

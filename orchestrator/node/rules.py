@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from orchestrator.core import batch, final_model, trainers
+from orchestrator.core import attention, batch, final_model, trainers
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import truthy
@@ -208,7 +208,7 @@ def check_packed_attention(accelerate_config: AccelerateConfig | Mapping, sizes:
             f"{' and '.join(packed)} put several documents in one row, but Ulysses sequence parallelism (sp_size="
             f"{sizes.sp}) drops the attention mask and {where} each document attends to the ones before it (only "
             "flash attention keeps them apart, from position_ids); set parallelism_config_sp_attn_implementation and "
-            f"attn_implementation to kernels-community/flash-attn2 (or flash_attention_2), or "
+            f"attn_implementation to {attention.FLASH_KERNEL} (or flash_attention_2), or "
             f"{' '.join(f'{k}=false' for k in packed)}"
         )
     model = str(settings.get("attn_implementation") or "sdpa")
