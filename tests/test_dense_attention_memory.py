@@ -139,3 +139,5 @@ def test_plan_takes_the_attention_and_the_packing(plan):
     assert "attention scores" in eager.stdout and "attention" not in flash.stdout.split("\n", 1)[1]
     refused = plan("Qwen/Qwen2.5-1.5B-Instruct", "--trainer", "dpo", "--packing", "bfd")
     assert refused.returncode == 2 and "--packing: dpo does not pack" in refused.stderr
+    typo = plan("Qwen/Qwen2.5-1.5B-Instruct", "--attention", "spda")  # planned as flash-attention, it said nothing
+    assert typo.returncode == 2 and "--attention spda: give one of sdpa, eager, flash_attention_2" in typo.stderr

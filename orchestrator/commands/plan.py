@@ -109,6 +109,7 @@ def main(args: argparse.Namespace) -> int:
     from orchestrator.commands import print_table
     from orchestrator.core import (
         accelerators,
+        attention,
         cuda_arch,
         dense_attention,
         disk_need,
@@ -153,6 +154,9 @@ def main(args: argparse.Namespace) -> int:
         raise OrchError(f"{flag} goes with --vllm-colocate: e.g. --vllm-colocate 0.3 {flag}")
     if args.eval_batch and generates:
         raise OrchError(f"--eval-batch: {args.trainer} evaluates by generating, which orch does not estimate")
+    if args.attention not in dense_attention.NAMED and "/" not in args.attention:
+        raise OrchError(f"--attention {args.attention}: give one of {', '.join(dense_attention.NAMED)}, or a Kernels "
+                        f"Hub kernel such as {attention.FLASH_KERNEL}")  # fmt: skip
     if args.packing and not spec.padding_free:
         raise OrchError(f"--packing: {args.trainer} does not pack; TRL's sft does (packing: true)")
     if (args.strategy is None) != (args.gpus is None):

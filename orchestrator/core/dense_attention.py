@@ -24,6 +24,8 @@ from orchestrator.core.overrides import truthy
 DENSE = ("sdpa", "eager")
 """The attention implementations that hold seq x seq tensors (transformers' default, when none is named, is sdpa)."""
 PART = {"sdpa": "attention mask", "eager": "attention scores"}
+NAMED = (*DENSE, "flash_attention_2", "flash_attention_3", "flex_attention")
+"""transformers' own attention names; a Kernels Hub kernel is named org/name."""
 
 
 def kind(attention: str | None) -> str:
