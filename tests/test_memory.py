@@ -202,9 +202,9 @@ def test_the_optimizer_offloaded_alone_keeps_the_weights_on_the_gpus():
     assert (zero3["weights"], zero3["gradients"], zero3["optimizer"]) == pytest.approx((gib / 4, gib / 4, 0))
     assert parts(strategy="zero1")["gradients"] == pytest.approx(2 * gib)  # reduced whole at the backward's end
     setup = memory.Setup(arch, strategy="zero2", gpus=8, offload=True, offload_weights=False)
-    assert memory.offload_host_gib(setup, 1) == pytest.approx(8 * (12 + 2) * gib / 8)  # master, m, v; the gradients
+    assert fit.offloaded_gib(setup, 1) == pytest.approx(8 * (12 + 2) * gib / 8)  # master, m, v; the gradients
     everything = memory.Setup(arch, strategy="zero3", gpus=8, offload=True)
-    assert memory.offload_host_gib(everything, 1) == pytest.approx(14 * gib)  # as before: all but the gradient shard
+    assert fit.offloaded_gib(everything, 1) == pytest.approx(14 * gib)  # as before: all but the gradient shard
     for devices, weights in (({"offload_optimizer_device": "cpu"}, False), ({"offload_param_device": "cpu",
                              "offload_optimizer_device": "cpu"}, True)):  # fmt: skip
         accel = accelerate_config.parse({"distributed_type": "DEEPSPEED",

@@ -15,6 +15,7 @@ from orchestrator.core import (
     attention,
     cuda_arch,
     dense_attention,
+    generation_memory,
     load_memory,
     memory,
     models,
@@ -75,10 +76,11 @@ def unestimated(settings: Mapping[str, object], config: Mapping | None = None, w
 
 
 def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConfig, gpus: int,
-             config: Mapping | None = None, where: str = "") -> memory.Setup | None:  # fmt: skip
+             config: Mapping | None = None, where: str = "", global_batch: int | None = None) -> memory.Setup | None:
     """What the memory model needs, from the TRL settings the script will see and the Accelerate config (TRL's and
     PEFT's defaults where they are silent) for `gpus` training processes; None when orch has no shape for the model.
-    `config`: the model's config.json where it was read (node/model_config.read; `where` names it)."""
+    `config`: the model's config.json where it was read (node/model_config.read; `where` names it); `global_batch`:
+    the recipe's GLOBAL_BATCH_SIZE, from which the node derives the accumulation."""  # fmt: skip
 
     def setting(key: str, default=None):
         value = settings.get(key)
@@ -98,10 +100,13 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
     seq = arch.positions if untruncated and arch.positions else seq
     vllm_share, vllm_max_len = 0.0, 0
     evaluates = eval_strategy(setting("eval_strategy")) is not None
+    generation_rows = 0
     if trainers.spec(trainer).generates:
         if truthy(setting("use_vllm", False)) and str(setting("vllm_mode", "colocate")) == "colocate":
             vllm_share = float(setting("vllm_gpu_memory_utilization", VLLM_DEFAULT_SHARE))
             vllm_max_len = int(setting("vllm_max_model_length") or 0)
+        elif not truthy(setting("use_vllm", False)):
+            generation_rows = generation_memory.rows_of(settings, gpus, global_batch)
     return memory.Setup(
         arch=arch,
         trainer=trainer,
@@ -141,6 +146,11 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         vllm_share=vllm_share,
         vllm_max_len=vllm_max_len,
         vllm_sleeps=vllm_share > 0 and truthy(setting("vllm_enable_sleep_mode", False)),
+        generation_rows=generation_rows,
+        # TRL 1.16 gathers every parameter under ZeRO-3 for generate (ds3_gather_for_generation), and to merge a LoRA
+        # adapter before it syncs vLLM's weights (VLLMGeneration._iter_named_params, colocated or server)
+        generation_gather=trainers.spec(trainer).generates and (truthy(setting("ds3_gather_for_generation", True))
+                                                               if not truthy(setting("use_vllm", False)) else peft),
     )
 
 
@@ -207,6 +217,13 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
     if need <= usable:
         check_vllm_room(setup, capacity_gib, gpu)
         check_evaluation(setup, capacity_gib, gpu)
+        generating, fix = generation_memory.refusal(setup, usable)
+        if generating:
+            during = generation_memory.estimate(setup)
+            bigger = None if fix or during is None else smallest_holding(during.gib, bf16=setup.needs_bf16)
+            fix = fix or (f"use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB)" if bigger else "")
+            raise OrchError(f"{generating} under {label(setup)} on {setup.gpus} GPU(s), more than one {gpu} holds "
+                            f"({gib(capacity_gib)} GiB), though training fits" + (f"; {fix}" if fix else ""))
         return estimate
     fixes = []
     if setup.vllm_share and estimate.gib <= usable:  # the trainer alone fits: vLLM's reserve is what does not
@@ -306,11 +323,15 @@ def check_gpu_at_load(loading: load_memory.LoadMemory, capacity_gib: float, gpu:
 
 
 def offloaded_gib(setup: memory.Setup | None, nodes: int) -> float:
-    """CPU offload's host memory per node while training, DeepSpeed's or FSDP's (memory.offload_host_gib); 0 without
-    offload or where orch has no shape for the model."""
+    """Host memory a node needs for CPU offload while training, 0 without offload or a shape for the model: its GPUs'
+    share of what offload moves off them (ZeRO-3: bf16 weights, fp32 master weights and Adam's moments, 14 bytes a
+    trained parameter, the bf16 gradient shard staying on the GPU; FSDP: parameters, gradients and Adam's moments, 16
+    bytes with bf16 mixed precision's fp32 upcast; the optimizer alone: its 12 bytes, and ZeRO-2's gradient
+    partition), frozen weights included."""
     if setup is None or not setup.offload or setup.strategy == "ddp":
         return 0.0
-    return memory.offload_host_gib(setup, nodes)
+    on_gpu = sum(memory.states(setup).values())
+    return (sum(memory.states(memory.with_(setup, offload=False)).values()) - on_gpu) * setup.gpus / nodes / memory.GIB
 
 
 def gib(value: float) -> str:

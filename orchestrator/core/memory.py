@@ -100,6 +100,8 @@ class Setup:
     """TRL's vllm_max_model_length, the engine's max_model_len (0: vLLM's default, the model's positions)."""
     eval_batch: int = 0
     """per_device_eval_batch_size where the trainer evaluates (an eval_strategy), else 0: `evaluation`."""
+    generation_rows: int = 0  # completions a rank generates at once with transformers' generate (use_vllm false)
+    generation_gather: bool = False  # ZeRO-3 gathers the whole model to generate or sync vLLM (generation_memory)
     vllm_sleeps: bool = False
     """vllm_enable_sleep_mode: the engine frees its share while the trainer steps (level 2), and holds it while it
     generates, beside the trainer's states."""
@@ -108,8 +110,7 @@ class Setup:
 @dataclass(frozen=True)
 class Estimate:
     setup: Setup
-    parts: dict[str, float] = field(default_factory=dict)
-    """GiB per GPU, by part."""
+    parts: dict[str, float] = field(default_factory=dict)  # GiB per GPU, by part
 
     @property
     def gib(self) -> float:
@@ -359,9 +360,7 @@ def evaluation(setup: Setup) -> Estimate | None:
     bucket), and the evaluation forward (eval_forward) where the training step's activations were."""
     if setup.eval_batch < 1:
         return None
-    parts = states(setup)
-    if setup.strategy != "zero3":
-        parts["gradients"] = parts["gradients"] / 2 if setup.strategy == "ddp" else 0.0
+    parts = between_steps(setup)
     mask = dense_attention.evaluation(setup, compute_bytes(setup))[0]  # through the forward: shown apart
     parts |= {"evaluation forward": eval_forward(setup) - mask, "attention mask": mask,
               "gathered": transient(setup, backward=False),
@@ -370,17 +369,16 @@ def evaluation(setup: Setup) -> Estimate | None:
     return Estimate(setup, {k: v / GIB for k, v in parts.items()})
 
 
-def with_(setup: Setup, **changes) -> Setup:
-    return replace(setup, **changes)
+def between_steps(setup: Setup) -> dict[str, float]:
+    """The states an evaluation or a generation finds: the step's zero_grad freed the gradients, not DDP's buckets
+    nor ZeRO-3's partition."""
+    parts = states(setup)
+    if setup.strategy != "zero3":
+        parts["gradients"] = parts["gradients"] / 2 if setup.strategy == "ddp" else 0.0
+    return parts
 
 
-def offload_host_gib(setup: Setup, nodes: int) -> float:
-    """Host memory a node needs for CPU offload while training: its GPUs' share of what offload moves off them
-    (ZeRO-3: bf16 weights, fp32 master weights and Adam's moments, 14 bytes a trained parameter, the bf16 gradient
-    shard staying on the GPU; FSDP: parameters, gradients and Adam's moments, 16 bytes with bf16 mixed precision's
-    fp32 upcast; the optimizer alone: its 12 bytes, and ZeRO-2's gradient partition), frozen weights included."""
-    moved = sum(states(replace(setup, offload=False)).values()) - sum(states(setup).values())
-    return moved * setup.gpus / nodes / GIB
+with_ = replace  # memory.with_(setup, strategy="zero3"): the Setup with those fields changed
 
 
 def has_reference(setup: Setup) -> bool:

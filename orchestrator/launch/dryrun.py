@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from orchestrator.core import accelerators, fit, memory, precision, vllm_fit
+from orchestrator.core import accelerators, fit, generation_memory, memory, precision, vllm_fit
 from orchestrator.core.errors import OrchError
 from orchestrator.core.memory import GIB
 from orchestrator.core.yamlio import dump_task
@@ -63,6 +63,8 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
         print(f"memory: not estimated ({why}{hint})")
     if checked.memory is not None and (during := memory.evaluation(checked.memory.setup)):
         print(f"memory while evaluating: {during.describe()} at {fit.eval_words(during.setup)} (eval_strategy)")
+    if checked.memory is not None and (making := generation_memory.estimate(checked.memory.setup)):
+        print(f"memory while {generation_memory.words(making.setup)}: {making.describe()}")
     if ahead := precision.planned(checked.memory.setup if checked.memory else None):
         print(ahead)
     at_load = preflight.load_memory(launch, checked.memory)  # None where the line above says not estimated

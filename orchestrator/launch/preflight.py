@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from orchestrator.core import accelerators, cuda_arch, disk_need, fit, memory, parallel, precision, vllm_fit
+from orchestrator.core import accelerators, batch, cuda_arch, disk_need, fit, memory, parallel, precision, vllm_fit
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError
@@ -41,7 +41,8 @@ def setup_of(launch, gpus: int) -> memory.Setup | None:
     where orch reads one (a model it does not know by name: node/model_config.read)."""
     try:
         found = model_config.read(str(launch.setting("model_name_or_path", "")), launch.setting("model_revision"))
-        return fit.setup_of(launch.trainer, launch.settings, launch.paired.accelerate, gpus, found.config, found.where)
+        return fit.setup_of(launch.trainer, launch.settings, launch.paired.accelerate, gpus, found.config, found.where,
+                            batch.global_batch_of(launch.envs))  # fmt: skip
     except OrchError as exc:  # a config.json the estimate cannot read: refused unless the check is off
         if memory_checked(launch):
             raise OrchError(f"{exc}; --env ORCH_MEMORY_CHECK=off launches without the estimate") from None

@@ -13,7 +13,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from orchestrator.core import fit, memory, vllm_fit
+from orchestrator.core import batch, fit, generation_memory, memory, vllm_fit
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
@@ -160,7 +160,8 @@ def _check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object],
 
     try:  # a model orch does not know by name: its config.json, a small file the download fetches anyway
         found = model_config.read(str(settings.get("model_name_or_path", "")), settings.get("model_revision"))
-        setup = fit.setup_of(trainer, settings, accel, nodes * per_node, found.config, found.where)
+        setup = fit.setup_of(trainer, settings, accel, nodes * per_node, found.config, found.where,
+                             batch.global_batch_of(env))  # fmt: skip
     except OrchError as exc:  # a config.json the estimate cannot read: training may still load it
         return f"memory: not checked ({exc})"
     if setup is None:
@@ -174,6 +175,8 @@ def _check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object],
         fit.check_gpu_at_load(loading, capacity, name, setup.needs_bf16)
         during = memory.evaluation(setup)
         evaluating = f", ~{during.gib:.1f} GiB evaluating" if during else ""
+        if making := generation_memory.estimate(setup):
+            evaluating += f", ~{making.gib:.1f} GiB generating"
         said = (f"~{estimate.gib:.1f} GiB per GPU training{vllm_fit.vllm_words(setup, capacity)}{evaluating}, "
                 f"~{loading.gpu / GIB:.1f} GiB loading, fits {fit.gib(capacity)} GiB ({name})")  # fmt: skip
     else:

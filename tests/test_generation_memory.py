@@ -1,0 +1,112 @@
+"""Memory while GRPO or RLOO generate without vLLM, or gather the model to sync vLLM's weights, beside the training
+states (core/generation_memory.py), against transformers' generate and TRL's GRPOConfig on CPU.
+
+The launch check counted the training step alone. Without vLLM a rank generates its whole generation batch at once
+(per_device_train_batch_size x steps_per_generation, the accumulation by default) with a cache of every token's k and
+v; under ZeRO-3 TRL first gathers the whole model on every GPU (ds3_gather_for_generation) and, with LoRA and vLLM,
+to merge the adapter before each weight sync: Llama-3.1-70B GRPO under ZeRO-3 trains in ~42 GiB of an H100 and
+needed ~183 to generate."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.core import configs, fit, generation_memory, memory
+from orchestrator.core.errors import OrchError
+
+SHAPE = dict(family="Qwen2", layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, dtype="bfloat16")
+CASES = [(8, 64, 64), (8, 64, 192), (16, 64, 64), (8, 192, 64)]  # rows, prompt tokens, completion tokens
+
+
+@pytest.fixture(scope="module")
+def measured():
+    cases = [dict(SHAPE, rows=r, prompt=p, completion=c) for r, p, c in CASES]
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("generation_probe.py")), json.dumps(cases)],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    peaks, config = run.stdout.splitlines()[-2:]
+    return dict(zip(CASES, json.loads(peaks), strict=True)), json.loads(config)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_generate_holds_what_the_memory_model_counts(measured, case):
+    """The prompt's forward with its cache so far and SDPA's mask of the left-padded prompts, or the whole cache at
+    the end with one layer's k and v repeated to the query heads: within 10% under and 20% over."""
+    rows, prompt, completion = case
+    arch = memory.Arch(4, 64, 128, 4, 2, 256, head_dim=16)
+    setup = memory.Setup(arch, trainer="grpo", seq_len=prompt + completion, completion_len=completion,
+                         generation_rows=rows, dense_attention="sdpa")  # fmt: skip
+    peak, counted = measured[0][case], generation_memory.forward(setup)
+    assert 0.9 * peak <= counted <= 1.2 * peak, (peak, counted)
+
+
+@pytest.mark.e2e
+def test_trl_generates_the_accumulation_s_completions_at_once(measured):
+    """TRL's GRPOConfig: steps_per_generation defaults to gradient_accumulation_steps, the generation batch is the
+    per-device batch times it (on one process), and ZeRO-3 gathers the model for generate unless told otherwise."""
+    assert measured[1] == {"steps_per_generation": 4, "generation_batch_size": 8, "ds3_gather_for_generation": True}
+    settings = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}
+    assert generation_memory.rows_of(settings, 1, None) == 8
+    assert generation_memory.rows_of(settings, 8, 256) == 2 * 16  # GLOBAL_BATCH_SIZE's accumulation, as the node's
+    assert generation_memory.rows_of({**settings, "steps_per_generation": 2}, 8, 256) == 4
+    assert generation_memory.rows_of({**settings, "generation_batch_size": 64}, 8, 256) == 8
+
+
+def _grpo(**trl) -> memory.Setup:
+    paired = configs.load({"TRL_CONFIG": "recipes/trl/qwen25_grpo.yaml",
+                           "ACCELERATE_CONFIG": "recipes/accelerate/zero3_offload.yaml"})  # fmt: skip
+    setup = fit.setup_of("grpo", {**paired.trl, "model_name_or_path": "meta-llama/Llama-3.1-70B-Instruct", **trl},
+                         paired.accelerate, 8, global_batch=256)  # fmt: skip
+    assert setup is not None
+    return setup
+
+
+@pytest.mark.unit
+def test_zero3_generating_the_whole_model_on_every_gpu_is_refused_with_the_setting_that_fits():
+    setup = _grpo(use_vllm=False, per_device_train_batch_size=2)
+    assert setup.generation_rows == 32 and generation_memory.gathers_all(setup)
+    during = generation_memory.estimate(setup)
+    assert memory.estimate(setup).gib <= 80 * fit.USABLE_FRACTION < during.gib
+    assert during.parts["gathered"] == pytest.approx(setup.arch.params * 2 / memory.GIB)  # bf16, on every GPU
+    with pytest.raises(OrchError) as refused:
+        fit.check_gpu(setup, 80, "H100")
+    said = str(refused.value)
+    assert said.startswith("generating 32 completions at once (transformers' generate, use_vllm false: ")
+    assert "though training fits; ds3_gather_for_generation=false (~" in said
+    fit.check_gpu(_grpo(use_vllm=False, per_device_train_batch_size=2, ds3_gather_for_generation=False), 80, "H100")
+
+
+@pytest.mark.unit
+def test_what_gathers_the_model_and_what_generates():
+    assert _grpo(use_vllm=False).generation_gather  # TRL's default ds3_gather_for_generation
+    assert not _grpo(use_vllm=False, ds3_gather_for_generation="false").generation_gather
+    vllm = _grpo(use_vllm=True, vllm_mode="server")
+    assert vllm.generation_rows == 0 and generation_memory.estimate(vllm) is None  # vLLM generates, no gather
+    lora = _grpo(use_vllm=True, vllm_mode="server", use_peft=True)  # TRL merges the adapter gathered
+    assert lora.generation_rows == 0 and generation_memory.gathers_all(lora)
+    assert generation_memory.words(lora).startswith("syncing vLLM's weights")
+    assert generation_memory.estimate(lora).parts["generation"] == 0
+    paired = configs.load({"TRL_CONFIG": "recipes/trl/qwen25_grpo.yaml", "ACCELERATE_CONFIG": "multi_gpu"})
+    ddp = fit.setup_of("grpo", {**paired.trl, "use_vllm": False}, paired.accelerate, 8, global_batch=256)
+    assert ddp.generation_rows == 32 and not generation_memory.gathers_all(ddp)  # DDP generates as it trains
+    assert generation_memory.estimate(ddp).parts["generation"] > 0
+
+
+@pytest.mark.cli
+def test_the_dry_run_shows_the_generation_and_the_launch_refuses_what_does_not_fit(project):
+    from conftest import orch
+
+    env = {"ORCH_DATA_CHECK": "off", "ORCH_REHEARSAL": "off", "HF_TOKEN": "x"}
+    base = ["run", "qwen25_grpo_ddp", "--secret", "HF_TOKEN", "--dry-run", "--skip-optimizer", "use_vllm=false"]
+    shown = orch(*base, env=env, cwd=project)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "memory while generating 32 completions at once (transformers' generate, use_vllm false: " in shown.stdout
+    big = ["--env", "ACCELERATE_CONFIG=recipes/accelerate/zero3_offload.yaml", "--gpus", "H100:8",
+           "model_name_or_path=meta-llama/Llama-3.1-70B-Instruct", "per_device_train_batch_size=2"]  # fmt: skip
+    refused = orch(*base, *big, env=env, cwd=project)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
+        "orch: error: generating 32 completions at once"), refused.stderr  # fmt: skip
