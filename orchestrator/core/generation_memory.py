@@ -70,8 +70,7 @@ def estimate(setup: memory.Setup) -> memory.Estimate | None:
     parts |= {"generation": forward(setup) if setup.generation_rows else 0.0,
               "gathered": weights or memory.transient(setup, backward=False),
               "gradient bucket": memory.ds_bucket(setup) if setup.strategy == "zero3" else 0.0}  # fmt: skip
-    parts["overhead"] = sum(parts.values()) * memory.FRAGMENTATION + memory.CONTEXT_GIB * memory.GIB
-    return memory.Estimate(setup, {k: v / memory.GIB for k, v in parts.items()})
+    return memory.with_overhead(setup, parts)
 
 
 def words(setup: memory.Setup) -> str:

@@ -318,8 +318,12 @@ def buckets_of(deepspeed_json: Mapping | None, strategy: str) -> int:
 
 def estimate(setup: Setup) -> Estimate:
     parts = {**states(setup), **activations(setup), "gathered": transient(setup), "gradient bucket": ds_bucket(setup)}
-    live = sum(parts.values())
-    parts["overhead"] = live * FRAGMENTATION + CONTEXT_GIB * GIB
+    return with_overhead(setup, parts)
+
+
+def with_overhead(setup: Setup, parts: dict[str, float]) -> Estimate:
+    """The Estimate of these live bytes by part, with the allocator's slack and the CUDA context, in GiB."""
+    parts["overhead"] = sum(parts.values()) * FRAGMENTATION + CONTEXT_GIB * GIB
     return Estimate(setup, {k: v / GIB for k, v in parts.items()})
 
 
@@ -365,8 +369,7 @@ def evaluation(setup: Setup) -> Estimate | None:
     parts |= {"evaluation forward": eval_forward(setup) - mask, "attention mask": mask,
               "gathered": transient(setup, backward=False),
               "gradient bucket": ds_bucket(setup) if setup.strategy == "zero3" else 0.0}  # fmt: skip
-    parts["overhead"] = sum(parts.values()) * FRAGMENTATION + CONTEXT_GIB * GIB
-    return Estimate(setup, {k: v / GIB for k, v in parts.items()})
+    return with_overhead(setup, parts)
 
 
 def between_steps(setup: Setup) -> dict[str, float]:
