@@ -1,7 +1,8 @@
 """The most bytes transformers' generate holds at once on CPU, as GRPO and RLOO call it without vLLM: a batch of
 left-padded prompts, every completion run to its full length, SDPA attention, the cache transformers picks
-(DynamicCache). `python tests/generation_probe.py '<json cases>'` prints a JSON list of the peaks, and last what TRL's
-GRPOConfig makes of the generation batch. Used by tests/test_generation_memory.py."""
+(DynamicCache). `python tests/generation_probe.py '<json cases>' '<json TRL cases>'` prints a JSON list of the peaks,
+what TRL's GRPOConfig makes of the generation batch, and last the generation batch TRL derives for each TRL case at
+its world size (`at_world`). Used by tests/test_generation_memory.py."""
 
 import json
 import sys
@@ -44,7 +45,27 @@ def generation_batch() -> dict:
             "ds3_gather_for_generation": args.ds3_gather_for_generation}  # fmt: skip
 
 
+def at_world(cases: list[dict]) -> list:
+    """TRL's own GRPOConfig or RLOOConfig for each case's settings at its world size (TrainingArguments.world_size,
+    which TRL's checks read, answering the case's number of processes): [generation_batch_size,
+    steps_per_generation], or TRL's refusal."""
+    import trl
+
+    made = []
+    for case in cases:
+        base = getattr(trl, {"grpo": "GRPOConfig", "rloo": "RLOOConfig"}[case["trainer"]])
+        at = type("AtWorld", (base,), {"world_size": property(lambda self, n=case["world"]: n)})
+        try:
+            args = at(output_dir="unused", use_cpu=True, report_to="none", **case["settings"])
+        except ValueError as exc:
+            made.append(str(exc))
+            continue
+        made.append([args.generation_batch_size, args.steps_per_generation])
+    return made
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     print(json.dumps([peak(**case) for case in json.loads(sys.argv[1])]))
     print(json.dumps(generation_batch()))
+    print(json.dumps(at_world(json.loads(sys.argv[2]))))

@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 from conftest import ROOT, free_port
 
-from orchestrator.core import load_memory, memory, models
+from orchestrator.core import ds_buckets, load_memory, memory, models
 
 pytestmark = pytest.mark.e2e  # imports DeepSpeed and builds three engines (~6 s)
 
@@ -57,8 +57,9 @@ def test_the_memory_model_counts_deepspeeds_gradient_bucket_as_deepspeed_allocat
     for settings, hidden, during in jsons:
         zero = json.loads(settings)
         small, ds, strategy = replace(arch, hidden=int(hidden)), {"zero_optimization": zero}, f"zero{zero['stage']}"
-        setup = memory.Setup(arch=small, strategy=strategy, gpus=8, reduce_bucket=memory.reduce_bucket_of(ds, small),
-                             reduce_buckets=memory.buckets_of(ds, strategy))  # fmt: skip
+        setup = memory.Setup(arch=small, strategy=strategy, gpus=8,
+                             reduce_bucket=ds_buckets.reduce_bucket_of(ds, small),
+                             reduce_buckets=ds_buckets.buckets_of(ds, strategy))  # fmt: skip
         assert memory.ds_bucket(setup) == int(during), (zero, setup.reduce_bucket, setup.reduce_buckets, during)
     assert {int(during) for _, _, during in jsons} >= {0, 2 * 3000 * 2}  # both ends happened
 

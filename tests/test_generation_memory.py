@@ -21,14 +21,47 @@ SHAPE = dict(family="Qwen2", layers=4, hidden=64, heads=4, kv_heads=2, head_dim=
 CASES = [(8, 64, 64), (8, 64, 192), (16, 64, 64), (8, 192, 64)]  # rows, prompt tokens, completion tokens
 
 
+# GRPO and RLOO settings at a world size (trainer, processes, GLOBAL_BATCH_SIZE or None, TRL settings): each with every
+# smaller per-device batch a memory refusal would offer (core/batch.smaller), for TRL's own config to take
+SETTINGS = [
+    ("grpo", 8, 256, {"per_device_train_batch_size": 8, "num_generations": 8}),
+    ("grpo", 8, None, {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "num_generations": 8}),
+    ("grpo", 4, None, {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2, "num_generations": 4,
+                       "steps_per_generation": 2}),
+    # 3 divides a rank's 12 samples a step, but TRL wants the generation batch (16) a multiple of it x 4 processes
+    ("grpo", 4, None, {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 3, "num_generations": 4,
+                       "generation_batch_size": 16}),
+    ("rloo", 4, 64, {"per_device_train_batch_size": 4}),
+    ("rloo", 2, None, {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 3, "steps_per_generation": 3}),
+]  # fmt: skip
+
+
+def with_smaller(trainer: str, world: int, global_batch: int | None, settings: dict) -> list[dict]:
+    """The settings TRL sees (the accumulation GLOBAL_BATCH_SIZE derives, as the node passes it), then each smaller
+    batch's."""
+    from orchestrator.core import batch, trainers
+
+    def seen(trl: dict) -> dict:
+        derived = global_batch // (trl["per_device_train_batch_size"] * world) if global_batch else None
+        return {**trl, **({"gradient_accumulation_steps": derived} if derived else {})}
+
+    offered = batch.smaller(settings, global_batch, world, None, trainers.spec(trainer))
+    assert offered, (trainer, settings)
+    return [seen(settings)] + [seen({**settings, **{k: int(v) for k, v in s.overrides}}) for s in offered]
+
+
+TRL_CASES = [dict(trainer=t, world=w, settings=s) for t, w, g, base in SETTINGS for s in with_smaller(t, w, g, base)]
+
+
 @pytest.fixture(scope="module")
 def measured():
     cases = [dict(SHAPE, rows=r, prompt=p, completion=c) for r, p, c in CASES]
-    run = subprocess.run([sys.executable, str(Path(__file__).with_name("generation_probe.py")), json.dumps(cases)],
-                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent)  # fmt: skip
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("generation_probe.py")), json.dumps(cases),
+                          json.dumps(TRL_CASES)], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    peaks, config = run.stdout.splitlines()[-2:]
-    return dict(zip(CASES, json.loads(peaks), strict=True)), json.loads(config)
+    peaks, config, trl = run.stdout.splitlines()[-3:]
+    return dict(zip(CASES, json.loads(peaks), strict=True)), json.loads(config), json.loads(trl)
 
 
 @pytest.mark.e2e
@@ -54,6 +87,20 @@ def test_trl_generates_the_accumulation_s_completions_at_once(measured):
     assert generation_memory.rows_of(settings, 8, 256) == 2 * 16  # GLOBAL_BATCH_SIZE's accumulation, as the node's
     assert generation_memory.rows_of({**settings, "steps_per_generation": 2}, 8, 256) == 4
     assert generation_memory.rows_of({**settings, "generation_batch_size": 64}, 8, 256) == 8
+
+
+@pytest.mark.e2e
+def test_trl_takes_every_smaller_batch_a_refusal_offers_and_generates_as_many_completions(measured):
+    """A memory refusal's smaller per-device batch (core/batch.smaller) keeps GRPO's and RLOO's generation batch:
+    TRL's own config, at the run's world size, accepts each one (whole num_generations groups, a generation_batch_size
+    that is a multiple of the per-device batch x processes) and derives the same generation batch."""
+    made = iter(measured[2])
+    for trainer, world, global_batch, settings in SETTINGS:
+        before, *after = (next(made) for _ in with_smaller(trainer, world, global_batch, settings))
+        assert isinstance(before, list), (trainer, settings, before)
+        for fixed in after:
+            assert isinstance(fixed, list) and fixed[0] == before[0], (trainer, settings, before, fixed)
+    assert next(made, None) is None
 
 
 def _grpo(**trl) -> memory.Setup:

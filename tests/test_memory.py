@@ -262,7 +262,9 @@ def test_colocated_vllm_reserves_its_share_of_each_gpu_beside_the_trainer():
     old = fit.setup_of("grpo", before, paired.accelerate, 8)
     assert old.vllm_share == 0.45 and memory.estimate(old).gib < 40 * fit.USABLE_FRACTION  # fits without vLLM
     with pytest.raises(OrchError, match=r"beside colocated vLLM's 18\.0 GiB \(vllm_gpu_memory_utilization 0\.45\), "
-                       r"more than one A100 holds \(40 GiB\); vllm_gpu_memory_utilization=0\.4 .*"
+                       r"more than one A100 holds \(40 GiB\); set per_device_train_batch_size=4 "
+                       r"gradient_accumulation_steps=2 \(~37\.7 GiB; the same 64 samples a step\), "
+                       r"vllm_gpu_memory_utilization=0\.4 .*"
                        r"vllm_enable_sleep_mode=true .*vllm_mode=server"):  # fmt: skip
         fit.check_gpu(old, 40, "A100")
     now = fit.setup_of("grpo", paired.trl, paired.accelerate, 8)  # the shipped recipe: 8 x 1536, 0.3

@@ -109,8 +109,9 @@ def test_head_node_refuses_a_step_over_its_own_gpus_memory(tmp_path):
     t4 = rehearse(env, path=_nvidia_smi(tmp_path, "Tesla T4, 15360\\nTesla T4, 15360\\n"))
     assert t4.returncode == 2, t4.stdout + t4.stderr
     assert re.match(r"orch: error: 0\.494B sft \(full, 64 x 2048 tokens per device\) needs ~20\.\d GiB per GPU .* "
-                    r"under DDP on 16 GPU\(s\), more than one Tesla T4 holds \(15 GiB\); use L4 \(24 GiB\); "
-                    r"`orch plan` lists what fits\n",
+                    r"under DDP on 16 GPU\(s\), more than one Tesla T4 holds \(15 GiB\); set "
+                    r"per_device_train_batch_size=32 gradient_accumulation_steps=2 \(~13\.\d GiB; the same 1024 "
+                    r"samples a step\), or use L4 \(24 GiB\); `orch plan` lists what fits\n",
                     t4.stderr)  # fmt: skip
 
     h100 = rehearse(env, path=_nvidia_smi(tmp_path, "NVIDIA H100 80GB HBM3, 81559\\nNVIDIA H100 80GB HBM3, 81559\\n"))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from conftest import orch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_local_run import check_demo_run
 
@@ -191,6 +191,61 @@ def test_every_batch_fix_a_refusal_offers_is_one_the_node_takes(trainer, global_
         fixed = (({**extra, key: value}, trl) if key == "GLOBAL_BATCH_SIZE" else
                  (extra, {**trl, key: int(value)}))  # fmt: skip
         assert plans(*fixed) is None, (refused, key, value, plans(*fixed))
+
+
+@settings(max_examples=300, deadline=None)
+@given(trainer=st.sampled_from(["sft", "kto", "grpo", "rloo"]), global_batch=st.one_of(st.none(), st.integers(1, 256)),
+       per_device=st.integers(1, 12), accumulation=st.integers(1, 6), nodes=st.integers(1, 3),
+       per_node=st.integers(1, 8), group=st.integers(2, 8), spg=st.one_of(st.none(), st.integers(1, 4)),
+       cp=st.booleans())  # fmt: skip
+# 2 nodes x 1 process under cp 2 at a global batch the plan refuses: its "these shapes keep it" divided by the 0
+# data-parallel ranks of 1 node's process (a ZeroDivisionError, not the refusal)
+@example(trainer="sft", global_batch=1, per_device=2, accumulation=1, nodes=2, per_node=1, group=2, spg=None, cp=True)
+def test_every_smaller_batch_a_memory_refusal_offers_plans_and_keeps_the_math(trainer, global_batch, per_device,
+                                                                                accumulation, nodes, per_node, group,
+                                                                                spg, cp):  # fmt: skip
+    """A memory refusal names a smaller per-device batch (core/batch.smaller, core/memory_fix.fitting): each one
+    offered, applied with the settings that come with it, plans on the node (its batch rules: KTO's least, whole
+    num_generations groups, the accumulation GLOBAL_BATCH_SIZE derives) and keeps the samples of an optimizer step and
+    a GRPO/RLOO generation batch; and under GLOBAL_BATCH_SIZE every smaller batch the node would take is offered."""
+    from orchestrator.core import generation_memory, trainers
+    from orchestrator.core.accelerate_config import AccelerateConfig
+
+    spec = trainers.spec(trainer)
+    cp = cp and trainer == "sft" and nodes * per_node % 2 == 0
+    accel = CP if cp else {"distributed_type": "MULTI_GPU"}
+    extra = {"TRL_TRAINER": trainer, "GLOBAL_BATCH_SIZE": str(global_batch or "")}
+    trl: dict = {"per_device_train_batch_size": per_device}
+    trl |= {} if global_batch else {"gradient_accumulation_steps": accumulation}
+    trl |= {"num_generations": group, **({"steps_per_generation": spg} if spg else {})} if spec.generates else {}
+
+    def planned(trl):
+        try:
+            return node.plan(env(nodes, per_node, **extra), accel, trl)
+        except OrchError:
+            return None
+
+    def samples(plan, trl) -> int:  # an optimizer step's, over the data-parallel ranks
+        steps = plan.gradient_accumulation_steps or trl.get("gradient_accumulation_steps", 1)
+        return plan.per_device_batch * plan.data_parallel_size * steps
+
+    world = nodes * per_node
+    before = planned(trl)
+    if before is None:  # the batch checks' own refusal comes first
+        return
+    offered = batch.smaller(trl, global_batch, world, AccelerateConfig.of(accel).parallelism, spec)
+    assert [s.batch for s in offered] == sorted({s.batch for s in offered}, reverse=True)
+    for smaller in offered:
+        fixed = {**trl, **{key: int(value) for key, value in smaller.overrides}}
+        after = planned(fixed)
+        assert after is not None and after.per_device_batch == smaller.batch < per_device, (smaller, fixed)
+        assert samples(after, fixed) == samples(before, trl), smaller
+        if spec.generates:
+            rows = generation_memory.rows_of(fixed, world, global_batch)
+            assert rows == generation_memory.rows_of(trl, world, global_batch), smaller
+    if global_batch and not spg:
+        taken = {b for b in range(1, per_device) if planned({**trl, "per_device_train_batch_size": b})}
+        assert {s.batch for s in offered} == taken
 
 
 # ---------------------------------------------------------------- vLLM server node (GRPO)

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from orchestrator.core.errors import OrchError
+
+if TYPE_CHECKING:
+    from orchestrator.core.parallel import Sizes
+    from orchestrator.core.trainers import TrainerSpec
 
 TRAINING_ARGS_DEFAULT_PER_DEVICE = 8  # transformers.TrainingArguments.per_device_train_batch_size
 
@@ -78,8 +84,10 @@ def nearest(global_batch: int, step: int) -> list[int]:
 def nodes_that_keep(global_batch: int, per_device: int, per_node: int, data_parallel_of: Callable[[int], int],
                     most: int = 64) -> list[int]:  # fmt: skip
     """Node counts (of `per_node` processes each) whose data-parallel ranks keep `global_batch` at this per-device
-    batch: where a run can resume at another shape without changing its math."""
-    return [n for n in range(1, most + 1) if global_batch % (per_device * data_parallel_of(n * per_node)) == 0]
+    batch: where a run can resume at another shape without changing its math. A count whose processes the context-,
+    sequence- and tensor-parallel groups do not divide (data_parallel_of gives 0) is none of them."""
+    ranks = {n: data_parallel_of(n * per_node) for n in range(1, most + 1)}
+    return [n for n, dp in ranks.items() if dp > 0 and global_batch % (per_device * dp) == 0]
 
 
 def say_nodes(nodes: list[int]) -> str:
@@ -126,3 +134,56 @@ def check_generations(global_batch: int | None, settings: Mapping, trainer: str,
             f"{trainer.upper()}: GLOBAL_BATCH_SIZE={global_batch} completions is not a multiple of num_generations="
             f"{group}; use GLOBAL_BATCH_SIZE={choices}"
         )
+
+
+@dataclass(frozen=True)
+class Smaller:
+    """A per-device batch below the run's that keeps its math: the samples of an optimizer step, and a GRPO/RLOO
+    generation batch, stay what they were; `overrides` are every setting that changes with it."""
+
+    batch: int
+    overrides: tuple[tuple[str, str], ...]
+    kept: str
+    """How the math is kept, in words."""
+
+    def words(self) -> str:
+        return " ".join(f"{key}={value}" for key, value in self.overrides)
+
+
+def smaller(settings: Mapping, global_batch: int | None, processes: int, sizes: Sizes | None = None,
+            spec: TrainerSpec | None = None) -> tuple[Smaller, ...]:  # fmt: skip
+    """Every per-device batch below the settings' one that keeps a rank's samples an optimizer step (per-device batch
+    x accumulation) whole, largest first, for `processes` training processes (data-parallel over `sizes`' context-,
+    sequence- and tensor-parallel groups): under GLOBAL_BATCH_SIZE the node derives the accumulation (`solve`), else
+    gradient_accumulation_steps grows to match. None below the trainer's least per-device batch (`spec`); a
+    generating trainer keeps its generation batch too: TRL's generation_batch_size must stay a multiple of the
+    per-device batch x `processes`, and an explicit steps_per_generation grows to match. Empty where the settings are
+    not whole numbers or the global batch does not divide (the batch checks say so first)."""
+    data_parallel = max(1, processes // (sizes.model_parallel if sizes else 1))
+    least, generates = (spec.min_micro_batch, spec.generates) if spec else (1, False)
+    try:
+        per_device = per_device_batch(settings)
+        steps = (global_batch // (per_device * data_parallel) if global_batch else
+                 positive_int(settings.get("gradient_accumulation_steps") or 1, "gradient_accumulation_steps"))
+        every, spg = (
+            (positive_int(settings[key], key) if generates and settings.get(key) not in (None, "") else None)
+            for key in ("generation_batch_size", "steps_per_generation")
+        )
+    except OrchError:
+        return ()
+    if global_batch and global_batch % (per_device * data_parallel):
+        return ()
+    samples = per_device * steps  # a rank's samples an optimizer step
+    found = []
+    for b in range(min(per_device - 1, SEARCH), max(least, 1) - 1, -1):
+        if samples % b or every and every % (b * processes) or spg and spg * per_device % b:
+            continue
+        overrides = [("per_device_train_batch_size", str(b))]
+        if not global_batch:
+            overrides.append(("gradient_accumulation_steps", str(samples // b)))
+        if spg:
+            overrides.append(("steps_per_generation", str(spg * per_device // b)))
+        kept = (f"GLOBAL_BATCH_SIZE={global_batch} kept: {samples // b} accumulation steps" if global_batch else
+                f"the same {samples * data_parallel} samples a step")  # fmt: skip
+        found.append(Smaller(b, tuple(overrides), kept))
+    return tuple(found)

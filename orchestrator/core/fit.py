@@ -13,11 +13,14 @@ from dataclasses import dataclass, replace
 from orchestrator.core import (
     accelerators,
     attention,
+    batch,
     cuda_arch,
     dense_attention,
+    ds_buckets,
     generation_memory,
     load_memory,
     memory,
+    memory_fix,
     models,
     optimizers,
     precision,
@@ -90,18 +93,19 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
     if isinstance(shaped, str):
         return None
     arch, prequantized = shaped
+    spec = trainers.spec(trainer)
     asked = strategy.of(accel)
     peft = truthy(setting("use_peft", False))
     targets = setting("lora_target_modules") or memory.PEFT_DEFAULT_TARGETS
     seq, completion = lengths(trainer, setting("max_length"), setting("max_completion_length"))
     # max_length: null (a YAML null: an override cannot give one) truncates nothing: a sequence is as long as its row,
     # which only the model's positions bound; TRL's 1024 counted in its place planned a run its longest row may OOM
-    untruncated = "max_length" in settings and settings["max_length"] is None and not trainers.spec(trainer).generates
+    untruncated = "max_length" in settings and settings["max_length"] is None and not spec.generates
     seq = arch.positions if untruncated and arch.positions else seq
     vllm_share, vllm_max_len = 0.0, 0
     evaluates = eval_strategy(setting("eval_strategy")) is not None
     generation_rows = 0
-    if trainers.spec(trainer).generates:
+    if spec.generates:
         if truthy(setting("use_vllm", False)) and str(setting("vllm_mode", "colocate")) == "colocate":
             vllm_share = float(setting("vllm_gpu_memory_utilization", VLLM_DEFAULT_SHARE))
             vllm_max_len = int(setting("vllm_max_model_length") or 0)
@@ -120,16 +124,16 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         offload_weights=not accel.deepspeed or accel.offload_param_device.lower() not in ("none", ""),
         micro_batch=int(setting("per_device_train_batch_size", 8)),
         # GRPO's and RLOO's evaluation generates completions: its memory is not estimated (docs/design.md)
-        eval_batch=int(setting("per_device_eval_batch_size", 8)) if evaluates and not trainers.spec(trainer).generates
+        eval_batch=int(setting("per_device_eval_batch_size", 8)) if evaluates and not spec.generates
         else 0,
-        reduce_bucket=memory.reduce_bucket_of(accel.deepspeed_json, arch),
+        reduce_bucket=ds_buckets.reduce_bucket_of(accel.deepspeed_json, arch),
         # a DeepSpeed JSON with an optimizer section builds DeepSpeed's own (Adam, AdamW, ...) whatever optim says
         optim=optimizers.DEFAULT_OPTIM if "optimizer" in (accel.deepspeed_json or {}) else
         str(setting("optim", optimizers.DEFAULT_OPTIM)),
-        reduce_buckets=memory.buckets_of(accel.deepspeed_json, asked.sharding),
+        reduce_buckets=ds_buckets.buckets_of(accel.deepspeed_json, asked.sharding),
         seq_len=seq,
         untruncated=untruncated,
-        full_logits=trainers.spec(trainer).smooths_labels and float(setting("label_smoothing_factor", 0) or 0) > 0,
+        full_logits=spec.smooths_labels and float(setting("label_smoothing_factor", 0) or 0) > 0,
         completion_len=completion,
         checkpointing=accel.fsdp_activation_checkpointing or truthy(setting("gradient_checkpointing", True)),
         seq_split=asked.cp * asked.sp,
@@ -149,8 +153,9 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         generation_rows=generation_rows,
         # TRL 1.16 gathers every parameter under ZeRO-3 for generate (ds3_gather_for_generation), and to merge a LoRA
         # adapter before it syncs vLLM's weights (VLLMGeneration._iter_named_params, colocated or server)
-        generation_gather=trainers.spec(trainer).generates and (truthy(setting("ds3_gather_for_generation", True))
-                                                               if not truthy(setting("use_vllm", False)) else peft),
+        generation_gather=spec.generates and (truthy(setting("ds3_gather_for_generation", True))
+                                              if not truthy(setting("use_vllm", False)) else peft),
+        smaller_batches=batch.smaller(settings, global_batch, gpus, accel.parallelism, spec),
     )
 
 
@@ -191,9 +196,8 @@ def tokens_words(setup: memory.Setup) -> str:
 
 def label(setup: memory.Setup) -> str:
     offload = " with CPU offload" if setup.offload_weights else " with the optimizer offloaded to the CPU"
-    return {"fsdp": "FSDP2", "ddp": "DDP"}.get(setup.strategy, setup.strategy.replace("zero", "ZeRO-")) + (
-        offload if setup.offload else ""
-    )
+    name = {"fsdp": "FSDP2", "ddp": "DDP"}.get(setup.strategy, setup.strategy.replace("zero", "ZeRO-"))
+    return name + (offload if setup.offload else "")
 
 
 def smallest_holding(gib: float = 0.0, *, estimate: memory.Estimate | None = None, bf16: bool = False) -> str | None:
@@ -242,6 +246,8 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
         if not same and with_vllm(other, capacity_gib) <= usable:
             fixes.append(f"{label(other.setup)} on {setup.gpus} GPUs needs {other.describe().split(' (')[0]}")
             break
+    if smaller := memory_fix.fitting(setup, lambda s: with_vllm(memory.estimate(s), capacity_gib), usable):
+        fixes.insert(0, smaller)  # the same math on the same GPUs
     if flash := flash_fix(setup, lambda s: with_vllm(memory.estimate(s), capacity_gib), usable):
         fixes.insert(0, flash)
     if setup.untruncated:  # the likeliest fix: a bound on the rows

@@ -22,11 +22,11 @@ against published measurements.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from orchestrator.core import dense_attention, trainers
 from orchestrator.core.arch import Arch, positions_of  # noqa: F401  (memory.Arch and memory.positions_of to callers)
+from orchestrator.core.batch import Smaller
 from orchestrator.core.optimizers import DEFAULT_OPTIM, optim_bytes
 
 GIB = 1024**3
@@ -105,6 +105,9 @@ class Setup:
     vllm_sleeps: bool = False
     """vllm_enable_sleep_mode: the engine frees its share while the trainer steps (level 2), and holds it while it
     generates, beside the trainer's states."""
+    smaller_batches: tuple[Smaller, ...] = ()
+    """The per-device batches below micro_batch that keep the run's math (core/batch.smaller), largest first: a
+    refusal names the largest that fits (core/memory_fix.fitting)."""
 
 
 @dataclass(frozen=True)
@@ -290,30 +293,6 @@ def ds_bucket(setup: Setup) -> float:
         return 0.0
     elements = (setup.reduce_bucket or DS_REDUCE_BUCKET) * setup.reduce_buckets
     return elements * (2 if setup.mixed_precision or DTYPE_BYTES[setup.weights_dtype] == 2 else 4)
-
-
-def reduce_bucket_of(deepspeed_json: Mapping | None, arch: Arch) -> int:
-    """The reduce_bucket_size a DeepSpeed JSON gives, in elements: a number, or "auto", which transformers' DeepSpeed
-    config fills with hidden_size squared (trainer_config_finalize); 0 (DeepSpeed's default) without one, or for a
-    value DeepSpeed's own config check refuses (the rehearsal says so)."""
-    zero = (deepspeed_json or {}).get("zero_optimization")
-    value = zero.get("reduce_bucket_size") if isinstance(zero, Mapping) else None
-    if value == "auto":
-        return arch.hidden * arch.hidden
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
-        return 0
-    return int(value)
-
-
-def buckets_of(deepspeed_json: Mapping | None, strategy: str) -> int:
-    """The reduce buckets DeepSpeed allocates for a DeepSpeed JSON's settings (read back from its optimizer on CPU,
-    tests/test_ds_bucket.py): none without contiguous_gradients; ZeRO-1/2 two with overlap_comm (one bucket filling
-    while the other reduces), ZeRO-3 one either way."""
-    zero = (deepspeed_json or {}).get("zero_optimization")
-    zero = zero if isinstance(zero, Mapping) else {}
-    if zero.get("contiguous_gradients") is False:
-        return 0
-    return 2 if strategy in ("zero1", "zero2") and zero.get("overlap_comm") is True else 1
 
 
 def estimate(setup: Setup) -> Estimate:

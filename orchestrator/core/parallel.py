@@ -7,7 +7,7 @@ total / (cp x sp x tp): ranks of one cp/sp/tp group see the same samples.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from orchestrator.core.errors import OrchError
@@ -41,6 +41,13 @@ class Sizes(NamedTuple):
 
     def flags(self) -> list[str]:
         return [x for key in KEYS for x in (f"--parallelism_config_{key}_size", str(getattr(self, key)))]
+
+
+def ranks_of(sizes: Sizes | None) -> Callable[[int], int]:
+    """The data-parallel ranks of a number of processes under `sizes` (all of them without), 0 where the model-
+    parallel groups do not divide them (no such shape)."""
+    mp = sizes.model_parallel if sizes is not None else 1
+    return lambda total: total // mp if total % mp == 0 else 0
 
 
 def declared(accelerate_config: Mapping) -> Sizes | None:

@@ -166,7 +166,7 @@ def plan(
     spec = trainer_specs.spec(recipe.trainer)
     multiple = batch.generations(settings, spec.generations_default) if spec.generates else 1
     ga = batch.accumulation_steps(recipe.global_batch, settings, data_parallel, recipe.overrides,
-                                  trainers.gpus_per_node, sizes.data_parallel if sizes is not None else lambda t: t,
+                                  trainers.gpus_per_node, parallel.ranks_of(sizes),
                                   spec.min_micro_batch, multiple)  # fmt: skip
     accumulation = (
         ga
