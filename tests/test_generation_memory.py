@@ -31,26 +31,37 @@ SETTINGS = [
     # 3 divides a rank's 12 samples a step, but TRL wants the generation batch (16) a multiple of it x 4 processes
     ("grpo", 4, None, {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 3, "num_generations": 4,
                        "generation_batch_size": 16}),
+    ("grpo", 4, None, {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "num_generations": 4,
+                       "generation_batch_size": 32}),
+    # 2 completions at a time on each of 2 processes would split a group of 8
+    ("grpo", 2, None, {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "num_generations": 8}),
     ("rloo", 4, 64, {"per_device_train_batch_size": 4}),
     ("rloo", 2, None, {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 3, "steps_per_generation": 3}),
 ]  # fmt: skip
 
 
-def with_smaller(trainer: str, world: int, global_batch: int | None, settings: dict) -> list[dict]:
-    """The settings TRL sees (the accumulation GLOBAL_BATCH_SIZE derives, as the node passes it), then each smaller
-    batch's."""
+def variants(trainer: str, world: int, global_batch: int | None, settings: dict) -> list[tuple[str, dict, int]]:
+    """(what, the settings TRL sees, the completions a rank then generates at once by orch's reading): the settings as
+    given, each smaller batch a memory refusal offers (core/batch.smaller), and each smaller generation batch a
+    generation refusal offers (generation_memory.fewer); the accumulation GLOBAL_BATCH_SIZE derives, as the node
+    passes it."""
     from orchestrator.core import batch, trainers
 
     def seen(trl: dict) -> dict:
         derived = global_batch // (trl["per_device_train_batch_size"] * world) if global_batch else None
         return {**trl, **({"gradient_accumulation_steps": derived} if derived else {})}
 
-    offered = batch.smaller(settings, global_batch, world, None, trainers.spec(trainer))
-    assert offered, (trainer, settings)
-    return [seen(settings)] + [seen({**settings, **{k: int(v) for k, v in s.overrides}}) for s in offered]
+    spec = trainers.spec(trainer)
+    smaller = batch.smaller(settings, global_batch, world, None, spec)
+    fewer = generation_memory.fewer(settings, world, global_batch, spec.generations_default)
+    assert smaller, (trainer, settings)
+    rows = generation_memory.rows_of(settings, world, global_batch)
+    return ([("given", seen(settings), rows)]
+            + [("smaller", seen({**settings, **{k: int(v) for k, v in s.overrides}}), rows) for s in smaller]
+            + [("fewer", seen({**settings, **{k: int(v) for k, v in f.overrides}}), f.batch) for f in fewer])  # fmt: skip
 
 
-TRL_CASES = [dict(trainer=t, world=w, settings=s) for t, w, g, base in SETTINGS for s in with_smaller(t, w, g, base)]
+TRL_CASES = [dict(trainer=t, world=w, settings=s) for t, w, g, base in SETTINGS for _, s, _ in variants(t, w, g, base)]
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +101,24 @@ def test_trl_generates_the_accumulation_s_completions_at_once(measured):
 
 
 @pytest.mark.e2e
-def test_trl_takes_every_smaller_batch_a_refusal_offers_and_generates_as_many_completions(measured):
-    """A memory refusal's smaller per-device batch (core/batch.smaller) keeps GRPO's and RLOO's generation batch:
-    TRL's own config, at the run's world size, accepts each one (whole num_generations groups, a generation_batch_size
-    that is a multiple of the per-device batch x processes) and derives the same generation batch."""
+def test_trl_takes_every_batch_a_refusal_offers_and_generates_what_orch_counts(measured):
+    """TRL's own config, at the run's world size, accepts each fix a memory refusal offers GRPO and RLOO (whole
+    num_generations groups, a generation_batch_size that is a multiple of the per-device batch x processes): a smaller
+    per-device batch (core/batch.smaller) keeps the generation batch; a smaller generation batch
+    (generation_memory.fewer) generates the completions orch counts, a whole number of times an optimizer step."""
     made = iter(measured[2])
     for trainer, world, global_batch, settings in SETTINGS:
-        before, *after = (next(made) for _ in with_smaller(trainer, world, global_batch, settings))
-        assert isinstance(before, list), (trainer, settings, before)
-        for fixed in after:
-            assert isinstance(fixed, list) and fixed[0] == before[0], (trainer, settings, before, fixed)
+        before = None
+        for what, trl, rows in variants(trainer, world, global_batch, settings):
+            derived = next(made)
+            assert isinstance(derived, list), (trainer, what, trl, derived)
+            generation_batch, steps = derived
+            assert generation_batch == rows * world, (trainer, what, trl, derived)
+            before = before or generation_batch
+            if what == "smaller":
+                assert generation_batch == before, (trainer, trl, derived)
+            if what == "fewer":
+                assert generation_batch < before and trl["gradient_accumulation_steps"] % steps == 0, (trl, derived)
     assert next(made, None) is None
 
 
@@ -125,6 +144,27 @@ def test_zero3_generating_the_whole_model_on_every_gpu_is_refused_with_the_setti
     assert said.startswith("generating 32 completions at once (transformers' generate, use_vllm false: ")
     assert "though training fits; ds3_gather_for_generation=false (~" in said
     fit.check_gpu(_grpo(use_vllm=False, per_device_train_batch_size=2, ds3_gather_for_generation=False), 80, "H100")
+
+
+@pytest.mark.unit
+def test_a_generation_batch_that_does_not_fit_is_refused_with_fewer_completions_at_a_time():
+    """Without ZeRO-3's gather to turn off, the refusal names the largest smaller generation batch that fits
+    (generation_memory.fewer: steps_per_generation at a divisor of the accumulation, whole groups), and it fits."""
+    paired = configs.load({"TRL_CONFIG": "recipes/trl/qwen25_grpo.yaml", "ACCELERATE_CONFIG": "multi_gpu"})
+    trl = {**paired.trl, "use_vllm": False, "per_device_train_batch_size": 2, "max_completion_length": 30000}
+    setup = fit.setup_of("grpo", trl, paired.accelerate, 8, global_batch=256)
+    assert setup.generation_rows == 32 and memory.estimate(setup).gib <= 40 * fit.USABLE_FRACTION
+    with pytest.raises(OrchError) as refused:
+        fit.check_gpu(setup, 40, "A100")
+    fixed = fit.setup_of("grpo", {**trl, "steps_per_generation": 8}, paired.accelerate, 8, global_batch=256)
+    during = generation_memory.estimate(fixed)
+    assert str(refused.value).endswith(f"though training fits; set steps_per_generation=8 (~{during.gib:.1f} GiB: 16 "
+                                       "completions at a time, 2 generations an optimizer step)")  # fmt: skip
+    assert fixed.generation_rows == 16 and fit.check_gpu(fixed, 40, "A100")
+    # given as generation_batch_size, the fix is one: 16 completions x 8 processes
+    gbs = fit.setup_of("grpo", {**trl, "generation_batch_size": 256}, paired.accelerate, 8, global_batch=256)
+    assert [f.words() for f in gbs.generation_fewer] == ["generation_batch_size=128", "generation_batch_size=64",
+                                                          "generation_batch_size=32", "generation_batch_size=16"]
 
 
 @pytest.mark.unit

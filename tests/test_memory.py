@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import cli
-from orchestrator.core import fit, load_memory, memory, models, trainers, vllm_fit
+from orchestrator.core import fit, host_fit, load_memory, memory, models, trainers, vllm_fit
 
 pytestmark = pytest.mark.unit
 
@@ -202,9 +202,9 @@ def test_the_optimizer_offloaded_alone_keeps_the_weights_on_the_gpus():
     assert (zero3["weights"], zero3["gradients"], zero3["optimizer"]) == pytest.approx((gib / 4, gib / 4, 0))
     assert parts(strategy="zero1")["gradients"] == pytest.approx(2 * gib)  # reduced whole at the backward's end
     setup = memory.Setup(arch, strategy="zero2", gpus=8, offload=True, offload_weights=False)
-    assert fit.offloaded_gib(setup, 1) == pytest.approx(8 * (12 + 2) * gib / 8)  # master, m, v; the gradients
+    assert host_fit.offloaded_gib(setup, 1) == pytest.approx(8 * (12 + 2) * gib / 8)  # master, m, v; the gradients
     everything = memory.Setup(arch, strategy="zero3", gpus=8, offload=True)
-    assert fit.offloaded_gib(everything, 1) == pytest.approx(14 * gib)  # as before: all but the gradient shard
+    assert host_fit.offloaded_gib(everything, 1) == pytest.approx(14 * gib)  # as before: all but the gradient shard
     for devices, weights in (({"offload_optimizer_device": "cpu"}, False), ({"offload_param_device": "cpu",
                              "offload_optimizer_device": "cpu"}, True)):  # fmt: skip
         accel = accelerate_config.parse({"distributed_type": "DEEPSPEED",
@@ -387,7 +387,7 @@ def test_a_host_memory_refusal_offers_cpu_ram_efficient_loading_only_where_the_n
     setup = fit.setup_of(trainer, settings, accelerate_config.parse(fsdp), 16)
     loading = fit.at_load(setup, 8, accelerate_config.parse(fsdp))
     with pytest.raises(OrchError) as refused:
-        fit.check_host(loading, 1, "the planned instance")
+        host_fit.check_host(loading, 1, "the planned instance")
     offered = "fsdp_cpu_ram_efficient_loading: true" in str(refused.value)
     assert offered == ("fsdp_cpu_ram_efficient_loading: true loads it on rank 0 only" in loading.path)
     on = {**fsdp, "fsdp_config": {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": True}}

@@ -113,6 +113,7 @@ def main(args: argparse.Namespace) -> int:
         cuda_arch,
         dense_attention,
         disk_need,
+        host_fit,
         load_memory,
         memory,
         models,
@@ -266,7 +267,7 @@ def main(args: argparse.Namespace) -> int:
             fewer = (fit.nodes - 1) if fit else args.max_nodes
             off = fit_rules.smallest_fit(base, usable, per_node, fewer, offload=True, need=need)
             if off is not None:
-                host = fit_rules.offloaded_gib(off.estimate.setup, off.nodes)
+                host = host_fit.offloaded_gib(off.estimate.setup, off.nodes)
                 offload = f"{off.nodes} x {per_node}: ~{need(off.estimate):.0f} GiB/GPU, ~{host:,.0f} GiB host RAM/node"
         if fit is None:
             one_node = memory.with_(base, gpus=per_node)

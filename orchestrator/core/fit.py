@@ -1,8 +1,8 @@
-"""Does a recipe fit the memory it will get: one GPU's while training and while loading, a node's host memory while
-loading and, with CPU offload, while training. One set of rules, checked twice: by the launch side against
-SkyPilot's catalog before anything is provisioned (launch/preflight.py), and by the head node against what its own
-GPUs and host report, in the setup, before the model downloads (node/memory.py), so that a plain `sky launch` with
-other accelerators, or a Slurm job's memory limit, gets the same refusal. The figures are core/memory.py's."""
+"""Does a recipe fit the memory it will get: one GPU's while training and while loading (a node's host memory is
+core/host_fit.py's). One set of rules, checked twice: by the launch side against SkyPilot's catalog before anything
+is provisioned (launch/preflight.py), and by the head node against what its own GPUs report, in the setup, before the
+model downloads (node/memory.py), so that a plain `sky launch` with other accelerators gets the same refusal. The
+figures are core/memory.py's."""
 
 from __future__ import annotations
 
@@ -35,8 +35,6 @@ from orchestrator.core.vllm_fit import VLLM_WEIGHTS_ROOM, check_vllm_room, vllm_
 # Of a GPU's memory the estimate (which counts the CUDA context and the allocator's slack) may take: what the driver
 # reports usable (an H100 shows 79.6 of its 80 GiB) less a margin.
 USABLE_FRACTION = 0.95
-# Of a node's host memory loading may take: the OS, the page cache's own slack and SkyPilot's runtime need the rest.
-HOST_USABLE_FRACTION = 0.9
 VLLM_DEFAULT_SHARE = 0.3  # TRL 1.16's vllm_gpu_memory_utilization (GRPOConfig, RLOOConfig)
 # GRPO and RLOO take each prompt whole (TRL 1.16's GRPOConfig and RLOOConfig have no max_prompt_length): the estimate
 # takes prompts of this many tokens and says so (`tokens_words`).
@@ -105,12 +103,14 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
     vllm_share, vllm_max_len = 0.0, 0
     evaluates = eval_strategy(setting("eval_strategy")) is not None
     generation_rows = 0
+    fewer_rows: tuple[batch.Smaller, ...] = ()  # completions generated fewer at a time (generation_memory.fewer)
     if spec.generates:
         if truthy(setting("use_vllm", False)) and str(setting("vllm_mode", "colocate")) == "colocate":
             vllm_share = float(setting("vllm_gpu_memory_utilization", VLLM_DEFAULT_SHARE))
             vllm_max_len = int(setting("vllm_max_model_length") or 0)
         elif not truthy(setting("use_vllm", False)):
             generation_rows = generation_memory.rows_of(settings, gpus, global_batch)
+            fewer_rows = generation_memory.fewer(settings, gpus, global_batch, spec.generations_default)
     return memory.Setup(
         arch=arch,
         trainer=trainer,
@@ -151,6 +151,7 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         vllm_max_len=vllm_max_len,
         vllm_sleeps=vllm_share > 0 and truthy(setting("vllm_enable_sleep_mode", False)),
         generation_rows=generation_rows,
+        generation_fewer=fewer_rows,
         # TRL 1.16 gathers every parameter under ZeRO-3 for generate (ds3_gather_for_generation), and to merge a LoRA
         # adapter before it syncs vLLM's weights (VLLMGeneration._iter_named_params, colocated or server)
         generation_gather=spec.generates and (truthy(setting("ds3_gather_for_generation", True))
@@ -328,45 +329,9 @@ def check_gpu_at_load(loading: load_memory.LoadMemory, capacity_gib: float, gpu:
     )  # fmt: skip
 
 
-def offloaded_gib(setup: memory.Setup | None, nodes: int) -> float:
-    """Host memory a node needs for CPU offload while training, 0 without offload or a shape for the model: its GPUs'
-    share of what offload moves off them (ZeRO-3: bf16 weights, fp32 master weights and Adam's moments, 14 bytes a
-    trained parameter, the bf16 gradient shard staying on the GPU; FSDP: parameters, gradients and Adam's moments, 16
-    bytes with bf16 mixed precision's fp32 upcast; the optimizer alone: its 12 bytes, and ZeRO-2's gradient
-    partition), frozen weights included."""
-    if setup is None or not setup.offload or setup.strategy == "ddp":
-        return 0.0
-    on_gpu = sum(memory.states(setup).values())
-    return (sum(memory.states(memory.with_(setup, offload=False)).values()) - on_gpu) * setup.gpus / nodes / memory.GIB
-
-
 def gib(value: float) -> str:
     """12, 23.54, 0.75: a memory size in GiB as people write it."""
     return f"{value:.2f}".rstrip("0").rstrip(".")
-
-
-def check_host(loading: load_memory.LoadMemory, has_gib: float | None, has_from: str, offloaded: float = 0.0) -> str:
-    """Host memory on the busiest node, at load and, with CPU offload, while training (`offloaded`, its share of the
-    offloaded states in GiB), against `has_gib` of host memory (`has_from` says whose; None: unknown, and why): a
-    line saying what was checked, or unchecked and why; an OrchError naming the fix when it does not fit."""
-    load = loading.node / memory.GIB
-    said = f"host memory at load: ~{load:.1f} GiB on the busiest node" + (
-        f"; ~{offloaded:.1f} GiB per node while training (CPU offload)" if offloaded else "")
-    need = max(load, offloaded)
-    if has_gib is None:
-        return f"{said}, unchecked: {has_from}"
-    if need <= has_gib * HOST_USABLE_FRACTION:
-        return f"{said}, fits {gib(has_gib)} GiB ({has_from})"
-    floor = math.ceil(need / HOST_USABLE_FRACTION)
-    what = (f"loading needs ~{load:.1f} GiB of host memory on the busiest node ({loading.path})" if load >= need else
-            f"CPU offload needs ~{offloaded:.1f} GiB of host memory per node while training (the node's share "
-            "of the weights and Adam's moments)")  # fmt: skip
-    raise OrchError(
-        f"{what}, more than {HOST_USABLE_FRACTION:.0%} of the {gib(has_gib)} GiB of {has_from}; set `memory: "
-        f"{floor}+` under resources in the recipe (SkyPilot then plans a node with at least that much)"
-        + (f", or {loading.fix}" if load >= need and loading.fix else "")
-        + (", or more nodes (--nodes: each holds a smaller share)" if load < need else "")
-    )
 
 
 STRATEGIES = ("ddp", "fsdp", "zero3")  # fastest first: replicas, then FSDP2, then ZeRO-3 (same states, by this model)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from orchestrator.core import dense_attention, memory
+from orchestrator.core import batch, dense_attention, memory
+from orchestrator.core.errors import OrchError
 
 
 def rows_of(settings: Mapping[str, object], gpus: int, global_batch: int | None) -> int:
@@ -34,6 +35,32 @@ def rows_of(settings: Mapping[str, object], gpus: int, global_batch: int | None)
     if steps in (None, ""):
         steps = global_batch // (micro * gpus) if global_batch else settings.get("gradient_accumulation_steps") or 1
     return micro * max(1, int(str(steps)))
+
+
+def fewer(settings: Mapping[str, object], processes: int, global_batch: int | None,
+          group_default: int) -> tuple[batch.Smaller, ...]:  # fmt: skip
+    """Smaller generation batches, largest first: steps_per_generation (or generation_batch_size, where the settings
+    give that instead) at a divisor of the accumulation below what a rank generates now, so that every generation's
+    completions train within the optimizer step of the policy that made them, in whole num_generations groups over
+    the `processes` (TRL's rule). Not the same math to the bit: TRL scales the loss's token count from each generation
+    batch to the accumulation window (GRPOTrainer.compute_loss)."""
+    try:
+        micro = batch.per_device_batch(settings)
+        steps = (global_batch // (micro * processes) if global_batch else
+                 batch.positive_int(settings.get("gradient_accumulation_steps") or 1, "gradient_accumulation_steps"))
+        group = batch.generations(settings, group_default)
+    except OrchError:
+        return ()
+    now = rows_of(settings, processes, global_batch) // micro
+    key = "generation_batch_size" if settings.get("generation_batch_size") not in (None, "") else "steps_per_generation"
+    found = []
+    for s in range(min(now - 1, steps), 0, -1):
+        if steps % s or micro * processes * s % group:
+            continue
+        value = micro * processes * s if key == "generation_batch_size" else s
+        found.append(batch.Smaller(micro * s, ((key, str(value)),),
+                                   f"{micro * s} completions at a time, {steps // s} generations an optimizer step"))
+    return tuple(found)
 
 
 def kv_bytes(setup: memory.Setup, tokens: int) -> float:
@@ -93,4 +120,8 @@ def refusal(setup: memory.Setup, usable: float) -> tuple[str, str]:
     if alone and alone.gib <= usable:
         return need, (f"ds3_gather_for_generation=false (~{alone.gib:.1f} GiB: ZeRO-3 then gathers a layer at a time "
                       "as it generates, not the whole model on every GPU; slower)")
+    for smaller in setup.generation_fewer:
+        at = estimate(memory.with_(setup, generation_rows=smaller.batch))
+        if at and at.gib <= usable:
+            return need, f"set {smaller.words()} (~{at.gib:.1f} GiB: {smaller.kept})"
     return need, ""

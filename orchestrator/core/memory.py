@@ -102,6 +102,7 @@ class Setup:
     """per_device_eval_batch_size where the trainer evaluates (an eval_strategy), else 0: `evaluation`."""
     generation_rows: int = 0  # completions a rank generates at once with transformers' generate (use_vllm false)
     generation_gather: bool = False  # ZeRO-3 gathers the whole model to generate or sync vLLM (generation_memory)
+    generation_fewer: tuple[Smaller, ...] = ()  # smaller generation batches TRL takes (generation_memory.fewer)
     vllm_sleeps: bool = False
     """vllm_enable_sleep_mode: the engine frees its share while the trainer steps (level 2), and holds it while it
     generates, beside the trainer's states."""

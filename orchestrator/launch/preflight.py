@@ -6,7 +6,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from orchestrator.core import accelerators, batch, cuda_arch, disk_need, fit, memory, parallel, precision, vllm_fit
+from orchestrator.core import (
+    accelerators,
+    batch,
+    cuda_arch,
+    disk_need,
+    fit,
+    host_fit,
+    memory,
+    parallel,
+    precision,
+    vllm_fit,
+)
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.accelerators import Gpus
 from orchestrator.core.errors import OrchError
@@ -18,7 +29,7 @@ from orchestrator.launch import storage
 from orchestrator.node import model_config
 
 # the rules live in core/fit.py, shared with the head node's check (node/memory.py)
-USABLE_FRACTION, HOST_USABLE_FRACTION = fit.USABLE_FRACTION, fit.HOST_USABLE_FRACTION
+USABLE_FRACTION, HOST_USABLE_FRACTION = fit.USABLE_FRACTION, host_fit.HOST_USABLE_FRACTION
 label, smallest_holding = fit.label, fit.smallest_holding
 
 
@@ -64,18 +75,19 @@ def check_memory(setup: memory.Setup, gpu_name: str) -> memory.Estimate:
 
 
 def check_host_memory(launch, estimate: memory.Estimate | None, plan) -> str | None:
-    """core.fit.check_host for the launch's load and CPU offload figures against the planned node's memory (SkyPilot's
-    `PlanResult`), or the figures only under ORCH_MEMORY_CHECK=off; None where orch has no figure (load_memory)."""
+    """core.host_fit.check_host for the launch's load and CPU offload figures against the planned node's memory
+    (SkyPilot's `PlanResult`), or the figures only under ORCH_MEMORY_CHECK=off; None where orch has no figure
+    (load_memory)."""
     loading = load_memory(launch, estimate)
     if loading is None:
         return None
     has, whose = (plan.memory_gib, plan.memory_from) if memory_checked(launch) else (None, "ORCH_MEMORY_CHECK=off")
-    return fit.check_host(loading, has, whose, offloaded_host_gib(launch, estimate))
+    return host_fit.check_host(loading, has, whose, offloaded_host_gib(launch, estimate))
 
 
 def offloaded_host_gib(launch, estimate: memory.Estimate | None) -> float:
-    """CPU offload's host memory per node while training (core.fit.offloaded_gib)."""
-    return fit.offloaded_gib(estimate.setup if estimate else None, launch.nodes)
+    """CPU offload's host memory per node while training (core.host_fit.offloaded_gib)."""
+    return host_fit.offloaded_gib(estimate.setup if estimate else None, launch.nodes)
 
 
 def load_memory(launch, estimate: memory.Estimate | None) -> LoadMemory | None:

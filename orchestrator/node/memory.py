@@ -13,7 +13,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from orchestrator.core import batch, fit, generation_memory, memory, vllm_fit
+from orchestrator.core import batch, fit, generation_memory, host_fit, memory, vllm_fit
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
@@ -182,5 +182,5 @@ def _check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object],
     else:
         said = "GPU unchecked (no nvidia-smi)" if on_gpus else "CPU processes"
     has, whose = host_memory()
-    host = fit.check_host(loading, has, whose, fit.offloaded_gib(setup, nodes))
+    host = host_fit.check_host(loading, has, whose, host_fit.offloaded_gib(setup, nodes))
     return f"memory ({fit.label(setup)}, {nodes} x {per_node}): {said}; {host}"
