@@ -8,6 +8,7 @@ to merge the adapter before each weight sync: Llama-3.1-70B GRPO under ZeRO-3 tr
 needed ~183 to generate."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,9 +57,11 @@ def variants(trainer: str, world: int, global_batch: int | None, settings: dict)
     fewer = generation_memory.fewer(settings, world, global_batch, spec.generations_default)
     assert smaller, (trainer, settings)
     rows = generation_memory.rows_of(settings, world, global_batch)
-    return ([("given", seen(settings), rows)]
-            + [("smaller", seen({**settings, **{k: int(v) for k, v in s.overrides}}), rows) for s in smaller]
-            + [("fewer", seen({**settings, **{k: int(v) for k, v in f.overrides}}), f.batch) for f in fewer])  # fmt: skip
+    def applied(fix) -> dict:
+        return seen({**settings, **{key: int(value) for key, value in fix.overrides}})
+
+    return ([("given", seen(settings), rows)] + [("smaller", applied(s), rows) for s in smaller]
+            + [("fewer", applied(f), f.batch) for f in fewer])  # fmt: skip
 
 
 TRL_CASES = [dict(trainer=t, world=w, settings=s) for t, w, g, base in SETTINGS for _, s, _ in variants(t, w, g, base)]
@@ -165,6 +168,28 @@ def test_a_generation_batch_that_does_not_fit_is_refused_with_fewer_completions_
     gbs = fit.setup_of("grpo", {**trl, "generation_batch_size": 256}, paired.accelerate, 8, global_batch=256)
     assert [f.words() for f in gbs.generation_fewer] == ["generation_batch_size=128", "generation_batch_size=64",
                                                           "generation_batch_size=32", "generation_batch_size=16"]
+
+
+@pytest.mark.unit
+def test_orch_plan_holds_the_generation_in_every_row(plan):
+    """`orch plan --generate N`: each row's GPU holds N completions generated at once beside the training states, as
+    the launch check counts them (an A100-40GB trains 2 x 20512 tokens of Qwen2.5-1.5B GRPO, not 64 such
+    completions); one configuration's breakdown says what generating holds, ZeRO-3's whole-model gather included."""
+    base = ("Qwen/Qwen2.5-1.5B-Instruct", "--trainer", "grpo", "--max-completion-length", "20000", "--batch", "2")
+    rows = {line.split()[0]: line for line in plan(*base).stdout.splitlines()[1:]}
+    held = plan(*base, "--generate", "64")
+    assert held.returncode == 0, held.stderr
+    assert held.stdout.splitlines()[0].endswith(", generating 64 completions at once without vLLM")
+    generating = {line.split()[0]: line for line in held.stdout.splitlines()[1:]}
+    root = Path(__file__).parent.parent  # the plan runs in a folder of its own
+    paired = configs.load({"TRL_CONFIG": str(root / "recipes/trl/qwen25_grpo.yaml"), "ACCELERATE_CONFIG": "multi_gpu"})
+    setup = fit.setup_of("grpo", {**paired.trl, "use_vllm": False, "per_device_train_batch_size": 2,
+                                  "max_completion_length": 20000, "steps_per_generation": 32}, paired.accelerate, 8)
+    assert setup.generation_rows == 64
+    assert re.match(r"A100 +1 x 8 +DDP ", rows["A100"]) and re.match(r"A100 +- +none", generating["A100"])
+    assert re.match(rf"H100 +1 x 8 +DDP +{generation_memory.estimate(setup).gib:.1f} ", generating["H100"])
+    one = plan(*base, "--generate", "64", "--strategy", "zero3", "--gpus", "8").stdout
+    assert re.search(r"^generating: ~[\d.]+ GiB per GPU \(.*generation [\d.]+, gathered 2\.9", one, re.M), one
 
 
 @pytest.mark.unit

@@ -361,6 +361,9 @@ def test_plan_takes_a_generating_trainers_lengths_as_the_launch_check_does(plan,
     (("--lora-dropout", "1"), "--lora-dropout 1: give a probability, at least 0 and below 1"),
     (("--trainer", "dpo", "--beta", "0"), "--beta: dpo always keeps a reference model whatever its beta"),
     (("--beta", "0.1"), "--beta: sft keeps no reference model whatever its beta"),
+    (("--generate", "8"), "--generate: sft does not generate; give --trainer grpo or rloo"),
+    (("--trainer", "grpo", "--generate", "8", "--vllm-colocate", "0.3"), "--generate and --vllm-colocate: with vLLM"),
+    (("--trainer", "rloo", "--generate", "0"), "--generate 0: give the completions a GPU generates at once"),
 ])  # fmt: skip
 def test_plan_refuses_a_vllm_share_that_cannot_be(plan, extra, message):
     done = plan("Qwen/Qwen2.5-0.5B-Instruct", *extra)

@@ -67,6 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--vllm-colocate", type=float, metavar="SHARE",
                         help="grpo/rloo generating with vLLM inside each training process (TRL's vllm_mode colocate): "
                         "the share of every GPU's memory it holds (vllm_gpu_memory_utilization; TRL's default 0.3)")
+    parser.add_argument("--generate", type=int, metavar="N",
+                        help="grpo/rloo without vLLM (use_vllm false): N completions a GPU generates at once with "
+                        "transformers' generate (per_device_train_batch_size x steps_per_generation; ZeRO-3 rows "
+                        "gather the whole model for it, TRL's ds3_gather_for_generation): each row holds that too")
     parser.add_argument("--vllm-max-len", type=int, metavar="N",
                         help="with --vllm-colocate: vLLM's max_model_len (TRL's vllm_max_model_length; default the "
                         "model's positions, whose KV cache vLLM must hold for one sequence to start)")
@@ -113,6 +117,7 @@ def main(args: argparse.Namespace) -> int:
         cuda_arch,
         dense_attention,
         disk_need,
+        generation_memory,
         host_fit,
         load_memory,
         memory,
@@ -153,6 +158,13 @@ def main(args: argparse.Namespace) -> int:
     elif args.vllm_sleep or args.vllm_max_len:
         flag = "--vllm-sleep" if args.vllm_sleep else "--vllm-max-len"
         raise OrchError(f"{flag} goes with --vllm-colocate: e.g. --vllm-colocate 0.3 {flag}")
+    if args.generate is not None:
+        if not generates:
+            raise OrchError(f"--generate: {args.trainer} does not generate; give --trainer grpo or rloo")
+        if args.vllm_colocate is not None:
+            raise OrchError("--generate and --vllm-colocate: with vLLM, vLLM generates; give one of them")
+        if args.generate < 1:
+            raise OrchError(f"--generate {args.generate}: give the completions a GPU generates at once, at least 1")
     if args.eval_batch and generates:
         raise OrchError(f"--eval-batch: {args.trainer} evaluates by generating, which orch does not estimate")
     if args.attention not in dense_attention.NAMED and "/" not in args.attention:
@@ -212,6 +224,8 @@ def main(args: argparse.Namespace) -> int:
         vllm_max_len=args.vllm_max_len or 0,
         optim=args.optim,
         eval_batch=args.eval_batch or 0,
+        generation_rows=args.generate or 0,
+        generation_gather=bool(args.generate),  # under ZeRO-3 only (generation_memory.gathers_all)
     )
     what = {"full": "full fine-tune", "lora": f"LoRA r{args.lora_r}", "qlora": f"QLoRA (NF4) r{args.lora_r}"}
     vllm = ""
@@ -226,6 +240,7 @@ def main(args: argparse.Namespace) -> int:
         + (f" ({args.packing} packing)" if args.packing else "") + vllm
         + (f", optim {args.optim}" if args.optim != optimizers.DEFAULT_OPTIM else "")
         + (f", evaluating {args.eval_batch} at a time" if args.eval_batch else "")
+        + (f", generating {args.generate} completions at once without vLLM" if args.generate else "")
     )
     if args.strategy:
         one = memory.estimate(memory.with_(base, strategy=args.strategy, gpus=args.gpus, offload=args.offload))
@@ -233,6 +248,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"{preflight.label(one.setup)} on {args.gpus} GPU(s): {one.describe()}{beside}")
         if during := memory.evaluation(one.setup):
             print(f"evaluating: {during.describe()}")
+        if making := generation_memory.estimate(one.setup):
+            print(f"generating: {making.describe()}")
         return 0
     per_node = args.gpus_per_node
     from orchestrator.launch import backends
@@ -309,8 +326,10 @@ def main(args: argparse.Namespace) -> int:
 
 def _peak(estimate, capacity_gib: float) -> float:
     """GiB one GPU needs at the run's peak: the step with a colocated vLLM engine's share (core/vllm_fit.with_vllm),
-    or an evaluation (core/memory.evaluation), whichever is more."""
-    from orchestrator.core import memory, vllm_fit
+    an evaluation (core/memory.evaluation) or a generation without vLLM (core/generation_memory.estimate), whichever
+    is more."""
+    from orchestrator.core import generation_memory, memory, vllm_fit
 
-    during = memory.evaluation(estimate.setup)
-    return max(vllm_fit.with_vllm(estimate, capacity_gib), during.gib if during else 0.0)
+    during, making = memory.evaluation(estimate.setup), generation_memory.estimate(estimate.setup)
+    return max(vllm_fit.with_vllm(estimate, capacity_gib), during.gib if during else 0.0,
+               making.gib if making else 0.0)  # fmt: skip
