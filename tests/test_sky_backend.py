@@ -146,7 +146,8 @@ def test_cluster_commands_map_to_cluster_calls(in_project, fake, capsys):
         (["--gpus", "A100:0"], "must be a positive integer"),
         (["--gpus", "A100:x"], "is not a whole number"),
         (["--nodes", "0"], "at least 1 node"),
-        (["--gpus", "A100:8", "--fresh"], "--fresh, --netns and --auto-fit are for runs on this machine"),
+        (["--gpus", "A100:8", "--fresh"], "--fresh and --netns are for runs on this machine"),
+        (["--gpus", "A100:8", "--netns"], "--fresh and --netns are for runs on this machine"),
         (["--cluster", "bad name!"], "--cluster 'bad name!'"),
         (["--nodes", "3"], "GLOBAL_BATCH_SIZE=64 is not a multiple"),
     ],
@@ -156,6 +157,25 @@ def test_bad_launch_input_sends_nothing_and_writes_nothing(in_project, fake, cap
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert fake.calls == [] and run_files(in_project) == []
+
+
+def test_a_step_over_the_gpus_memory_sends_nothing_and_auto_fit_launches_the_batch_the_refusal_names(in_project,
+                                                                                                       fake, capsys):
+    """qwen25_dpo_zero2 at max_length=16384 on A100-40GBs: ~44.9 GiB a GPU at 4 sequences a device, refused before
+    anything is sent, naming the smaller per-device batch that fits with the same global batch; --auto-fit launches
+    that batch, said in one line, and the task SkyPilot gets carries it."""
+    argv = ["run", "qwen25_dpo_zero2", "max_length=16384", "--gpus", "A100:8", "--detach", "-y"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "; set per_device_train_batch_size=2 (~28.8 GiB; GLOBAL_BATCH_SIZE=64 kept: 4 accumulation steps)" in err
+    assert fake.calls == [] and run_files(in_project) == []
+    assert cli.main([*argv, "--auto-fit"]) == 0
+    out = capsys.readouterr().out
+    assert ("[orch] --auto-fit: the step needs ~44.9 GiB of one A100's 40 at per_device_train_batch_size=4; "
+            "per_device_train_batch_size=2 (~28.8 GiB; GLOBAL_BATCH_SIZE=64 kept: 4 accumulation steps)\n") in out
+    _, task, _ = fake.calls[0]
+    assert task.envs["TRL_OVERRIDES"] == "max_length=16384 per_device_train_batch_size=2"
+    assert len(run_files(in_project)) == 1
 
 
 def test_dry_run_prints_every_rank_and_sends_nothing(in_project, fake, capsys):

@@ -201,7 +201,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--auto-fit",
         action="store_true",
         help="on out of memory, retry once with the per-device batch halved and accumulation doubled (same global "
-        "batch)",
+        "batch); on a cluster, a step the memory check refuses before launch runs at the largest smaller per-device "
+        "batch that fits, with the same global batch",
     )
     local.add_argument(
         "--netns",

@@ -32,6 +32,16 @@ def retryable(error: str) -> bool:
     return bool(error) and bool(RETRYABLE.search(error))
 
 
+class DoesNotFit(OrchError):
+    """A memory refusal before launch whose first fix is a smaller per-device batch that keeps the run's math
+    (core/memory_fix.fitting): `overrides` are its settings, which `orch run --auto-fit` applies by itself."""
+
+    def __init__(self, message: str, overrides: dict[str, str], fits: str) -> None:
+        super().__init__(message)
+        self.overrides = overrides
+        self.fits = fits  # what the fix needs and keeps, in words
+
+
 class RetryableError(OrchError):
     """A node-side failure of the cluster, not of the input: one line, exit code 75."""
 

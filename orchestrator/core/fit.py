@@ -28,7 +28,7 @@ from orchestrator.core import (
     trainers,
 )
 from orchestrator.core.accelerate_config import AccelerateConfig
-from orchestrator.core.errors import OrchError
+from orchestrator.core.errors import DoesNotFit, OrchError
 from orchestrator.core.overrides import eval_strategy, truthy
 from orchestrator.core.vllm_fit import VLLM_WEIGHTS_ROOM, check_vllm_room, vllm_words, with_vllm
 
@@ -247,7 +247,8 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
         if not same and with_vllm(other, capacity_gib) <= usable:
             fixes.append(f"{label(other.setup)} on {setup.gpus} GPUs needs {other.describe().split(' (')[0]}")
             break
-    if smaller := memory_fix.fitting(setup, lambda s: with_vllm(memory.estimate(s), capacity_gib), usable):
+    smaller, batch_fix = memory_fix.fitting(setup, lambda s: with_vllm(memory.estimate(s), capacity_gib), usable)
+    if smaller:
         fixes.insert(0, smaller)  # the same math on the same GPUs
     if flash := flash_fix(setup, lambda s: with_vllm(memory.estimate(s), capacity_gib), usable):
         fixes.insert(0, flash)
@@ -256,12 +257,15 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
     bigger = smallest_holding(estimate=estimate)
     if bigger:
         fixes.append(("or " if fixes else "") + f"use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB)")
-    raise OrchError(
-        f"{setup.arch.params / 1e9:.3g}B {setup.trainer} ({setup.method}, {tokens_words(setup)}) needs "
-        f"{estimate.describe()} under {label(setup)} on {setup.gpus} GPU(s)"
-        f"{vllm_words(setup, capacity_gib)}, more than one {gpu} holds ({gib(capacity_gib)} GiB)"
-        + (f"; {', '.join(fixes)}" if fixes else "") + "; `orch plan` lists what fits"
-    )  # fmt: skip
+    said = (f"{setup.arch.params / 1e9:.3g}B {setup.trainer} ({setup.method}, {tokens_words(setup)}) needs "
+            f"{estimate.describe()} under {label(setup)} on {setup.gpus} GPU(s){vllm_words(setup, capacity_gib)}, more "
+            f"than one {gpu} holds ({gib(capacity_gib)} GiB)" + (f"; {', '.join(fixes)}" if fixes else "")
+            + "; `orch plan` lists what fits")  # fmt: skip
+    if batch_fix is None:
+        raise OrchError(said)
+    raise DoesNotFit(said, dict(batch_fix.overrides), f"the step needs ~{need:.1f} GiB of one {gpu}'s "
+                     f"{gib(capacity_gib)} at per_device_train_batch_size={setup.micro_batch}; "
+                     f"{smaller.removeprefix('set ')}")  # fmt: skip
 
 
 def eval_words(setup: memory.Setup) -> str:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from orchestrator.core import memory
+from orchestrator.core.batch import Smaller
 
 # CUDA's allocator (torch.OutOfMemoryError / "CUDA out of memory"), ROCm/HIP's, the CPU allocator's, Python's.
 OOM = re.compile(
@@ -97,12 +98,13 @@ def advice(error: str, settings: Mapping[str, object], envs: Mapping[str, str]) 
     return f"out of memory: {fix.describe()}: rerun with {fix.words()} {overrides.both_launchers(fix.overrides, envs)}"
 
 
-def fitting(setup: memory.Setup, need: Callable[[memory.Setup], float], usable: float) -> str:
+def fitting(setup: memory.Setup, need: Callable[[memory.Setup], float], usable: float) -> tuple[str, Smaller | None]:
     """Before launch: the largest per-device batch below the setup's that keeps the run's math (setup.smaller_batches,
-    core/batch.smaller) and whose step `need`s (GiB) at most `usable`, as a refusal names it; '' where none does. The
-    generation batch is kept with it, so what generating holds does not change (core/generation_memory.py)."""
+    core/batch.smaller) and whose step `need`s (GiB) at most `usable`, as a refusal names it, and that batch; ('',
+    None) where none does. The generation batch is kept with it, so what generating holds does not change
+    (core/generation_memory.py)."""
     for smaller in setup.smaller_batches:
         gib = need(memory.with_(setup, micro_batch=smaller.batch))
         if gib <= usable:
-            return f"set {smaller.words()} (~{gib:.1f} GiB; {smaller.kept})"
-    return ""
+            return f"set {smaller.words()} (~{gib:.1f} GiB; {smaller.kept})", smaller
+    return "", None

@@ -10,6 +10,7 @@ from orchestrator.core import slots
 from orchestrator.core.errors import EXIT_RETRYABLE, OrchError
 
 if TYPE_CHECKING:
+    from orchestrator.launch.backends import SkyOptions
     from orchestrator.launch.resolved import Launch
 
 DEFAULT_RESTARTS = 3  # a managed job's job_recovery.max_restarts_on_errors (`orch run --max-restarts`)
@@ -150,3 +151,29 @@ def check_cap(envs: Mapping[str, str], plan, total_gpus: int) -> None:
             f"the estimated cost ${cost:,.2f} exceeds --max-cost ${float(cap):,.2f}: raise the cap, use fewer or "
             "cheaper GPUs (--gpus, --spot), or lower max_steps / num_train_epochs"
         )
+
+
+def autostop(flags: SkyOptions, cluster: str, run: str, slurm: bool) -> tuple[int | None, bool]:
+    """The cluster's autostop in idle minutes (None: none) and whether it is torn down then, said as it will happen.
+    A Slurm allocation cannot be stopped (SkyPilot 0.14: autostop needs a Pyxis container there), only ended: on
+    Slurm the idle cluster is torn down instead, which loses nothing there (the home and the checkpoints are on the
+    cluster's shared file system; a relaunch finds the environment installed)."""
+    idle, down = flags.idle_minutes, flags.down
+    if flags.managed:  # SkyPilot owns a managed job's cluster and ends it with the job
+        return idle, down
+    if idle is None and not down and not flags.keep_up:
+        idle = DEFAULT_IDLE_MINUTES
+    if slurm and idle is not None and not down:
+        down = True
+        print(f"[orch] cluster {cluster}: its Slurm allocation ends after {idle} idle minutes (SkyPilot cannot "
+              "stop one: the shared home keeps the environment and the checkpoints; --keep-up keeps it)",
+              flush=True)  # fmt: skip
+    elif down:
+        after = f"after {idle} idle minutes" if idle is not None else "when the job ends"
+        print(f"[orch] cluster {cluster}: torn down {after} (--down)", flush=True)
+    elif idle is not None:
+        print(f"[orch] cluster {cluster}: stops by itself after {idle} idle minutes (autostop; --down tears it "
+              "down instead, --keep-up keeps it up)", flush=True)  # fmt: skip
+    else:
+        print(f"[orch] cluster {cluster}: kept up after the job (--keep-up): `orch down {run}` ends it", flush=True)
+    return idle, down

@@ -37,7 +37,8 @@ class LocalOptions:
     smoke: bool = False  # --smoke: the tiny model of the recipe's family and synthetic data, 8 steps.
     fresh: bool = False  # --fresh: delete this run's checkpoints first (only what orch made: core/owned.py)
     netns: bool = False  # --netns: each emulated node in a network namespace of its own (root).
-    auto_fit: bool = False  # --auto-fit: on out of memory, retry once with half the batch, twice the accumulation
+    auto_fit: bool = False  # --auto-fit: on out of memory, retry once with half the batch, twice the accumulation;
+    # on a cluster, a memory refusal before launch applies its smaller per-device batch (core/errors.DoesNotFit)
 
 
 @dataclass(frozen=True)

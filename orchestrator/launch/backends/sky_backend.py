@@ -11,17 +11,16 @@ from typing import TYPE_CHECKING
 
 from orchestrator.core import slots
 from orchestrator.core.accelerators import CPU
-from orchestrator.core.errors import OrchError
+from orchestrator.core.errors import DoesNotFit, OrchError
 from orchestrator.core.knobs import knob
 from orchestrator.launch import job_end
-from orchestrator.launch.placement import DEFAULT_IDLE_MINUTES
 from orchestrator.launch.records import Record, RunState
 
 if TYPE_CHECKING:
-    from orchestrator.launch.backends import RunOptions, RunRequest, SkyOptions
+    from orchestrator.launch.backends import RunOptions, RunRequest
     from orchestrator.launch.resolved import Launch
 
-LOCAL_ONLY = ("fresh", "netns", "auto_fit")
+LOCAL_ONLY = ("fresh", "netns")
 
 
 class SkyBackend:
@@ -36,7 +35,7 @@ class SkyBackend:
 
         options = request.options
         if any(getattr(options.local, name) for name in LOCAL_ONLY):
-            raise OrchError("--fresh, --netns and --auto-fit are for runs on this machine: add --local")
+            raise OrchError("--fresh and --netns are for runs on this machine: add --local")
         gpus = parse_gpus(options.gpus) if options.gpus is not None else None
         placement.check_candidates(options.sky, request.recipe.task.get("resources") or {})
         cpus = gpus.count if gpus is not None and gpus.name == CPU else 0  # CPU nodes (`--gpus none`, CPU:N)
@@ -51,19 +50,28 @@ class SkyBackend:
             envs.update(ORCH_DEVICE="cpu", ORCH_GPUS_PER_NODE=str(cpus))
             if options.local.smoke:
                 envs["ORCH_SMOKE"] = "on"
-        launch = resolve(request.recipe, nodes=options.nodes, gpus=gpus, envs=envs,
-                         trl_overrides=request.overrides, secrets=request.secrets)  # fmt: skip
-        if launch.gpus is None or launch.gpus.name is None:
-            example = f"--gpus A100:{gpus.count}" if gpus else "--gpus A100:8"
-            raise OrchError(f"the recipe names no accelerator in resources.accelerators; give one, e.g. {example}")
-        data_file, said = None, env_notes(request.envs, launch.recipe)
-        if request.data is not None:
-            from orchestrator.launch import data
+        def launched(overrides: dict[str, str]) -> int:
+            launch = resolve(request.recipe, nodes=options.nodes, gpus=gpus, envs=envs, trl_overrides=overrides,
+                             secrets=request.secrets)  # fmt: skip
+            if launch.gpus is None or launch.gpus.name is None:
+                example = f"--gpus A100:{gpus.count}" if gpus else "--gpus A100:8"
+                raise OrchError(f"the recipe names no accelerator in resources.accelerators; give one, e.g. {example}")
+            data_file, said = None, env_notes(request.envs, launch.recipe)
+            if request.data is not None:
+                from orchestrator.launch import data
 
-            data_file, launch, line = data.use(request.data, launch, False, False, request.overrides)
-            data.check_launch(launch, options.local.smoke)
-            said.append(line)
-        return _launch(options, launch, request.envs, request.secrets, data_file, said)
+                data_file, launch, line = data.use(request.data, launch, False, False, overrides)
+                data.check_launch(launch, options.local.smoke)
+                said.append(line)
+            return _launch(options, launch, request.envs, request.secrets, data_file, said)
+
+        try:
+            return launched(request.overrides)
+        except DoesNotFit as refused:  # the memory check, before anything was written or sent
+            if not options.local.auto_fit:
+                raise
+            print(f"[orch] --auto-fit: {refused.fits}", flush=True)
+            return launched({**request.overrides, **refused.overrides})
 
     # ------------------------------------------------------------ the runs it recorded
 
@@ -182,7 +190,7 @@ class SkyBackend:
         records.write(record)
         print(f"[orch] run {record.run}: relaunch {count}, resuming from its last checkpoint "
               f"({envs.get('CHECKPOINT_ROOT', 'output_dir')}/{record.run})", flush=True)  # fmt: skip
-        idle, down = _say_autostop(flags, cluster, record.run, storage.on_slurm(task))
+        idle, down = placement.autostop(flags, cluster, record.run, storage.on_slurm(task))
         return _submit(record, task, values, managed, cluster, idle, down, flags.detach)
 
     def node_prices(self, per_node: int) -> dict[str, tuple[float, str]]:
@@ -300,7 +308,7 @@ def _launch(options: RunOptions, launch: Launch, user_envs: dict[str, str], secr
         f"{'managed job' if flags.managed else f'cluster {cluster}'}; recorded in {path}",
         flush=True,
     )
-    idle, down = _say_autostop(flags, cluster, run, slurm)
+    idle, down = placement.autostop(flags, cluster, run, slurm)
     return _submit(record, task, secret_values, flags.managed, cluster, idle, down, flags.detach)
 
 
@@ -371,29 +379,3 @@ def _submit(record: Record, task: dict, secret_values: dict[str, str], managed: 
                 flush=True,
             )
         raise
-
-
-def _say_autostop(flags: SkyOptions, cluster: str, run: str, slurm: bool) -> tuple[int | None, bool]:
-    """The cluster's autostop in idle minutes (None: none) and whether it is torn down then, said as it will happen.
-    A Slurm allocation cannot be stopped (SkyPilot 0.14: autostop needs a Pyxis container there), only ended: on
-    Slurm the idle cluster is torn down instead, which loses nothing there (the home and the checkpoints are on the
-    cluster's shared file system; a relaunch finds the environment installed)."""
-    idle, down = flags.idle_minutes, flags.down
-    if flags.managed:  # SkyPilot owns a managed job's cluster and ends it with the job
-        return idle, down
-    if idle is None and not down and not flags.keep_up:
-        idle = DEFAULT_IDLE_MINUTES
-    if slurm and idle is not None and not down:
-        down = True
-        print(f"[orch] cluster {cluster}: its Slurm allocation ends after {idle} idle minutes (SkyPilot cannot "
-              "stop one: the shared home keeps the environment and the checkpoints; --keep-up keeps it)",
-              flush=True)  # fmt: skip
-    elif down:
-        after = f"after {idle} idle minutes" if idle is not None else "when the job ends"
-        print(f"[orch] cluster {cluster}: torn down {after} (--down)", flush=True)
-    elif idle is not None:
-        print(f"[orch] cluster {cluster}: stops by itself after {idle} idle minutes (autostop; --down tears it "
-              "down instead, --keep-up keeps it up)", flush=True)  # fmt: skip
-    else:
-        print(f"[orch] cluster {cluster}: kept up after the job (--keep-up): `orch down {run}` ends it", flush=True)
-    return idle, down
