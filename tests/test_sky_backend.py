@@ -176,6 +176,13 @@ def test_a_step_over_the_gpus_memory_sends_nothing_and_auto_fit_launches_the_bat
     _, task, _ = fake.calls[0]
     assert task.envs["TRL_OVERRIDES"] == "max_length=16384 per_device_train_batch_size=2"
     assert len(run_files(in_project)) == 1
+    # with --data, whose dataset words the first attempt added to its overrides: the second starts from the user's
+    pairs = in_project / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "hi", "chosen": "hello", "rejected": "go away"}) + "\n")
+    assert cli.main([*argv, "--auto-fit", "--data", str(pairs)]) == 0, capsys.readouterr().err
+    _, task, _ = fake.calls[-1]
+    assert task.envs["TRL_OVERRIDES"] == ("max_length=16384 per_device_train_batch_size=2 dataset_name=/orch-data "
+                                          "dataset_train_split=train")  # fmt: skip
 
 
 def test_dry_run_prints_every_rank_and_sends_nothing(in_project, fake, capsys):

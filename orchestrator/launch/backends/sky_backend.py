@@ -51,6 +51,7 @@ class SkyBackend:
             if options.local.smoke:
                 envs["ORCH_SMOKE"] = "on"
         def launched(overrides: dict[str, str]) -> int:
+            overrides = dict(overrides)  # data.use adds --data's words to it: each attempt starts from the user's own
             launch = resolve(request.recipe, nodes=options.nodes, gpus=gpus, envs=envs, trl_overrides=overrides,
                              secrets=request.secrets)  # fmt: skip
             if launch.gpus is None or launch.gpus.name is None:
