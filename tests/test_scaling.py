@@ -204,7 +204,7 @@ def test_every_batch_fix_a_refusal_offers_is_one_the_node_takes(trainer, global_
 def test_every_smaller_batch_a_memory_refusal_offers_plans_and_keeps_the_math(trainer, global_batch, per_device,
                                                                                 accumulation, nodes, per_node, group,
                                                                                 spg, cp):  # fmt: skip
-    """A memory refusal names a smaller per-device batch (core/batch.smaller, core/memory_fix.fitting): each one
+    """A memory refusal names a smaller per-device batch (core/batch.smaller, core/batch.first_fitting): each one
     offered, applied with the settings that come with it, plans on the node (its batch rules: KTO's least, whole
     num_generations groups, the accumulation GLOBAL_BATCH_SIZE derives) and keeps the samples of an optimizer step and
     a GRPO/RLOO generation batch; and under GLOBAL_BATCH_SIZE every smaller batch the node would take is offered."""

@@ -116,6 +116,14 @@ def accumulation_steps(
                  multiple)  # fmt: skip
 
 
+def steps_of(settings: Mapping, global_batch: int | None, data_parallel: int) -> int:
+    """The accumulation a run steps with: the one GLOBAL_BATCH_SIZE derives (`accumulation_steps`), else the settings'
+    gradient_accumulation_steps (transformers' 1); an OrchError where neither is whole."""
+    derived = accumulation_steps(global_batch, settings, data_parallel)
+    return derived if derived is not None else positive_int(settings.get("gradient_accumulation_steps") or 1,
+                                                            "gradient_accumulation_steps")  # fmt: skip
+
+
 def generations(settings: Mapping, default: int) -> int:
     return positive_int(settings.get("num_generations", default), "num_generations")
 
@@ -144,7 +152,7 @@ class Smaller:
     batch: int
     overrides: tuple[tuple[str, str], ...]
     kept: str
-    """How the math is kept, in words."""
+    """How the math is kept, in words (generation_memory.fewer: how the generation is split instead)."""
 
     def words(self) -> str:
         return " ".join(f"{key}={value}" for key, value in self.overrides)
@@ -162,16 +170,12 @@ def smaller(settings: Mapping, global_batch: int | None, processes: int, sizes: 
     data_parallel = max(1, processes // (sizes.model_parallel if sizes else 1))
     least, generates = (spec.min_micro_batch, spec.generates) if spec else (1, False)
     try:
-        per_device = per_device_batch(settings)
-        steps = (global_batch // (per_device * data_parallel) if global_batch else
-                 positive_int(settings.get("gradient_accumulation_steps") or 1, "gradient_accumulation_steps"))
+        per_device, steps = per_device_batch(settings), steps_of(settings, global_batch, data_parallel)
         every, spg = (
             (positive_int(settings[key], key) if generates and settings.get(key) not in (None, "") else None)
             for key in ("generation_batch_size", "steps_per_generation")
         )
     except OrchError:
-        return ()
-    if global_batch and global_batch % (per_device * data_parallel):
         return ()
     samples = per_device * steps  # a rank's samples an optimizer step
     found = []
@@ -187,3 +191,13 @@ def smaller(settings: Mapping, global_batch: int | None, processes: int, sizes: 
                 f"the same {samples * data_parallel} samples a step")  # fmt: skip
         found.append(Smaller(b, tuple(overrides), kept))
     return tuple(found)
+
+
+def first_fitting(choices: Iterable[Smaller], need: Callable[[Smaller], float],
+                  usable: float) -> tuple[Smaller, float] | None:  # fmt: skip
+    """The first of `choices` (largest first: `smaller`, generation_memory.fewer) whose `need` in GiB is at most
+    `usable`, with that need; None where none is."""
+    for choice in choices:
+        if (gib := need(choice)) <= usable:
+            return choice, gib
+    return None

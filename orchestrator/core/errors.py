@@ -34,7 +34,8 @@ def retryable(error: str) -> bool:
 
 class DoesNotFit(OrchError):
     """A memory refusal before launch whose first fix is a smaller per-device batch that keeps the run's math
-    (core/memory_fix.fitting): `overrides` are its settings, which `orch run --auto-fit` applies by itself."""
+    (core/fit.check_gpu, core/batch.smaller): `overrides` are its settings, which `orch run --auto-fit` applies by
+    itself."""
 
     def __init__(self, message: str, overrides: dict[str, str], fits: str) -> None:
         super().__init__(message)

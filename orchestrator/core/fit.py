@@ -20,7 +20,6 @@ from orchestrator.core import (
     generation_memory,
     load_memory,
     memory,
-    memory_fix,
     models,
     optimizers,
     precision,
@@ -247,10 +246,15 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
         if not same and with_vllm(other, capacity_gib) <= usable:
             fixes.append(f"{label(other.setup)} on {setup.gpus} GPUs needs {other.describe().split(' (')[0]}")
             break
-    smaller, batch_fix = memory_fix.fitting(setup, lambda s: with_vllm(memory.estimate(s), capacity_gib), usable)
-    if smaller:
-        fixes.insert(0, smaller)  # the same math on the same GPUs
-    if flash := flash_fix(setup, lambda s: with_vllm(memory.estimate(s), capacity_gib), usable):
+    def step(s: memory.Setup) -> float:
+        return with_vllm(memory.estimate(s), capacity_gib)
+
+    smaller = batch.first_fitting(setup.smaller_batches, lambda b: step(memory.with_(setup, micro_batch=b.batch)),
+                                  usable)  # fmt: skip
+    batch_words = f"{smaller[0].words()} (~{smaller[1]:.1f} GiB; {smaller[0].kept})" if smaller else ""
+    if batch_words:
+        fixes.insert(0, f"set {batch_words}")  # the same math on the same GPUs
+    if flash := flash_fix(setup, step, usable):
         fixes.insert(0, flash)
     if setup.untruncated:  # the likeliest fix: a bound on the rows
         fixes.append("set max_length to the longest sequence the data needs")
@@ -261,11 +265,11 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
             f"{estimate.describe()} under {label(setup)} on {setup.gpus} GPU(s){vllm_words(setup, capacity_gib)}, more "
             f"than one {gpu} holds ({gib(capacity_gib)} GiB)" + (f"; {', '.join(fixes)}" if fixes else "")
             + "; `orch plan` lists what fits")  # fmt: skip
-    if batch_fix is None:
+    if smaller is None:
         raise OrchError(said)
-    raise DoesNotFit(said, dict(batch_fix.overrides), f"the step needs ~{need:.1f} GiB of one {gpu}'s "
+    raise DoesNotFit(said, dict(smaller[0].overrides), f"the step needs ~{need:.1f} GiB of one {gpu}'s "
                      f"{gib(capacity_gib)} at per_device_train_batch_size={setup.micro_batch}; "
-                     f"{smaller.removeprefix('set ')}")  # fmt: skip
+                     f"{batch_words}")  # fmt: skip
 
 
 def eval_words(setup: memory.Setup) -> str:

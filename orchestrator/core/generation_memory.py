@@ -45,9 +45,7 @@ def fewer(settings: Mapping[str, object], processes: int, global_batch: int | No
     the `processes` (TRL's rule). Not the same math to the bit: TRL scales the loss's token count from each generation
     batch to the accumulation window (GRPOTrainer.compute_loss)."""
     try:
-        micro = batch.per_device_batch(settings)
-        steps = (global_batch // (micro * processes) if global_batch else
-                 batch.positive_int(settings.get("gradient_accumulation_steps") or 1, "gradient_accumulation_steps"))
+        micro, steps = batch.per_device_batch(settings), batch.steps_of(settings, global_batch, processes)
         group = batch.generations(settings, group_default)
     except OrchError:
         return ()
@@ -120,8 +118,6 @@ def refusal(setup: memory.Setup, usable: float) -> tuple[str, str]:
     if alone and alone.gib <= usable:
         return need, (f"ds3_gather_for_generation=false (~{alone.gib:.1f} GiB: ZeRO-3 then gathers a layer at a time "
                       "as it generates, not the whole model on every GPU; slower)")
-    for smaller in setup.generation_fewer:
-        at = estimate(memory.with_(setup, generation_rows=smaller.batch))
-        if at and at.gib <= usable:
-            return need, f"set {smaller.words()} (~{at.gib:.1f} GiB: {smaller.kept})"
-    return need, ""
+    rows = batch.first_fitting(setup.generation_fewer,
+                               lambda f: (estimate(memory.with_(setup, generation_rows=f.batch)) or during).gib, usable)
+    return need, f"set {rows[0].words()} (~{rows[1]:.1f} GiB: {rows[0].kept})" if rows else ""

@@ -108,7 +108,7 @@ class Setup:
     generates, beside the trainer's states."""
     smaller_batches: tuple[Smaller, ...] = ()
     """The per-device batches below micro_batch that keep the run's math (core/batch.smaller), largest first: a
-    refusal names the largest that fits (core/memory_fix.fitting)."""
+    refusal names the largest that fits (core/batch.first_fitting)."""
 
 
 @dataclass(frozen=True)

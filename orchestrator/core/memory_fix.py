@@ -7,17 +7,14 @@ halve: the fix is a strategy that shards more (FSDP, ZeRO-3, offload) or shorter
 
 Both sides name it: a local run (launch/backends/local_backend.py, with --auto-fit's retry) and every node whose rank
 failed out of memory (node/supervise.py, `advice`), so a GPU cluster launched with plain `sky launch` gets it too.
-Before launch the memory check names the largest smaller batch that fits instead (`fitting`, core/batch.smaller).
+Before launch the memory check names the largest smaller batch that fits instead (core/batch.smaller, core/fit.py).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-
-from orchestrator.core import memory
-from orchestrator.core.batch import Smaller
 
 # CUDA's allocator (torch.OutOfMemoryError / "CUDA out of memory"), ROCm/HIP's, the CPU allocator's, Python's.
 OOM = re.compile(
@@ -96,15 +93,3 @@ def advice(error: str, settings: Mapping[str, object], envs: Mapping[str, str]) 
     from orchestrator.core import overrides
 
     return f"out of memory: {fix.describe()}: rerun with {fix.words()} {overrides.both_launchers(fix.overrides, envs)}"
-
-
-def fitting(setup: memory.Setup, need: Callable[[memory.Setup], float], usable: float) -> tuple[str, Smaller | None]:
-    """Before launch: the largest per-device batch below the setup's that keeps the run's math (setup.smaller_batches,
-    core/batch.smaller) and whose step `need`s (GiB) at most `usable`, as a refusal names it, and that batch; ('',
-    None) where none does. The generation batch is kept with it, so what generating holds does not change
-    (core/generation_memory.py)."""
-    for smaller in setup.smaller_batches:
-        gib = need(memory.with_(setup, micro_batch=smaller.batch))
-        if gib <= usable:
-            return f"set {smaller.words()} (~{gib:.1f} GiB; {smaller.kept})", smaller
-    return "", None
