@@ -42,12 +42,15 @@ def test_the_first_error_is_the_ranks_not_the_launchers():
     ],
 )  # fmt: skip
 def test_the_fix_keeps_the_global_batch(settings, envs, words):
-    assert memory_fix.propose(settings, envs).words() == words
+    assert memory_fix.propose(settings, envs, processes=8).words() == words
 
 
 def test_at_batch_one_the_fix_is_to_shard_more():
     fix = memory_fix.propose({"per_device_train_batch_size": 1}, {})
     assert fix.overrides is None and "shard more" in fix.describe()
+
+
+PROCESSES = 8  # the training processes of the runs below (data-parallel over all of them)
 
 
 @pytest.mark.parametrize("trainer, settings, envs, words, said", [
@@ -57,40 +60,54 @@ def test_at_batch_one_the_fix_is_to_shard_more():
     ("sft", {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2}, {},
      "per_device_train_batch_size=3 gradient_accumulation_steps=4", "halve the per-device batch (6 -> 3)"),
     ("sft", {"per_device_train_batch_size": 9}, {"GLOBAL_BATCH_SIZE": "144"}, "per_device_train_batch_size=3",
-     "multiply the accumulation by 3 (GLOBAL_BATCH_SIZE=144 is kept"),
+     "multiply the accumulation by 3 (2 -> 6; GLOBAL_BATCH_SIZE=144 kept"),
+    # a rank's samples a step (batch x accumulation) divide by more than the batch's own divisors: 7 x 2 becomes 2 x 7,
+    # not 1 x 14 (the largest at most half the batch, as the launch-side refusal's core/batch.smaller lists them)
+    ("sft", {"per_device_train_batch_size": 7, "gradient_accumulation_steps": 2}, {},
+     "per_device_train_batch_size=2 gradient_accumulation_steps=7", "cut the per-device batch (7 -> 2) and lengthen "
+     "the accumulation (2 -> 7)"),
+    ("dpo", {"per_device_train_batch_size": 7}, {"GLOBAL_BATCH_SIZE": "112"}, "per_device_train_batch_size=2",
+     "(7 -> 2) and lengthen the accumulation (2 -> 7; GLOBAL_BATCH_SIZE=112 kept, the nodes derive it)"),
     # KTO takes no per-device batch below 2 (node/rules.check_trainer_batch): 3 -> 1 would be refused
     ("kto", {"per_device_train_batch_size": 4}, {}, "per_device_train_batch_size=2 gradient_accumulation_steps=2",
      "halve"),
-    ("kto", {"per_device_train_batch_size": 3}, {}, "", "the per-device batch is already 3, the least KTO takes"),
-    ("kto", {"per_device_train_batch_size": 2}, {}, "", "the per-device batch is already 2, the least KTO takes"),
+    ("kto", {"per_device_train_batch_size": 3}, {}, "", "no per-device batch below 3 keeps the 3 samples a rank takes "
+     "a step whole (KTO takes no less than 2: its KL baseline"),
+    ("kto", {"per_device_train_batch_size": 3, "gradient_accumulation_steps": 2}, {},
+     "per_device_train_batch_size=2 gradient_accumulation_steps=3", "cut the per-device batch (3 -> 2)"),
+    ("kto", {"per_device_train_batch_size": 2}, {}, "", "the per-device batch is already 2 (KTO takes no less than 2"),
     # GRPO with steps_per_generation: the generation batch (batch x processes x steps) kept whole for num_generations
     ("grpo", {"per_device_train_batch_size": 8, "steps_per_generation": 4}, {"GLOBAL_BATCH_SIZE": "64"},
      "per_device_train_batch_size=4 steps_per_generation=8", "halve"),
+    # an explicit generation_batch_size stays one TRL takes (a multiple of the per-device batch x processes)
+    ("grpo", {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2, "generation_batch_size": 96}, {},
+     "per_device_train_batch_size=3 gradient_accumulation_steps=4", "halve"),
 ])  # fmt: skip
 def test_the_fix_is_one_the_trainer_and_the_batch_math_accept(trainer, settings, envs, words, said):
     """The OOM fix halved the per-device batch whatever it was: an odd one changed the global batch, and KTO's batch of
-    2 or 3 became 1, which the node refuses. The fix must pass the node's own batch checks and keep the global batch."""
+    2 or 3 became 1, which the node refuses. The fix must pass the node's own batch checks and keep the global batch;
+    a GRPO run's generation batch stays one TRL takes."""
     from orchestrator.core import batch
     from orchestrator.core.errors import OrchError
     from orchestrator.node import rules
 
-    fix = memory_fix.propose(settings, {"TRL_TRAINER": trainer, **envs})
+    fix = memory_fix.propose(settings, {"TRL_TRAINER": trainer, **envs}, PROCESSES)
     assert fix.words() == words and said in fix.describe(), fix.describe()
     if fix.overrides is None:
         with pytest.raises(OrchError):  # what halving would have given
             rules.check_trainer_batch(trainer, None, {**settings, "per_device_train_batch_size": 1})
         return
     fixed = {**settings, **fix.overrides}
-    rules.check_trainer_batch(trainer, int(envs.get("GLOBAL_BATCH_SIZE", 0)) or None, fixed)
-    processes = 8
-    before = batch.per_device_batch(settings) * processes * int(settings.get("gradient_accumulation_steps", 1))
-    if "GLOBAL_BATCH_SIZE" in envs:  # the node computes the accumulation: it must come out whole
-        assert int(envs["GLOBAL_BATCH_SIZE"]) % (int(fix.overrides["per_device_train_batch_size"]) * processes) == 0
-    else:
-        assert batch.per_device_batch(fixed) * processes * int(fixed["gradient_accumulation_steps"]) == before
+    global_batch = int(envs.get("GLOBAL_BATCH_SIZE", 0)) or None
+    rules.check_trainer_batch(trainer, global_batch, fixed, batch.per_device_batch(fixed) * PROCESSES)
+    before = batch.per_device_batch(settings) * PROCESSES * batch.steps_of(settings, global_batch, PROCESSES)
+    assert batch.per_device_batch(fixed) * PROCESSES * batch.steps_of(fixed, global_batch, PROCESSES) == before
+    assert 2 * batch.per_device_batch(fixed) <= batch.per_device_batch(settings) or trainer == "kto"
     if "steps_per_generation" in settings:
         assert (int(fixed["per_device_train_batch_size"]) * int(fixed["steps_per_generation"])
                 == settings["per_device_train_batch_size"] * settings["steps_per_generation"])  # fmt: skip
+    if "generation_batch_size" in settings:  # TRL's own rule (GRPOConfig.__post_init__)
+        assert settings["generation_batch_size"] % (batch.per_device_batch(fixed) * PROCESSES) == 0
 
 
 @pytest.fixture

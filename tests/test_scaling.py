@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_local_run import check_demo_run
 
-from orchestrator.core import batch, parallel
+from orchestrator.core import batch, memory_fix, parallel
 from orchestrator.core.errors import OrchError
 from orchestrator.launch import preflight
 from orchestrator.node import plan as node
@@ -246,6 +246,13 @@ def test_every_smaller_batch_a_memory_refusal_offers_plans_and_keeps_the_math(tr
     if global_batch and not spg:
         taken = {b for b in range(1, per_device) if planned({**trl, "per_device_train_batch_size": b})}
         assert {s.batch for s in offered} == taken
+    # the runtime out-of-memory fix (memory_fix.propose, with the node plan's own world and parallelism) picks from the
+    # same list: the largest at most half the batch, else the smallest; none only where the list is empty
+    fix = memory_fix.propose(trl, extra, world, before.sizes)
+    assert (fix.smaller is None) == (not offered), fix
+    if offered:
+        assert fix.smaller in offered and (2 * fix.smaller.batch <= per_device or fix.smaller == offered[-1]), fix
+        assert all(2 * s.batch > per_device for s in offered[: offered.index(fix.smaller)]), fix
 
 
 # ---------------------------------------------------------------- vLLM server node (GRPO)

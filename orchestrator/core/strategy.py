@@ -62,3 +62,14 @@ def cpu_fallback(s: Strategy, processes: int) -> str | None:
     if s.kind in ("fsdp2", "zero1", "zero2", "zero3"):
         return None
     return "not a sharded strategy"
+
+
+def parallel_sizes(accelerate_config: AccelerateConfig | Mapping, device: str, total: int) -> parallel.Sizes | None:
+    """The Accelerate config's parallelism_config refit to `total` processes (None without one, or on CPU where
+    it cannot run there: cpu_fallback)."""
+    config = AccelerateConfig.of(accelerate_config)
+    sizes = config.parallelism
+    if sizes is None or (device == "cpu" and cpu_fallback(of(config), total)):
+        return None
+    parallel.check_backend(sizes, config)
+    return parallel.refit(sizes, total)

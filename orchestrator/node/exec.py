@@ -88,6 +88,8 @@ def run(print_only: bool, env: Mapping[str, str] | None = None) -> int:
         gpus=gpus,
         # a GPU node names an out-of-memory fix itself; a local (CPU) run's launch side does, with --auto-fit
         settings=node_plan.settings if gpus else None,
+        processes=node_plan.topology.total_gpus,
+        sizes=node_plan.sizes,
     )
     if code == 0 and topo.node_rank == 0 and knob(env, "ORCH_SUMMARY", "on") == "on":
         summarise(node_plan.argv, node_plan.settings)

@@ -31,17 +31,6 @@ class Flags(NamedTuple):
     """TRL arguments the device needs: `--use_cpu true` (CPU processes) or `--ddp_backend gloo` (DeepSpeed on CPU)."""
 
 
-def parallel_sizes(accelerate_config: AccelerateConfig | Mapping, device: str, total: int) -> parallel.Sizes | None:
-    """The Accelerate config's parallelism_config refit to `total` processes (None without one, or on CPU where
-    it cannot run there: core.strategy.cpu_fallback)."""
-    config = AccelerateConfig.of(accelerate_config)
-    sizes = config.parallelism
-    if sizes is None or (device == "cpu" and strategy.cpu_fallback(strategy.of(config), total)):
-        return None
-    parallel.check_backend(sizes, config)
-    return parallel.refit(sizes, total)
-
-
 def flags(
     accelerate_config: AccelerateConfig | Mapping,
     config_file: Path,

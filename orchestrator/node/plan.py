@@ -79,6 +79,8 @@ class NodePlan(NamedTuple):
     """The recipe's TRL trainer, as checked."""
     settings: Mapping[str, object] = {}
     """The TRL settings the script will see (the config file's, then TRL_OVERRIDES), as plan() read them."""
+    sizes: parallel.Sizes | None = None
+    """The parallelism config refit to the training processes (None without one, or where the CPU falls back)."""
 
 
 class RecipeEnv(NamedTuple):
@@ -152,7 +154,7 @@ def plan(
     decided = vllm.trainer_arguments(env, cluster) if serving else []
 
     total = trainers.total_gpus
-    sizes = launcher.parallel_sizes(accelerate_config, recipe.device, total)
+    sizes = strategy.parallel_sizes(accelerate_config, recipe.device, total)
     data_parallel = total
     if sizes is not None:
         data_parallel = sizes.data_parallel(total)
@@ -203,6 +205,7 @@ def plan(
         env=node_env,
         trainer=recipe.trainer,
         settings=settings,
+        sizes=sizes,
     )
 
 

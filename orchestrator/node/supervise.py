@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator.core import credentials, memory_fix
 from orchestrator.core.errors import retryable
@@ -46,6 +47,9 @@ from orchestrator.node.output import (
 from orchestrator.node.procs import DEFAULT_GRACE, end_tree, subreaper
 from orchestrator.node.script import output_dir_in
 from orchestrator.node.watchdog import EXIT_STALLED, Bounds, Watchdog, hang_tools
+
+if TYPE_CHECKING:
+    from orchestrator.core.parallel import Sizes
 
 POLL = 1.0
 PEERS_PROBED = 256
@@ -158,10 +162,11 @@ class _Relay:
 
 def supervise(
     argv: list[str], env: Mapping[str, str], node_rank: int, ips: tuple[str, ...], probe_port: int, gpus: bool,
-    settings: Mapping[str, object] | None = None,
+    settings: Mapping[str, object] | None = None, processes: int = 1, sizes: Sizes | None = None,
 ) -> int:
     """Run `argv` (accelerate launch) under the watchdog; return its exit code, or EXIT_STALLED. `settings`: the TRL
-    settings the ranks run with, for the fix a rank's out-of-memory error gets (core/memory_fix.py)."""
+    settings the ranks run with, `processes` how many there are and `sizes` their parallelism config, for the fix a
+    rank's out-of-memory error gets (core/memory_fix.py)."""
     from orchestrator.core.knobs import knob
 
     bounds = Bounds.from_env(env)
@@ -261,7 +266,7 @@ def supervise(
         if retryable(error) and (early := _left_early(output_dir, since=began - 60)):
             say(verdict(node_rank, code, f"orch: error: {early} (this node then saw: {error})"))
             return 1
-        if settings is not None and (fix := memory_fix.advice(error, settings, env)):
+        if settings is not None and (fix := memory_fix.advice(error, settings, env, processes, sizes)):
             say(f"[orch] {fix}")  # before the failure line, which stays the last
         if retryable(error):  # the cluster's failure: exit 75, which a managed job recovers from
             where = output_dir or output_dir_in(argv)  # a rank that failed before its first report: its argv's

@@ -60,7 +60,10 @@ class LocalBackend:
         result, ran = _local_once(options, launch, request.envs, request.overrides, request.secrets, said)
         if result.returncode == 0 or not memory_fix.is_oom(result.error):
             return result.returncode
-        fix = memory_fix.propose(ran.settings, ran.envs)
+        from orchestrator.core.strategy import parallel_sizes
+
+        sizes = parallel_sizes(ran.paired.accelerate, "cpu", ran.total_gpus)  # as the local nodes planned it
+        fix = memory_fix.propose(ran.settings, ran.envs, ran.total_gpus, sizes)
         print(f"[orch] out of memory: {fix.describe()}", flush=True)
         if fix.overrides is None:
             return result.returncode
