@@ -185,6 +185,36 @@ def test_a_step_over_the_gpus_memory_sends_nothing_and_auto_fit_launches_the_bat
                                           "dataset_train_split=train")  # fmt: skip
 
 
+@pytest.mark.parametrize("argv, said, trl", [
+    # the evaluation's batch: transformers' 8 sequences of 32k tokens do not fit beside the states
+    (["qwen3_sft_fsdp_cp", "eval_strategy=steps"],
+     [r"evaluation needs ~53\.\d GiB of one A100's 40 at per_device_eval_batch_size=8; per_device_eval_batch_size=(\d) "
+      r"\(~\d+\.\d GiB\)"], "packing=false eval_strategy=steps per_device_eval_batch_size={0}"),
+    # GRPO without vLLM: the step's batch, then (the step fitting) fewer completions generated at once
+    (["qwen25_grpo_ddp", "use_vllm=false", "max_completion_length=30000"],
+     [r"the step needs ~88\.7 GiB of one A100's 40 at per_device_train_batch_size=8; per_device_train_batch_size=2 "
+      r"\(~36\.1 GiB; GLOBAL_BATCH_SIZE=256 kept: 16 accumulation steps\)",
+      r"generating needs ~49\.0 GiB of one A100's 40; steps_per_generation=8 \(~31\.3 GiB: 16 completions at a time, "
+      r"2 generations an optimizer step\)"],
+     "use_vllm=false max_completion_length=30000 per_device_train_batch_size=2 steps_per_generation=8"),
+])  # fmt: skip
+def test_auto_fit_applies_each_memory_refusals_fix_in_turn(in_project, fake, capsys, argv, said, trl):
+    """The memory check runs the step first, then the evaluation and the generation where the step fits: --auto-fit
+    applies each refusal's fix (a DoesNotFit) in turn, one line each, and launches what fits; without it the first
+    refusal sends nothing."""
+    command = ["run", *argv, "--gpus", "A100:8", "--detach", "-y"]
+    assert cli.main(command) == 2
+    assert fake.calls == [] and run_files(in_project) == []
+    capsys.readouterr()
+    assert cli.main([*command, "--auto-fit"]) == 0, capsys.readouterr().err
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[orch] --auto-fit: ")]
+    assert len(lines) == len(said), lines
+    found = [re.fullmatch(r"\[orch\] --auto-fit: " + pattern, line) for pattern, line in zip(said, lines, strict=True)]
+    assert all(found), lines
+    _, task, _ = fake.calls[0]
+    assert task.envs["TRL_OVERRIDES"] == trl.format(*found[0].groups())
+
+
 def test_dry_run_prints_every_rank_and_sends_nothing(in_project, fake, capsys):
     assert cli.main(["run", "phi3_dpo_fsdp", "--gpus", "A100:8", "--nodes", "2", "--dry-run", "--skip-optimizer"]) == 0
     out = capsys.readouterr().out

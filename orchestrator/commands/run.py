@@ -200,9 +200,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     local.add_argument(
         "--auto-fit",
         action="store_true",
-        help="on out of memory, retry once with the per-device batch halved and accumulation doubled (same global "
-        "batch); on a cluster, a step the memory check refuses before launch runs at the largest smaller per-device "
-        "batch that fits, with the same global batch",
+        help="on out of memory, retry once with a smaller per-device batch and a longer accumulation (same global "
+        "batch); on a cluster, what the memory check refuses before launch runs with the fix it names: the largest "
+        "smaller per-device batch that fits (same global batch), a smaller evaluation batch, fewer completions "
+        "generated at once",
     )
     local.add_argument(
         "--netns",

@@ -221,13 +221,16 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
     if need <= usable:
         check_vllm_room(setup, capacity_gib, gpu)
         check_evaluation(setup, capacity_gib, gpu)
-        generating, fix = generation_memory.refusal(setup, usable)
+        generating, fix, settings = generation_memory.refusal(setup, usable)
         if generating:
             during = generation_memory.estimate(setup)
             bigger = None if fix or during is None else smallest_holding(during.gib, bf16=setup.needs_bf16)
-            fix = fix or (f"use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB)" if bigger else "")
-            raise OrchError(f"{generating} under {label(setup)} on {setup.gpus} GPU(s), more than one {gpu} holds "
-                            f"({gib(capacity_gib)} GiB), though training fits" + (f"; {fix}" if fix else ""))
+            said = (f"{generating} under {label(setup)} on {setup.gpus} GPU(s), more than one {gpu} holds "
+                    f"({gib(capacity_gib)} GiB), though training fits")  # fmt: skip
+            if settings is None or during is None:
+                raise OrchError(said + (f"; use {bigger} ({accelerators.KNOWN_GIB[bigger]} GiB)" if bigger else ""))
+            raise DoesNotFit(f"{said}; {fix}", settings, f"generating needs ~{during.gib:.1f} GiB of one {gpu}'s "
+                             f"{gib(capacity_gib)}; {fix.removeprefix('set ')}")  # fmt: skip
         return estimate
     fixes = []
     if setup.vllm_share and estimate.gib <= usable:  # the trainer alone fits: vLLM's reserve is what does not
@@ -311,10 +314,13 @@ def check_evaluation(setup: memory.Setup, capacity_gib: float, gpu: str) -> None
            "evaluation does not fit at per_device_eval_batch_size=1 either: eval_strategy=no")  # fmt: skip
     if flash := flash_fix(setup, lambda s: (memory.evaluation(s) or during).gib, usable):
         fix += f", or {flash}"
-    raise OrchError(
-        f"evaluation at {eval_words(setup)} needs {during.describe()} under {label(setup)} on "
-        f"{setup.gpus} GPU(s), more than one {gpu} holds ({gib(capacity_gib)} GiB), though training fits; {fix}"
-    )
+    said = (f"evaluation at {eval_words(setup)} needs {during.describe()} under {label(setup)} on "
+            f"{setup.gpus} GPU(s), more than one {gpu} holds ({gib(capacity_gib)} GiB), though training fits; {fix}")
+    if not low:
+        raise OrchError(said)
+    raise DoesNotFit(said, {"per_device_eval_batch_size": str(low)}, f"evaluation needs ~{during.gib:.1f} GiB of one "
+                     f"{gpu}'s {gib(capacity_gib)} at per_device_eval_batch_size={setup.eval_batch}; "
+                     f"per_device_eval_batch_size={low} (~{need(low):.1f} GiB)")  # fmt: skip
 
 
 def at_load(setup: memory.Setup, per_node: int, accel: AccelerateConfig) -> load_memory.LoadMemory:

@@ -108,16 +108,20 @@ def words(setup: memory.Setup) -> str:
             f"prompt and {setup.completion_len} tokens)")
 
 
-def refusal(setup: memory.Setup, usable: float) -> tuple[str, str]:
-    """Where generating needs more than `usable` GiB: (what it needs, the fix ZeRO-3 has or ''), else ('', '')."""
+def refusal(setup: memory.Setup, usable: float) -> tuple[str, str, dict[str, str] | None]:
+    """Where generating needs more than `usable` GiB: (what it needs, the fix in words or '', its settings or None),
+    else ('', '', None)."""
     during = estimate(setup)
     if during is None or during.gib <= usable:
-        return "", ""
+        return "", "", None
     need = f"{words(setup)} needs {during.describe()}"
     alone = estimate(memory.with_(setup, generation_gather=False)) if gathers_all(setup) else None
     if alone and alone.gib <= usable:
-        return need, (f"ds3_gather_for_generation=false (~{alone.gib:.1f} GiB: ZeRO-3 then gathers a layer at a time "
-                      "as it generates, not the whole model on every GPU; slower)")
+        fix = (f"ds3_gather_for_generation=false (~{alone.gib:.1f} GiB: ZeRO-3 then gathers a layer at a time as it "
+               "generates, not the whole model on every GPU; slower)")
+        return need, fix, {"ds3_gather_for_generation": "false"}
     rows = batch.first_fitting(setup.generation_fewer,
                                lambda f: (estimate(memory.with_(setup, generation_rows=f.batch)) or during).gib, usable)
-    return need, f"set {rows[0].words()} (~{rows[1]:.1f} GiB: {rows[0].kept})" if rows else ""
+    if rows is None:
+        return need, "", None
+    return need, f"set {rows[0].words()} (~{rows[1]:.1f} GiB: {rows[0].kept})", dict(rows[0].overrides)

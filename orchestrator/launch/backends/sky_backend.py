@@ -66,13 +66,18 @@ class SkyBackend:
                 said.append(line)
             return _launch(options, launch, request.envs, request.secrets, data_file, said)
 
-        try:
-            return launched(request.overrides)
-        except DoesNotFit as refused:  # the memory check, before anything was written or sent
-            if not options.local.auto_fit:
-                raise
-            print(f"[orch] --auto-fit: {refused.fits}", flush=True)
-            return launched({**request.overrides, **refused.overrides})
+        # the memory check, before anything was written or sent: with --auto-fit each refusal's fix (the step's batch,
+        # then the evaluation's, then the generation's: each check runs once the one before it passes) is applied
+        overrides, fixed = dict(request.overrides), 0
+        while True:
+            try:
+                return launched(overrides)
+            except DoesNotFit as refused:
+                fixed += 1
+                if not options.local.auto_fit or fixed > 3 or refused.overrides.items() <= overrides.items():
+                    raise
+                print(f"[orch] --auto-fit: {refused.fits}", flush=True)
+                overrides = {**overrides, **refused.overrides}
 
     # ------------------------------------------------------------ the runs it recorded
 
