@@ -3,14 +3,15 @@
 transformers evaluates per_device_eval_batch_size sequences at a time (8 unless the config says), whatever the
 training batch: a run that trains at 1 x 32768 tokens evaluates 8 x 32768 at once, without gradients but with every
 token's working tensors in each layer. The launch check counted the training step alone, so such a run met its OOM at
-the first evaluation, after its steps were paid for. core/memory.evaluation counts it, core/fit.check_evaluation
+the first evaluation, after its steps were paid for. core/eval_memory.py counts it, core/fit.check_evaluation
 refuses it naming the eval batch that fits."""
 
+import itertools
 import re
 
 import pytest
 
-from orchestrator.core import configs, fit, memory, models
+from orchestrator.core import configs, eval_memory, fit, generation_memory, memory, models
 from orchestrator.core.errors import OrchError
 
 # one worker: the module's measurements are made once, beside the trainer's run (transformers and TRL imported once)
@@ -77,7 +78,7 @@ def test_an_evaluation_forward_holds_what_the_memory_model_counts(peaks, case, m
 def test_evaluation_forwards_the_eval_batch_with_the_gradients_freed(tiny_qwen3, tmp_path):
     """Read back from TRL's SFTTrainer on CPU: each evaluation forward takes per_device_eval_batch_size sequences (8,
     transformers' default, against a training batch of 1), and no parameter holds a gradient then (the training
-    loop's model.zero_grad() sets them to None before it evaluates), which memory.evaluation counts."""
+    loop's model.zero_grad() sets them to None before it evaluates), which eval_memory.forward counts."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -105,6 +106,106 @@ def test_evaluation_forwards_the_eval_batch_with_the_gradients_freed(tiny_qwen3,
         trainer.train()
     assert seen and not any(grads for _, grads in seen), seen
     assert batches and set(batches) == {8}, batches  # 16 rows: two forwards of 8
+
+
+@pytest.mark.e2e
+@ONE_WORKER
+def test_grpo_evaluation_generates_the_eval_batch_at_once_then_forwards_it(tiny_qwen3, tmp_path):
+    """Read back from TRL's GRPOTrainer on CPU (transformers' generate, use_vllm false): training generates its
+    generation batch (2 completions), the evaluation per_device_eval_batch_size at once (8, however small the training
+    batch), then forwards those 8 rows without gradients, which eval_memory counts; and TRL's own rule for the eval
+    batch (whole groups of num_generations_eval over the processes) refuses what check_evaluation never offers."""
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    prompts = Dataset.from_dict({"prompt": [f"row {i} says" for i in range(4)]})
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, num_generations=2,
+                      max_completion_length=4, eval_strategy="steps", eval_steps=1, report_to=[], use_cpu=True,
+                      save_strategy="no", dataloader_num_workers=0, disable_tqdm=True)  # fmt: skip
+    assert (args.per_device_eval_batch_size, args.generation_batch_size) == (8, 2)
+    trainer = GRPOTrainer(model=str(tiny_qwen3), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                          args=args, train_dataset=prompts, eval_dataset=prompts)  # fmt: skip
+    generated: list[tuple[int, bool]] = []
+    generate = trainer.model.generate
+
+    def watched(*a, **kw):
+        generated.append((kw["input_ids"].shape[0], trainer.model.training))
+        return generate(*a, **kw)
+
+    trainer.model.generate = watched
+    forwards: list[tuple[int, bool]] = []
+    trainer.model.register_forward_pre_hook(
+        lambda module, a, kw: forwards.append((kw["input_ids"].shape[0], torch.is_grad_enabled()))
+        if not module.training and "input_ids" in kw else None, with_kwargs=True)  # fmt: skip
+    with torch.autograd.set_grad_enabled(True):
+        trainer.train()
+    assert generated == [(2, True), (8, False)], generated  # 4 prompts x num_generations_eval 2: one batch of 8
+    assert forwards and set(forwards) == {(8, False)}, forwards
+    paired = configs.load({"TRL_CONFIG": "recipes/trl/qwen25_grpo.yaml", "ACCELERATE_CONFIG": "multi_gpu"})
+    trl = {**paired.trl, "use_vllm": False, "per_device_train_batch_size": 2, "max_completion_length": 4,
+           "num_generations": 2, "eval_strategy": "steps"}  # fmt: skip
+    setup = fit.setup_of("grpo", trl, paired.accelerate, 1)
+    assert (setup.generation_rows, setup.eval_batch) == (2, 8)
+    counted = eval_memory.generation(setup).parts["generation"] * memory.GIB  # the 8 completions, not the 2
+    assert counted == pytest.approx(generation_memory.forward(memory.with_(setup, generation_rows=8)))
+    # TRL's GRPOConfig at the world size of an offered fix (test_grpo_evaluation_..._in_whole_groups below)
+    at_world = type("AtWorld", (GRPOConfig,), {"world_size": property(lambda self: 8)})
+    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=2,
+                  num_generations=16, eval_strategy="steps")  # fmt: skip
+    at_world(per_device_eval_batch_size=28, **common)
+    with pytest.raises(ValueError, match="must be divisible by the number of generations used for evaluation"):
+        at_world(per_device_eval_batch_size=29, **common)
+    # orch's own check of that rule before launch (core/batch.check_eval_generations) refuses what TRL refuses, and
+    # TRL takes each eval batch it offers instead
+    from orchestrator.core import batch
+
+    for processes, group, per_device in itertools.product((1, 2, 3, 8), (2, 4, 6, 16), range(1, 13)):
+        world = type("AtWorld", (GRPOConfig,), {"world_size": property(lambda self, n=processes: n)})
+        given = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=group,
+                     num_generations=group, eval_strategy="steps", per_device_eval_batch_size=per_device)  # fmt: skip
+        try:
+            batch.check_eval_generations(given, "grpo", 8, processes)
+        except OrchError as exc:
+            with pytest.raises(ValueError, match="used for evaluation"):
+                world(**given)
+            for offered in re.search(r"use per_device_eval_batch_size=(.*)$", str(exc)).group(1).split(" or "):
+                world(**{**given, "per_device_eval_batch_size": int(offered)})
+        else:
+            world(**given)
+
+
+@pytest.mark.unit
+def test_grpo_evaluation_that_does_not_fit_is_refused_with_an_eval_batch_in_whole_groups():
+    """Phi-3-mini GRPO without vLLM (32 KV heads: its cache outgrows a layer's working tensors) trains at 2 completions
+    a device in ~44 GiB of an H100; its evaluation generates 32 at once (~80 GiB) before its forward (~43). The fix is
+    the largest eval batch that fits and that TRL takes: over 8 processes, whole groups of num_generations=16, so 28,
+    not the 29 that would fit; --auto-fit applies it (a DoesNotFit)."""
+    from orchestrator.core.errors import DoesNotFit
+
+    paired = configs.load({"TRL_CONFIG": "recipes/trl/qwen25_grpo.yaml", "ACCELERATE_CONFIG": "multi_gpu"})
+    trl = {**paired.trl, "model_name_or_path": "microsoft/Phi-3-mini-4k-instruct", "use_vllm": False,
+           "per_device_train_batch_size": 2, "num_generations": 16, "max_completion_length": 3000,
+           "eval_strategy": "steps", "per_device_eval_batch_size": 32}  # fmt: skip
+    setup = fit.setup_of("grpo", trl, paired.accelerate, 8, global_batch=64)
+    making, during = eval_memory.generation(setup), eval_memory.forward(setup)
+    assert setup.eval_group == 16 and making.gib > 76 > 45 > during.gib > memory.estimate(setup).gib - 1
+    assert eval_memory.estimate(setup) == making
+    with pytest.raises(DoesNotFit) as refused:
+        fit.check_gpu(setup, 80, "H100")
+    said = str(refused.value)
+    assert said.startswith("evaluation at per_device_eval_batch_size=32 (32 completions generated at once, then "
+                           "112384 tokens a forward) needs ~79.7 GiB per GPU (") and "generation 43.1" in said, said
+    assert said.endswith("; set per_device_eval_batch_size=28 (~73.8 GiB)") and refused.value.overrides == {
+        "per_device_eval_batch_size": "28"}, said  # fmt: skip
+    usable = 80 * fit.USABLE_FRACTION
+    assert eval_memory.estimate(memory.with_(setup, eval_batch=29)).gib <= usable  # fits, but TRL refuses it
+    fit.check_gpu(fit.setup_of("grpo", {**trl, "per_device_eval_batch_size": 28}, paired.accelerate, 8,
+                               global_batch=64), 80, "H100")  # fmt: skip
+    # with no eval batch in whole groups that fits, eval_strategy=no
+    with pytest.raises(OrchError, match=r"any per_device_eval_batch_size TRL takes \(x 8 processes, whole groups of "
+                       r"num_generations_eval=16\): eval_strategy=no"):  # fmt: skip
+        fit.check_evaluation(memory.with_(setup, eval_batch=2, seq_len=200_000, completion_len=199_000), 80, "H100")
 
 
 def _qwen3_long(**trl) -> memory.Setup:
@@ -140,10 +241,10 @@ def test_an_evaluation_that_does_not_fit_is_refused_with_the_eval_batch_that_doe
     8 GiB of it the seq x seq mask transformers builds for a padded batch under SDPA (accelerate's context-parallel
     hooks drop it at each attention, not in the model: core/dense_attention.py)."""
     quiet = _qwen3_long()
-    assert quiet.eval_batch == 0 and memory.evaluation(quiet) is None  # no eval_strategy: nothing evaluates
+    assert quiet.eval_batch == 0 and eval_memory.estimate(quiet) is None  # no eval_strategy: nothing evaluates
     setup = _qwen3_long(eval_strategy="steps")
     assert setup.eval_batch == 8
-    assert memory.estimate(setup).gib <= 40 * fit.USABLE_FRACTION < memory.evaluation(setup).gib
+    assert memory.estimate(setup).gib <= 40 * fit.USABLE_FRACTION < eval_memory.estimate(setup).gib
     with pytest.raises(OrchError) as refused:
         fit.check_gpu(setup, 40, "A100")
     said = str(refused.value)
@@ -151,8 +252,8 @@ def test_an_evaluation_that_does_not_fit_is_refused_with_the_eval_batch_that_doe
     assert "attention mask 8.0" in said and "flash" not in said  # context parallelism runs SDPA alone
     fits = int(re.search(r"set per_device_eval_batch_size=(\d+) \(", said).group(1))
     usable = 40 * fit.USABLE_FRACTION
-    assert memory.evaluation(memory.with_(setup, eval_batch=fits)).gib <= usable
-    assert memory.evaluation(memory.with_(setup, eval_batch=fits + 1)).gib > usable  # the largest that fits
+    assert eval_memory.estimate(memory.with_(setup, eval_batch=fits)).gib <= usable
+    assert eval_memory.estimate(memory.with_(setup, eval_batch=fits + 1)).gib > usable  # the largest that fits
     fit.check_gpu(_qwen3_long(eval_strategy="steps", per_device_eval_batch_size=fits), 40, "A100")
     fit.check_gpu(setup, 80, "H100")  # fits there
     # an eval batch from outside, however large, is answered at once (bisection), and one that cannot fit says so
@@ -166,11 +267,11 @@ def test_an_evaluation_that_does_not_fit_is_refused_with_the_eval_batch_that_doe
 @pytest.mark.unit
 def test_evaluation_keeps_the_states_but_the_gradients_the_step_freed():
     """DDP's reducer keeps its buckets, ZeRO-3 its gradient partition and bucket; FSDP2, ZeRO-1 and 2 hold no gradient
-    between steps. Generating trainers (GRPO, RLOO) evaluate by generating: not estimated."""
+    between steps."""
     arch = models.KNOWN_ARCHS["meta-llama/llama-3.1-8b-instruct"]
     for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
         setup = memory.Setup(arch, strategy=strategy, gpus=8, micro_batch=1, eval_batch=4, seq_len=2048)
-        training, during = memory.estimate(setup).parts, memory.evaluation(setup).parts
+        training, during = memory.estimate(setup).parts, eval_memory.estimate(setup).parts
         assert (during["weights"], during["optimizer"], during["frozen weights"]) == (
             training["weights"], training["optimizer"], training["frozen weights"])  # fmt: skip
         kept = {"ddp": training["gradients"] / 2, "zero3": training["gradients"]}.get(strategy, 0.0)
@@ -184,7 +285,8 @@ def test_evaluation_keeps_the_states_but_the_gradients_the_step_freed():
         "intermediate_size": 16, "num_attention_heads": 2, "vocab_size": 10}).fused_mlp  # fmt: skip
     accel = configs.load({"TRL_CONFIG": "recipes/trl/qwen25_grpo.yaml", "ACCELERATE_CONFIG": "multi_gpu"})
     grpo = fit.setup_of("grpo", {**accel.trl, "eval_strategy": "steps"}, accel.accelerate, 8)
-    assert grpo is not None and grpo.eval_batch == 0
+    assert grpo is not None and (grpo.eval_batch, grpo.eval_group) == (8, 8)  # its forward; vLLM generates
+    assert eval_memory.generation(grpo) is None and eval_memory.estimate(grpo) == eval_memory.forward(grpo)
     for off in ("no", False, "NO"):
         assert _qwen3_long(eval_strategy=off).eval_batch == 0
 
@@ -223,10 +325,14 @@ def test_plan_holds_the_evaluation_where_the_run_evaluates(plan):
     one = plan(*args, "--eval-batch", "8", "--strategy", "fsdp", "--gpus", "8")
     assert re.search(r"^evaluating: ~53\.1 GiB per GPU \(.*evaluation forward 26\.0, attention mask 8\.0", one.stdout,
                      re.M), one.stdout  # fmt: skip
-    for bad, said in ((("--eval-batch", "0"), "--eval-batch 0: give a positive whole number"),
-                      (("--eval-batch", "4", "--trainer", "grpo"), "--eval-batch: grpo evaluates by generating")):
-        refused = plan("Qwen/Qwen2.5-1.5B-Instruct", *bad)
-        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
+    refused = plan("Qwen/Qwen2.5-1.5B-Instruct", "--eval-batch", "0")
+    assert refused.returncode == 2 and "--eval-batch 0: give a positive whole number" in refused.stderr, refused.stderr
+    # GRPO without vLLM: its evaluation generates the eval batch at once (test_grpo_evaluation_... below)
+    grpo = ("microsoft/Phi-3-mini-4k-instruct", "--trainer", "grpo", "--generate", "2", "--batch", "2",
+            "--max-completion-length", "3000", "--strategy", "ddp", "--gpus", "8", "--eval-batch", "32")  # fmt: skip
+    shown = plan(*grpo)
+    assert shown.returncode == 0 and re.search(r"^evaluating: ~79\.7 GiB per GPU \(.*generation 43\.1", shown.stdout,
+                                               re.M), shown.stdout + shown.stderr  # fmt: skip
 
 
 @pytest.mark.cli
@@ -248,5 +354,5 @@ def test_the_head_node_checks_the_evaluation_against_its_own_gpus(tmp_path):
     paired = configs.load({"TRL_CONFIG": "recipes/trl/qwen25_sft.yaml", "ACCELERATE_CONFIG": "multi_gpu"})
     setup = fit.setup_of("sft", {**paired.trl, "eval_strategy": "steps", "per_device_eval_batch_size": 16},
                          paired.accelerate, 16)  # fmt: skip
-    during = memory.evaluation(setup)
+    during = eval_memory.estimate(setup)
     assert during is not None and f" GiB per GPU training, ~{during.gib:.1f} GiB evaluating, " in h100.stdout

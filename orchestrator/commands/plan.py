@@ -92,7 +92,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"{optimizers.DEFAULT_OPTIM}; e.g. adamw_8bit, paged_adamw_8bit, adafactor, lion_8bit, sgd)")
     parser.add_argument("--eval-batch", type=int, metavar="N",
                         help="the run evaluates (eval_strategy) N sequences at a time (per_device_eval_batch_size; "
-                        "transformers' default 8): each row holds that evaluation too (not for grpo, rloo)")
+                        "transformers' default 8): each row holds that evaluation too (grpo, rloo: with --generate, "
+                        "its N completions generated at once)")
     parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
                         help="the table's nodes: N GPUs each (default 8)")  # fmt: skip
     parser.add_argument("--max-nodes", type=int, default=16, metavar="N",
@@ -117,6 +118,7 @@ def main(args: argparse.Namespace) -> int:
         cuda_arch,
         dense_attention,
         disk_need,
+        eval_memory,
         generation_memory,
         host_fit,
         load_memory,
@@ -165,8 +167,6 @@ def main(args: argparse.Namespace) -> int:
             raise OrchError("--generate and --vllm-colocate: with vLLM, vLLM generates; give one of them")
         if args.generate < 1:
             raise OrchError(f"--generate {args.generate}: give the completions a GPU generates at once, at least 1")
-    if args.eval_batch and generates:
-        raise OrchError(f"--eval-batch: {args.trainer} evaluates by generating, which orch does not estimate")
     if args.attention not in dense_attention.NAMED and "/" not in args.attention:
         raise OrchError(f"--attention {args.attention}: give one of {', '.join(dense_attention.NAMED)}, or a Kernels "
                         f"Hub kernel such as {attention.FLASH_KERNEL}")  # fmt: skip
@@ -246,7 +246,7 @@ def main(args: argparse.Namespace) -> int:
         one = memory.estimate(memory.with_(base, strategy=args.strategy, gpus=args.gpus, offload=args.offload))
         beside = f", plus colocated vLLM's {args.vllm_colocate:g} of the GPU's memory" if args.vllm_colocate else ""
         print(f"{preflight.label(one.setup)} on {args.gpus} GPU(s): {one.describe()}{beside}")
-        if during := memory.evaluation(one.setup):
+        if during := eval_memory.estimate(one.setup):
             print(f"evaluating: {during.describe()}")
         if making := generation_memory.estimate(one.setup):
             print(f"generating: {making.describe()}")
@@ -326,10 +326,10 @@ def main(args: argparse.Namespace) -> int:
 
 def _peak(estimate, capacity_gib: float) -> float:
     """GiB one GPU needs at the run's peak: the step with a colocated vLLM engine's share (core/vllm_fit.with_vllm),
-    an evaluation (core/memory.evaluation) or a generation without vLLM (core/generation_memory.estimate), whichever
-    is more."""
-    from orchestrator.core import generation_memory, memory, vllm_fit
+    an evaluation beside it (core/eval_memory.py) or a generation without vLLM (core/generation_memory.estimate),
+    whichever is more."""
+    from orchestrator.core import eval_memory, generation_memory, vllm_fit
 
-    during, making = memory.evaluation(estimate.setup), generation_memory.estimate(estimate.setup)
-    return max(vllm_fit.with_vllm(estimate, capacity_gib), during.gib if during else 0.0,
+    during, making = eval_memory.estimate(estimate.setup), generation_memory.estimate(estimate.setup)
+    return max(vllm_fit.with_vllm(estimate, capacity_gib), vllm_fit.with_vllm(during, capacity_gib) if during else 0.0,
                making.gib if making else 0.0)  # fmt: skip

@@ -144,6 +144,25 @@ def check_generations(global_batch: int | None, settings: Mapping, trainer: str,
         )
 
 
+def check_eval_generations(settings: Mapping, trainer: str, default: int, processes: int) -> None:
+    """A generating trainer (GRPO, RLOO) that evaluates: its eval batch over the `processes` must hold whole groups of
+    num_generations_eval completions (default: num_generations), TRL's rule (GRPOConfig.__post_init__), which a rank
+    would raise at its start."""
+    from orchestrator.core.overrides import eval_strategy
+
+    if eval_strategy(settings.get("eval_strategy")) is None:
+        return
+    group = positive_int(settings.get("num_generations_eval") or generations(settings, default), "num_generations_eval")
+    per_device = positive_int(settings.get("per_device_eval_batch_size", 8), "per_device_eval_batch_size")
+    if per_device * processes % group:
+        choices = " or ".join(str(b) for b in nearest(per_device, group // math.gcd(group, processes)))
+        raise OrchError(
+            f"{trainer.upper()}: per_device_eval_batch_size={per_device} x {processes} processes is not a whole number "
+            f"of groups of num_generations_eval={group} (TRL's rule for its evaluation); use "
+            f"per_device_eval_batch_size={choices}"
+        )
+
+
 @dataclass(frozen=True)
 class Smaller:
     """A per-device batch below the run's that keeps its math: the samples of an optimizer step, and a GRPO/RLOO

@@ -17,6 +17,7 @@ from orchestrator.core import (
     cuda_arch,
     dense_attention,
     ds_buckets,
+    eval_memory,
     generation_memory,
     load_memory,
     memory,
@@ -122,9 +123,10 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         offload=asked.offload,
         offload_weights=not accel.deepspeed or accel.offload_param_device.lower() not in ("none", ""),
         micro_batch=int(setting("per_device_train_batch_size", 8)),
-        # GRPO's and RLOO's evaluation generates completions: its memory is not estimated (docs/design.md)
-        eval_batch=int(setting("per_device_eval_batch_size", 8)) if evaluates and not spec.generates
-        else 0,
+        eval_batch=int(setting("per_device_eval_batch_size", 8)) if evaluates else 0,
+        # TRL's GRPO/RLOO config: the eval batch over the processes holds whole groups of num_generations_eval
+        eval_group=batch.positive_int(setting("num_generations_eval") or batch.generations(settings,
+                                      spec.generations_default), "num_generations_eval") if spec.generates else 1,
         reduce_bucket=ds_buckets.reduce_bucket_of(accel.deepspeed_json, arch),
         # a DeepSpeed JSON with an optimizer section builds DeepSpeed's own (Adam, AdamW, ...) whatever optim says
         optim=optimizers.DEFAULT_OPTIM if "optimizer" in (accel.deepspeed_json or {}) else
@@ -275,11 +277,6 @@ def check_gpu(setup: memory.Setup, capacity_gib: float, gpu: str) -> memory.Esti
                      f"{batch_words}")  # fmt: skip
 
 
-def eval_words(setup: memory.Setup) -> str:
-    """The evaluation batch as the estimate takes it."""
-    return f"per_device_eval_batch_size={setup.eval_batch} ({memory.eval_tokens(setup)} tokens a forward)"
-
-
 def flash_fix(setup: memory.Setup, need: Callable[[memory.Setup], float], usable: float) -> str:
     """attn_implementation=attention.FLASH_KERNEL where the attention's seq x seq tensors (core/dense_attention.py)
     are what `need` (GiB) finds over `usable`, and flash-attention can take their place (context parallelism needs
@@ -293,34 +290,40 @@ def flash_fix(setup: memory.Setup, need: Callable[[memory.Setup], float], usable
 
 
 def check_evaluation(setup: memory.Setup, capacity_gib: float, gpu: str) -> None:
-    """An evaluation (eval_strategy) fits one GPU of `capacity_gib` beside the training states (memory.evaluation),
-    else an error naming the per_device_eval_batch_size that fits: transformers' default is 8 whatever the training
-    batch, so a run that trains at 1 sequence of 32k tokens evaluates 8 at once, and met the OOM at its first
-    evaluation, hours in."""
+    """An evaluation (eval_strategy) fits one GPU of `capacity_gib` beside the training states and a colocated vLLM
+    engine's share (core/eval_memory.py), else an error naming the per_device_eval_batch_size that fits: transformers'
+    default is 8 whatever the training batch, so a run that trains at 1 sequence of 32k tokens evaluates 8 at once,
+    and met the OOM at its first evaluation, hours in. For GRPO and RLOO the batch keeps TRL's rule: over the
+    processes, whole groups of num_generations_eval."""
     usable = capacity_gib * USABLE_FRACTION
-    during = memory.evaluation(setup)
-    if during is None or during.gib <= usable:
+    during = eval_memory.estimate(setup)
+    if during is None or with_vllm(during, capacity_gib) <= usable:
         return
 
     def need(batch: int) -> float:
-        at = memory.evaluation(memory.with_(setup, eval_batch=batch))
-        return at.gib if at else 0.0
+        at = eval_memory.estimate(memory.with_(setup, eval_batch=batch))
+        return with_vllm(at, capacity_gib) if at else 0.0
 
     low, high = 0, setup.eval_batch  # the largest batch that fits, by bisection: the need grows with the batch
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if need(middle) <= usable else (low, middle)
+    low = next((b for b in range(low, 0, -1) if b * setup.gpus % setup.eval_group == 0), 0)
     fix = (f"set per_device_eval_batch_size={low} (~{need(low):.1f} GiB)" if low else
-           "evaluation does not fit at per_device_eval_batch_size=1 either: eval_strategy=no")  # fmt: skip
-    if flash := flash_fix(setup, lambda s: (memory.evaluation(s) or during).gib, usable):
+           "evaluation does not fit at per_device_eval_batch_size=1 either: eval_strategy=no" if setup.eval_group == 1
+           else f"evaluation does not fit at any per_device_eval_batch_size TRL takes (x {setup.gpus} processes, whole "
+           f"groups of num_generations_eval={setup.eval_group}): eval_strategy=no")  # fmt: skip
+    if flash := flash_fix(setup, lambda s: with_vllm(eval_memory.estimate(s) or during, capacity_gib), usable):
         fix += f", or {flash}"
-    said = (f"evaluation at {eval_words(setup)} needs {during.describe()} under {label(setup)} on "
-            f"{setup.gpus} GPU(s), more than one {gpu} holds ({gib(capacity_gib)} GiB), though training fits; {fix}")
+    said = (f"evaluation at {eval_memory.words(setup)} needs {during.describe()} under {label(setup)} on "
+            f"{setup.gpus} GPU(s){vllm_words(setup, capacity_gib)}, more than one {gpu} holds "
+            f"({gib(capacity_gib)} GiB), though training fits; {fix}")  # fmt: skip
     if not low:
         raise OrchError(said)
-    raise DoesNotFit(said, {"per_device_eval_batch_size": str(low)}, f"evaluation needs ~{during.gib:.1f} GiB of one "
-                     f"{gpu}'s {gib(capacity_gib)} at per_device_eval_batch_size={setup.eval_batch}; "
-                     f"per_device_eval_batch_size={low} (~{need(low):.1f} GiB)")  # fmt: skip
+    raise DoesNotFit(said, {"per_device_eval_batch_size": str(low)}, f"evaluation needs "
+                     f"~{with_vllm(during, capacity_gib):.1f} GiB of one {gpu}'s {gib(capacity_gib)} at "
+                     f"per_device_eval_batch_size={setup.eval_batch}; per_device_eval_batch_size={low} "
+                     f"(~{need(low):.1f} GiB)")  # fmt: skip
 
 
 def at_load(setup: memory.Setup, per_node: int, accel: AccelerateConfig) -> load_memory.LoadMemory:

@@ -99,7 +99,9 @@ class Setup:
     vllm_max_len: int = 0
     """TRL's vllm_max_model_length, the engine's max_model_len (0: vLLM's default, the model's positions)."""
     eval_batch: int = 0
-    """per_device_eval_batch_size where the trainer evaluates (an eval_strategy), else 0: `evaluation`."""
+    """per_device_eval_batch_size where the trainer evaluates (an eval_strategy), else 0 (core/eval_memory.py)."""
+    eval_group: int = 1
+    """GRPO/RLOO: num_generations_eval, whose whole groups the eval batch over the processes must hold (TRL's rule)."""
     generation_rows: int = 0  # completions a rank generates at once with transformers' generate (use_vllm false)
     generation_gather: bool = False  # ZeRO-3 gathers the whole model to generate or sync vLLM (generation_memory)
     generation_fewer: tuple[Smaller, ...] = ()  # smaller generation batches TRL takes (generation_memory.fewer)
@@ -336,20 +338,6 @@ def eval_layer(a: Arch, *, mlp: bool = True, attention: bool = True) -> int:
     q, kv = a.heads * a.hd, a.kv_heads * a.hd
     return max(4 * a.hidden + (4 if a.fused_mlp else 3) * a.intermediate if mlp else 0,
                3 * a.hidden + 5 * q + 3 * kv if attention else 0)  # fmt: skip
-
-
-def evaluation(setup: Setup) -> Estimate | None:
-    """Per-GPU memory while the trainer evaluates (eval_strategy), None where it does not: the training states less
-    the gradients the step's zero_grad freed (DDP's reducer keeps its buckets, ZeRO-3 its gradient partition and
-    bucket), and the evaluation forward (eval_forward) where the training step's activations were."""
-    if setup.eval_batch < 1:
-        return None
-    parts = between_steps(setup)
-    mask = dense_attention.evaluation(setup, compute_bytes(setup))[0]  # through the forward: shown apart
-    parts |= {"evaluation forward": eval_forward(setup) - mask, "attention mask": mask,
-              "gathered": transient(setup, backward=False),
-              "gradient bucket": ds_bucket(setup) if setup.strategy == "zero3" else 0.0}  # fmt: skip
-    return with_overhead(setup, parts)
 
 
 def between_steps(setup: Setup) -> dict[str, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from orchestrator.core import accelerators, fit, generation_memory, memory, precision, vllm_fit
+from orchestrator.core import accelerators, eval_memory, fit, generation_memory, precision, vllm_fit
 from orchestrator.core.errors import OrchError
 from orchestrator.core.memory import GIB
 from orchestrator.core.yamlio import dump_task
@@ -61,8 +61,8 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
                "no GPU named" if not gpu else preflight.unestimated(launch))  # fmt: skip
         hint = "; `orch plan path/to/config.json` reads one" if why.startswith("orch has no shape") else ""
         print(f"memory: not estimated ({why}{hint})")
-    if checked.memory is not None and (during := memory.evaluation(checked.memory.setup)):
-        print(f"memory while evaluating: {during.describe()} at {fit.eval_words(during.setup)} (eval_strategy)")
+    if checked.memory is not None and (during := eval_memory.estimate(checked.memory.setup)):
+        print(f"memory while evaluating: {during.describe()} at {eval_memory.words(during.setup)} (eval_strategy)")
     if checked.memory is not None and (making := generation_memory.estimate(checked.memory.setup)):
         print(f"memory while {generation_memory.words(making.setup)}: {making.describe()}")
     if ahead := precision.planned(checked.memory.setup if checked.memory else None):

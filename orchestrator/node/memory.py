@@ -13,7 +13,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from orchestrator.core import batch, fit, generation_memory, host_fit, memory, vllm_fit
+from orchestrator.core import batch, eval_memory, fit, generation_memory, host_fit, vllm_fit
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import knob
@@ -173,7 +173,7 @@ def _check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object],
         capacity, name = gpu
         estimate = fit.check_gpu(setup, capacity, name)
         fit.check_gpu_at_load(loading, capacity, name, setup.needs_bf16)
-        during = memory.evaluation(setup)
+        during = eval_memory.estimate(setup)
         evaluating = f", ~{during.gib:.1f} GiB evaluating" if during else ""
         if making := generation_memory.estimate(setup):
             evaluating += f", ~{making.gib:.1f} GiB generating"

@@ -164,7 +164,7 @@ def plan(
         decided += ["--pad_to_multiple_of", pad] if pad else []
     # the trainer's own batch rules first, then the accumulation: the choices either refusal offers pass both
     rules.check_trainer_batch(recipe.trainer, recipe.global_batch, settings,
-                              batch.per_device_batch(settings) * data_parallel)  # fmt: skip
+                              batch.per_device_batch(settings) * data_parallel, total)  # fmt: skip
     spec = trainer_specs.spec(recipe.trainer)
     multiple = batch.generations(settings, spec.generations_default) if spec.generates else 1
     ga = batch.accumulation_steps(recipe.global_batch, settings, data_parallel, recipe.overrides,

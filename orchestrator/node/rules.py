@@ -220,12 +220,14 @@ def check_packed_attention(accelerate_config: AccelerateConfig | Mapping, sizes:
         )
 
 
-def check_trainer_batch(trainer: str, global_batch: int | None, settings: Mapping, per_step: int = 1) -> None:
+def check_trainer_batch(trainer: str, global_batch: int | None, settings: Mapping, per_step: int = 1,
+                        processes: int = 1) -> None:  # fmt: skip
     """The trainer's own batch rules (per_step: per-device batch x data-parallel ranks, which the choices offered keep
-    a divisor of the global batch)."""
+    a divisor of the global batch; processes: the training processes, over which an evaluation's groups are whole)."""
     spec = trainers.spec(trainer)
     if spec.generates:
         batch.check_generations(global_batch, settings, trainer, spec.generations_default, per_step)
+        batch.check_eval_generations(settings, trainer, spec.generations_default, processes)
     if batch.per_device_batch(settings) < spec.min_micro_batch:
         raise OrchError(
             f"{trainer.upper()} needs per_device_train_batch_size >= {spec.min_micro_batch}: {spec.min_micro_batch_why}"
