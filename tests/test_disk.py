@@ -1,7 +1,6 @@
 """A node's disk against the checkpoints still to come (train/disk.py): said at the first save that shows it will fill,
 stopped cleanly before a save that cannot fit, and rotated on every node's own disk."""
 
-import os
 import re
 import subprocess
 import time
@@ -119,12 +118,7 @@ def test_a_bucket_mount_is_measured_where_its_checkpoints_really_land(tmp_path, 
         ckpt, 3, info), [])  # fmt: skip
 
 
-needs_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
-                                reason="mounting a small tmpfs needs root (CI runs as root)")  # fmt: skip
-
-
-@needs_root
-@pytest.mark.root
+@pytest.mark.root  # a small tmpfs mounted
 @pytest.mark.e2e
 def test_a_disk_that_cannot_hold_the_next_checkpoint_stops_the_run_after_the_last_that_fit(project):
     """On a 4 MiB disk, 2 emulated nodes saving every step: the first save says which one will not fit (node 0: node 1
@@ -158,8 +152,7 @@ def test_a_disk_that_cannot_hold_the_next_checkpoint_stops_the_run_after_the_las
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-@needs_root
-@pytest.mark.root
+@pytest.mark.root  # a small tmpfs mounted
 @pytest.mark.e2e
 def test_a_checkpoint_through_rclones_cache_stops_before_the_cache_disk_would_cut_it(project, tmp_path):
     """SkyPilot's MOUNT_CACHED for real: rclone mounts a store (its local backend standing in for the bucket) with

@@ -53,11 +53,7 @@ def test_the_check_is_off_with_its_knob_and_quiet_about_a_model_of_unknown_shape
         "disk: not checked (the model's shape is not known here)"  # fmt: skip
 
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
-
-
-@needs_root
-@pytest.mark.root
+@pytest.mark.root  # a tmpfs mounted
 @pytest.mark.unit
 def test_a_disk_too_small_for_the_download_and_checkpoints_stops_the_setup(tmp_path):
     """The cache and the output_dir on one 64 MiB tmpfs: Qwen2.5-0.5B's ~1 GB download alone does not fit, refused

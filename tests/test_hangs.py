@@ -210,18 +210,13 @@ def test_a_frozen_rank_is_named_and_the_gang_ends(project):
 
 # ---------------------------------------------------------------- nodes on a real (virtual) network
 
-needs_root = pytest.mark.skipif(
-    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="network namespaces need root (CI runs as root)"
-)
-
 
 def orch_namespaces(owner: int) -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     return [n for n in out.split() if n.startswith(f"orch-{owner}-")]
 
 
-@needs_root
-@pytest.mark.root
+@pytest.mark.root  # network namespaces
 def test_a_cut_link_is_found_named_and_every_rank_ends(project):
     proc, run = start_orch(project, [*COMMAND, "--netns", "--env", f"ORCH_STALL_FLOOR={FLOOR}"], until="[orch] step 3/")
     assert len(orch_namespaces(proc.pid)) == 2
@@ -242,8 +237,7 @@ def test_a_cut_link_is_found_named_and_every_rank_ends(project):
     assert orch_namespaces(proc.pid) == []  # and the network is gone
 
 
-@needs_root
-@pytest.mark.root
+@pytest.mark.root  # network namespaces
 def test_a_node_that_never_joins_is_named_by_the_barrier(project, monkeypatch, capsys):
     from orchestrator import cli
 
@@ -266,8 +260,7 @@ def test_a_node_that_never_joins_is_named_by_the_barrier(project, monkeypatch, c
     assert orch_namespaces(os.getpid()) == []
 
 
-@needs_root
-@pytest.mark.root
+@pytest.mark.root  # network namespaces
 def test_leftovers_of_a_killed_owner_are_swept(tmp_path):
     """Made while its owner lives (another test's `--netns` run sweeps at its start, and took a network made for an
     owner already gone while it was being made), left when the owner is killed with SIGKILL; the next sweep, this

@@ -2,7 +2,6 @@
 the node says; and a real OOM kill in a 2-node run, named instead of the network error the other node saw."""
 
 import json
-import os
 import re
 
 import pytest
@@ -171,8 +170,7 @@ def _fixture():
     return module
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="a memory cgroup of its own needs root (CI runs as root)")
-@pytest.mark.root
+@pytest.mark.root  # a memory cgroup of its own
 def test_a_rank_the_oom_killer_ends_is_named_not_the_network_error_it_caused(project):
     """Rank 1 of a 2-node smoke run is killed by the kernel's OOM killer at step 3, for real (tests/fixtures/
     rank_fault: a memory cgroup of its own with a limit, then allocations). Before, the run's last line quoted no

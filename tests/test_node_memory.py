@@ -60,7 +60,6 @@ def limited():
 @pytest.mark.root
 @pytest.mark.skipif(not (MEMORY_CGROUP / "memory.limit_in_bytes").exists(), reason="needs cgroup v1's memory "
                     "controller")
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a cgroup")
 def test_head_node_refuses_a_load_over_its_cgroup_memory_limit_that_its_memtotal_would_hold(limited):
     (limited / "memory.limit_in_bytes").write_text(str(768 * 1024**2))
     refused = rehearse(SETUP_ENV, cgroup=limited, path="/usr/bin:/bin")  # no nvidia-smi: host memory only

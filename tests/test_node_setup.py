@@ -881,11 +881,10 @@ def test_setup_refuses_a_node_rank_that_is_not_a_number_naming_where_it_came_fro
     assert not (tmp_path / "home").exists()  # nothing written
 
 
+@pytest.mark.root  # it runs the setup as the user nobody
 def test_setup_stops_with_one_line_when_it_cannot_take_the_install_lock():
     # Nodes that share ORCH_VENV (a Slurm home) install one at a time under ORCH_VENV.lock. A user who cannot write
     # that lock is told so before anything is installed, instead of two nodes racing into one environment.
-    if os.geteuid() != 0:
-        pytest.fail("this test runs as root (CI does): it runs the setup as the user nobody")
     base = Path(tempfile.mkdtemp(prefix="orch-lock-", dir="/var/tmp"))
     try:
         base.chmod(0o755)

@@ -99,7 +99,7 @@ def run_and_maybe_throttle(project, throttle: bool, *extra: str) -> tuple[str, i
 
 @pytest.mark.e2e
 @pytest.mark.skipif(not (CPU_CGROUP / "cpu.cfs_quota_us").exists(), reason="needs cgroup v1's cpu controller")
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a cgroup")
+@pytest.mark.root  # a cpu cgroup of its own
 def test_a_throttled_node_is_named_within_three_logging_steps(project):
     out, after = run_and_maybe_throttle(project, True, "max_steps=10")  # named by step 8: the rest would crawl at 0.1
     named = re.search(r"^\(node0\) \[orch\] straggler at step (\d+): node 1 \(rank 1\) takes ([\d.]+)x the others' "
