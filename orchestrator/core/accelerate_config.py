@@ -42,6 +42,9 @@ class AccelerateConfig:
     """deepspeed.zero.Init while the model is built (accelerate's default for ZeRO-3: on); read for stage 3 only."""
     offload_param_device: str = "none"
     offload_optimizer_device: str = "none"
+    offload_param_nvme_path: str = "none"
+    offload_optimizer_nvme_path: str = "none"
+    """Where DeepSpeed swaps to with an offload device of nvme (accelerate's "none" where not given)."""
     parallelism: parallel.Sizes | None = None
     """parallelism_config's sizes as declared (refit to the real process count on the node), None without one."""
     sp_attn_implementation: str | None = None
@@ -66,6 +69,14 @@ class AccelerateConfig:
         return any(d not in _NONE for d in (self.offload_param_device, self.offload_optimizer_device))
 
     @property
+    def nvme_paths(self) -> dict[str, str]:
+        """What DeepSpeed offloads to NVMe ("param", "optimizer") and where (accelerate's "none": no path given)."""
+        return {part: path for part, device, path in (
+            ("param", self.offload_param_device, self.offload_param_nvme_path),
+            ("optimizer", self.offload_optimizer_device, self.offload_optimizer_nvme_path),
+        ) if self.deepspeed and device.lower() == "nvme"}  # fmt: skip
+
+    @property
     def deepspeed_param_offload(self) -> bool:
         """ZeRO-3's parameter partitions live in host memory (offload_param_device: cpu; nvme keeps only buffers)."""
         return self.offload_param_device.lower() == "cpu"
@@ -80,6 +91,8 @@ DEEPSPEED_JSON = {
     "zero_stage": "zero_optimization.stage",
     "offload_optimizer_device": "zero_optimization.offload_optimizer.device",
     "offload_param_device": "zero_optimization.offload_param.device",
+    "offload_param_nvme_path": "zero_optimization.offload_param.nvme_path",
+    "offload_optimizer_nvme_path": "zero_optimization.offload_optimizer.nvme_path",
     "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 }
 """The fields accelerate's DeepSpeedPlugin takes from a deepspeed_config_file (its plugin_to_config_mapping; the
@@ -110,6 +123,8 @@ def with_deepspeed_json(config: AccelerateConfig, ds: Mapping, where: str) -> Ac
         zero_stage=None if stage is None else _int(stage, "zero_optimization.stage", where),
         offload_optimizer_device=str(json_value(ds, DEEPSPEED_JSON["offload_optimizer_device"]) or "none"),
         offload_param_device=str(json_value(ds, DEEPSPEED_JSON["offload_param_device"]) or "none"),
+        offload_param_nvme_path=str(json_value(ds, DEEPSPEED_JSON["offload_param_nvme_path"]) or "none"),
+        offload_optimizer_nvme_path=str(json_value(ds, DEEPSPEED_JSON["offload_optimizer_nvme_path"]) or "none"),
         zero3_save_16bit_model=truthy(json_value(ds, DEEPSPEED_JSON["zero3_save_16bit_model"]) or False),
         deepspeed_json=MappingProxyType(dict(ds)),
     )
@@ -152,6 +167,8 @@ def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateCo
         zero3_init_flag=truthy(ds.get("zero3_init_flag", True)),
         offload_param_device=str(ds.get("offload_param_device", "none")),
         offload_optimizer_device=str(ds.get("offload_optimizer_device", "none")),
+        offload_param_nvme_path=str(ds.get("offload_param_nvme_path") or "none"),
+        offload_optimizer_nvme_path=str(ds.get("offload_optimizer_nvme_path") or "none"),
         parallelism=parallel.declared(config),
         sp_attn_implementation=None if sp_attn in (None, "") else str(sp_attn),
         raw=MappingProxyType(dict(config)),

@@ -122,6 +122,7 @@ def setup_of(trainer: str, settings: Mapping[str, object], accel: AccelerateConf
         gpus=gpus,
         offload=asked.offload,
         offload_weights=not accel.deepspeed or accel.offload_param_device.lower() not in ("none", ""),
+        nvme=tuple(accel.nvme_paths),
         micro_batch=int(setting("per_device_train_batch_size", 8)),
         eval_batch=int(setting("per_device_eval_batch_size", 8)) if evaluates else 0,
         # TRL's GRPO/RLOO config: the eval batch over the processes holds whole groups of num_generations_eval
@@ -197,7 +198,10 @@ def tokens_words(setup: memory.Setup) -> str:
 
 
 def label(setup: memory.Setup) -> str:
-    offload = " with CPU offload" if setup.offload_weights else " with the optimizer offloaded to the CPU"
+    where = "NVMe" if setup.nvme and (len(setup.nvme) == 2 or not setup.offload_weights) else \
+        "CPU and NVMe" if setup.nvme else "CPU"  # fmt: skip
+    offload = f" with {where} offload" if setup.offload_weights else \
+        f" with the optimizer offloaded to {'the CPU' if where == 'CPU' else where}"  # fmt: skip
     name = {"fsdp": "FSDP2", "ddp": "DDP"}.get(setup.strategy, setup.strategy.replace("zero", "ZeRO-"))
     return name + (offload if setup.offload else "")
 

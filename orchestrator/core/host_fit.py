@@ -20,11 +20,35 @@ def offloaded_gib(setup: memory.Setup | None, nodes: int) -> float:
     share of what offload moves off them (ZeRO-3: bf16 weights, fp32 master weights and Adam's moments, 14 bytes a
     trained parameter, the bf16 gradient shard staying on the GPU; FSDP: parameters, gradients and Adam's moments, 16
     bytes with bf16 mixed precision's fp32 upcast; the optimizer alone: its 12 bytes, and ZeRO-2's gradient
-    partition), frozen weights included."""
+    partition), frozen weights included; less what DeepSpeed offloads to NVMe instead (`nvme_gib`)."""
+    return sum(_moved(setup, nodes, nvme=False).values())
+
+
+def nvme_gib(setup: memory.Setup | None, nodes: int) -> float:
+    """What a node's GPUs offload to NVMe (DeepSpeed's offload_param_device / offload_optimizer_device nvme,
+    ZeRO-Infinity): the same states CPU offload keeps in host memory, written to the nvme_path's disk instead."""
+    return sum(nvme_parts(setup, nodes).values())
+
+
+def nvme_parts(setup: memory.Setup | None, nodes: int) -> dict[str, float]:
+    """`nvme_gib` by what DeepSpeed swaps ("param", "optimizer"), each to its own nvme_path."""
+    return _moved(setup, nodes, nvme=True)
+
+
+def _moved(setup: memory.Setup | None, nodes: int, nvme: bool) -> dict[str, float]:
+    """GiB per node moved off the GPUs by offload, by where it goes ("param", "optimizer"), those going to NVMe
+    (`nvme`) or to host memory."""
     if setup is None or not setup.offload or setup.strategy == "ddp":
-        return 0.0
-    on_gpu = sum(memory.states(setup).values())
-    return (sum(memory.states(memory.with_(setup, offload=False)).values()) - on_gpu) * setup.gpus / nodes / memory.GIB
+        return {}
+
+    def held(s: memory.Setup) -> float:
+        return sum(memory.states(s).values())
+
+    whole = held(memory.with_(setup, offload=False))
+    moved = {"optimizer": whole - held(memory.with_(setup, offload_weights=False))}
+    moved["param"] = whole - held(setup) - moved["optimizer"]
+    share = setup.gpus / nodes / memory.GIB
+    return {part: gib * share for part, gib in moved.items() if (part in setup.nvme) == nvme}
 
 
 def check_host(loading: load_memory.LoadMemory, has_gib: float | None, has_from: str, offloaded: float = 0.0) -> str:

@@ -55,6 +55,8 @@ class Setup:
     offload_weights: bool = True
     """With offload: the weights leave the GPUs too (FSDP's fsdp_offload_params, DeepSpeed's offload_param_device);
     False for offload_optimizer_device alone (ZeRO-Offload): the 16-bit weights stay, the optimizer moves (states)."""
+    nvme: tuple[str, ...] = ()
+    """DeepSpeed's offloads that go to NVMe, not host memory ("param", "optimizer"; ZeRO-Infinity): core/host_fit.py."""
     micro_batch: int = 8
     optim: str = DEFAULT_OPTIM
     """transformers' optim (core/optimizers.py); DeepSpeed's own AdamW for a DeepSpeed JSON's optimizer section."""

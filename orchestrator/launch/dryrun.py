@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from orchestrator.core import accelerators, eval_memory, fit, generation_memory, precision, vllm_fit
+from orchestrator.core import accelerators, eval_memory, fit, generation_memory, host_fit, precision, vllm_fit
 from orchestrator.core.errors import OrchError
 from orchestrator.core.memory import GIB
 from orchestrator.core.yamlio import dump_task
@@ -73,6 +73,10 @@ def show(launch: Launch, checked: Checked, skip_optimizer: bool, rehearsal: str)
     if offloaded := preflight.offloaded_host_gib(launch, checked.memory):
         print(f"host memory while training: ~{offloaded:.1f} GiB per node (CPU offload: the node's share of the "
               "weights and Adam's moments)")
+    if checked.memory is not None and (swapped := host_fit.nvme_gib(checked.memory.setup, launch.nodes)):
+        paths = " and ".join(sorted(set(launch.paired.accelerate.nvme_paths.values())))
+        print(f"NVMe while training: ~{swapped:.1f} GiB per node in {paths} (DeepSpeed's offload to nvme: the node's "
+              "share of the states CPU offload would keep in host memory; the head node checks its room)")
     where = storage.durable_checkpoints(task) or "the nodes' own disks (lost with the cluster)"
     print(f"checkpoints and final model: {where}")
     trainer_nodes = launch.nodes - (1 if plans[-1].role == "vllm-server" else 0)

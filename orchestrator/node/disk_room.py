@@ -19,11 +19,12 @@ import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from orchestrator.core import disk_need, fit, mounts
+from orchestrator.core import disk_need, fit, host_fit, mounts
 from orchestrator.core.accelerate_config import AccelerateConfig
 from orchestrator.core.errors import OrchError
 from orchestrator.core.final_model import size_words
 from orchestrator.core.knobs import knob
+from orchestrator.core.memory import GIB
 
 
 def hub_cache(env: Mapping[str, str]) -> Path:
@@ -87,11 +88,22 @@ def check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object], 
                       (f"the final model {size_words(got.final)}", got.final)]  # fmt: skip
             if there := _held(output_dir):  # a relaunch: its checkpoints are among those, and already on the disk
                 parts.append((f"less {size_words(there)} the output_dir holds already", -float(there)))
+    for part, gib in host_fit.nvme_parts(setup, nodes).items():  # DeepSpeed's swap files (ZeRO-Infinity)
+        path = Path(accel.nvme_paths[part])
+        if not path.is_dir():
+            raise OrchError(f"offload_{part}_nvme_path {path} is not a directory on this node: DeepSpeed would make "
+                            f"it on {mounts.mount_of(path)[0] or '/'} and swap there; "
+                            "mount the nodes' NVMe there in the recipe's setup, or give the path where it is mounted")
+        need.setdefault(path, []).append((f"DeepSpeed's {part} swap files {size_words(gib * GIB)} (offload to nvme)",
+                                          gib * GIB))  # fmt: skip
     fixes = ("give the nodes larger disks (resources.disk_size; `orch run --disk-size`): rclone's cache holds each "
              "checkpoint whole there before the upload" if medium.kind == "cache" else
              "give the nodes larger disks (resources.disk_size; `orch run --disk-size`), keep fewer checkpoints "
              "(save_total_limit=1) or put them on a bucket (CHECKPOINT_ROOT on a MOUNT_CACHED mount, as the recipes "
              "do)")  # fmt: skip
+    if host_fit.nvme_parts(setup, nodes):
+        fixes += ("; for DeepSpeed's swap files, a larger NVMe at the nvme_path, more nodes (each swaps its share) or "
+                  "offload to cpu")  # fmt: skip
     return _judge(need, fixes)
 
 

@@ -279,6 +279,7 @@ def rehearse(env: Mapping[str, str] | None = None) -> int:
         quantized=quantized,
         bitsandbytes=bitsandbytes,
         capability=capability,  # this node's GPUs, as the launch side reports its accelerator's
+        nvme=True,  # NVMe offload as it is: this node's DeepSpeed builds its async_io op against this node's libaio
     )
     building = run_smoke is not None and not run_smoke.ready
     (outcomes,) = driver.rehearse_batches([batch])

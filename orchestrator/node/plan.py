@@ -134,6 +134,7 @@ def plan(
     rules.check_hub_push(settings)
     rules.check_strategy_settings(settings, recipe.device, recipe.accel_path)
     rules.check_final_model_is_written(accelerate_config, recipe.accel_path)
+    rules.check_nvme_paths(accelerate_config, recipe.accel_path)
     rules.check_reference_model_loading(recipe.trainer, accelerate_config, settings, recipe.accel_path)
     rules.check_recomputed_dropout(accelerate_config, settings, recipe.accel_path)
     rules.check_gpu_ids(accelerate_config, cluster.gpus_per_node, recipe.accel_path)

@@ -107,6 +107,21 @@ def check_final_model_is_written(accelerate_config: AccelerateConfig | Mapping, 
                     f"checkpoint that transformers cannot load; {fix}")  # fmt: skip
 
 
+def check_nvme_paths(accelerate_config: AccelerateConfig | Mapping, accel_path: str) -> None:
+    """DeepSpeed's offload to nvme swaps to its nvme_path; without one accelerate passes the word "none", which
+    DeepSpeed's config takes as a relative path (PosixPath('none')): the swap files would fill ./none/zero_stage_3 on
+    the node's boot disk, not its NVMe."""
+    config = AccelerateConfig.of(accelerate_config, accel_path)
+    for part, path in config.nvme_paths.items():
+        if path.strip().lower() in ("", "none"):
+            where = (f"zero_optimization.offload_{part}.nvme_path in its DeepSpeed JSON "
+                     f"({config.deepspeed_config_file})" if config.deepspeed_config_file else
+                     f"deepspeed_config.offload_{part}_nvme_path")  # fmt: skip
+            raise OrchError(f"{accel_path}: offload_{part}_device nvme with no path to swap to: DeepSpeed would write "
+                            f"its swap files to ./none on the boot disk; set {where} to the nodes' NVMe mount (e.g. "
+                            "/local_nvme), or offload to cpu")  # fmt: skip
+
+
 def check_reference_model_loading(
     trainer: str, accelerate_config: AccelerateConfig | Mapping, settings: Mapping, accel_path: str
 ) -> None:

@@ -80,6 +80,10 @@ FIXES = (
     (r"Attempting to unscale FP16 gradients",
      "fp16=true scales fp32 weights' gradients: load the model in fp32 (dtype=float32; fp16 stays the compute dtype), "
      "train a LoRA adapter (fp32), or use bf16=true on GPUs of compute capability 8.0 or more"),
+    (r"Unable to JIT load the async_io op",
+     "NVMe offload needs DeepSpeed's async_io op, which builds against libaio: add `sudo apt-get install -y "
+     "libaio-dev` to the recipe's setup before scripts/node-setup.sh (`ds_report` shows what DeepSpeed can build), "
+     "or offload to cpu"),
     (r"Callback requires \S+ to be installed",
      "the nodes install uv.lock's orch[train], which has no tracker (`orch run --track` adds Trackio and logs every "
      "node's curves to it): put the tracker's package in pyproject.toml's train extra, then `make lock`"),
@@ -111,6 +115,9 @@ class Batch(NamedTuple):
     """The launch may use bitsandbytes (core/bnb.uses); False: rehearsed as a node without it is (core/bnb.hide)."""
     capability: tuple[int, int] | None = None
     """The GPU's CUDA compute capability, which the fake CUDA reports (tf32 needs 8.0); None: DEFAULT_CAPABILITY."""
+    nvme: bool = False
+    """DeepSpeed's NVMe offload rehearsed as it is (the head node: its own DeepSpeed builds async_io against its own
+    libaio, or says why not); False: as CPU offload (the laptop's libaio says nothing about the nodes')."""
 
 
 def quantisation(setting, loads: str | None) -> tuple[bool, bool]:
@@ -247,7 +254,7 @@ def _keyed(argv: list[str], substitute: list[str]) -> list[str]:
 def cache_key(batch: Batch, workdir: Path) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps([batch.trainer, batch.devices, batch.smoke, batch.substitute, batch.bitsandbytes,
-                              versions()]).encode())  # fmt: skip
+                              versions()] + ([True] if batch.nvme else [])).encode())  # fmt: skip
     if batch.capability and tuple(batch.capability) != DEFAULT_CAPABILITY:  # the default's key is the unnamed GPU's
         digest.update(json.dumps(list(batch.capability)).encode())
     for role in batch.roles:
@@ -301,6 +308,7 @@ def _run(batches: list[Batch], workdir: Path, parallel: int) -> list[list[Outcom
                 "capability": list(b.capability or DEFAULT_CAPABILITY),
                 "smoke": list(b.smoke),
                 "bitsandbytes": b.bitsandbytes,
+                "nvme": b.nvme,
                 "roles": [
                     {"argv": list(r.argv), "env": dict(r.env), "role": r.role, "substitute": b.substitute}
                     for r in b.roles
@@ -383,7 +391,8 @@ def summary(outcomes: list[Outcome], ranks: int, batch: Batch) -> str:
     what.append(f"final model: {head.get('final_model', '?')}")
     stack = ", ".join(f"{k} {v}" for k, v in versions().items() if k in ("accelerate", "trl", "transformers"))
     cached = " (cached)" if all(o.facts.get("cached") for o in outcomes) else ""
+    swapped = swaps(batch) + ([head["nvme_offload"]] if head.get("nvme_offload") else [])
     return (
         f"rehearsed {len(outcomes)} role(s) of {ranks} rank(s) with {stack}: {', '.join(what)}; "
-        f"swapped here: {', '.join(swaps(batch))}{cached}"
+        f"swapped here: {', '.join(swapped)}{cached}"
     )

@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 import warnings
+from pathlib import Path
 
 from orchestrator.rehearsal import fake_gpu, probes
 
@@ -222,8 +223,41 @@ def rehearse(spec: dict) -> dict:
     os.environ.update(spec.get("env", {}))  # what the node sets before it execs accelerate (OMP_NUM_THREADS)
     with stage("accelerate launch"):
         child, script, facts = accelerate_stage(argv)
-    facts.update(trainer_stage(script, child, spec.get("substitute", []), spec.get("devices", 0)))
+    with tempfile.TemporaryDirectory(prefix="orch-rehearsal-ds-") as scratch:
+        if not spec.get("nvme") and (swapped := nvme_as_cpu(child, Path(scratch))):
+            facts["nvme_offload"] = swapped
+        facts.update(trainer_stage(script, child, spec.get("substitute", []), spec.get("devices", 0)))
     return facts
+
+
+NVME_DEVICES = ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE")
+
+
+def nvme_as_cpu(child: dict[str, str], scratch: Path) -> str:
+    """DeepSpeed's NVMe offload rehearsed as CPU offload, in the environment accelerate gives the first process (its
+    devices, or a copy of its DeepSpeed JSON in `scratch`): the same engine, partitioning and optimizer, without the
+    async_io op the swapper JIT-builds against this machine's libaio, which says nothing about the nodes' (the head
+    node rehearses NVMe as it is). Returns what was swapped, in words; '' where nothing was."""
+    swapped = set()
+    for key in NVME_DEVICES:
+        if child.get(key, "").lower() == "nvme":
+            child[key] = "cpu"
+            swapped.add(key.split("_")[-2].lower())
+    path = child.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if path != "none":
+        ds = json.loads(Path(path).read_text())
+        zero = ds.get("zero_optimization") if isinstance(ds, dict) else None
+        for part in ("param", "optimizer"):
+            offload = zero.get(f"offload_{part}") if isinstance(zero, dict) else None
+            if isinstance(offload, dict) and str(offload.get("device", "")).lower() == "nvme":
+                offload["device"] = "cpu"
+                swapped.add(part)
+        if swapped:
+            copy = scratch / Path(path).name
+            copy.write_text(json.dumps(ds))
+            child["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(copy)
+    parts = " and ".join(sorted(swapped))
+    return f"{parts} offload to NVMe rehearsed as CPU offload (the head node rehearses NVMe)" if parts else ""
 
 
 def _preimport(trainers: set[str]) -> None:
@@ -318,7 +352,7 @@ def main() -> None:
         _preimport({b["trainer"] for b in batches})
         _build_artifacts({tuple(b["smoke"]) for b in batches})
     jobs = [
-        (f"{i}.{j}", {**role, "devices": b["devices"], "capability": b.get("capability")})
+        (f"{i}.{j}", {**role, "devices": b["devices"], "capability": b.get("capability"), "nvme": b.get("nvme")})
         for i, b in enumerate(batches)
         for j, role in enumerate(b["roles"])
     ]

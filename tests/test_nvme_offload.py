@@ -1,0 +1,153 @@
+"""DeepSpeed's offload to NVMe (ZeRO-Infinity: offload_param_device / offload_optimizer_device nvme): the states CPU
+offload keeps in host memory go to swap files in the nvme_path, through DeepSpeed's async_io op, which it JIT-builds
+against the node's libaio. Before, orch counted them as host memory (a refusal asking for ~105 GiB of RAM a node did
+not need), the laptop's rehearsal built async_io against the laptop's libaio (refused where the nodes had it), a
+missing nvme_path swapped to ./none on the boot disk, and a node without libaio failed after its launch."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, orch
+
+from orchestrator.core import configs, fit, host_fit, memory
+from orchestrator.core.accelerate_config import AccelerateConfig
+from orchestrator.core.errors import OrchError
+from orchestrator.node import disk_room, rules
+
+pytestmark = pytest.mark.unit
+
+ZERO3 = {"distributed_type": "DEEPSPEED", "mixed_precision": "bf16",
+         "deepspeed_config": {"zero_stage": 3, "zero3_save_16bit_model": True, "offload_param_device": "cpu",
+                              "offload_optimizer_device": "cpu"}}  # fmt: skip
+
+
+def zero3(**offload: str) -> AccelerateConfig:
+    return AccelerateConfig.of({**ZERO3, "deepspeed_config": {**ZERO3["deepspeed_config"], **offload}})
+
+
+def setup_of(accel: AccelerateConfig, gpus: int = 8) -> memory.Setup:
+    paired = configs.load({"TRL_CONFIG": "recipes/trl/llama3_sft.yaml", "ACCELERATE_CONFIG": "multi_gpu"})
+    setup = fit.setup_of("sft", paired.trl, accel, gpus)
+    assert setup is not None
+    return setup
+
+
+@pytest.mark.parametrize("param, optimizer", [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu"), ("cpu", "cpu")])
+def test_what_goes_to_nvme_is_not_host_memory_and_the_two_add_up_to_cpu_offloads(param, optimizer):
+    """Llama-3.1-8B under ZeRO-3 with offload, 8 GPUs on 2 nodes: host memory and NVMe split CPU offload's figure by
+    what each offload moves (the weights, the optimizer's fp32 copy and moments), the GPU's share unchanged."""
+    paths = {f"offload_{p}_nvme_path": "/local_nvme" for p, d in (("param", param), ("optimizer", optimizer))
+             if d == "nvme"}  # fmt: skip
+    setup = setup_of(zero3(offload_param_device=param, offload_optimizer_device=optimizer, **paths))
+    cpu = setup_of(zero3())
+    host, nvme = host_fit.offloaded_gib(setup, 2), host_fit.nvme_gib(setup, 2)
+    assert host + nvme == pytest.approx(host_fit.offloaded_gib(cpu, 2)) and host_fit.nvme_gib(cpu, 2) == 0
+    assert memory.estimate(setup).gib == pytest.approx(memory.estimate(cpu).gib)  # the GPUs hold the same
+    parts = host_fit.nvme_parts(setup, 2)
+    assert set(parts) == {p for p, d in (("param", param), ("optimizer", optimizer)) if d == "nvme"}
+    if set(parts) == {"param", "optimizer"}:
+        assert host == 0 and parts["optimizer"] > parts["param"] > 0  # 12 bytes a parameter against 2
+    where = {0: "CPU", 1: "CPU and NVMe", 2: "NVMe"}[len(parts)]
+    assert fit.label(setup) == f"ZeRO-3 with {where} offload"
+
+
+def test_nvme_without_a_path_is_refused_before_it_swaps_to_a_folder_named_none():
+    """accelerate passes the word "none" where no nvme_path is given, which DeepSpeed's config takes as a relative
+    path (read back below): the swap files would fill ./none on the boot disk."""
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadParamConfig
+
+    assert str(DeepSpeedZeroOffloadParamConfig(device="nvme", nvme_path="none").nvme_path) == "none"
+    with pytest.raises(OrchError, match=r"^a.yaml: offload_param_device nvme with no path to swap to: DeepSpeed "
+                       r"would write its swap files to \./none on the boot disk; set "
+                       r"deepspeed_config\.offload_param_nvme_path"):  # fmt: skip
+        rules.check_nvme_paths(zero3(offload_param_device="nvme"), "a.yaml")
+    rules.check_nvme_paths(zero3(offload_param_device="nvme", offload_param_nvme_path="/local_nvme"), "a.yaml")
+    rules.check_nvme_paths(zero3(), "a.yaml")
+    # a DeepSpeed JSON's own nvme_path, read as accelerate's plugin reads it
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"},
+                                "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}  # fmt: skip
+    from orchestrator.core.accelerate_config import with_deepspeed_json
+
+    json_config = with_deepspeed_json(AccelerateConfig.of({"distributed_type": "DEEPSPEED", "deepspeed_config": {
+        "deepspeed_config_file": "ds.json"}}), ds, "ds.json")  # fmt: skip
+    assert json_config.nvme_paths == {"param": "/nvme", "optimizer": "none"}
+    with pytest.raises(OrchError, match=r"set zero_optimization\.offload_optimizer\.nvme_path in its DeepSpeed JSON"):
+        rules.check_nvme_paths(json_config, "b.yaml")
+
+
+def test_the_laptops_rehearsal_swaps_nvme_for_cpu_offload_in_accelerates_environment_and_json(tmp_path):
+    """rehearsal/role.nvme_as_cpu: the devices accelerate exports, or a copy of the DeepSpeed JSON (its other keys
+    kept), in a scratch folder the role removes; nothing where nothing goes to NVMe."""
+    from orchestrator.rehearsal.role import nvme_as_cpu
+
+    child = {"ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "nvme",
+             "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}  # fmt: skip
+    assert nvme_as_cpu(child, tmp_path) == ("param offload to NVMe rehearsed as CPU offload (the head node rehearses "
+                                            "NVMe)")  # fmt: skip
+    assert child["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"] == "cpu" and not list(tmp_path.iterdir())
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path":
+                  "/nvme", "buffer_count": 5}}, "train_batch_size": "auto"}))  # fmt: skip
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    child = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ds)}
+    assert nvme_as_cpu(child, scratch).startswith("optimizer offload to NVMe rehearsed as CPU offload")
+    copy = json.loads((scratch / "ds.json").read_text())
+    assert child["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == str(scratch / "ds.json")
+    assert copy["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "nvme_path": "/nvme", "buffer_count": 5}
+    assert json.loads(ds.read_text())["zero_optimization"]["offload_optimizer"]["device"] == "nvme"  # theirs kept
+    assert nvme_as_cpu({"ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu"}, scratch) == ""
+
+
+def test_the_head_node_checks_the_nvme_path_is_there_and_has_room(tmp_path):
+    """node/disk_room.py: a path that is not a directory (an NVMe not mounted: DeepSpeed would make the folder on
+    the boot disk), and the swap files counted on the file system under the path, with the checkpoints where they
+    share it."""
+    settings = {"model_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct", "dtype": "bfloat16"}
+    missing = tmp_path / "nvme"
+    accel = zero3(offload_param_device="nvme", offload_optimizer_device="nvme", offload_param_nvme_path=str(missing),
+                  offload_optimizer_nvme_path=str(missing))  # fmt: skip
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HOME": str(tmp_path)}
+    argv = ["--output_dir", str(tmp_path / "run")]
+    with pytest.raises(OrchError, match=rf"^offload_optimizer_nvme_path {missing} is not a directory on this node: "
+                       r"DeepSpeed would make it on / and swap there"):  # fmt: skip
+        disk_room.check(env, "sft", settings, accel, argv, 1, 4)
+    missing.mkdir()
+    line = disk_room.check(env, "sft", settings, accel, argv, 1, 4)
+    assert re.search(r"DeepSpeed's optimizer swap files [1-9]\.\d GB \(offload to nvme\); DeepSpeed's param swap files "
+                     r"[\d.]+ [MG]B \(offload to nvme\)\)$", line), line
+
+
+@pytest.mark.e2e
+def test_the_laptop_rehearses_nvme_as_cpu_and_the_head_node_builds_async_io_as_it_is(project, tmp_path):
+    """This machine has no libaio: the laptop's rehearsal passes, saying what it swapped (it once refused the launch
+    with this machine's "Unable to JIT load the async_io op"); the head node's, on a node that lacks it too, stops the
+    setup with DeepSpeed's words and the fix."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    accel = project / "recipes" / "accelerate" / "zero3_offload.yaml"
+    text = accel.read_text()
+    for part in ("optimizer", "param"):
+        text = text.replace(f"offload_{part}_device: cpu", f"offload_{part}_device: nvme\n  offload_{part}_nvme_path: "
+                            f"{nvme}")  # fmt: skip
+    accel.write_text(text)
+    dry = orch("run", "llama3_sft_zero3_offload", "--secret", "HF_TOKEN", "--gpus", "A10G:4", "--dry-run",
+               "--skip-optimizer", cwd=project, env={"ORCH_DATA_CHECK": "off", "ORCH_REHEARSAL": "on", "HF_TOKEN": "x"},
+               timeout=600)  # fmt: skip
+    assert dry.returncode == 0, dry.stdout[-2000:] + dry.stderr[-2000:]
+    assert "under ZeRO-3 with NVMe offload on 4 GPUs" in dry.stdout and "host memory while training" not in dry.stdout
+    assert re.search(r"^NVMe while training: ~\d+\.\d GiB per node in " + re.escape(str(nvme)), dry.stdout, re.M)
+    assert "optimizer and param offload to NVMe rehearsed as CPU offload (the head node rehearses NVMe)" in dry.stdout
+    head = {"SKYPILOT_SETUP_NODE_RANK": "0", "SKYPILOT_SETUP_NODE_IPS": "10.0.0.1\n", "ORCH_DEVICE": "gpu",
+            "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": "4", "TRL_TRAINER": "sft", "TRL_CONFIG": "recipes/trl/llama3_sft.yaml",
+            "ACCELERATE_CONFIG": str(accel), "ORCH_SMOKE": "on", "PATH": "/usr/bin:/bin"}  # fmt: skip
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("SKYPILOT_", "ORCH_"))} | head
+    node = subprocess.run([sys.executable, "-m", "orchestrator", "node", "--rehearse"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert node.returncode == 2, node.stdout[-2000:] + node.stderr[-2000:]
+    said = node.stderr.strip().splitlines()[-1]
+    assert said.startswith("orch: error: rehearsal: the head (node 0) would fail on its GPUs (trainer: RuntimeError: "
+                           "Unable to JIT load the async_io op") and "sudo apt-get install -y libaio-dev" in said, said
