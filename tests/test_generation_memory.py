@@ -206,6 +206,12 @@ def test_what_gathers_the_model_and_what_generates():
     ddp = fit.setup_of("grpo", {**paired.trl, "use_vllm": False}, paired.accelerate, 8, global_batch=256)
     assert ddp.generation_rows == 32 and not generation_memory.gathers_all(ddp)  # DDP generates as it trains
     assert generation_memory.estimate(ddp).parts["generation"] > 0
+    # QLoRA under ZeRO-3: the gather brings the base's 4-bit storage (NF4 and its scales, DeepSpeed partitions the
+    # packed bitsandbytes tensors), not bf16 weights: Llama-3.1-70B ~39.8 GiB, not ~131
+    qlora = _grpo(use_vllm=False, use_peft=True, load_in_4bit=True)
+    gathered = generation_memory.estimate(qlora).parts["gathered"]
+    assert qlora.method == "qlora" and gathered == pytest.approx(memory.loaded_bytes(qlora) / memory.GIB)
+    assert 0.28 < gathered / generation_memory.estimate(_grpo(use_vllm=False)).parts["gathered"] < 0.32
 
 
 @pytest.mark.cli

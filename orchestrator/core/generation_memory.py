@@ -90,8 +90,7 @@ def estimate(setup: memory.Setup) -> memory.Estimate | None:
     if setup.generation_rows < 1 and not gathers_all(setup):
         return None
     parts = memory.between_steps(setup)
-    a = setup.arch
-    weights = a.params * memory.DTYPE_BYTES[setup.weights_dtype] if gathers_all(setup) else 0.0
+    weights = memory.loaded_bytes(setup) if gathers_all(setup) else 0.0  # QLoRA's base stays 4-bit
     parts |= {"generation": forward(setup) if setup.generation_rows else 0.0,
               "gathered": weights or memory.transient(setup, backward=False),
               "gradient bucket": memory.ds_bucket(setup) if setup.strategy == "zero3" else 0.0}  # fmt: skip

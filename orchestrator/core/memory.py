@@ -179,7 +179,7 @@ def states(setup: Setup) -> dict[str, float]:
     if peft:
         linear = a.layers * a.layer_linear_params
         per_linear = NF4_BYTES[setup.nested_quant] if setup.method == "qlora" else dtype
-        frozen = linear * per_linear + a.other_params * dtype
+        frozen = loaded_bytes(setup)
         if setup.method == "qlora" and sharded:  # the quantisation scales (bitsandbytes' quant_state) are not
             replicated = linear * (per_linear - 0.5)  # parameters: FSDP leaves a full copy on every rank
             frozen -= replicated
@@ -266,6 +266,15 @@ def lm_head(tokens: float, vocab: int, hidden: int, *, trained: bool, compute: i
         "head gradient": vocab * hidden * (4 + cast) if trained else 0.0,
         "gathered head": vocab * hidden * compute if zero3 else 0.0,
     }
+
+
+def loaded_bytes(setup: Setup) -> float:
+    """The whole model as it is loaded: its linear layers in 4 bits (NF4 and its scales) under QLoRA, the rest and
+    every other model in the weights' dtype (what ZeRO-3 gathers whole for generate: core/generation_memory.py)."""
+    a, dtype = setup.arch, DTYPE_BYTES[setup.weights_dtype]
+    if setup.method != "qlora":
+        return a.params * dtype
+    return a.layers * a.layer_linear_params * NF4_BYTES[setup.nested_quant] + a.other_params * dtype
 
 
 def transient(setup: Setup, backward: bool = True) -> float:
