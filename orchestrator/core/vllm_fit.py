@@ -5,6 +5,7 @@ engines (`trl vllm-serve`). Checked by core/fit.py's GPU check and by the launch
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from orchestrator.core import memory
 from orchestrator.core.errors import OrchError
@@ -70,6 +71,15 @@ def check_vllm_room(setup: memory.Setup, capacity_gib: float, gpu: str) -> None:
 
 
 VLLM_SERVE_SHARE = 0.9  # trl vllm-serve's gpu_memory_utilization (node/vllm.server_argv gives none)
+
+
+def tensor_parallel(env: Mapping[str, str], gpus: int) -> int:
+    """VLLM_TENSOR_PARALLEL_SIZE (default 1): the vLLM server node's tensor-parallel size, which must divide its `gpus`
+    (its data-parallel size is the rest)."""
+    raw = str(env.get("VLLM_TENSOR_PARALLEL_SIZE") or "").strip() or "1"
+    if not raw.isdigit() or int(raw) < 1 or gpus % int(raw):
+        raise OrchError(f"VLLM_TENSOR_PARALLEL_SIZE={raw!r} must divide the {gpus} GPUs of the vLLM node")
+    return int(raw)
 
 
 def check_vllm_server(arch: memory.Arch, capacity_gib: float, gpu: str, gpus: int, tp: int) -> None:

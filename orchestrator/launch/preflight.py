@@ -177,9 +177,8 @@ def run(launch, trainer_nodes: int, gpus: Gpus | None) -> memory.Estimate | None
         return memory.estimate(setup)
     estimate = check_memory(setup, name)
     if trainer_nodes < launch.nodes:  # the last node serves vLLM (VLLM_SERVER_NODES=1)
-        tp = str(launch.envs.get("VLLM_TENSOR_PARALLEL_SIZE") or "1").strip()  # node/vllm.py refuses a bad one
-        if tp.isdigit() and int(tp) >= 1:
-            vllm_fit.check_vllm_server(setup.arch, accelerators.memory_gib(name), name, per_node, int(tp))
+        tp = vllm_fit.tensor_parallel(launch.envs, per_node)
+        vllm_fit.check_vllm_server(setup.arch, accelerators.memory_gib(name), name, per_node, tp)
     check_gpu_at_load(at_load(setup, per_node, accel), name, setup.needs_bf16)
     check_disk(launch, setup, trainer_nodes)
     return estimate

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from orchestrator.core import trainers
+from orchestrator.core import trainers, vllm_fit
 from orchestrator.core.errors import OrchError
 from orchestrator.core.knobs import env_port, knob
 from orchestrator.core.overrides import truthy
@@ -60,10 +60,7 @@ def server_argv(env: Mapping[str, str], settings: Mapping, gpus: int) -> list[st
     model = settings.get("model_name_or_path")
     if not model:
         raise OrchError("the TRL config names no model_name_or_path for the vLLM server")
-    tp_raw = env.get("VLLM_TENSOR_PARALLEL_SIZE", "").strip() or "1"
-    if not tp_raw.isdigit() or int(tp_raw) < 1 or gpus % int(tp_raw):
-        raise OrchError(f"VLLM_TENSOR_PARALLEL_SIZE={tp_raw!r} must divide the {gpus} GPUs of the vLLM node")
-    tp = int(tp_raw)
+    tp = vllm_fit.tensor_parallel(env, gpus)
     return [
         "trl", "vllm-serve", "--model", str(model),
         "--tensor_parallel_size", str(tp), "--data_parallel_size", str(gpus // tp),
