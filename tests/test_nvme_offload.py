@@ -2,15 +2,13 @@
 offload keeps in host memory go to swap files in the nvme_path, through DeepSpeed's async_io op, which it JIT-builds
 against the node's libaio. Before, orch counted them as host memory (a refusal asking for ~105 GiB of RAM a node did
 not need), the laptop's rehearsal built async_io against the laptop's libaio (refused where the nodes had it), a
-missing nvme_path swapped to ./none on the boot disk, and a node without libaio failed after its launch."""
+missing nvme_path swapped to ./none on the boot disk, and a node without libaio failed after its launch. The
+rehearsals, laptop and head node: tests/test_rehearsal.py (in its findings' batch)."""
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, orch
 
 from orchestrator.core import configs, fit, host_fit, memory
 from orchestrator.core.accelerate_config import AccelerateConfig
@@ -119,35 +117,3 @@ def test_the_head_node_checks_the_nvme_path_is_there_and_has_room(tmp_path):
     line = disk_room.check(env, "sft", settings, accel, argv, 1, 4)
     assert re.search(r"DeepSpeed's optimizer swap files [1-9]\.\d GB \(offload to nvme\); DeepSpeed's param swap files "
                      r"[\d.]+ [MG]B \(offload to nvme\)\)$", line), line
-
-
-@pytest.mark.e2e
-def test_the_laptop_rehearses_nvme_as_cpu_and_the_head_node_builds_async_io_as_it_is(project, tmp_path):
-    """This machine has no libaio: the laptop's rehearsal passes, saying what it swapped (it once refused the launch
-    with this machine's "Unable to JIT load the async_io op"); the head node's, on a node that lacks it too, stops the
-    setup with DeepSpeed's words and the fix."""
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    accel = project / "recipes" / "accelerate" / "zero3_offload.yaml"
-    text = accel.read_text()
-    for part in ("optimizer", "param"):
-        text = text.replace(f"offload_{part}_device: cpu", f"offload_{part}_device: nvme\n  offload_{part}_nvme_path: "
-                            f"{nvme}")  # fmt: skip
-    accel.write_text(text)
-    dry = orch("run", "llama3_sft_zero3_offload", "--secret", "HF_TOKEN", "--gpus", "A10G:4", "--dry-run",
-               "--skip-optimizer", cwd=project, env={"ORCH_DATA_CHECK": "off", "ORCH_REHEARSAL": "on", "HF_TOKEN": "x"},
-               timeout=600)  # fmt: skip
-    assert dry.returncode == 0, dry.stdout[-2000:] + dry.stderr[-2000:]
-    assert "under ZeRO-3 with NVMe offload on 4 GPUs" in dry.stdout and "host memory while training" not in dry.stdout
-    assert re.search(r"^NVMe while training: ~\d+\.\d GiB per node in " + re.escape(str(nvme)), dry.stdout, re.M)
-    assert "optimizer and param offload to NVMe rehearsed as CPU offload (the head node rehearses NVMe)" in dry.stdout
-    head = {"SKYPILOT_SETUP_NODE_RANK": "0", "SKYPILOT_SETUP_NODE_IPS": "10.0.0.1\n", "ORCH_DEVICE": "gpu",
-            "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": "4", "TRL_TRAINER": "sft", "TRL_CONFIG": "recipes/trl/llama3_sft.yaml",
-            "ACCELERATE_CONFIG": str(accel), "ORCH_SMOKE": "on", "PATH": "/usr/bin:/bin"}  # fmt: skip
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("SKYPILOT_", "ORCH_"))} | head
-    node = subprocess.run([sys.executable, "-m", "orchestrator", "node", "--rehearse"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert node.returncode == 2, node.stdout[-2000:] + node.stderr[-2000:]
-    said = node.stderr.strip().splitlines()[-1]
-    assert said.startswith("orch: error: rehearsal: the head (node 0) would fail on its GPUs (trainer: RuntimeError: "
-                           "Unable to JIT load the async_io op") and "sudo apt-get install -y libaio-dev" in said, said

@@ -330,10 +330,54 @@ def findings(matrix):
             found = batch_for(project / "recipes" / f"{name}.yaml", 2, 8)
             if not isinstance(found, str):  # a str: orch's own checks refuse it before any rehearsal
                 batches.append(found[0])
-        driver.rehearse_batches(batches, project, parallel=2)
+        nvme = nvme_copies(project)
+        outcomes = driver.rehearse_batches(batches + list(nvme.values()), project, parallel=2)
+        NVME.update(zip(nvme, outcomes[len(batches):], strict=True))
     finally:
         os.chdir(cwd)
     return project
+
+
+NVME: dict = {}  # the NVMe-offload copies' outcomes: laptop (accelerate's env, a DeepSpeed JSON) and head node
+
+
+def nvme_copies(project) -> dict:
+    """llama3_sft_zero3 with both offloads on NVMe (in the Accelerate config) and the optimizer's (in a DeepSpeed
+    JSON), rehearsed as the laptop does, and the first as the head node does (driver.Batch.nvme)."""
+    swap = project / "nvme"
+    swap.mkdir(exist_ok=True)
+    cp(project, "llama3_sft_zero3", "nvme_offload")
+    edit_accel(project / "recipes/accelerate/nvme_offload.yaml", offload_param_device="nvme",
+               offload_param_nvme_path=str(swap), offload_optimizer_device="nvme",
+               offload_optimizer_nvme_path=str(swap))  # fmt: skip
+    cp(project, "llama3_sft_zero3", "nvme_json")
+    ds_json(project, "nvme_json", "auto", offload_optimizer={"device": "nvme", "nvme_path": str(swap)})
+    laptop = {name: batch_for(project / "recipes" / f"{name}.yaml", 2, 8)[0] for name in ("nvme_offload", "nvme_json")}
+    return {**laptop, "head": laptop["nvme_offload"]._replace(nvme=True)}
+
+
+def test_nvme_offload_is_rehearsed_as_cpu_offload_on_the_laptop_and_as_it_is_on_the_head_node(findings):
+    """This machine has no libaio, which DeepSpeed's async_io op (its NVMe swapper) builds against. The laptop's
+    rehearsal refused such a launch with its own "Unable to JIT load the async_io op" (the nodes' libaio is theirs):
+    it now rehearses NVMe as CPU offload, in accelerate's environment or a copy of the DeepSpeed JSON, and says so; the
+    head node's builds async_io as the ranks will and stops the setup with DeepSpeed's words and the fix."""
+    for name, swapped in (("nvme_offload", "optimizer and param"), ("nvme_json", "optimizer")):
+        (outcome,) = NVME[name][:1]
+        assert outcome.ok and outcome.facts["zero_stage"] == 3, outcome
+        assert outcome.facts["nvme_offload"] == f"{swapped} offload to NVMe rehearsed as CPU offload (the head node " \
+            "rehearses NVMe)"  # fmt: skip
+    head = NVME["head"][0]
+    assert not head.ok and head.stage == "trainer" and "Unable to JIT load the async_io op" in head.error, head
+    assert "sudo apt-get install -y libaio-dev" in head.fix()
+    result = orch("run", "nvme_offload", "--gpus", "H100:8", "--nodes", "2", "--dry-run", "--skip-optimizer",
+                  "--secret", "HF_TOKEN=x", cwd=findings, env=ON)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = next(x for x in result.stdout.splitlines() if "rehearsed" in x)
+    assert line.endswith("optimizer and param offload to NVMe rehearsed as CPU offload (the head node rehearses NVMe) "
+                         "(cached)"), line  # fmt: skip
+    assert "under ZeRO-3 with NVMe offload on 16 GPUs" in result.stdout and "host memory while training" not in \
+        result.stdout and re.search(r"^NVMe while training: ~\d+\.\d GiB per node in " + re.escape(
+            str(findings / "nvme")), result.stdout, re.M), result.stdout  # fmt: skip
 
 
 @pytest.mark.parametrize("label", list(FINDINGS))
