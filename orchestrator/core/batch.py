@@ -177,6 +177,12 @@ class Smaller:
         return " ".join(f"{key}={value}" for key, value in self.overrides)
 
 
+def data_parallel_of(processes: int, sizes: Sizes | None) -> int:
+    """The data-parallel ranks of `processes` training processes over `sizes`' context-, sequence- and tensor-parallel
+    groups (all of them without), at least 1."""
+    return max(1, processes // (sizes.model_parallel if sizes else 1))
+
+
 def smaller(settings: Mapping, global_batch: int | None, processes: int, sizes: Sizes | None = None,
             spec: TrainerSpec | None = None) -> tuple[Smaller, ...]:  # fmt: skip
     """Every per-device batch below the settings' one that keeps a rank's samples an optimizer step (per-device batch
@@ -186,7 +192,7 @@ def smaller(settings: Mapping, global_batch: int | None, processes: int, sizes: 
     generating trainer keeps its generation batch too: TRL's generation_batch_size must stay a multiple of the
     per-device batch x `processes`, and an explicit steps_per_generation grows to match. Empty where the settings are
     not whole numbers or the global batch does not divide (the batch checks say so first)."""
-    data_parallel = max(1, processes // (sizes.model_parallel if sizes else 1))
+    data_parallel = data_parallel_of(processes, sizes)
     least, generates = (spec.min_micro_batch, spec.generates) if spec else (1, False)
     try:
         per_device, steps = per_device_batch(settings), steps_of(settings, global_batch, data_parallel)

@@ -30,12 +30,16 @@ def forward(setup: memory.Setup) -> memory.Estimate | None:
     return memory.with_overhead(setup, parts)
 
 
+def generates(setup: memory.Setup) -> bool:
+    """A GRPO or RLOO evaluation that generates its per_device_eval_batch_size completions with transformers' generate
+    (use_vllm false, as its training does)."""
+    return setup.eval_batch >= 1 and setup.generation_rows > 0 and trainers.spec(setup.trainer).generates
+
+
 def generation(setup: memory.Setup) -> memory.Estimate | None:
-    """Per-GPU memory while a GRPO or RLOO evaluation generates its per_device_eval_batch_size completions with
-    transformers' generate (use_vllm false), None where it does not."""
-    if setup.eval_batch < 1 or not setup.generation_rows or not trainers.spec(setup.trainer).generates:
-        return None
-    return generation_memory.estimate(memory.with_(setup, generation_rows=setup.eval_batch))
+    """Per-GPU memory while such an evaluation generates (`generates`), None where it does not."""
+    return generation_memory.estimate(memory.with_(setup, generation_rows=setup.eval_batch)) if generates(setup) \
+        else None  # fmt: skip
 
 
 def estimate(setup: memory.Setup) -> memory.Estimate | None:
@@ -47,7 +51,7 @@ def estimate(setup: memory.Setup) -> memory.Estimate | None:
 def words(setup: memory.Setup) -> str:
     """The evaluation batch as the estimate takes it."""
     tokens = f"{memory.eval_tokens(setup)} tokens a forward"
-    if generation(setup) is not None:
+    if generates(setup):
         return (f"per_device_eval_batch_size={setup.eval_batch} ({setup.eval_batch} completions generated at once, "
                 f"then {tokens})")  # fmt: skip
     return f"per_device_eval_batch_size={setup.eval_batch} ({tokens})"

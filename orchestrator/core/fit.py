@@ -313,7 +313,8 @@ def check_evaluation(setup: memory.Setup, capacity_gib: float, gpu: str) -> None
         middle = (low + high) // 2
         low, high = (middle, high) if need(middle) <= usable else (low, middle)
     low = next((b for b in range(low, 0, -1) if b * setup.gpus % setup.eval_group == 0), 0)
-    fix = (f"set per_device_eval_batch_size={low} (~{need(low):.1f} GiB)" if low else
+    at_low = need(low) if low else 0.0
+    fix = (f"set per_device_eval_batch_size={low} (~{at_low:.1f} GiB)" if low else
            "evaluation does not fit at per_device_eval_batch_size=1 either: eval_strategy=no" if setup.eval_group == 1
            else f"evaluation does not fit at any per_device_eval_batch_size TRL takes (x {setup.gpus} processes, whole "
            f"groups of num_generations_eval={setup.eval_group}): eval_strategy=no")  # fmt: skip
@@ -327,7 +328,7 @@ def check_evaluation(setup: memory.Setup, capacity_gib: float, gpu: str) -> None
     raise DoesNotFit(said, {"per_device_eval_batch_size": str(low)}, f"evaluation needs "
                      f"~{with_vllm(during, capacity_gib):.1f} GiB of one {gpu}'s {gib(capacity_gib)} at "
                      f"per_device_eval_batch_size={setup.eval_batch}; per_device_eval_batch_size={low} "
-                     f"(~{need(low):.1f} GiB)")  # fmt: skip
+                     f"(~{at_low:.1f} GiB)")  # fmt: skip
 
 
 def at_load(setup: memory.Setup, per_node: int, accel: AccelerateConfig) -> load_memory.LoadMemory:

@@ -92,8 +92,7 @@ def propose(settings: Mapping[str, object], envs: Mapping[str, str], processes: 
     per_device = batch.per_device_batch(settings)
     global_batch = batch.global_batch_of(envs)
     choices = batch.smaller(settings, global_batch, processes, sizes, spec)
-    data_parallel = max(1, processes // (sizes.model_parallel if sizes else 1))
-    steps = batch.steps_of(settings, global_batch, data_parallel)
+    steps = batch.steps_of(settings, global_batch, batch.data_parallel_of(processes, sizes))
     if not choices:
         return Fix(per_device, steps, least=spec.min_micro_batch if spec else 1,
                    why=f"{spec.name.upper()} takes no less than {spec.min_micro_batch}: {spec.min_micro_batch_why}"

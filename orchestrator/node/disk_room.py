@@ -88,7 +88,8 @@ def check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object], 
                       (f"the final model {size_words(got.final)}", got.final)]  # fmt: skip
             if there := _held(output_dir):  # a relaunch: its checkpoints are among those, and already on the disk
                 parts.append((f"less {size_words(there)} the output_dir holds already", -float(there)))
-    for part, gib in host_fit.nvme_parts(setup, nodes).items():  # DeepSpeed's swap files (ZeRO-Infinity)
+    swapped = host_fit.nvme_parts(setup, nodes)
+    for part, gib in swapped.items():  # DeepSpeed's swap files (ZeRO-Infinity)
         path = Path(accel.nvme_paths[part])
         if not path.is_dir():
             raise OrchError(f"offload_{part}_nvme_path {path} is not a directory on this node: DeepSpeed would make "
@@ -101,7 +102,7 @@ def check(env: Mapping[str, str], trainer: str, settings: Mapping[str, object], 
              "give the nodes larger disks (resources.disk_size; `orch run --disk-size`), keep fewer checkpoints "
              "(save_total_limit=1) or put them on a bucket (CHECKPOINT_ROOT on a MOUNT_CACHED mount, as the recipes "
              "do)")  # fmt: skip
-    if host_fit.nvme_parts(setup, nodes):
+    if swapped:
         fixes += ("; for DeepSpeed's swap files, a larger NVMe at the nvme_path, more nodes (each swaps its share) or "
                   "offload to cpu")  # fmt: skip
     return _judge(need, fixes)
