@@ -30,7 +30,18 @@ AttentionMaskInterface.register("probe_attention", flash_attention_mask)  # a pa
 
 def peaks(family: str, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, batch: int,
           length: int, dtype: str, vocab: int, tile: list[int]) -> list[int]:  # fmt: skip
-    chunked_logprob.TOKEN_CHUNK_SIZE, utils._CHUNKED_LOGPROB_CHUNK_SIZE = tile  # TRL's tile, scaled down
+    # TRL's tile, scaled down for the measure and TRL's own again after it: test_eval_memory.py calls this in a pytest
+    # worker, whose later tests (the trainers' runs there, test_lm_head_memory.py's pin of TRL's tile) read TRL's
+    kept = chunked_logprob.TOKEN_CHUNK_SIZE, utils._CHUNKED_LOGPROB_CHUNK_SIZE
+    chunked_logprob.TOKEN_CHUNK_SIZE, utils._CHUNKED_LOGPROB_CHUNK_SIZE = tile
+    try:
+        return _peaks(family, hidden, intermediate, heads, kv_heads, head_dim, batch, length, dtype, vocab)
+    finally:
+        chunked_logprob.TOKEN_CHUNK_SIZE, utils._CHUNKED_LOGPROB_CHUNK_SIZE = kept
+
+
+def _peaks(family: str, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, batch: int,
+           length: int, dtype: str, vocab: int) -> list[int]:  # fmt: skip
     config = getattr(transformers, f"{family}Config")(
         hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, num_hidden_layers=2, vocab_size=vocab, max_position_embeddings=length,
