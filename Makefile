@@ -44,11 +44,8 @@ $(STAMP):
 demo: install
 	$(VENV)/bin/orch run phi3_dpo_fsdp --local --nodes 2 --smoke --fresh
 
-# One more worker than PYTEST_WORKERS, for the Slurm group alone (the SkyPilot bed and test_slurm.py: ~17 minutes that
-# mostly wait on SkyPilot and Slurm, ~0.3 of a core): it takes nothing else and stops when done; the other workers
-# never take it (`--solo-group slurm`, tests/solo_group.py). As one of the two workers it left ~0.9 of a core idle.
 test: install
-	$(TEST_ENV) $(PY) -m pytest -n $$(( $(PYTEST_WORKERS) + 1 )) --dist loadgroup --solo-group slurm $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The inner loop (60-90 s here on 2026-12-02, 42-47 s on 2026-12-05): the unit and cli tiers (tests/conftest.py; what each tier means:
 # pyproject.toml), the fuzz harness at 300 examples (make test runs its 2000).

@@ -225,21 +225,6 @@ def pytest_addoption(parser):
     parser.addoption(
         "--tier", default="", help="run only the tests of these tiers, comma-separated (unit,cli,e2e,root); default all"
     )
-    parser.addoption(
-        "--solo-group", default="", metavar="NAME",
-        help="with -n N --dist loadgroup: the xdist_group NAME runs on a worker of its own, which takes nothing else "
-        "and stops when it is done (tests/solo_group.py; `make test`: -n 3 --solo-group slurm)",
-    )  # fmt: skip
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_xdist_make_scheduler(config, log):
-    """`--solo-group NAME` under `--dist loadgroup`: tests/solo_group.py's scheduler; else xdist's own."""
-    if config.getoption("--solo-group") and config.getvalue("dist") == "loadgroup":
-        from solo_group import SoloGroupScheduling
-
-        return SoloGroupScheduling(config, log, solo=config.getoption("--solo-group"))
-    return None
 
 
 def tier_of(item) -> str:
