@@ -272,6 +272,31 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: HEAVY_FIRST[tier_of(item)])
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """ORCH_TEST_CPU_DIR=DIR: each test's wall and CPU time (its setup, call and teardown; the worker's own and that of
+    the processes it reaped) as a JSON line in DIR/<worker>.jsonl; `python bench/suite_cpu.py DIR` sums them by module.
+    Daemons the worker never reaps (the SkyPilot bed's slurmd, API server, skylet and ranks) are not in it."""
+    out = os.environ.get("ORCH_TEST_CPU_DIR")
+    if not out:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+
+    start, began = cpu(), time.time()
+    yield
+    record = {"id": item.nodeid, "start": began, "wall": time.time() - began, "cpu": cpu() - start}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl"), "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
 def pytest_collection_finish(session):
     """Slurm's packages install in the background while the tests before test_slurm.py run (apt takes a minute)."""
     if any(item.module.__name__ in ("test_slurm", "test_sky_bed") for item in session.items):
