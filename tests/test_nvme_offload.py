@@ -6,7 +6,10 @@ missing nvme_path swapped to ./none on the boot disk, and a node without libaio 
 rehearsals, laptop and head node: tests/test_rehearsal.py (in its findings' batch)."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -117,3 +120,55 @@ def test_the_head_node_checks_the_nvme_path_is_there_and_has_room(tmp_path):
     line = disk_room.check(env, "sft", settings, accel, argv, 1, 4)
     assert re.search(r"DeepSpeed's optimizer swap files [1-9]\.\d GB \(offload to nvme\); DeepSpeed's param swap files "
                      r"[\d.]+ [MG]B \(offload to nvme\)\)$", line), line
+
+
+PROBE = """
+import contextlib, io, json, sys
+from orchestrator.rehearsal import probes, role
+
+def attempt(capture) -> str:
+    try:
+        with capture():
+            probes.async_io()
+    except RuntimeError as exc:
+        return str(exc)
+    return "ok"
+
+print(json.dumps({"rank": attempt(contextlib.nullcontext), "rehearsal": attempt(role.quiet),
+                  "stringio": attempt(lambda: contextlib.redirect_stderr(io.StringIO()))}))
+"""
+
+
+@pytest.mark.e2e
+def test_the_head_nodes_libaio_check_answers_in_the_rehearsal_as_in_a_rank_and_builds_nothing(tmp_path):
+    """The head node rehearses NVMe offload as it is: DeepSpeed's own libaio check first (rehearsal/probes.async_io).
+    Its check compiles and links a call to io_submit with -laio, its stderr's file descriptor redirected, which failed
+    on the StringIO the rehearsal's roles printed into: "Unable to JIT load the async_io op" and `apt-get install
+    libaio-dev` on a head node that had it (seen with libaio-dev installed here). A stand-in libaio (LDFLAGS) gives
+    that machine on any machine. Where libaio is missing the refusal is DeepSpeed's own and comes before DeepSpeed's
+    async_io load would build its pin_memory op (~100 s of CPU here, for nothing)."""
+    stub = tmp_path / "lib"
+    stub.mkdir()
+    (stub / "aio.c").write_text("int io_submit(void) { return 0; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(stub / "libaio.so"), str(stub / "aio.c")], check=True)
+    probe = tmp_path / "probe.c"
+    probe.write_text("void io_submit(void); int main(void) { io_submit(); return 0; }\n")
+    has_libaio = subprocess.run(["cc", str(probe), "-laio", "-o", str(tmp_path / "a.out")],
+                                capture_output=True).returncode == 0  # fmt: skip
+    extensions = tmp_path / "torch_extensions"
+
+    def probe_with(**env: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(extensions),
+                                   **env})  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    refusal = "Unable to JIT load the async_io op due to it not being compatible due to hardware/software issue."
+    found = probe_with(LDFLAGS=f"-L{stub}")
+    assert found["rank"] == found["rehearsal"] == "ok", found
+    assert found["stringio"].startswith(refusal), found  # the trap the rehearsal's capture no longer sets
+    found = probe_with()
+    for where in ("rank", "rehearsal"):
+        assert found[where] == "ok" if has_libaio else found[where].startswith(refusal), (where, found)
+    assert not extensions.exists() or not any(extensions.iterdir()), list(extensions.iterdir())  # nothing built

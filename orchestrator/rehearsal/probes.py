@@ -1,6 +1,7 @@
 """What a training process does first with the trainer the rehearsal built (role.py), done on probes: the trackers
 report_to names, torch's GradScaler on a probe gradient, DeepSpeed's own reading of its config, each reward function
-on one row, and transformers' check of the attention the rehearsal swapped for SDPA. Each raises the owner's error."""
+on one row, transformers' check of the attention the rehearsal swapped for SDPA, and DeepSpeed's libaio check before
+NVMe offload. Each raises the owner's error."""
 
 from __future__ import annotations
 
@@ -52,6 +53,19 @@ def deepspeed_config(config: dict) -> None:
 
     deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)  # the fake group
     DeepSpeedConfig(json.loads(json.dumps(config)))
+
+
+def async_io() -> None:
+    """NVMe offload as it is (the head node): the model's load starts DeepSpeed's swapper, which loads the async_io op,
+    and that load JIT-builds the pin_memory op (a C++ build: ~100 s of CPU on this 2-core machine) before it asks
+    whether libaio is there (deepspeed/ops/op_builder/async_io.py AsyncIOBuilder.load, then jit_load). Asked first, with
+    DeepSpeed's own check, a node without libaio gets DeepSpeed's own refusal (jit_load's: "Unable to JIT load the
+    async_io op ...") in a second; a node with it goes on to the trainer, which builds both as its ranks will."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder  # the class the swapper loads, for this accelerator
+
+    builder = AsyncIOBuilder()
+    if not builder.is_compatible(verbose=False):
+        builder.jit_load(verbose=False)  # raises before it builds anything: not compatible
 
 
 def unscale(scaler, model) -> None:

@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from orchestrator.rehearsal import fake_gpu, probes
@@ -103,8 +104,11 @@ def accelerate_stage(argv: list[str]) -> tuple[dict[str, str], list[str], dict]:
     return child, script, facts
 
 
-def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list[str], devices: int) -> dict:
-    """Build the trainer the node's first process would build; finalize DeepSpeed's config; save the final model."""
+def trainer_stage(
+    script: list[str], child_env: dict[str, str], substitute: list[str], devices: int, nvme: bool = False
+) -> dict:
+    """Build the trainer the node's first process would build; finalize DeepSpeed's config; save the final model.
+    `nvme`: DeepSpeed offloads to NVMe here, as it is (the head node), so its libaio check comes first."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -137,6 +141,8 @@ def trainer_stage(script: list[str], child_env: dict[str, str], substitute: list
     with stage("trackers (report_to)"):
         probes.trackers(parsed.training_args)
     with stage("trainer"):
+        if nvme:
+            probes.async_io()
         trainer = entry.build(parsed, [])
     if "--attn_implementation" in substitute:  # the attention the nodes load, which the rehearsal swapped for SDPA
         with stage("attention (attn_implementation)"):
@@ -226,11 +232,32 @@ def rehearse(spec: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="orch-rehearsal-ds-") as scratch:
         if not spec.get("nvme") and (swapped := nvme_as_cpu(child, Path(scratch))):
             facts["nvme_offload"] = swapped
-        facts.update(trainer_stage(script, child, spec.get("substitute", []), spec.get("devices", 0)))
+        nvme = bool(spec.get("nvme") and nvme_offloads(child))  # as it is, on the head node
+        facts.update(trainer_stage(script, child, spec.get("substitute", []), spec.get("devices", 0), nvme))
     return facts
 
 
 NVME_DEVICES = ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE")
+DS_JSON = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
+
+
+def nvme_offloads(child: dict[str, str]) -> set[str]:
+    """What DeepSpeed offloads to NVMe in the environment accelerate gives the first process ("param", "optimizer"): its
+    devices, or its DeepSpeed JSON's."""
+    return {key.split("_")[-2].lower() for key in NVME_DEVICES if child.get(key, "").lower() == "nvme"} | set(
+        _json_nvme(_deepspeed_json(child))
+    )
+
+
+def _deepspeed_json(child: dict[str, str]) -> object:
+    return json.loads(Path(path).read_text()) if (path := child.get(DS_JSON, "none")) != "none" else None
+
+
+def _json_nvme(ds: object) -> dict[str, dict]:
+    """{part: its offload block} of a DeepSpeed JSON that offloads that part to NVMe."""
+    zero = ds.get("zero_optimization") if isinstance(ds, dict) else None
+    blocks = {part: zero.get(f"offload_{part}") for part in ("param", "optimizer")} if isinstance(zero, dict) else {}
+    return {k: v for k, v in blocks.items() if isinstance(v, dict) and str(v.get("device", "")).lower() == "nvme"}
 
 
 def nvme_as_cpu(child: dict[str, str], scratch: Path) -> str:
@@ -238,24 +265,17 @@ def nvme_as_cpu(child: dict[str, str], scratch: Path) -> str:
     devices, or a copy of its DeepSpeed JSON in `scratch`): the same engine, partitioning and optimizer, without the
     async_io op the swapper JIT-builds against this machine's libaio, which says nothing about the nodes' (the head
     node rehearses NVMe as it is). Returns what was swapped, in words; '' where nothing was."""
-    swapped = set()
+    swapped = nvme_offloads(child)
     for key in NVME_DEVICES:
         if child.get(key, "").lower() == "nvme":
             child[key] = "cpu"
-            swapped.add(key.split("_")[-2].lower())
-    path = child.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    if path != "none":
-        ds = json.loads(Path(path).read_text())
-        zero = ds.get("zero_optimization") if isinstance(ds, dict) else None
-        for part in ("param", "optimizer"):
-            offload = zero.get(f"offload_{part}") if isinstance(zero, dict) else None
-            if isinstance(offload, dict) and str(offload.get("device", "")).lower() == "nvme":
-                offload["device"] = "cpu"
-                swapped.add(part)
-        if swapped:
-            copy = scratch / Path(path).name
-            copy.write_text(json.dumps(ds))
-            child["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(copy)
+    ds = _deepspeed_json(child)
+    if blocks := _json_nvme(ds):
+        for offload in blocks.values():
+            offload["device"] = "cpu"
+        copy = scratch / Path(child[DS_JSON]).name
+        copy.write_text(json.dumps(ds))
+        child[DS_JSON] = str(copy)
     parts = " and ".join(sorted(swapped))
     return f"{parts} offload to NVMe rehearsed as CPU offload (the head node rehearses NVMe)" if parts else ""
 
@@ -300,6 +320,14 @@ def _run_role(spec: dict) -> dict:
         return {"ok": False, "stage": "rehearsal", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
 
 
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """What the owners' code prints goes to a real file, as a rank's does: DeepSpeed's libaio check dups stderr's fd
+    (op_builder has_function), failed on a StringIO and refused NVMe offload as "no libaio" on a node that has it."""
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        yield
+
+
 def _fork(spec: dict) -> tuple[int, int]:
     """Start one role in a forked child: its environment, patches and fake process group die with it.
     Returns (pid, the read end of the pipe its JSON result comes on)."""
@@ -312,8 +340,7 @@ def _fork(spec: dict) -> tuple[int, int]:
 
             torch.cuda.device_count = lambda: spec["devices"]  # this launch's GPUs per node
             fake_gpu.capability(tuple(spec["capability"]))  # the launch's GPU, driver.DEFAULT_CAPABILITY when unnamed
-        captured = io.StringIO()
-        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+        with quiet():
             result = _run_role(spec)
         with os.fdopen(write_fd, "w") as out:
             out.write(json.dumps(result))
@@ -348,7 +375,7 @@ def main() -> None:
         bnb.hide()
     if devices:
         fake_gpu.cuda(devices)  # before any import that could cache "no CUDA"; each child sets its own count
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with quiet():
         _preimport({b["trainer"] for b in batches})
         _build_artifacts({tuple(b["smoke"]) for b in batches})
     jobs = [
