@@ -124,7 +124,7 @@ def test_the_head_node_checks_the_nvme_path_is_there_and_has_room(tmp_path):
 
 PROBE = """
 import contextlib, io, json, sys
-from orchestrator.rehearsal import probes, role
+from orchestrator.rehearsal import data, probes
 
 def attempt(capture) -> str:
     try:
@@ -134,7 +134,7 @@ def attempt(capture) -> str:
         return str(exc)
     return "ok"
 
-print(json.dumps({"rank": attempt(contextlib.nullcontext), "rehearsal": attempt(role.quiet),
+print(json.dumps({"rank": attempt(contextlib.nullcontext), "rehearsal": attempt(data.quiet),
                   "stringio": attempt(lambda: contextlib.redirect_stderr(io.StringIO()))}))
 """
 

@@ -27,10 +27,10 @@ import os
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 from orchestrator.rehearsal import fake_gpu, probes
+from orchestrator.rehearsal.data import quiet
 
 
 class StageError(Exception):
@@ -318,14 +318,6 @@ def _run_role(spec: dict) -> dict:
         return {"ok": False, "stage": exc.stage, "error": str(exc)}
     except BaseException as exc:  # noqa: BLE001
         return {"ok": False, "stage": "rehearsal", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """What the owners' code prints goes to a real file, as a rank's does: DeepSpeed's libaio check dups stderr's fd
-    (op_builder has_function), failed on a StringIO and refused NVMe offload as "no libaio" on a node that has it."""
-    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-        yield
 
 
 def _fork(spec: dict) -> tuple[int, int]:
