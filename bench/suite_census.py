@@ -65,8 +65,9 @@ def main(argv: list[str]) -> int:
     wall = time.monotonic() - started
     cpu, count = Counter[str](), Counter[str]()
     for cmdline, used in seen.values():
-        cpu[kind(cmdline)] += used
-        count[kind(cmdline)] += 1
+        name = kind(cmdline)
+        cpu[name] += used
+        count[name] += 1
     total = sum(cpu.values())
     print(f"\n{len(seen)} processes, {total:,.0f} s of CPU in {wall:,.0f} s ({total / wall:.2f} cores busy on average)")
     print(f"{'kind':34} {'processes':>9} {'CPU s':>8} {'share':>6}")

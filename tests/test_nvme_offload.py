@@ -123,7 +123,7 @@ def test_the_head_node_checks_the_nvme_path_is_there_and_has_room(tmp_path):
 
 
 PROBE = """
-import contextlib, io, json, sys
+import contextlib, io, json
 from orchestrator.rehearsal import data, probes
 
 def attempt(capture) -> str:
@@ -170,5 +170,5 @@ def test_the_head_nodes_libaio_check_answers_in_the_rehearsal_as_in_a_rank_and_b
     assert found["stringio"].startswith(refusal), found  # the trap the rehearsal's capture no longer sets
     found = probe_with()
     for where in ("rank", "rehearsal"):
-        assert found[where] == "ok" if has_libaio else found[where].startswith(refusal), (where, found)
+        assert (found[where] == "ok") if has_libaio else found[where].startswith(refusal), (where, found)
     assert not extensions.exists() or not any(extensions.iterdir()), list(extensions.iterdir())  # nothing built

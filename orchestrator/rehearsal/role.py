@@ -244,9 +244,11 @@ DS_JSON = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
 def nvme_offloads(child: dict[str, str]) -> set[str]:
     """What DeepSpeed offloads to NVMe in the environment accelerate gives the first process ("param", "optimizer"): its
     devices, or its DeepSpeed JSON's."""
-    return {key.split("_")[-2].lower() for key in NVME_DEVICES if child.get(key, "").lower() == "nvme"} | set(
-        _json_nvme(_deepspeed_json(child))
-    )
+    return _env_nvme(child) | set(_json_nvme(_deepspeed_json(child)))
+
+
+def _env_nvme(child: dict[str, str]) -> set[str]:
+    return {key.split("_")[-2].lower() for key in NVME_DEVICES if child.get(key, "").lower() == "nvme"}
 
 
 def _deepspeed_json(child: dict[str, str]) -> object:
@@ -265,12 +267,13 @@ def nvme_as_cpu(child: dict[str, str], scratch: Path) -> str:
     devices, or a copy of its DeepSpeed JSON in `scratch`): the same engine, partitioning and optimizer, without the
     async_io op the swapper JIT-builds against this machine's libaio, which says nothing about the nodes' (the head
     node rehearses NVMe as it is). Returns what was swapped, in words; '' where nothing was."""
-    swapped = nvme_offloads(child)
+    ds = _deepspeed_json(child)  # read once: its NVMe blocks are named and then rewritten
+    blocks = _json_nvme(ds)
+    swapped = _env_nvme(child) | set(blocks)
     for key in NVME_DEVICES:
         if child.get(key, "").lower() == "nvme":
             child[key] = "cpu"
-    ds = _deepspeed_json(child)
-    if blocks := _json_nvme(ds):
+    if blocks:
         for offload in blocks.values():
             offload["device"] = "cpu"
         copy = scratch / Path(child[DS_JSON]).name
