@@ -18,7 +18,7 @@ examples:
   orch plan ./my-model/config.json --trainer dpo        # any decoder model's config.json
   orch plan Qwen/Qwen2.5-7B-Instruct --peft lora         # any other Hub model: its config.json, read from the Hub
 
-The estimate (orchestrator/core/memory.py, docs/design.md) counts weights, gradients, optimizer states,
+The estimate (orchestrator/core/memory.py, docs/design/memory.md) counts weights, gradients, optimizer states,
 activations, TRL's fused LM head, the reference model and the CUDA context; tests check it against published
 measurements and against TRL's own code.
 """

@@ -16,7 +16,7 @@ plain DDP on a bf16-loaded model trains in bf16 (AdamW's moments take the parame
 a second copy of the gradients in buckets; PEFT keeps adapters in fp32 (autocast_adapter_dtype), except that TRL
 casts a 4-bit model's adapter to bf16 (its trainers, after the QLoRA paper); NF4 stores 4 bits
 a weight plus one absmax per 64 (8-bit with nested quantisation, plus an fp32 per 256 of those), and leaves the
-embeddings and lm_head in 16 bits. docs/design.md has the activation terms; tests/test_memory.py checks the model
+embeddings and lm_head in 16 bits. docs/design/memory.md has the activation terms; tests/test_memory.py checks the model
 against published measurements.
 """
 

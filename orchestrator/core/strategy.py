@@ -50,7 +50,7 @@ def of(accelerate_config: AccelerateConfig | Mapping) -> Strategy:
 def cpu_fallback(s: Strategy, processes: int) -> str | None:
     """Why this strategy cannot train for real on CPU with `processes` ranks (smoke runs fall back to DDP over gloo),
     or None when it can: FSDP2 (with orchestrator/train/cpu_fsdp.py's help), DeepSpeed ZeRO 1/2/3 with or without
-    offload, and Ulysses sequence parallelism on ZeRO-3. docs/design.md has the table."""
+    offload, and Ulysses sequence parallelism on ZeRO-3. docs/design/node.md has the table."""
     if s.cp > 1:
         return "context parallelism's ring attention handles only CUDA SDPA kernels (flash, efficient, cuDNN)"
     if s.sp > 1 and processes % s.sp:
