@@ -26,7 +26,9 @@ JSONS = {
     "stage 2 on nvme": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}}},
     "stage 1, autos": {"zero_optimization": {"stage": 1, "offload_param": {"device": "auto"}},
                        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"},
+    "stage auto": {"zero_optimization": {"stage": "auto", "offload_optimizer": {"device": "cpu"}}},
 }  # fmt: skip
+STAGE = {"auto": 2}  # accelerate's DeepSpeedPlugin writes its zero_stage, 2, over "auto" (DeepSpeed then runs ZeRO-2)
 
 
 def write(tmp_path, ds, **extra) -> str:
@@ -41,12 +43,13 @@ def write(tmp_path, ds, **extra) -> str:
 @pytest.mark.parametrize("name", JSONS)
 def test_the_jsons_zero_settings_are_the_configs(tmp_path, name):
     ds = JSONS[name]["zero_optimization"]
+    stage = STAGE.get(ds["stage"], ds["stage"])
     config, _ = configs.load_accelerate(write(tmp_path, JSONS[name]), tmp_path)
-    assert config.zero_stage == ds["stage"]
+    assert config.zero_stage == stage
     assert config.offload_optimizer_device == ds.get("offload_optimizer", {}).get("device", "none")
     assert config.offload_param_device == {"auto": "none"}.get(*[ds.get("offload_param", {}).get("device", "none")] * 2)
     assert config.zero3_save_16bit_model is ds.get("stage3_gather_16bit_weights_on_model_save", False)
-    assert strategy.of(config).kind == f"zero{ds['stage']}" and config.deepspeed_json == JSONS[name]
+    assert strategy.of(config).kind == f"zero{stage}" and config.deepspeed_json == JSONS[name]
     assert strategy.of(config).offload is (config.offload_optimizer_device != "none" or "param" in name)
 
 
@@ -65,6 +68,8 @@ def test_what_orch_reads_is_what_accelerates_deepspeed_plugin_reads(tmp_path):
             for field in DEEPSPEED_JSON:
                 ours, theirs = getattr(config, field), getattr(plugin, field)
                 assert str(ours).lower() == str(theirs).lower(), (name, field, ours, theirs)
+            # and the stage DeepSpeed itself is given: the plugin's JSON after its fill
+            assert config.zero_stage == plugin.hf_ds_config.config["zero_optimization"]["stage"], name
 
 
 @pytest.mark.unit
@@ -88,7 +93,9 @@ def test_a_json_accelerate_would_stop_on_is_one_line(tmp_path):
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": "three"}}')
     with pytest.raises(OrchError, match=r"zero_optimization.stage='three' is not a whole number"):
         configs.load_accelerate(accel, tmp_path)
-    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": "auto"}}')  # the rehearsal says which it is
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": "auto"}}')  # accelerate's plugin fills in 2
+    assert configs.load_accelerate(accel, tmp_path)[0].zero_stage == 2
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {}}')  # DeepSpeed's own default: the rehearsal says
     assert configs.load_accelerate(accel, tmp_path)[0].zero_stage is None
     config = yaml.safe_load((tmp_path / "accel.yaml").read_text())
     config["distributed_type"] = "MULTI_GPU"  # accelerate reads no DeepSpeed settings then: neither does orch

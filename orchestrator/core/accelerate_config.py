@@ -110,14 +110,24 @@ def json_value(config: Mapping, dotted: str) -> object:
     return None if node == "auto" else node
 
 
+PLUGIN_STAGE = 2
+"""The stage accelerate's DeepSpeedPlugin writes over a JSON's `"stage": "auto"` (its fill_match): its zero_stage,
+`int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))`, a variable `accelerate launch` sets only from --zero_stage
+or the Accelerate config's zero_stage, which orch refuses beside a JSON. A JSON without a stage is another matter: the
+plugin fills nothing there and DeepSpeed runs its own default, so that stays unknown (None)."""
+
+
 def with_deepspeed_json(config: AccelerateConfig, ds: Mapping, where: str) -> AccelerateConfig:
     """The config with what its DeepSpeed JSON decides (a DEEPSPEED config naming one): the ZeRO stage, the offload
-    devices and ZeRO-3's 16-bit save, the plugin's defaults where the JSON has none or "auto" (a stage of "auto" stays
-    unknown, None). `where` names the file, for the one line a JSON accelerate refuses gets."""
+    devices and ZeRO-3's 16-bit save, the plugin's defaults where the JSON has none or "auto" (a stage of "auto" is
+    PLUGIN_STAGE's; one not given stays unknown, None). `where` names the file, for the one line a JSON accelerate
+    refuses gets."""
     if not isinstance(ds, Mapping) or not isinstance(ds.get("zero_optimization"), Mapping):
         raise OrchError(f"{where}: no zero_optimization mapping, which accelerate requires (\"Please specify the ZeRO "
                         "optimization config in the DeepSpeed config.\"): add one with its stage")  # fmt: skip
     stage = json_value(ds, DEEPSPEED_JSON["zero_stage"])
+    if stage is None and ds["zero_optimization"].get("stage") == "auto":
+        stage = PLUGIN_STAGE
     return replace(
         config,
         zero_stage=None if stage is None else _int(stage, "zero_optimization.stage", where),
