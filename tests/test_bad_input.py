@@ -346,8 +346,14 @@ def _tree(root):
     return sorted((p.relative_to(root).as_posix(), p.stat().st_size) for p in root.rglob("*") if p.is_file())
 
 
-@pytest.fixture
-def bad_project(project):
+@pytest.fixture(scope="module")
+def bad_project(tmp_path_factory):
+    """A project of broken recipes, configs, data files and records, made once per worker (~0.05 s a test when each
+    of the ~220 rows made its own): every test that takes it checks it wrote nothing there."""
+    import shutil
+
+    project = tmp_path_factory.mktemp("bad-project")
+    shutil.copytree(ROOT / "recipes", project / "recipes")
     recipes = project / "recipes"
     phi3 = (recipes / "phi3_dpo_fsdp.yaml").read_text()
     dpo = (recipes / "trl" / "phi3_dpo.yaml").read_text()
@@ -541,7 +547,9 @@ def test_dashboard_of_an_untracked_run_says_how_to_track_it(project):
 def test_ls_lists_every_broken_recipe_with_its_reason(bad_project, monkeypatch, capsys):
     """An alias bomb, a FIFO or a wrong type is one row saying why, never a hang or a recipe silently left out."""
     monkeypatch.chdir(bad_project)
+    before = _tree(bad_project)
     assert cli.main(["ls"]) == 0
+    assert _tree(bad_project) == before  # the project is the module's: nothing written
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert "uses a YAML alias" in rows["bomb"] and "not a regular file" in rows["fifo"]
     assert "num_nodes: 'abc'" in rows["nodes_abc"] and "phi3_dpo_fsdp" in rows
@@ -552,8 +560,10 @@ def test_a_recipe_with_candidate_accelerators_runs_on_the_one_gpus_names(bad_pro
     monkeypatch.chdir(bad_project)
     monkeypatch.setenv("SKYPILOT_DISABLE_LOCAL_API_SERVER", "1")
     monkeypatch.setenv("ORCH_DATA_CHECK", "off")
+    before = _tree(bad_project)
     assert cli.main(["run", "candidates", "--gpus", "H100:8", "--dry-run", "--skip-optimizer"]) == 0
     assert "\n  accelerators: H100:8\n" in capsys.readouterr().out
+    assert _tree(bad_project) == before  # a dry run writes nothing (and the project is the module's)
 
 
 @pytest.mark.parametrize("name, value", [("ORCH_STOP_GRACE", "abc"), ("ORCH_REHEARSAL", "maybe"),
