@@ -230,6 +230,7 @@ BAD = [
     # Accelerate config blocks and values of the wrong type: one line naming the key (core/accelerate_config.py)
     (["run", "accel_listed", "--dry-run"], "fsdp_config must be a mapping of settings, not a list"),
     (["run", "accel_stage", "--local", "--smoke"], "deepspeed_config.zero_stage='x' is not a whole number"),
+    (["run", "accel_stage4"], "deepspeed_config.zero_stage=4 is not a ZeRO stage: DeepSpeed's are 0, 1, 2 and 3"),
     # a value accelerate's parser or FSDP plugin would refuse in the trainer's constructor (KeyError: 'SHARDED'), or
     # take for another (fsdp_version 3 ran FSDP1's code: KeyError: 'TRUE')
     (["run", "accel_dict_type", "--local", "--smoke"], "fsdp_config.fsdp_state_dict_type: 'SHARDED' is not one "
@@ -392,6 +393,10 @@ def bad_project(tmp_path_factory):
     (recipes / "accelerate" / "stage.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: x}")
     accel = phi3.replace("recipes/accelerate/fsdp2_phi3.yaml", "recipes/accelerate/stage.yaml")
     (recipes / "accel_stage.yaml").write_text(accel)
+    stage4 = "distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 4}\n"  # DeepSpeed's stages are 0-3
+    (recipes / "accelerate" / "stage4.yaml").write_text(stage4)
+    (recipes / "accel_stage4.yaml").write_text(phi3.replace("recipes/accelerate/fsdp2_phi3.yaml",
+                                                            "recipes/accelerate/stage4.yaml"))  # fmt: skip
     (recipes / "bomb.yaml").write_text(phi3 + "x: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
         f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(12)))
     (recipes / "merged.yaml").write_text(phi3 + "base: &base {a: 1}\nother:\n  <<: *base\n")

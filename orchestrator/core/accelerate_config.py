@@ -110,6 +110,10 @@ def json_value(config: Mapping, dotted: str) -> object:
     return None if node == "auto" else node
 
 
+ZERO_STAGES = (0, 1, 2, 3)
+"""DeepSpeed's ZeRO stages (deepspeed.runtime.zero.config.ZeroStageEnum, which its DeepSpeedZeroConfig validates on the
+nodes, after the model loaded; tests/test_deepspeed_json.py compares). accelerate passes any whole number on."""
+
 PLUGIN_STAGE = 2
 """The stage accelerate's DeepSpeedPlugin writes over a JSON's `"stage": "auto"` (its fill_match): its zero_stage,
 `int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))`, a variable `accelerate launch` sets only from --zero_stage
@@ -130,7 +134,7 @@ def with_deepspeed_json(config: AccelerateConfig, ds: Mapping, where: str) -> Ac
         stage = PLUGIN_STAGE
     return replace(
         config,
-        zero_stage=None if stage is None else _int(stage, "zero_optimization.stage", where),
+        zero_stage=None if stage is None else _stage(stage, "zero_optimization.stage", where),
         offload_optimizer_device=str(json_value(ds, DEEPSPEED_JSON["offload_optimizer_device"]) or "none"),
         offload_param_device=str(json_value(ds, DEEPSPEED_JSON["offload_param_device"]) or "none"),
         offload_param_nvme_path=str(json_value(ds, DEEPSPEED_JSON["offload_param_nvme_path"]) or "none"),
@@ -154,6 +158,15 @@ def _int(value: object, key: str, where: str) -> int:
         raise OrchError(f"{where}: {key}={value!r} is not a whole number") from None
 
 
+def _stage(value: object, key: str, where: str) -> int:
+    stage = _int(value, key, where)
+    if stage not in ZERO_STAGES:
+        raise OrchError(f"{where}: {key}={value!r} is not a ZeRO stage: DeepSpeed's are "
+                        f"{', '.join(map(str, ZERO_STAGES[:-1]))} and {ZERO_STAGES[-1]} (its DeepSpeedZeroConfig "
+                        "refuses any other on the nodes, once the model has loaded)")  # fmt: skip
+    return stage
+
+
 def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateConfig:
     """Parse an Accelerate config mapping (OrchError naming the key when a value has the wrong type)."""
     if not isinstance(config, Mapping):
@@ -162,8 +175,10 @@ def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateCo
     ds = _block(config, "deepspeed_config", where)
     sp_attn = _block(config, "parallelism_config", where).get("parallelism_config_sp_attn_implementation")
     stage = ds.get("zero_stage")
+    distributed_type = str(config.get("distributed_type") or "NO").upper()
+    number = _stage if distributed_type == "DEEPSPEED" else _int  # accelerate reads the block only for DeepSpeed
     return AccelerateConfig(
-        distributed_type=str(config.get("distributed_type") or "NO").upper(),
+        distributed_type=distributed_type,
         mixed_precision=str(config.get("mixed_precision") or "no").lower(),
         fsdp_version=_int(fsdp.get("fsdp_version", 1), "fsdp_config.fsdp_version", where),
         fsdp_offload_params=truthy(fsdp.get("fsdp_offload_params", False)),
@@ -171,7 +186,7 @@ def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateCo
         fsdp_activation_checkpointing=truthy(fsdp.get("fsdp_activation_checkpointing", False)),
         fsdp_wrap=None if fsdp.get("fsdp_transformer_layer_cls_to_wrap") is None
         else str(fsdp["fsdp_transformer_layer_cls_to_wrap"]),
-        zero_stage=None if stage in (None, "") else _int(stage, "deepspeed_config.zero_stage", where),
+        zero_stage=None if stage in (None, "") else number(stage, "deepspeed_config.zero_stage", where),
         deepspeed_config_file=str(ds.get("deepspeed_config_file") or ""),
         zero3_save_16bit_model=truthy(ds.get("zero3_save_16bit_model", False)),
         zero3_init_flag=truthy(ds.get("zero3_init_flag", True)),
