@@ -231,6 +231,8 @@ BAD = [
     (["run", "accel_listed", "--dry-run"], "fsdp_config must be a mapping of settings, not a list"),
     (["run", "accel_stage", "--local", "--smoke"], "deepspeed_config.zero_stage='x' is not a whole number"),
     (["run", "accel_stage4"], "deepspeed_config.zero_stage=4 is not a ZeRO stage: DeepSpeed's are 0, 1, 2 and 3"),
+    (["run", "accel_gpu_offload"], "deepspeed_config.offload_optimizer_device='gpu' is not an offload device: "
+     "DeepSpeed's are none, cpu, nvme"),
     # a value accelerate's parser or FSDP plugin would refuse in the trainer's constructor (KeyError: 'SHARDED'), or
     # take for another (fsdp_version 3 ran FSDP1's code: KeyError: 'TRUE')
     (["run", "accel_dict_type", "--local", "--smoke"], "fsdp_config.fsdp_state_dict_type: 'SHARDED' is not one "
@@ -395,6 +397,10 @@ def bad_project(tmp_path_factory):
     (recipes / "accel_stage.yaml").write_text(accel)
     stage4 = "distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 4}\n"  # DeepSpeed's stages are 0-3
     (recipes / "accelerate" / "stage4.yaml").write_text(stage4)
+    gpu = "distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 3, offload_optimizer_device: gpu}\n"
+    (recipes / "accelerate" / "gpu_offload.yaml").write_text(gpu)
+    (recipes / "accel_gpu_offload.yaml").write_text(phi3.replace("recipes/accelerate/fsdp2_phi3.yaml",
+                                                                 "recipes/accelerate/gpu_offload.yaml"))  # fmt: skip
     (recipes / "accel_stage4.yaml").write_text(phi3.replace("recipes/accelerate/fsdp2_phi3.yaml",
                                                             "recipes/accelerate/stage4.yaml"))  # fmt: skip
     (recipes / "bomb.yaml").write_text(phi3 + "x: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(

@@ -13,7 +13,7 @@ import yaml
 from conftest import orch
 
 from orchestrator.core import configs, strategy
-from orchestrator.core.accelerate_config import DEEPSPEED_JSON, ZERO_STAGES
+from orchestrator.core.accelerate_config import DEEPSPEED_JSON, OFFLOAD_DEVICES, ZERO_STAGES
 from orchestrator.core.errors import OrchError
 
 JSONS = {
@@ -71,8 +71,10 @@ def test_what_orch_reads_is_what_accelerates_deepspeed_plugin_reads(tmp_path):
             # and the stage DeepSpeed itself is given: the plugin's JSON after its fill
             assert config.zero_stage == plugin.hf_ds_config.config["zero_optimization"]["stage"], name
     from deepspeed.runtime.zero.config import ZeroStageEnum  # the stages DeepSpeedZeroConfig takes on the nodes
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
     assert ZERO_STAGES == tuple(sorted({stage.value for stage in ZeroStageEnum}))
+    assert set(OFFLOAD_DEVICES) == {device.value for device in OffloadDeviceEnum}
 
 
 @pytest.mark.unit
@@ -98,6 +100,10 @@ def test_a_json_accelerate_would_stop_on_is_one_line(tmp_path):
         configs.load_accelerate(accel, tmp_path)
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": -1}}')
     with pytest.raises(OrchError, match=r"zero_optimization.stage=-1 is not a ZeRO stage: DeepSpeed's are 0, 1, 2 "):
+        configs.load_accelerate(accel, tmp_path)
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3, "offload_param": {"device": "CPU"}}}')
+    with pytest.raises(OrchError, match=r"zero_optimization.offload_param.device='CPU' is not an offload device: "
+                                        r"DeepSpeed's are none, cpu, nvme"):  # a JSON reaches DeepSpeed as written
         configs.load_accelerate(accel, tmp_path)
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": "auto"}}')  # accelerate's plugin fills in 2
     assert configs.load_accelerate(accel, tmp_path)[0].zero_stage == 2

@@ -8,7 +8,7 @@ the mapping as written, for the checks that hand it to accelerate's own names (c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -114,6 +114,10 @@ ZERO_STAGES = (0, 1, 2, 3)
 """DeepSpeed's ZeRO stages (deepspeed.runtime.zero.config.ZeroStageEnum, which its DeepSpeedZeroConfig validates on the
 nodes, after the model loaded; tests/test_deepspeed_json.py compares). accelerate passes any whole number on."""
 
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+"""DeepSpeed's offload devices (deepspeed.runtime.zero.offload_config.OffloadDeviceEnum; the same test compares): a
+JSON's reach DeepSpeed as written, the Accelerate config's lowercased by `accelerate launch` (a null one left unset)."""
+
 PLUGIN_STAGE = 2
 """The stage accelerate's DeepSpeedPlugin writes over a JSON's `"stage": "auto"` (its fill_match): its zero_stage,
 `int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))`, a variable `accelerate launch` sets only from --zero_stage
@@ -135,8 +139,10 @@ def with_deepspeed_json(config: AccelerateConfig, ds: Mapping, where: str) -> Ac
     return replace(
         config,
         zero_stage=None if stage is None else _stage(stage, "zero_optimization.stage", where),
-        offload_optimizer_device=str(json_value(ds, DEEPSPEED_JSON["offload_optimizer_device"]) or "none"),
-        offload_param_device=str(json_value(ds, DEEPSPEED_JSON["offload_param_device"]) or "none"),
+        offload_optimizer_device=_device(json_value(ds, DEEPSPEED_JSON["offload_optimizer_device"]) or "none",
+                                         DEEPSPEED_JSON["offload_optimizer_device"], where, str),
+        offload_param_device=_device(json_value(ds, DEEPSPEED_JSON["offload_param_device"]) or "none",
+                                     DEEPSPEED_JSON["offload_param_device"], where, str),
         offload_param_nvme_path=str(json_value(ds, DEEPSPEED_JSON["offload_param_nvme_path"]) or "none"),
         offload_optimizer_nvme_path=str(json_value(ds, DEEPSPEED_JSON["offload_optimizer_nvme_path"]) or "none"),
         zero3_save_16bit_model=truthy(json_value(ds, DEEPSPEED_JSON["zero3_save_16bit_model"]) or False),
@@ -167,6 +173,18 @@ def _stage(value: object, key: str, where: str) -> int:
     return stage
 
 
+def _device(value: object, key: str, where: str, as_read: Callable[[str], str]) -> str:
+    """An offload device DeepSpeed takes, as `as_read` (str.lower for accelerate's launcher) hands it on."""
+    text = str(value)
+    if text in _NONE:
+        return text
+    if as_read(text) not in OFFLOAD_DEVICES:
+        raise OrchError(f"{where}: {key}={value!r} is not an offload device: DeepSpeed's are "
+                        f"{', '.join(OFFLOAD_DEVICES)} (its DeepSpeedZeroConfig refuses any other on the nodes, once "
+                        "the model has loaded)")  # fmt: skip
+    return as_read(text)
+
+
 def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateConfig:
     """Parse an Accelerate config mapping (OrchError naming the key when a value has the wrong type)."""
     if not isinstance(config, Mapping):
@@ -176,7 +194,12 @@ def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateCo
     sp_attn = _block(config, "parallelism_config", where).get("parallelism_config_sp_attn_implementation")
     stage = ds.get("zero_stage")
     distributed_type = str(config.get("distributed_type") or "NO").upper()
-    number = _stage if distributed_type == "DEEPSPEED" else _int  # accelerate reads the block only for DeepSpeed
+    deepspeed = distributed_type == "DEEPSPEED"  # accelerate reads the block only for DeepSpeed
+    number = _stage if deepspeed else _int
+
+    def device(value: object, key: str) -> str:
+        return _device(value, key, where, str.lower) if deepspeed else str(value)
+
     return AccelerateConfig(
         distributed_type=distributed_type,
         mixed_precision=str(config.get("mixed_precision") or "no").lower(),
@@ -190,8 +213,9 @@ def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateCo
         deepspeed_config_file=str(ds.get("deepspeed_config_file") or ""),
         zero3_save_16bit_model=truthy(ds.get("zero3_save_16bit_model", False)),
         zero3_init_flag=truthy(ds.get("zero3_init_flag", True)),
-        offload_param_device=str(ds.get("offload_param_device", "none")),
-        offload_optimizer_device=str(ds.get("offload_optimizer_device", "none")),
+        offload_param_device=device(ds.get("offload_param_device", "none"), "deepspeed_config.offload_param_device"),
+        offload_optimizer_device=device(ds.get("offload_optimizer_device", "none"),
+                                        "deepspeed_config.offload_optimizer_device"),
         offload_param_nvme_path=str(ds.get("offload_param_nvme_path") or "none"),
         offload_optimizer_nvme_path=str(ds.get("offload_optimizer_nvme_path") or "none"),
         parallelism=parallel.declared(config),
