@@ -239,6 +239,11 @@ BAD = [
      "accelerate takes; did you mean SHARDED_STATE_DICT? use one of FULL_STATE_DICT, LOCAL_STATE_DICT, "
      "SHARDED_STATE_DICT"),
     (["run", "accel_v3", "--dry-run"], "fsdp_config.fsdp_version: 3 is not one accelerate takes; use one of 1, 2"),
+    # booleans accelerate's str_to_bool refuses in every rank (orch read them as false)
+    (["run", "accel_offload_maybe"], "fsdp_config.fsdp_offload_params='maybe' is not a boolean accelerate takes: use "
+     "true or false"),
+    (["run", "accel_ckpt_null", "--local", "--smoke"], "fsdp_config.fsdp_activation_checkpointing=None is not a "
+     "boolean accelerate takes"),
     # records and runs
     (["logs", LONG], "no run"),
     (["cancel", "nope"], "no run 'nope'"),
@@ -387,7 +392,9 @@ def bad_project(tmp_path_factory):
     accel = phi3.replace("recipes/accelerate/fsdp2_phi3.yaml", "recipes/accelerate/listed.yaml")
     (recipes / "accel_listed.yaml").write_text(accel)
     fsdp2 = (recipes / "accelerate" / "fsdp2_phi3.yaml").read_text()
-    edits = {"dict_type": ("SHARDED_STATE_DICT", "SHARDED"), "v3": ("fsdp_version: 2", "fsdp_version: 3")}
+    edits = {"dict_type": ("SHARDED_STATE_DICT", "SHARDED"), "v3": ("fsdp_version: 2", "fsdp_version: 3"),
+             "offload_maybe": ("fsdp_offload_params: false", "fsdp_offload_params: maybe"),
+             "ckpt_null": ("fsdp_activation_checkpointing: true", "fsdp_activation_checkpointing: null")}
     for name, edit in edits.items():
         (recipes / "accelerate" / f"{name}.yaml").write_text(fsdp2.replace(*edit))
         (recipes / f"accel_{name}.yaml").write_text(phi3.replace("recipes/accelerate/fsdp2_phi3.yaml",

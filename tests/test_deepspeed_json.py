@@ -13,7 +13,7 @@ import yaml
 from conftest import orch
 
 from orchestrator.core import configs, strategy
-from orchestrator.core.accelerate_config import DEEPSPEED_JSON, OFFLOAD_DEVICES, ZERO_STAGES
+from orchestrator.core.accelerate_config import DEEPSPEED_JSON, FALSE_WORDS, OFFLOAD_DEVICES, TRUE_WORDS, ZERO_STAGES
 from orchestrator.core.errors import OrchError
 
 JSONS = {
@@ -75,6 +75,29 @@ def test_what_orch_reads_is_what_accelerates_deepspeed_plugin_reads(tmp_path):
 
     assert ZERO_STAGES == tuple(sorted({stage.value for stage in ZeroStageEnum}))
     assert set(OFFLOAD_DEVICES) == {device.value for device in OffloadDeviceEnum}
+
+
+@pytest.mark.e2e
+def test_the_accelerate_configs_booleans_are_read_as_accelerate_reads_them(monkeypatch):
+    """The FSDP flags and ZeRO-3's init flag go through accelerate's str_to_bool in every rank, which refuses any other
+    word (a null too: `accelerate launch` passes `str(value).lower()` on); ZeRO-3's 16-bit save is `== "true"` in
+    DeepSpeedPlugin. orch read them all with its own truthy(): "maybe" planned as false, a quoted "yes" as a save."""
+    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils.environment import str_to_bool
+
+    for word in (*TRUE_WORDS, *FALSE_WORDS, "TRUE", "On"):
+        config = configs.parse_accelerate({"distributed_type": "FSDP", "fsdp_config": {"fsdp_offload_params": word}})
+        assert config.fsdp_offload_params is str_to_bool(word.lower(), to_bool=True), word
+    for word in ("maybe", "None", "2", "enabled"):
+        with pytest.raises(ValueError, match="invalid truth value"):
+            str_to_bool(word.lower())
+        with pytest.raises(OrchError, match=r"is not a boolean accelerate takes"):
+            configs.parse_accelerate({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero3_init_flag": word}})
+    for word in ("yes", "true", "1", "on", "false"):
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", word)  # what `accelerate launch` sets
+        config = configs.parse_accelerate({"distributed_type": "DEEPSPEED",
+                                           "deepspeed_config": {"zero_stage": 3, "zero3_save_16bit_model": word}})
+        assert config.zero3_save_16bit_model is DeepSpeedPlugin(zero_stage=3).zero3_save_16bit_model, word
 
 
 @pytest.mark.unit

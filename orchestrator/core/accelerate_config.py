@@ -185,6 +185,21 @@ def _device(value: object, key: str, where: str, as_read: Callable[[str], str]) 
     return as_read(text)
 
 
+TRUE_WORDS = ("y", "yes", "t", "true", "on", "1")
+FALSE_WORDS = ("n", "no", "f", "false", "off", "0")
+"""accelerate's str_to_bool (accelerate/utils/environment.py), which every rank applies to the FSDP flags and ZeRO-3's
+init flag that `accelerate launch` passes on as `str(value).lower()`: any other word, a null included, is a ValueError
+in every rank once the model has loaded (tests/test_deepspeed_json.py compares)."""
+
+
+def _flag(value: object, key: str, where: str) -> bool:
+    word = str(value).lower()
+    if word not in TRUE_WORDS + FALSE_WORDS:
+        raise OrchError(f"{where}: {key}={value!r} is not a boolean accelerate takes: use true or false "
+                        f"(accelerate's str_to_bool stops every rank: \"invalid truth value {word}\")")  # fmt: skip
+    return word in TRUE_WORDS
+
+
 def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateConfig:
     """Parse an Accelerate config mapping (OrchError naming the key when a value has the wrong type)."""
     if not isinstance(config, Mapping):
@@ -200,19 +215,29 @@ def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateCo
     def device(value: object, key: str) -> str:
         return _device(value, key, where, str.lower) if deepspeed else str(value)
 
+    def fsdp_flag(key: str) -> bool:  # accelerate passes the FSDP block on only for FSDP
+        value = fsdp.get(key, False)
+        return _flag(value, f"fsdp_config.{key}", where) if distributed_type == "FSDP" else truthy(value)
+
+    init = ds.get("zero3_init_flag")  # unset (or null: accelerate's launcher leaves it out): ZeRO-3's own default
+    init_flag = True if init is None else _flag(init, "deepspeed_config.zero3_init_flag", where) if deepspeed else (
+        truthy(init))
+    save16 = ds.get("zero3_save_16bit_model", False)  # DeepSpeedPlugin: `.lower() == "true"`, a quoted "yes" is off
+    save16_flag = str(save16).lower() == "true" if deepspeed else truthy(save16)
+
     return AccelerateConfig(
         distributed_type=distributed_type,
         mixed_precision=str(config.get("mixed_precision") or "no").lower(),
         fsdp_version=_int(fsdp.get("fsdp_version", 1), "fsdp_config.fsdp_version", where),
-        fsdp_offload_params=truthy(fsdp.get("fsdp_offload_params", False)),
-        fsdp_cpu_ram_efficient_loading=truthy(fsdp.get("fsdp_cpu_ram_efficient_loading", False)),
-        fsdp_activation_checkpointing=truthy(fsdp.get("fsdp_activation_checkpointing", False)),
+        fsdp_offload_params=fsdp_flag("fsdp_offload_params"),
+        fsdp_cpu_ram_efficient_loading=fsdp_flag("fsdp_cpu_ram_efficient_loading"),
+        fsdp_activation_checkpointing=fsdp_flag("fsdp_activation_checkpointing"),
         fsdp_wrap=None if fsdp.get("fsdp_transformer_layer_cls_to_wrap") is None
         else str(fsdp["fsdp_transformer_layer_cls_to_wrap"]),
         zero_stage=None if stage in (None, "") else number(stage, "deepspeed_config.zero_stage", where),
         deepspeed_config_file=str(ds.get("deepspeed_config_file") or ""),
-        zero3_save_16bit_model=truthy(ds.get("zero3_save_16bit_model", False)),
-        zero3_init_flag=truthy(ds.get("zero3_init_flag", True)),
+        zero3_save_16bit_model=save16_flag,
+        zero3_init_flag=init_flag,
         offload_param_device=device(ds.get("offload_param_device", "none"), "deepspeed_config.offload_param_device"),
         offload_optimizer_device=device(ds.get("offload_optimizer_device", "none"),
                                         "deepspeed_config.offload_optimizer_device"),
