@@ -239,6 +239,9 @@ BAD = [
      "accelerate takes; did you mean SHARDED_STATE_DICT? use one of FULL_STATE_DICT, LOCAL_STATE_DICT, "
      "SHARDED_STATE_DICT"),
     (["run", "accel_v3", "--dry-run"], "fsdp_config.fsdp_version: 3 is not one accelerate takes; use one of 1, 2"),
+    (["run", "accel_cp_size"], "does not pass parallelism_config.cp_size to the training processes (it is not an "
+     "`accelerate launch` setting) and would drop it silently; did you mean "
+     "parallelism_config.parallelism_config_cp_size?"),
     # booleans accelerate's str_to_bool refuses in every rank (orch read them as false)
     (["run", "accel_offload_maybe"], "fsdp_config.fsdp_offload_params='maybe' is not a boolean accelerate takes: use "
      "true or false"),
@@ -394,7 +397,8 @@ def bad_project(tmp_path_factory):
     fsdp2 = (recipes / "accelerate" / "fsdp2_phi3.yaml").read_text()
     edits = {"dict_type": ("SHARDED_STATE_DICT", "SHARDED"), "v3": ("fsdp_version: 2", "fsdp_version: 3"),
              "offload_maybe": ("fsdp_offload_params: false", "fsdp_offload_params: maybe"),
-             "ckpt_null": ("fsdp_activation_checkpointing: true", "fsdp_activation_checkpointing: null")}
+             "ckpt_null": ("fsdp_activation_checkpointing: true", "fsdp_activation_checkpointing: null"),
+             "cp_size": ("fsdp_config:", "parallelism_config: {cp_size: 2}\nfsdp_config:")}
     for name, edit in edits.items():
         (recipes / "accelerate" / f"{name}.yaml").write_text(fsdp2.replace(*edit))
         (recipes / f"accel_{name}.yaml").write_text(phi3.replace("recipes/accelerate/fsdp2_phi3.yaml",

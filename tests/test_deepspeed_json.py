@@ -273,3 +273,35 @@ def test_a_tokenizer_folder_beside_a_models_weights_is_keyed_without_reading_the
     worker.start()
     worker.join(60)
     assert keyed and "pipe" not in read and "zero.py" not in read
+
+
+@pytest.mark.e2e
+def test_a_config_blocks_keys_become_the_launch_arguments_accelerates_launcher_makes_of_them(tmp_path):
+    """accelerate's launcher prefixes fsdp_config's, fp8_config's and dynamo_config's keys that lack the block's word
+    and takes the others as written: `offload_params: true` is FSDP offload on the nodes (orch planned none), and a
+    parallelism_config `cp_size` is dropped (orch took it for parallelism_config_cp_size and said nothing)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    from orchestrator.core.accelerate_schema import BLOCKS, launch_name
+
+    blocks = {"fsdp_config": {"fsdp_version": 2, "offload_params": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                              "fsdpx_odd": 1},
+              "parallelism_config": {"cp_size": 2, "parallelism_config_dp_shard_size": 1},
+              "dynamo_config": {"backend": "NO", "dynamo_mode": "default"},
+              "fp8_config": {"backend": "TE", "fp8_format": "HYBRID"}}  # fmt: skip
+    assert set(blocks) <= set(BLOCKS)
+    (tmp_path / "accel.yaml").write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE",
+                                                         "distributed_type": "FSDP", "num_machines": 1,
+                                                         "num_processes": 2, **blocks}))  # fmt: skip
+    args = launch_command_parser().parse_args(["--config_file", str(tmp_path / "accel.yaml"), "train.py"])
+    result = _validate_launch_command(args)
+    args = result[0] if isinstance(result, tuple) else result
+    for block, keys in blocks.items():
+        for key, value in keys.items():
+            assert getattr(args, launch_name(block, key)) == value, (block, key)  # the argument accelerate set
+    config = configs.parse_accelerate({"distributed_type": "FSDP", "fsdp_config": blocks["fsdp_config"]})
+    assert config.fsdp_offload_params is True and config.fsdp_version == 2
+    from orchestrator.core import disk_need  # the checkpoint layout the disk check plans, by the same names
+
+    unprefixed = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "state_dict_type": "FULL_STATE_DICT"}}
+    assert disk_need.state_dict_type(configs.parse_accelerate(unprefixed)) == "FULL_STATE_DICT"

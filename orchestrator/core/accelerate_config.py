@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from orchestrator.core import parallel
+from orchestrator.core.accelerate_schema import launch_name
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import truthy
 
@@ -204,7 +205,7 @@ def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateCo
     """Parse an Accelerate config mapping (OrchError naming the key when a value has the wrong type)."""
     if not isinstance(config, Mapping):
         raise OrchError(f"{where} must be a YAML mapping of settings")
-    fsdp = _block(config, "fsdp_config", where)
+    fsdp = {launch_name("fsdp_config", str(k)): v for k, v in _block(config, "fsdp_config", where).items()}
     ds = _block(config, "deepspeed_config", where)
     sp_attn = _block(config, "parallelism_config", where).get("parallelism_config_sp_attn_implementation")
     stage = ds.get("zero_stage")

@@ -19,9 +19,20 @@ from pathlib import Path
 from orchestrator.core.errors import OrchError, did_you_mean
 
 SCHEMA = Path(__file__).parent / "accelerate_args.json"
-BLOCKS = {"deepspeed_config": "", "fsdp_config": "fsdp_", "parallelism_config": "parallelism_config_",
-          "dynamo_config": "dynamo_", "fp8_config": "fp8_"}
-"""Config blocks whose keys become launch arguments, and the prefix accelerate adds to a key that lacks it."""
+BLOCKS = ("deepspeed_config", "fsdp_config", "parallelism_config", "dynamo_config", "fp8_config")
+"""Config blocks whose keys become launch arguments (`launch_name`)."""
+PREFIXED = {"fsdp_config": ("fsdp", "fsdp_"), "fp8_config": ("fp8", "fp8_"), "dynamo_config": ("dynamo_", "dynamo_")}
+"""accelerate's launcher (commands/launch.py, `_validate_launch_command`) names a key of these blocks with the prefix
+when it does not start with the first word; every other block's keys are taken as written, so a parallelism_config
+`cp_size` is set as `args.cp_size`, which nothing reads (orch took it for parallelism_config_cp_size and said nothing
+while accelerate dropped it)."""
+
+
+def launch_name(block: str, key: str) -> str:
+    """The launch argument a key of an Accelerate config block becomes (`offload_params` in fsdp_config is
+    fsdp_offload_params; tests/test_deepspeed_json.py compares with accelerate's own launcher)."""
+    start, prefix = PREFIXED.get(block, ("", ""))
+    return key if key.startswith(start) else prefix + key
 
 
 @cache
@@ -43,12 +54,14 @@ def check_config(config: Mapping, path: str) -> None:
     arguments = set(known["launch_arguments"])
     for key, value in config.items():
         _check_value(key, key, value, path)
-    for block, prefix in BLOCKS.items():
+    for block in BLOCKS:
         for key, value in (config.get(block) or {}).items():
-            name = key if key.startswith(prefix) else prefix + key
+            name = launch_name(block, str(key))
             _check_value(name, f"{block}.{key}", value, path)
             if name not in arguments:
-                hint = did_you_mean(name, arguments, cutoff=0.75)
+                full = f"{block}_{key}"  # parallelism_config's keys carry the block's name: parallelism_config_cp_size
+                hint = f"did you mean {block}.{full}? " if full in arguments else (
+                    did_you_mean(name, arguments, cutoff=0.75))
                 raise OrchError(
                     f"Accelerate config {path}: accelerate {version} does not pass {block}.{key} to the training "
                     f"processes (it is not an `accelerate launch` setting) and would drop it silently; {hint}"
