@@ -242,6 +242,7 @@ BAD = [
     (["run", "accel_cp_size"], "does not pass parallelism_config.cp_size to the training processes (it is not an "
      "`accelerate launch` setting) and would drop it silently; did you mean "
      "parallelism_config.parallelism_config_cp_size?"),
+    (["run", "accel_lower_type"], "distributed_type: 'fsdp' is not one accelerate takes; did you mean FSDP?"),
     # booleans accelerate's str_to_bool refuses in every rank (orch read them as false)
     (["run", "accel_offload_maybe"], "fsdp_config.fsdp_offload_params='maybe' is not a boolean accelerate takes: use "
      "true or false"),
@@ -398,7 +399,8 @@ def bad_project(tmp_path_factory):
     edits = {"dict_type": ("SHARDED_STATE_DICT", "SHARDED"), "v3": ("fsdp_version: 2", "fsdp_version: 3"),
              "offload_maybe": ("fsdp_offload_params: false", "fsdp_offload_params: maybe"),
              "ckpt_null": ("fsdp_activation_checkpointing: true", "fsdp_activation_checkpointing: null"),
-             "cp_size": ("fsdp_config:", "parallelism_config: {cp_size: 2}\nfsdp_config:")}
+             "cp_size": ("fsdp_config:", "parallelism_config: {cp_size: 2}\nfsdp_config:"),
+             "lower_type": ("distributed_type: FSDP", "distributed_type: fsdp")}  # DistributedType(value): exact
     for name, edit in edits.items():
         (recipes / "accelerate" / f"{name}.yaml").write_text(fsdp2.replace(*edit))
         (recipes / f"accel_{name}.yaml").write_text(phi3.replace("recipes/accelerate/fsdp2_phi3.yaml",

@@ -74,6 +74,8 @@ def check_config(config: Mapping, path: str) -> None:
                 )
 
 
+EXACT = ("distributed_type",)
+"""Values accelerate takes as written (an enum by value): `fsdp` is "'fsdp' is not a valid DistributedType"."""
 ENUMS = ("fsdp_sharding_strategy", "fsdp_auto_wrap_policy", "fsdp_backward_prefetch", "fsdp_state_dict_type")
 """FSDP settings accelerate's plugin looks up in torch's enums: by name, any case, or by number (1 = the first)."""
 
@@ -86,11 +88,11 @@ def _check_value(name: str, where: str, value, path: str) -> None:
     if allowed is None or value is None or isinstance(value, (dict, list)):
         return
     text = str(value).strip()
-    if text.lower() in {c.lower() for c in allowed}:
+    if text in allowed or (name not in EXACT and text.lower() in {c.lower() for c in allowed}):
         return
     if name in ENUMS and text.isdigit() and 1 <= int(text) <= len(allowed):
         return
-    hint = did_you_mean(text.upper() if name in ENUMS else text, allowed, cutoff=0.6, begins=True)
+    hint = did_you_mean(text.upper() if name in ENUMS + EXACT else text, allowed, cutoff=0.6, begins=True)
     raise OrchError(f"Accelerate config {path}: {where}: {value!r} is not one accelerate takes; {hint}use one of "
                     f"{', '.join(allowed)}")  # fmt: skip
 

@@ -308,6 +308,10 @@ def generate_accelerate() -> dict:
 
     # a config's dynamo_mode skips the parser's three and reaches torch.compile, which takes its own modes
     choices["dynamo_mode"] = list(torch._inductor.list_mode_options())
+    from accelerate.utils import DistributedType
+
+    # a config file's distributed_type is DistributedType(value), exact: `fsdp` stops `accelerate launch` on every node
+    choices["distributed_type"] = [t.value for t in DistributedType]
     # Attributes the env builders read that are no parser option (e.g. fsdp_ignored_modules from a config file).
     source = inspect.getsource(launch_utils)
     read = set(re.findall(r"\bargs\.([a-z_][a-z0-9_]*)", source))
