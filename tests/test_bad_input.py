@@ -578,6 +578,7 @@ def test_ls_lists_every_broken_recipe_with_its_reason(bad_project, monkeypatch, 
     assert "uses a YAML alias" in rows["bomb"] and "not a regular file" in rows["fifo"]
     assert "num_nodes: 'abc'" in rows["nodes_abc"] and "phi3_dpo_fsdp" in rows
     assert "A100:8|H100:8" in rows["candidates"] and "broken" not in rows["candidates"]  # `orch run --gpus` picks one
+    assert rows["accel_lower_type"].split()[2] == "?" and rows["accel_cp_size"].split()[2] == "?"  # run refuses both
 
 
 def test_a_recipe_with_candidate_accelerators_runs_on_the_one_gpus_names(bad_project, monkeypatch, capsys):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
-from orchestrator.core import configs, strategy
+from orchestrator.core import accelerate_schema, configs, strategy
 from orchestrator.core.errors import OrchError
 from orchestrator.core.overrides import truthy
 from orchestrator.launch.recipe import Recipe
@@ -25,7 +25,8 @@ def summarize(recipe: Recipe, root: Path | None = None) -> Summary:
     another directory); a paired file that cannot be read shows as `?`."""
     workdir = root / recipe.workdir if root is not None else recipe.workdir
     try:
-        accel, _ = configs.load_accelerate(recipe.envs["ACCELERATE_CONFIG"], workdir)
+        accel, path = configs.load_accelerate(recipe.envs["ACCELERATE_CONFIG"], workdir)
+        accelerate_schema.check_config(accel.raw, str(path))  # what `orch run` refuses has no strategy to show
         label = strategy.of(accel).label
     except OrchError:
         label = "?"
