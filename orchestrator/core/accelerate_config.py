@@ -220,9 +220,11 @@ def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateCo
         value = fsdp.get(key, False)
         return _flag(value, f"fsdp_config.{key}", where) if distributed_type == "FSDP" else truthy(value)
 
-    init = ds.get("zero3_init_flag")  # unset (or null: accelerate's launcher leaves it out): ZeRO-3's own default
-    init_flag = True if init is None else _flag(init, "deepspeed_config.zero3_init_flag", where) if deepspeed else (
-        truthy(init))
+    init = ds.get("zero3_init_flag")
+    if init is None:  # unset, or null (accelerate's launcher leaves it out): ZeRO-3's own default
+        init_flag = True
+    else:
+        init_flag = _flag(init, "deepspeed_config.zero3_init_flag", where) if deepspeed else truthy(init)
     save16 = ds.get("zero3_save_16bit_model", False)  # DeepSpeedPlugin: `.lower() == "true"`, a quoted "yes" is off
     save16_flag = str(save16).lower() == "true" if deepspeed else truthy(save16)
 
