@@ -13,7 +13,14 @@ import yaml
 from conftest import orch
 
 from orchestrator.core import configs, strategy
-from orchestrator.core.accelerate_config import DEEPSPEED_JSON, FALSE_WORDS, OFFLOAD_DEVICES, TRUE_WORDS, ZERO_STAGES
+from orchestrator.core.accelerate_config import (
+    DEEPSPEED_JSON,
+    FALSE_WORDS,
+    FSDP_FLAGS,
+    OFFLOAD_DEVICES,
+    TRUE_WORDS,
+    ZERO_STAGES,
+)
 from orchestrator.core.errors import OrchError
 
 JSONS = {
@@ -93,6 +100,32 @@ def test_the_accelerate_configs_booleans_are_read_as_accelerate_reads_them(monke
             str_to_bool(word.lower())
         with pytest.raises(OrchError, match=r"is not a boolean accelerate takes"):
             configs.parse_accelerate({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero3_init_flag": word}})
+    # every FSDP launch argument at both versions, against FullyShardedDataParallelPlugin as `accelerate launch`'s env
+    # builds it: orch refuses "maybe" exactly where the plugin's str_to_bool does (FSDP_FLAGS, by version)
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from orchestrator.core import accelerate_schema
+
+    arguments = [a for a in accelerate_schema.schema()["launch_arguments"] if a.startswith("fsdp_")]
+    arguments.remove("fsdp_version")
+    assert set(FSDP_FLAGS) <= set(arguments)
+    for version in (1, 2):
+        for key in arguments:
+            with monkeypatch.context() as env:
+                env.setenv("FSDP_VERSION", str(version))
+                env.setenv(key.upper(), "maybe")  # FSDP_USE_ORIG_PARAMS, ...: `str(args.fsdp_use_orig_params).lower()`
+                try:
+                    FullyShardedDataParallelPlugin()
+                    theirs = ""
+                except Exception as exc:  # noqa: BLE001 - a name torch's enums lack is a KeyError: not our subject
+                    theirs = str(exc)
+            try:
+                configs.parse_accelerate({"distributed_type": "FSDP",
+                                          "fsdp_config": {"fsdp_version": version, key: "maybe"}})  # fmt: skip
+                ours = ""
+            except OrchError as exc:
+                ours = str(exc)
+            assert ("invalid truth value maybe" in theirs) == ("invalid truth value maybe" in ours), (version, key)
     for word in ("yes", "true", "1", "on", "false"):
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", word)  # what `accelerate launch` sets
         config = configs.parse_accelerate({"distributed_type": "DEEPSPEED",

@@ -193,6 +193,15 @@ init flag that `accelerate launch` passes on as `str(value).lower()`: any other 
 in every rank once the model has loaded (tests/test_deepspeed_json.py compares)."""
 
 
+FSDP_FLAGS = {"fsdp_offload_params": (1, 2), "fsdp_cpu_ram_efficient_loading": (1, 2),
+              "fsdp_activation_checkpointing": (1, 2), "fsdp_activation_checkpointing_offload": (1, 2),
+              "fsdp_use_orig_params": (1,), "fsdp_sync_module_states": (1,), "fsdp_forward_prefetch": (1,),
+              "fsdp_reshard_after_forward": (2,)}
+"""The FSDP settings accelerate's FullyShardedDataParallelPlugin reads with str_to_bool, and the FSDP versions it reads
+each for (FSDP1 takes reshard_after_forward as a sharding strategy's name; FSDP2 ignores the three FSDP1-only flags);
+tests/test_deepspeed_json.py compares with the plugin itself."""
+
+
 def _flag(value: object, key: str, where: str) -> bool:
     word = str(value).lower()
     if word not in TRUE_WORDS + FALSE_WORDS:
@@ -216,9 +225,15 @@ def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateCo
     def device(value: object, key: str) -> str:
         return _device(value, key, where, str.lower) if deepspeed else str(value)
 
-    def fsdp_flag(key: str) -> bool:  # accelerate passes the FSDP block on only for FSDP
+    version = _int(fsdp.get("fsdp_version", 1), "fsdp_config.fsdp_version", where)
+    if distributed_type == "FSDP":  # accelerate passes the FSDP block on only for FSDP
+        for key, versions in FSDP_FLAGS.items():
+            if key in fsdp and version in versions:
+                _flag(fsdp[key], f"fsdp_config.{key}", where)
+
+    def fsdp_flag(key: str) -> bool:  # for FSDP, checked above
         value = fsdp.get(key, False)
-        return _flag(value, f"fsdp_config.{key}", where) if distributed_type == "FSDP" else truthy(value)
+        return str(value).lower() in TRUE_WORDS if distributed_type == "FSDP" else truthy(value)
 
     init = ds.get("zero3_init_flag")
     if init is None:  # unset, or null (accelerate's launcher leaves it out): ZeRO-3's own default
@@ -231,7 +246,7 @@ def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateCo
     return AccelerateConfig(
         distributed_type=distributed_type,
         mixed_precision=str(config.get("mixed_precision") or "no").lower(),
-        fsdp_version=_int(fsdp.get("fsdp_version", 1), "fsdp_config.fsdp_version", where),
+        fsdp_version=version,
         fsdp_offload_params=fsdp_flag("fsdp_offload_params"),
         fsdp_cpu_ram_efficient_loading=fsdp_flag("fsdp_cpu_ram_efficient_loading"),
         fsdp_activation_checkpointing=fsdp_flag("fsdp_activation_checkpointing"),
