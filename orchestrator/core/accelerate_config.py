@@ -32,6 +32,8 @@ class AccelerateConfig:
     fsdp_activation_checkpointing: bool = False
     fsdp_wrap: str | None = None
     """fsdp_transformer_layer_cls_to_wrap: the decoder layer class(es) FSDP wraps, as written."""
+    fsdp_state_dict_type: str | None = None
+    """fsdp_state_dict_type (or `state_dict_type:`, the same launch argument), as written; None where not given."""
     zero_stage: int | None = None
     deepspeed_config_file: str = ""
     """A DeepSpeed JSON the config points at instead of inline settings: its ZeRO settings are read into the fields
@@ -252,6 +254,7 @@ def parse(config: Mapping, where: str = "the Accelerate config") -> AccelerateCo
         fsdp_activation_checkpointing=fsdp_flag("fsdp_activation_checkpointing"),
         fsdp_wrap=None if fsdp.get("fsdp_transformer_layer_cls_to_wrap") is None
         else str(fsdp["fsdp_transformer_layer_cls_to_wrap"]),
+        fsdp_state_dict_type=str(fsdp["fsdp_state_dict_type"]) if fsdp.get("fsdp_state_dict_type") else None,
         zero_stage=None if stage in (None, "") else number(stage, "deepspeed_config.zero_stage", where),
         deepspeed_config_file=str(ds.get("deepspeed_config_file") or ""),
         zero3_save_16bit_model=save16_flag,

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 from orchestrator.core import memory, trainers
 from orchestrator.core.accelerate_config import AccelerateConfig
-from orchestrator.core.accelerate_schema import launch_name
 from orchestrator.core.final_model import size_words
 from orchestrator.core.optimizers import optim_bytes
 from orchestrator.core.overrides import truthy
@@ -83,9 +82,7 @@ def trained_params(setup: memory.Setup) -> int:
 
 def state_dict_type(accel: AccelerateConfig) -> str:
     """FSDP's checkpoint layout: the config's fsdp_state_dict_type, else accelerate's default (FSDP2: sharded)."""
-    fsdp = accel.raw.get("fsdp_config")
-    keys = {launch_name("fsdp_config", str(k)): v for k, v in fsdp.items()} if isinstance(fsdp, Mapping) else {}
-    given = str(keys.get("fsdp_state_dict_type") or "").upper()  # `state_dict_type:` is the same setting
+    given = (accel.fsdp_state_dict_type or "").upper()
     if given:
         return given if given.endswith("_STATE_DICT") else f"{given}_STATE_DICT"
     return "SHARDED_STATE_DICT" if accel.fsdp_version == 2 else "FULL_STATE_DICT"
